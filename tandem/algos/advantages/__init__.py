@@ -1,0 +1,20 @@
+"""Advantage estimators, registered by name (importing this package registers them all)."""
+
+from tandem.algos.advantages import gae, group, returns  # noqa: F401  (registration)
+from tandem.algos.advantages.base import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageConfig,
+    AdvantageInput,
+    AdvantageOutput,
+    compute_advantage,
+    register_advantage_estimator,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AdvantageConfig",
+    "AdvantageInput",
+    "AdvantageOutput",
+    "compute_advantage",
+    "register_advantage_estimator",
+]

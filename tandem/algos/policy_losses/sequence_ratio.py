@@ -1,0 +1,73 @@
+"""Policy losses whose importance ratio is defined per sequence: GSPO and GMPO."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tandem.algos.masked import masked_mean
+from tandem.algos.policy_losses.base import (
+    PolicyLossConfig,
+    PolicyLossInput,
+    PolicyLossOutput,
+    detached_fraction,
+    finish_token_loss,
+    register_policy_loss,
+)
+
+MAX_LOG_SEQ_RATIO = 10.0  # exp(10) ~ 2.2e4: larger sequence ratios are clamped before exp()
+
+
+@register_policy_loss("gspo")
+def compute_gspo_loss(inputs: PolicyLossInput, config: PolicyLossConfig) -> PolicyLossOutput:
+    """GSPO (Zheng et al. 2025, arXiv:2507.18071): PPO clipping on a length-normalised sequence ratio.
+
+    ``s_i = exp(mean_t log(pi_theta / pi_old))`` over the valid tokens of sequence i. The
+    token-level form ``s_{i,t} = sg[s_i] * pi_theta(y_t) / sg[pi_theta(y_t)]`` has the value
+    of ``s_i`` and the gradient of GSPO-token; with equal advantages within a sequence and
+    ``seq-mean-token-mean`` aggregation (the GSPO preset) it is exactly GSPO.
+    ``L_t = max(-A s_{i,t}, -A clip(s_{i,t}, 1 - eps_low, 1 + eps_high))``.
+
+    Shapes: ``[B, R]`` -> scalar. Metrics: ``pg_clipfrac``, ``ppo_kl``.
+    """
+    mask = inputs.mask
+    seq_log_ratio = masked_mean(inputs.log_probs - inputs.old_log_probs, mask, dim=-1)
+    log_ratio = inputs.log_probs - inputs.log_probs.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.exp(torch.clamp(log_ratio, max=MAX_LOG_SEQ_RATIO))
+    unclipped = -inputs.advantages * ratio
+    clipped = -inputs.advantages * torch.clamp(ratio, 1 - config.clip_ratio_low, 1 + config.clip_ratio_high)
+    metrics = {"pg_clipfrac": detached_fraction(clipped > unclipped, inputs)}
+    return finish_token_loss(torch.maximum(unclipped, clipped), inputs, config, metrics)
+
+
+@register_policy_loss("gmpo")
+def compute_gmpo_loss(inputs: PolicyLossInput, config: PolicyLossConfig) -> PolicyLossOutput:
+    """GMPO (Zhao et al. 2025, arXiv:2507.20673): maximise the geometric mean of token ratios.
+
+    Token log-ratios are clipped in log space to ``[-eps_low, eps_high]`` on the side that
+    the advantage's sign makes pessimistic (``sgn(A) * min(sgn(A) * l, sgn(A) * clip(l))``),
+    averaged over the sequence and exponentiated:
+    ``L_i = -A_i * exp(mean_t clipped_log_ratio_t)`` with ``A_i`` the token-mean advantage.
+    The loss is defined per sequence, so aggregation is always a sequence mean (over the
+    global sequence count) whatever ``loss_agg_mode`` says; rollout-correction weights
+    enter as their token mean per sequence.
+
+    Shapes: ``[B, R]`` -> scalar. Metrics: ``pg_clipfrac`` (clipped tokens with A > 0),
+    ``pg_clipfrac_lower`` (clipped tokens with A < 0), ``ppo_kl``.
+    """
+    mask = inputs.mask
+    log_ratio = inputs.log_ratio
+    sign = torch.sign(inputs.advantages)
+    clamped = torch.clamp(log_ratio, -config.clip_ratio_low, config.clip_ratio_high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    seq_ratio = torch.exp(masked_mean(pessimistic, mask, dim=-1))
+    seq_advantage = masked_mean(inputs.advantages, mask, dim=-1)
+    seq_loss = -seq_advantage * seq_ratio
+    clipped = log_ratio != clamped
+    metrics = {
+        "pg_clipfrac": detached_fraction(clipped & (inputs.advantages > 0), inputs),
+        "pg_clipfrac_lower": detached_fraction(clipped & (inputs.advantages < 0), inputs),
+    }
+    per_sequence = dataclasses.replace(config, loss_agg_mode="seq-mean-token-mean")
+    return finish_token_loss(seq_loss.unsqueeze(-1).expand_as(mask), inputs, per_sequence, metrics)

@@ -1,0 +1,160 @@
+"""Rollout correction: measure and correct the train-inference probability mismatch.
+
+The rollout engine samples from ``pi_rollout`` while the trainer computes ``pi_old`` for
+the same tokens; numerical differences (kernels, dtypes) or stale weights make them
+differ. With ``rho_t = pi_old(a_t) / pi_rollout(a_t)`` (computed in log space):
+
+* truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework
+  secretly brings you off-policy RL training"): weights ``min(rho_t, C)`` per token, or
+  ``min(prod_t rho_t, C)`` per sequence, multiplied into the per-token policy loss;
+* masked importance sampling / rejection (MIS; IcePop, Ling team 2025; Liu et al. 2025,
+  "When speed kills stability"): drop tokens, or whole sequences, whose ratio (token,
+  sequence product or per-token geometric mean) leaves ``[low, high]``; a veto drops a
+  sequence containing any token with ``rho_t`` below a threshold.
+
+Diagnostics are always returned so every run reports the mismatch, even uncorrected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.algos.masked import masked_mean, masked_sum
+from tandem.config.validation import check_choice, check_positive
+
+MAX_LOG_WEIGHT = 20.0  # log-ratios are clamped here before exp() so weights stay finite
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """How to correct for the rollout/trainer mismatch (``algorithm.rollout_correction.*``).
+
+    Attributes:
+        is_level: ``none``, ``token`` or ``sequence`` truncated importance weights.
+        is_threshold: the truncation ``C`` of the importance weights.
+        rejection: ``none``, ``token``, ``sequence`` (product ratio) or ``geometric``
+            (per-token geometric mean ratio) masking.
+        rejection_low / rejection_high: the accepted ratio interval of the rejection.
+        veto_threshold: drop a sequence with any token ratio below this (None: off).
+    """
+
+    is_level: str = "none"
+    is_threshold: float = 2.0
+    rejection: str = "none"
+    rejection_low: float = 0.5
+    rejection_high: float = 2.0
+    veto_threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        owner = "algorithm.rollout_correction"
+        check_choice(owner, "is_level", self.is_level, ["none", "token", "sequence"])
+        check_choice(owner, "rejection", self.rejection, ["none", "token", "sequence", "geometric"])
+        check_positive(owner, "is_threshold", self.is_threshold)
+        check_positive(owner, "rejection_low", self.rejection_low)
+        if self.rejection_high <= self.rejection_low:
+            raise ValueError(
+                f"{owner}.rejection_high={self.rejection_high} must exceed rejection_low={self.rejection_low}"
+            )
+        if self.veto_threshold is not None:
+            check_positive(owner, "veto_threshold", self.veto_threshold)
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionOutput:
+    """``is_weights [B, R]`` (detached, None when ``is_level='none'``), the updated
+    ``response_mask [B, R]`` (rejected tokens zeroed) and ``metrics`` (``rollout_corr/*``)."""
+
+    is_weights: torch.Tensor | None
+    response_mask: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+def compute_rollout_correction(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: RolloutCorrectionConfig,
+) -> RolloutCorrectionOutput:
+    """Importance weights, rejection mask and mismatch diagnostics.
+
+    Shapes: ``old_log_probs, rollout_log_probs, response_mask: [B, R]``.
+    """
+    old_log_probs = old_log_probs.detach()
+    rollout_log_probs = rollout_log_probs.detach()
+    mask = response_mask.to(old_log_probs.dtype)
+    log_rho = torch.clamp(old_log_probs - rollout_log_probs, -MAX_LOG_WEIGHT, MAX_LOG_WEIGHT) * mask
+    seq_log_rho = log_rho.sum(-1)
+    lengths = mask.sum(-1)
+    metrics = mismatch_metrics(old_log_probs, rollout_log_probs, mask)
+
+    keep = mask.clone()
+    if config.rejection == "token":
+        rho = torch.exp(log_rho)
+        keep = keep * ((rho >= config.rejection_low) & (rho <= config.rejection_high)).to(mask.dtype)
+    elif config.rejection in ("sequence", "geometric"):
+        seq_stat = seq_log_rho if config.rejection == "sequence" else seq_log_rho / lengths.clamp(min=1)
+        seq_rho = torch.exp(torch.clamp(seq_stat, -MAX_LOG_WEIGHT, MAX_LOG_WEIGHT))
+        accepted = (seq_rho >= config.rejection_low) & (seq_rho <= config.rejection_high)
+        keep = keep * accepted.unsqueeze(-1).to(mask.dtype)
+    if config.veto_threshold is not None:
+        vetoed = ((torch.exp(log_rho) < config.veto_threshold) & (mask > 0)).any(-1)
+        keep = keep * (~vetoed).unsqueeze(-1).to(mask.dtype)
+        metrics["rollout_corr/veto_frac"] = masked_mean(vetoed.to(mask.dtype), (lengths > 0).to(mask.dtype))
+    metrics["rollout_corr/masked_frac"] = 1 - masked_sum(keep, mask) / mask.sum().clamp(min=1)
+
+    weights = None
+    if config.is_level == "token":
+        raw = torch.exp(log_rho)
+        weights = torch.clamp(raw, max=config.is_threshold) * keep
+        metrics.update(_weight_metrics(raw, weights, keep, config.is_threshold))
+    elif config.is_level == "sequence":
+        raw_seq = torch.exp(torch.clamp(seq_log_rho, -MAX_LOG_WEIGHT, MAX_LOG_WEIGHT))
+        seq_keep = (keep.sum(-1) > 0).to(mask.dtype)
+        seq_weights = torch.clamp(raw_seq, max=config.is_threshold)
+        weights = seq_weights.unsqueeze(-1) * keep
+        metrics.update(_weight_metrics(raw_seq, seq_weights * seq_keep, seq_keep, config.is_threshold))
+    return RolloutCorrectionOutput(
+        is_weights=weights, response_mask=keep.to(response_mask.dtype), metrics=metrics
+    )
+
+
+def mismatch_metrics(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Train-inference mismatch over valid tokens (``[B, R]`` inputs -> 0-D tensors).
+
+    ``kl``: k1 estimate of KL(pi_rollout || pi_old) (tokens are drawn from pi_rollout);
+    ``k3_kl``: its low-variance k3 estimate; ``max_abs_log_prob_diff``;
+    ``ratio_mean``: mean of ``pi_old / pi_rollout``; ``ppl_ratio``: mean over sequences
+    of trainer perplexity / rollout perplexity (1 when they agree).
+    """
+    diff = (old_log_probs - rollout_log_probs) * mask
+    log_rho = torch.clamp(diff, -MAX_LOG_WEIGHT, MAX_LOG_WEIGHT)
+    has_tokens = (mask.sum(-1) > 0).to(mask.dtype)
+    seq_mean_diff = masked_mean(diff, mask, dim=-1)
+    return {
+        "rollout_corr/kl": masked_mean(-diff, mask),
+        "rollout_corr/k3_kl": masked_mean(torch.exp(log_rho) - 1 - log_rho, mask),
+        "rollout_corr/max_abs_log_prob_diff": (diff.abs() * mask).max() if diff.numel() else diff.sum(),
+        "rollout_corr/ratio_mean": masked_mean(torch.exp(log_rho), mask),
+        "rollout_corr/ppl_ratio": masked_mean(torch.exp(-seq_mean_diff), has_tokens),
+    }
+
+
+def _weight_metrics(
+    raw: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor, threshold: float
+) -> dict[str, torch.Tensor]:
+    """Statistics of importance weights over kept entries (tokens or sequences, same shapes)."""
+    n = keep.sum().clamp(min=1)
+    total = masked_sum(weights, keep)
+    big = torch.tensor(float("inf"), dtype=weights.dtype, device=weights.device)
+    return {
+        "rollout_corr/is_weight_mean": total / n,
+        "rollout_corr/is_weight_max": torch.where(keep > 0, weights, -big).max(),
+        "rollout_corr/is_weight_min": torch.where(keep > 0, weights, big).min(),
+        # Normalised effective sample size (Kish): 1 when all weights are equal.
+        "rollout_corr/is_ess": total.square() / (n * masked_sum(weights.square(), keep)).clamp(min=1e-12),
+        "rollout_corr/is_clipped_frac": masked_mean((raw > threshold).to(weights.dtype), keep),
+    }
