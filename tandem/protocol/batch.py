@@ -114,7 +114,7 @@ class Batch:
     def __getitem__(self, key: str | Index) -> Any:
         """``batch["name"]`` gives a field; ``batch[i]`` one sample as a dict; slices/indices a Batch."""
         if isinstance(key, str):
-            if key in self.tensors:
+            if key in self.tensors.keys():
                 return self.tensors[key]
             if key in self.non_tensors:
                 return self.non_tensors[key]
@@ -187,7 +187,7 @@ class Batch:
                 raise KeyError(f"meta keys {unknown} are not in this batch; it has {sorted(self.meta)}")
             meta = {k: self.meta[k] for k in meta_keys}
         return self._replace(
-            tensors={k: self.tensors[k] for k in keys if k in self.tensors},
+            tensors={k: self.tensors[k] for k in keys if k in self.tensors.keys()},
             non_tensors={k: self.non_tensors[k] for k in keys if k in self.non_tensors},
             meta=meta,
         )
@@ -292,7 +292,7 @@ class Batch:
                     )
                 meta[key] = value
         tensors = {}
-        for key in first.tensors:
+        for key in first.tensors.keys():
             parts = [b.tensors[key] for b in batches]
             trailing = {tuple(p.shape[1:]) for p in parts}
             if len(trailing) > 1:
