@@ -60,7 +60,9 @@ def run_demo(console: Console) -> None:
     rewards = torch.zeros(4, 3)
     rewards[[0, 3], 2] = 1.0
     mask = torch.ones(4, 3, dtype=torch.long)
-    adv = compute_advantage(AdvantageInput(rewards, mask, torch.zeros(4, dtype=torch.long)), AdvantageConfig()).advantages
+    adv = compute_advantage(
+        AdvantageInput(rewards, mask, torch.zeros(4, dtype=torch.long)), AdvantageConfig()
+    ).advantages
     console.print(f"GRPO advantages per response: {[round(v, 4) for v in adv[:, 0].tolist()]}")
     gen = torch.Generator().manual_seed(0)
     old = torch.log(torch.full((4, 3), 0.5))

@@ -16,8 +16,8 @@ import torch
 
 from tandem.algos.aggregation import LossNormalizer, aggregate_loss
 from tandem.algos.masked import masked_mean
-from tandem.algos.registry import Registry
 from tandem.config.validation import check_choice, check_positive, check_range
+from tandem.registry import Registry
 
 KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")

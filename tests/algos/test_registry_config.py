@@ -3,7 +3,7 @@
 import pytest
 
 from tandem.algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageConfig, KLConfig, PolicyLossConfig
-from tandem.algos.registry import Registry
+from tandem.registry import Registry
 
 
 def test_duplicate_names_are_errors():

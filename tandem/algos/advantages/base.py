@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.algos.registry import Registry
 from tandem.config.validation import check_positive, check_range
+from tandem.registry import Registry
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ import torch
 
 from tandem.algos.aggregation import LOSS_AGG_MODES, LossNormalizer, aggregate_loss
 from tandem.algos.masked import masked_mean
-from tandem.algos.registry import Registry
 from tandem.config.validation import check_choice, check_positive, check_range
+from tandem.registry import Registry
 
 LOG_RATIO_CLAMP = 20.0  # |log pi - log pi_old| beyond this is clamped before exp() so ratios stay finite
 

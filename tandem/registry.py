@@ -21,7 +21,7 @@ class Registry(Generic[F]):
         def decorator(fn: F) -> F:
             if name in self._entries:
                 raise ValueError(
-                    f"{self.kind} {name!r} is already registered (by {self._entries[name].__qualname__})"
+                    f"{self.kind} {name!r} is already registered (by {getattr(self._entries[name], '__qualname__', self._entries[name])!r})"
                 )
             self._entries[name] = fn
             return fn

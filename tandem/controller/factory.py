@@ -1,0 +1,94 @@
+"""Building worker groups: one role, several colocated roles, or a whole role -> pool layout."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from tandem.config.validation import check_choice
+from tandem.controller.colocate import FusedWorker, Role
+from tandem.controller.group import RoleView, WorkerGroup
+from tandem.controller.local import InProcessBackend, ProcessBackend
+from tandem.controller.resource_pool import ResourcePool
+
+BACKENDS = ("local", "process", "ray")
+
+
+def create_worker_group(
+    worker_cls: type,
+    pool: ResourcePool | None = None,
+    backend: str = "local",
+    args: tuple = (),
+    kwargs: dict | None = None,
+    ray_init_kwargs: dict | None = None,
+) -> WorkerGroup:
+    """A group of ``pool.world_size`` workers of ``worker_cls``.
+
+    ``backend``: ``local`` runs a world of one inside this process and larger worlds as
+    spawned processes; ``process`` always spawns; ``ray`` places actors with Ray.
+    """
+    return _build(
+        worker_cls, pool or ResourcePool(), backend, args, kwargs or {}, ray_init_kwargs, roles=None
+    )
+
+
+def create_colocated_group(
+    roles: dict[str, Role],
+    pool: ResourcePool | None = None,
+    backend: str = "local",
+    ray_init_kwargs: dict | None = None,
+) -> WorkerGroup:
+    """One process per rank holding every role; reach a role's methods as ``group.<role>.<method>``."""
+    if not roles:
+        raise ValueError("create_colocated_group needs at least one role")
+    role_classes = {name: role.cls for name, role in roles.items()}
+    return _build(
+        FusedWorker, pool or ResourcePool(), backend, (roles,), {}, ray_init_kwargs, roles=role_classes
+    )
+
+
+def create_role_groups(
+    roles: dict[str, Role],
+    role_to_pool: dict[str, str],
+    pools: dict[str, ResourcePool],
+    backend: str = "local",
+    ray_init_kwargs: dict | None = None,
+) -> dict[str, RoleView]:
+    """Place each role on its pool; roles mapped to the same pool share processes (colocated).
+
+    Returns ``{role: view}``, where ``view.<method>`` calls that role's methods.
+    """
+    unmapped = sorted(set(roles) - set(role_to_pool))
+    if unmapped:
+        raise ValueError(f"roles {unmapped} have no pool in role_to_pool")
+    unknown = sorted({p for p in role_to_pool.values() if p not in pools})
+    if unknown:
+        raise ValueError(f"role_to_pool names pools {unknown} that are not in pools {sorted(pools)}")
+    by_pool: dict[str, dict[str, Role]] = defaultdict(dict)
+    for name, role in roles.items():
+        by_pool[role_to_pool[name]][name] = role
+    views: dict[str, RoleView] = {}
+    groups: list[WorkerGroup] = []
+    try:
+        for pool_name, pool_roles in by_pool.items():
+            groups.append(create_colocated_group(pool_roles, pools[pool_name], backend, ray_init_kwargs))
+            views.update({name: getattr(groups[-1], name) for name in pool_roles})
+    except BaseException:
+        for group in groups:  # do not leak the pools already placed
+            group.shutdown()
+        raise
+    return views
+
+
+def _build(worker_cls, pool, backend, args, kwargs, ray_init_kwargs, roles) -> WorkerGroup:
+    check_choice("worker_group", "backend", backend, BACKENDS)
+    if backend == "ray":
+        from tandem.controller.ray_group import RayBackend
+
+        return WorkerGroup(RayBackend(worker_cls, pool, args, kwargs, ray_init_kwargs), worker_cls, roles)
+    if len(pool.processes_per_node) > 1:
+        raise ValueError(
+            f"the {backend!r} backend runs on one machine; pool {pool.name!r} spans several nodes"
+        )
+    if backend == "local" and pool.world_size == 1:
+        return WorkerGroup(InProcessBackend(worker_cls, args, kwargs), worker_cls, roles)
+    return WorkerGroup(ProcessBackend(worker_cls, pool.world_size, args, kwargs), worker_cls, roles)

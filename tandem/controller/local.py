@@ -1,0 +1,224 @@
+"""Local backends: one worker in the controller's process, or one spawned process per rank.
+
+Each rank has a *mailbox* thread on the controller side that runs its calls one at a time,
+in submission order. A call's arguments may hold handles (futures) of earlier calls; the
+mailbox waits for them, so the controller thread itself never does. Handles are
+``concurrent.futures.Future`` objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from tandem.controller.errors import WorkerDiedError, WorkerError
+from tandem.controller.worker import DistInfo, construct_worker, free_port
+
+POLL_S = 0.05  # how often a waiting mailbox checks that its worker process is alive
+
+
+def _resolve(value: Any) -> Any:
+    return value.result() if isinstance(value, Future) else value
+
+
+class _Mailbox:
+    """Runs ``execute(method, args, kwargs)`` for one rank on a private thread, in order."""
+
+    def __init__(self, rank: int, execute: Callable[[str, tuple, dict], Any], name: str) -> None:
+        self.rank = rank
+        self._execute = execute
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, method: str, args: tuple, kwargs: dict) -> Future:
+        future: Future = Future()
+        self._queue.put((future, method, args, kwargs))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, method, args, kwargs = item
+            try:
+                args = tuple(_resolve(a) for a in args)
+                kwargs = {k: _resolve(v) for k, v in kwargs.items()}
+                future.set_result(self._execute(method, args, kwargs))
+            except BaseException as error:  # delivered to whoever waits on the future
+                future.set_exception(error)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=timeout_s)
+
+
+class _LocalBackendBase:
+    world_size: int
+    _mailboxes: list[_Mailbox]
+
+    def submit(self, rank: int, method: str, args: tuple, kwargs: dict) -> Future:
+        return self._mailboxes[rank].submit(method, args, kwargs)
+
+    def result(self, rank: int, handle: Future, timeout: float | None) -> Any:
+        try:
+            return handle.result(timeout=timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"worker rank {rank} did not answer within {timeout} s") from None
+
+    def done(self, handle: Future) -> bool:
+        return handle.done()
+
+    def is_handle(self, value: Any) -> bool:
+        return isinstance(value, Future)
+
+    def derive(self, handles: list, fn: Callable[[list], Any]) -> Future:
+        """A future of ``fn([results of handles])``, computed on a helper thread when they finish."""
+        derived: Future = Future()
+
+        def wait_and_apply() -> None:
+            try:
+                derived.set_result(fn([h.result() for h in handles]))
+            except BaseException as error:
+                derived.set_exception(error)
+
+        threading.Thread(target=wait_and_apply, name="tandem-derive", daemon=True).start()
+        return derived
+
+
+class InProcessBackend(_LocalBackendBase):
+    """A single worker living in the controller's process (world size 1), run on a mailbox thread."""
+
+    def __init__(self, worker_cls: type, args: tuple = (), kwargs: dict | None = None) -> None:
+        self.world_size = 1
+        self.worker = construct_worker(worker_cls, DistInfo(master_port=free_port()), args, kwargs or {})
+        self._mailboxes = [_Mailbox(0, self._run, "tandem-worker-0")]
+
+    def _run(self, method: str, args: tuple, kwargs: dict) -> Any:
+        return self.worker._tandem_execute(method, *args, **kwargs)
+
+    def shutdown(self) -> None:
+        for mailbox in self._mailboxes:
+            mailbox.stop()
+        self._mailboxes = []
+
+
+def _process_main(conn: Any, worker_cls: type, args: tuple, kwargs: dict, env: dict[str, str]) -> None:
+    """Entry point of a spawned worker process: build the worker, then serve calls until told to stop."""
+    os.environ.update(env)
+    rank = int(env["RANK"])
+    try:
+        worker = construct_worker(worker_cls, DistInfo.from_env(), args, kwargs)
+    except BaseException:
+        conn.send(("error", WorkerError(rank, f"{worker_cls.__name__}.__init__", traceback.format_exc())))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:  # the controller went away
+            return
+        if message[0] == "stop":
+            return
+        _, method, call_args, call_kwargs = message
+        try:
+            reply = ("ok", worker._tandem_execute(method, *call_args, **call_kwargs))
+        except WorkerError as error:
+            reply = ("error", error)
+        try:
+            conn.send(reply)
+        except Exception:  # e.g. an unpicklable result
+            conn.send(("error", WorkerError(rank, method, traceback.format_exc())))
+
+
+class ProcessBackend(_LocalBackendBase):
+    """One spawned process per rank on this machine, joined by a loopback rendezvous address."""
+
+    def __init__(
+        self, worker_cls: type, world_size: int, args: tuple = (), kwargs: dict | None = None
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        self.world_size = world_size
+        context = multiprocessing.get_context("spawn")
+        port = free_port()
+        self._processes, self._conns = [], []
+        for rank in range(world_size):
+            info = DistInfo(rank, world_size, rank, world_size, "127.0.0.1", port)
+            parent, child = context.Pipe()
+            process = context.Process(
+                target=_process_main,
+                args=(child, worker_cls, args, kwargs or {}, info.as_env()),
+                name=f"tandem-worker-{rank}",
+                daemon=True,
+            )
+            process.start()
+            child.close()
+            self._processes.append(process)
+            self._conns.append(parent)
+        for rank in range(world_size):  # wait for every constructor; report the first failure
+            status, payload = self._receive(rank)
+            if status == "error":
+                self.shutdown()
+                raise payload
+        self._mailboxes = [_Mailbox(r, self._caller(r), f"tandem-mailbox-{r}") for r in range(world_size)]
+
+    def _receive(self, rank: int) -> tuple[str, Any]:
+        conn, process = self._conns[rank], self._processes[rank]
+        while not conn.poll(POLL_S):
+            if not process.is_alive():
+                raise WorkerDiedError(rank, f"process {process.pid} exited with code {process.exitcode}")
+        try:
+            return conn.recv()
+        except (EOFError, OSError):
+            process.join(timeout=1)
+            raise WorkerDiedError(
+                rank, f"process {process.pid} closed its pipe (exit code {process.exitcode})"
+            ) from None
+
+    def _caller(self, rank: int) -> Callable[[str, tuple, dict], Any]:
+        def call(method: str, args: tuple, kwargs: dict) -> Any:
+            try:
+                self._conns[rank].send(("call", method, args, kwargs))
+            except (BrokenPipeError, OSError):
+                raise WorkerDiedError(rank, f"process {self._processes[rank].pid} is gone") from None
+            status, payload = self._receive(rank)
+            if status == "error":
+                raise payload
+            return payload
+
+        return call
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._processes]
+
+    def shutdown(self, grace_s: float = 3.0) -> None:
+        """Ask every process to stop, kill the ones still busy after ``grace_s``, then stop the mailboxes."""
+        for conn, process in zip(self._conns, self._processes, strict=True):
+            if process.is_alive():
+                with contextlib.suppress(
+                    BrokenPipeError, OSError
+                ):  # it may die between the check and the send
+                    conn.send(("stop",))
+        deadline = time.monotonic() + grace_s
+        for process in self._processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+        for mailbox in getattr(self, "_mailboxes", []):
+            mailbox.stop()
+        for conn in self._conns:
+            conn.close()
+        self._mailboxes, self._conns, self._processes = [], [], []

@@ -1,0 +1,122 @@
+"""The Ray backend: one actor per rank, placed with placement groups built from a ``ResourcePool``.
+
+Ray is an optional dependency (``pip install tandem-rl[ray]``); ``ray.init()`` starts a
+local cluster when none is running. Handles are Ray ``ObjectRef`` s, which Ray resolves on
+the receiving worker, so chained calls move data worker to worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tandem.controller.errors import WorkerDiedError, WorkerError
+from tandem.controller.resource_pool import ResourcePool
+from tandem.controller.worker import DistInfo
+
+PLACEMENT_TIMEOUT_S = 60.0
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError as error:  # pragma: no cover - exercised only without the extra
+        raise ImportError("the Ray backend needs Ray: pip install 'tandem-rl[ray]'") from error
+    return ray
+
+
+def _apply(fn: Callable[[list], Any], *values: Any) -> Any:
+    return fn(list(values))
+
+
+class RayBackend:
+    """Actors for every rank of ``pool``, rank 0 first so it can publish the rendezvous address."""
+
+    def __init__(
+        self,
+        worker_cls: type,
+        pool: ResourcePool,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        ray_init_kwargs: dict | None = None,
+    ) -> None:
+        ray = _import_ray()
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not ray.is_initialized():
+            ray.init(**{"include_dashboard": False, "ignore_reinit_error": True, **(ray_init_kwargs or {})})
+        self._ray = ray
+        self._remove_pg = remove_placement_group
+        self.world_size = pool.world_size
+        bundle = {"CPU": pool.cpus_per_process}
+        if pool.gpus_per_process:
+            bundle["GPU"] = pool.gpus_per_process
+        self._placement_groups = [
+            placement_group([dict(bundle)] * n, strategy="STRICT_PACK") for n in pool.processes_per_node
+        ]
+        try:
+            ray.get([pg.ready() for pg in self._placement_groups], timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown()
+            raise RuntimeError(
+                f"Ray could not place pool {pool.name!r} ({pool.processes_per_node} processes per node, "
+                f"{bundle} each) within {PLACEMENT_TIMEOUT_S:.0f} s; cluster resources: {ray.cluster_resources()}"
+            ) from None
+        actor_cls = ray.remote(worker_cls)
+        self._actors: list[Any] = []
+        master: tuple[str, int] = ("127.0.0.1", 0)
+        for rank in range(self.world_size):
+            node, local_rank = pool.node_and_local_rank(rank)
+            info = DistInfo(rank, self.world_size, local_rank, pool.processes_per_node[node], *master)
+            actor = actor_cls.options(
+                num_cpus=pool.cpus_per_process,
+                num_gpus=pool.gpus_per_process,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._placement_groups[node], placement_group_bundle_index=local_rank
+                ),
+                runtime_env={"env_vars": info.as_env()},
+            ).remote(*args, **(kwargs or {}))
+            self._actors.append(actor)
+            if rank == 0:
+                master = tuple(self.result(0, actor._tandem_execute.remote("_tandem_claim_master"), None))
+
+    def submit(self, rank: int, method: str, args: tuple, kwargs: dict) -> Any:
+        return self._actors[rank]._tandem_execute.remote(method, *args, **kwargs)
+
+    def result(self, rank: int, handle: Any, timeout: float | None) -> Any:
+        ray = self._ray
+        try:
+            return ray.get(handle, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"worker rank {rank} did not answer within {timeout} s") from None
+        except ray.exceptions.RayActorError as error:
+            raise WorkerDiedError(rank, f"Ray actor died: {error}") from None
+        except ray.exceptions.RayTaskError as error:
+            cause = getattr(error, "cause", None)
+            if isinstance(cause, (WorkerError, WorkerDiedError)):
+                raise cause from None
+            raise WorkerError(rank, "<ray task>", str(error)) from None
+
+    def done(self, handle: Any) -> bool:
+        ready, _ = self._ray.wait([handle], timeout=0)
+        return bool(ready)
+
+    def is_handle(self, value: Any) -> bool:
+        return isinstance(value, self._ray.ObjectRef)
+
+    def derive(self, handles: list, fn: Callable[[list], Any]) -> Any:
+        """An ObjectRef of ``fn(results)``, computed by a Ray task once the inputs exist."""
+        return self._ray.remote(num_cpus=0)(_apply).remote(fn, *handles)
+
+    @property
+    def actors(self) -> list[Any]:
+        return list(self._actors)
+
+    def shutdown(self) -> None:
+        for actor in getattr(self, "_actors", []):
+            self._ray.kill(actor, no_restart=True)
+        self._actors = []
+        for pg in getattr(self, "_placement_groups", []):
+            self._remove_pg(pg)
+        self._placement_groups = []

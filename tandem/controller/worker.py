@@ -1,0 +1,152 @@
+"""``Worker``: the base class of every process a worker group runs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.controller.dispatch import MeshRank
+from tandem.controller.errors import WorkerError
+
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where a worker sits: global rank and size, rank and size on its node, and the rendezvous address."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+    def as_env(self) -> dict[str, str]:
+        """The torch.distributed ``env://`` variables for this worker."""
+        values = (
+            self.rank,
+            self.world_size,
+            self.local_rank,
+            self.local_world_size,
+            self.master_addr,
+            self.master_port,
+        )
+        return {key: str(value) for key, value in zip(DIST_ENV, values, strict=True)}
+
+    @staticmethod
+    def from_env() -> DistInfo:
+        """Read the variables a worker group set for this process (defaults: a single process)."""
+        env = os.environ
+        return DistInfo(
+            rank=int(env.get("RANK", 0)),
+            world_size=int(env.get("WORLD_SIZE", 1)),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 0)),
+        )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class Worker:
+    """Base class for workers: knows its place in the group and can join a collective group.
+
+    Subclasses define methods decorated with ``@register(...)``; a ``WorkerGroup`` exposes
+    them on the controller. The group sets the process's ``RANK``/``WORLD_SIZE``/... variables
+    (``env://`` for torch.distributed) before constructing the worker, except for in-process
+    workers, which get their :class:`DistInfo` passed directly and leave the controller's
+    environment alone.
+    """
+
+    @property
+    def dist_info(self) -> DistInfo:
+        """This worker's place; subclasses need not call ``super().__init__()`` for it to work."""
+        info = self.__dict__.get("_tandem_dist_info")
+        if info is None:
+            info = self.__dict__.setdefault("_tandem_dist_info", DistInfo.from_env())
+        return info
+
+    @property
+    def rank(self) -> int:
+        return self.dist_info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dist_info.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.dist_info.local_rank
+
+    def init_process_group(self, backend: str | None = None, timeout_s: float = 120.0) -> None:
+        """Join the group's torch.distributed process group (gloo on CPU, NCCL when CUDA is available)."""
+        if dist.is_initialized():
+            return
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        info = self.dist_info
+        from datetime import timedelta
+
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{info.master_addr}:{info.master_port}",
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+
+    def set_mesh_rank(self, mesh: str, dp_rank: int, dp_size: int, is_collect: bool) -> None:
+        """Declare this worker's data-parallel place in ``mesh`` for ``mesh_dispatch(mesh)`` calls."""
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size}) for mesh {mesh!r}")
+        self.__dict__.setdefault("_tandem_mesh_ranks", {})[mesh] = MeshRank(dp_rank, dp_size, is_collect)
+
+    def _tandem_mesh_rank(self, mesh: str) -> MeshRank:
+        ranks = self.__dict__.get("_tandem_mesh_ranks", {})
+        if mesh not in ranks:
+            raise ValueError(
+                f"worker rank {self.rank} has not declared its place in mesh {mesh!r} (set_mesh_rank)"
+            )
+        return ranks[mesh]
+
+    def _tandem_claim_master(self) -> tuple[str, int]:
+        """Rank 0 picks the rendezvous address (its own host and a free port) for the whole group."""
+        host = socket.gethostbyname(socket.gethostname()) if self.world_size > 1 else "127.0.0.1"
+        info = replace(self.dist_info, master_addr=host, master_port=free_port(host))
+        self.__dict__["_tandem_dist_info"] = info
+        os.environ.update(info.as_env())
+        return info.master_addr, info.master_port
+
+    def _tandem_execute(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method`` (a dotted path such as ``"actor.update"`` for colocated roles).
+
+        Any exception is re-raised as :class:`WorkerError` carrying this rank and the traceback,
+        so every backend reports worker failures the same way.
+        """
+        target: Any = self
+        try:
+            for part in method.split("."):
+                target = getattr(target, part)
+            return target(*args, **kwargs)
+        except Exception:
+            raise WorkerError(self.rank, method, traceback.format_exc()) from None
+
+
+def construct_worker(cls: type, dist_info: DistInfo, args: tuple, kwargs: dict) -> Any:
+    """Build a worker object that knows ``dist_info`` before its ``__init__`` runs."""
+    worker = cls.__new__(cls)
+    worker.__dict__["_tandem_dist_info"] = dist_info
+    worker.__init__(*args, **kwargs)
+    return worker

@@ -1,0 +1,59 @@
+"""Backends the controller tests run against: in-process, spawned processes (local), and real Ray."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tandem.controller import ResourcePool, create_worker_group
+from tests.controller.workers import EchoWorker
+
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(
+        num_cpus=8,  # over-subscribe the 2-core CI machine: tests hold several small groups at once
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": ROOT}},
+    )
+    yield ray
+    ray.shutdown()
+
+
+BACKENDS = [("local", 1), ("local", 2), ("ray", 2)]
+
+
+@pytest.fixture(scope="module", params=BACKENDS, ids=[f"{b}-{n}" for b, n in BACKENDS])
+def backend_world(request):
+    backend, world = request.param
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
+    return backend, world
+
+
+def _echo_group(backend_world):
+    backend, world = backend_world
+    return create_worker_group(
+        EchoWorker, ResourcePool((world,), cpus_per_process=1), backend, kwargs={"scale": 1.0}
+    )
+
+
+@pytest.fixture(scope="module")
+def echo_group(backend_world):
+    """One group per backend for the tests that leave it healthy (starting processes costs seconds)."""
+    group = _echo_group(backend_world)
+    yield group
+    group.shutdown()
+
+
+@pytest.fixture
+def fresh_echo_group(backend_world):
+    """A group of its own, for tests that kill a worker."""
+    group = _echo_group(backend_world)
+    yield group
+    group.shutdown()

@@ -1,0 +1,131 @@
+"""Worker classes the controller tests run (importable, so spawned processes and Ray actors can load them)."""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from tandem.controller import Worker, mesh_dispatch, register
+from tandem.protocol import Batch
+
+
+class EchoWorker(Worker):
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale
+        self.delay_s = 0.0
+        self.calls: list[str] = []
+
+    @register(dispatch="ONE_TO_ALL")
+    def whoami(self) -> tuple[int, int, int]:
+        return self.rank, self.world_size, os.getpid()
+
+    @register(dispatch="ONE_TO_ALL")
+    def set_delay(self, seconds: float) -> None:
+        self.delay_s = seconds
+
+    @register(dispatch="DP_COMPUTE")
+    def double(self, batch: Batch) -> Batch:
+        return self._double(batch)
+
+    @register(dispatch="DP_COMPUTE", blocking=False)
+    def double_later(self, batch: Batch) -> Batch:
+        time.sleep(self.delay_s)
+        self.calls.append("double_later")
+        return self._double(batch)
+
+    @register(dispatch="DP_COMPUTE", blocking=False)
+    def add_one_later(self, batch: Batch) -> Batch:
+        self.calls.append("add_one_later")
+        return batch.assign(tensors={"y": batch["y"] + 1})
+
+    def _double(self, batch: Batch) -> Batch:
+        ranks = torch.full((len(batch),), self.rank, dtype=torch.long)
+        return batch.assign(tensors={"y": batch["x"] * 2 * self.scale, "rank": ranks})
+
+    @register(dispatch="ONE_TO_ALL")
+    def sum_of(self, batch: Batch) -> tuple[int, float]:
+        return len(batch), float(batch["x"].sum())
+
+    @register(dispatch="ONE_TO_ALL")
+    def call_log(self) -> list[str]:
+        return list(self.calls)
+
+    @register(dispatch="ALL_TO_ALL")
+    def add_rank(self, value: int, offset: int = 0) -> int:
+        return value + self.rank + offset
+
+    @register(dispatch="RANK_ZERO")
+    def rank_zero_only(self) -> int:
+        return self.rank
+
+    @register(dispatch="ONE_TO_ALL", execute="rank_zero")
+    def executed_on_zero(self) -> int:
+        return self.rank
+
+    @register(dispatch="ONE_TO_ALL")
+    def all_reduce(self, value: float) -> float:
+        self.init_process_group("gloo")
+        tensor = torch.tensor([value * (self.rank + 1)])
+        dist.all_reduce(tensor)
+        return float(tensor.item())
+
+    @register(dispatch="ONE_TO_ALL")
+    def fail(self, message: str) -> None:
+        if self.rank == self.world_size - 1:
+            raise ValueError(message)
+
+    @register(dispatch="ONE_TO_ALL")
+    def sleep(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    @register(dispatch="ONE_TO_ALL")
+    def join_mesh(self, tp_size: int) -> None:
+        self.set_mesh_rank(
+            "tp",
+            dp_rank=self.rank // tp_size,
+            dp_size=self.world_size // tp_size,
+            is_collect=self.rank % tp_size == 0,
+        )
+
+    @register(dispatch=mesh_dispatch("tp"))
+    def mesh_double(self, batch: Batch) -> Batch:
+        return self._double(batch)
+
+
+class ActorRole(Worker):
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+        self.weights = torch.zeros(3)
+
+    @register(dispatch="ONE_TO_ALL")
+    def pid(self) -> int:
+        return os.getpid()
+
+    @register(dispatch="ONE_TO_ALL")
+    def step(self) -> float:
+        self.weights += self.lr
+        return float(self.weights.sum())
+
+
+class RolloutRole(Worker):
+    def __init__(self) -> None:
+        self.version = 0
+
+    @register(dispatch="ONE_TO_ALL")
+    def pid(self) -> int:
+        return os.getpid()
+
+    @register(dispatch="ONE_TO_ALL")
+    def rank_seen(self) -> int:
+        return self.rank
+
+    @register(dispatch="DP_COMPUTE")
+    def generate(self, batch: Batch) -> Batch:
+        return batch.assign(tensors={"y": batch["x"] + self.version})
+
+
+class BrokenWorker(Worker):
+    def __init__(self) -> None:
+        raise RuntimeError("cannot build this worker")
