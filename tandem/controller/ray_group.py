@@ -48,6 +48,7 @@ class RayBackend:
             ray.init(**{"include_dashboard": False, "ignore_reinit_error": True, **(ray_init_kwargs or {})})
         self._ray = ray
         self._remove_pg = remove_placement_group
+        self._apply_task = ray.remote(num_cpus=0)(_apply)
         self.world_size = pool.world_size
         bundle = {"CPU": pool.cpus_per_process}
         if pool.gpus_per_process:
@@ -107,7 +108,7 @@ class RayBackend:
 
     def derive(self, handles: list, fn: Callable[[list], Any]) -> Any:
         """An ObjectRef of ``fn(results)``, computed by a Ray task once the inputs exist."""
-        return self._ray.remote(num_cpus=0)(_apply).remote(fn, *handles)
+        return self._apply_task.remote(fn, *handles)
 
     @property
     def actors(self) -> list[Any]:
