@@ -85,10 +85,23 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("demo", help="the main demo (for now: the algorithm library on a toy batch)")
     commands.add_parser("algos", help="list every registered algorithm")
+    sft = commands.add_parser(
+        "sft", help="supervised fine-tuning on chat data: tandem sft model_path=... data.train_path=..."
+    )
+    sft.add_argument("--config", help="a YAML file of overrides, applied before the command-line ones")
+    sft.add_argument(
+        "overrides", nargs="*", help="key=value settings, e.g. trainer.total_steps=200 engine.lr=1e-4"
+    )
     args = parser.parse_args(argv)
     console = Console()
     if args.command == "demo":
         run_demo(console)
+    elif args.command == "sft":
+        from tandem.config.overrides import config_from_overrides
+        from tandem.sft import SFTConfig, SFTTrainer
+
+        result = SFTTrainer(config_from_overrides(SFTConfig, args.overrides, args.config), console).fit()
+        console.print(f"model written to {result.hf_model_dir}")
     else:
         print_registries(console)
     return 0

@@ -57,3 +57,13 @@ def fresh_echo_group(backend_world):
     group = _echo_group(backend_world)
     yield group
     group.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def destroy_in_process_group():
+    """In-process workers initialise torch.distributed in the test process itself; tear it down after the module."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,39 @@
+"""Typed configs from ``key=value`` overrides (Hydra-style dot paths) via OmegaConf structured configs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+T = TypeVar("T")
+
+
+def config_from_overrides(schema: type[T], overrides: Sequence[str], yaml_path: str | None = None) -> T:
+    """Build ``schema`` (a dataclass) from its defaults, an optional YAML file of overrides, then ``overrides``.
+
+    Unknown keys and wrong types are errors naming the key; each dataclass's ``__post_init__``
+    validation runs on the result.
+    """
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key=value (e.g. trainer.total_steps=100)")
+    try:
+        merged = OmegaConf.structured(schema)
+        _make_writable(merged)  # frozen dataclasses come back read-only; overrides must apply
+        if yaml_path:
+            merged = OmegaConf.merge(merged, OmegaConf.load(yaml_path))
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        raise ValueError(f"bad configuration: {error}") from None
+
+
+def _make_writable(node: DictConfig) -> None:
+    OmegaConf.set_readonly(node, False)
+    for key in node:
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            _make_writable(child)

@@ -1,0 +1,77 @@
+"""The ``TrainEngine`` protocol and the types its methods exchange.
+
+The engine does not know the algorithm: ``forward_backward`` receives a loss function.
+A loss function sees one micro-batch and the model's per-token outputs for it and returns
+*its share* of the global loss (divide by global counts, see
+:class:`tandem.algos.LossNormalizer`), plus metrics. The engine sums the shares over
+micro-batches, and scales by the data-parallel size before backward so that DP
+all-reduce averaging yields the gradient of the global loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from tandem.protocol import Batch
+
+
+@dataclass(frozen=True)
+class TokenOutputs:
+    """Per-token model outputs aligned with ``input_ids [B, S]``.
+
+    ``log_probs[:, t] = log p(input_ids[:, t] | input_ids[:, <t])`` and ``entropy[:, t]`` its
+    predictive entropy, fp32; 0 at each sequence's first token and on padding.
+    """
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+
+
+LossFn = Callable[[Batch, TokenOutputs], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class StepResult:
+    """What ``forward_backward`` returns.
+
+    Attributes:
+        loss: the global loss (sum of the micro-batch shares) on this rank, a float.
+        metrics: each metric the loss function returned, one value per micro-batch.
+        outputs: with ``forward_only``, the outputs for the whole batch in its original order.
+        num_micro_batches: how many micro-batches ran.
+    """
+
+    loss: float = 0.0
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    outputs: TokenOutputs | None = None
+    num_micro_batches: int = 0
+
+
+class TrainEngine(Protocol):
+    """What every training engine offers (the torch one: :class:`tandem.engine.TorchTrainEngine`)."""
+
+    def initialize(self) -> None: ...
+
+    def forward_backward(
+        self, batch: Batch, loss_fn: LossFn | None, forward_only: bool = False
+    ) -> StepResult: ...
+
+    def zero_grad(self) -> None: ...
+
+    def optimizer_step(self) -> float: ...
+
+    def lr_step(self) -> float: ...
+
+    def iter_parameters(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def to(
+        self, device: str | torch.device, model: bool = True, optimizer: bool = True, grads: bool = True
+    ) -> None: ...
+
+    def save(self, path: str) -> None: ...
+
+    def load(self, path: str) -> None: ...

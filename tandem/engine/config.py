@@ -1,0 +1,90 @@
+"""``EngineConfig``: everything the torch training engine needs to know, validated up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.config.validation import check_choice, check_positive, check_range
+from tandem.models.loading import DTYPES
+
+STRATEGIES = ("single", "ddp", "fsdp2")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA through PEFT; ``rank=0`` turns it off.
+
+    Attributes:
+        rank / alpha / dropout: the adapter's rank, scaling numerator and dropout.
+        target_modules: comma-separated module names to adapt, or ``all-linear`` (every linear layer but the head).
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: str = "all-linear"
+
+    def __post_init__(self) -> None:
+        check_range("engine.lora", "rank", self.rank, low=0)
+        check_positive("engine.lora", "alpha", self.alpha)
+        check_range("engine.lora", "dropout", self.dropout, 0.0, 1.0, high_inclusive=False)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The torch training engine (``actor.engine.*`` / ``sft.engine.*``).
+
+    Attributes:
+        model_path: a local HF model directory (``save_pretrained`` layout).
+        strategy: ``single`` process, ``ddp`` or ``fsdp2`` data parallel over the default process group.
+        param_dtype: dtype of the parameters (``float32`` or ``bfloat16``); optimizer math stays in it.
+        use_packing: pack valid tokens into one row ("remove padding") instead of padded rows.
+        max_tokens_per_micro_batch: token budget of a micro-batch (packing) — see ``micro_batch_size``.
+        micro_batch_size: sequences per micro-batch when not packing (fixed-size, padded).
+        gradient_checkpointing: recompute activations in backward.
+        logprob_chunk_size: rows of the fp32 output head computed at once.
+        lr / weight_decay / betas / eps: AdamW.
+        grad_clip: max global grad norm (None: no clipping, the norm is still returned).
+        lr_schedule / warmup_steps / total_steps / min_lr_ratio: learning-rate schedule.
+        lora: LoRA adapter settings.
+        seed: parameter-init / dropout seed.
+    """
+
+    model_path: str = ""
+    strategy: str = "single"
+    param_dtype: str = "float32"
+    use_packing: bool = True
+    max_tokens_per_micro_batch: int = 4096
+    micro_batch_size: int = 8
+    gradient_checkpointing: bool = False
+    logprob_chunk_size: int = 1024
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 0
+    min_lr_ratio: float = 0.0
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        owner = "engine"
+        check_choice(owner, "strategy", self.strategy, STRATEGIES)
+        check_choice(owner, "param_dtype", self.param_dtype, [d for d in DTYPES if d != "float16"])
+        check_choice(owner, "lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        for name in ("max_tokens_per_micro_batch", "micro_batch_size", "logprob_chunk_size", "lr", "eps"):
+            check_positive(owner, name, getattr(self, name))
+        check_range(owner, "weight_decay", self.weight_decay, low=0.0)
+        check_range(owner, "warmup_steps", self.warmup_steps, low=0)
+        check_range(owner, "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        if self.grad_clip is not None:
+            check_positive(owner, "grad_clip", self.grad_clip)
+        if self.lr_schedule != "constant" and self.total_steps <= self.warmup_steps:
+            raise ValueError(
+                f"{owner}.total_steps={self.total_steps} must exceed warmup_steps={self.warmup_steps} "
+                f"for lr_schedule={self.lr_schedule!r}"
+            )

@@ -1,0 +1,50 @@
+"""LoRA adapters through PEFT, and the merged weights a rollout engine needs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from tandem.engine.config import LoraConfig
+
+
+def apply_lora(model: nn.Module, config: LoraConfig) -> nn.Module:
+    """Wrap ``model`` with a LoRA adapter; only the adapter's parameters stay trainable."""
+    try:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+    except ImportError as error:  # pragma: no cover - only without the extra
+        raise ImportError("LoRA needs PEFT: pip install 'tandem-rl[peft]'") from error
+    names = [name.strip() for name in config.target_modules.split(",") if name.strip()]
+    targets = "all-linear" if names == ["all-linear"] else names
+    peft_config = PeftLoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, peft_config)
+
+
+def iter_merged_lora_parameters(peft_model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, weight)`` of the base model with every LoRA delta merged in; adapter tensors are skipped."""
+    from peft.tuners.lora import LoraLayer
+
+    base = peft_model.get_base_model()
+    deltas: dict[str, torch.Tensor] = {}
+    for module_name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            delta = sum(
+                (module.get_delta_weight(adapter) for adapter in module.active_adapters), torch.zeros(())
+            )
+            deltas[f"{module_name}.base_layer.weight"] = delta
+    for name, param in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        tensor = param.detach()
+        if name in deltas:
+            tensor = tensor + deltas[name].to(tensor.dtype)
+        yield name.replace(".base_layer.", "."), tensor

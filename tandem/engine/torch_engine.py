@@ -1,0 +1,306 @@
+"""The PyTorch training engine: single process, DDP or FSDP2; packing; token-budget micro-batches; LoRA."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tandem.algos.aggregation import LossNormalizer
+from tandem.engine.base import LossFn, StepResult, TokenOutputs
+from tandem.engine.checkpoint import load_engine_state, save_engine_state
+from tandem.engine.config import EngineConfig
+from tandem.engine.lora import apply_lora, iter_merged_lora_parameters
+from tandem.engine.lr_schedule import build_scheduler
+from tandem.engine.micro_batch import token_budget_micro_batches
+from tandem.engine.packing import pack_sequences, positions_from_mask, unpack
+from tandem.engine.parallel import data_parallel_size, wrap_data_parallel
+from tandem.engine.token_model import TokenLogProbModel
+from tandem.engine.varlen_attention import VARLEN_ATTENTION
+from tandem.models.loading import load_model, resolve_dtype
+from tandem.protocol import Batch
+
+
+class TorchTrainEngine:
+    """Trains one HF causal LM with a loss function it is handed (see :mod:`tandem.engine.base`).
+
+    Args:
+        config: the engine's settings.
+        model: an already-built HF causal LM (tests); by default ``config.model_path`` is loaded.
+    """
+
+    def __init__(self, config: EngineConfig, model: nn.Module | None = None) -> None:
+        self.config = config
+        self._given_model = model
+        self.module: TokenLogProbModel | None = None
+        self.step_count = 0
+
+    # ------------------------------------------------------------------ set-up
+    def initialize(self) -> None:
+        """Load (or take) the model, add LoRA, wrap for data parallelism, build optimizer and schedule."""
+        config = self.config
+        if config.strategy != "single" and not dist.is_initialized():
+            raise RuntimeError(
+                f"engine.strategy={config.strategy!r} needs an initialised torch.distributed group"
+            )
+        torch.manual_seed(config.seed)
+        model = (
+            self._given_model
+            if self._given_model is not None
+            else load_model(config.model_path, config.param_dtype)
+        )
+        model = model.to(resolve_dtype(config.param_dtype))
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        if config.use_packing:  # attention within each packed sequence only (cost sum(len^2), not T^2)
+            model.set_attn_implementation(VARLEN_ATTENTION)
+        if config.lora.rank:
+            model = apply_lora(model, config.lora)
+        self.module = TokenLogProbModel(model, config.logprob_chunk_size)
+        self.wrapped = wrap_data_parallel(self.module, config.strategy)
+        self.dp_size = data_parallel_size(config.strategy)
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            trainable, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+        )
+        self.scheduler = build_scheduler(self.optimizer, config)
+
+    @property
+    def causal_lm(self) -> nn.Module:
+        """The HF model being trained (the PEFT model when LoRA is on)."""
+        return self._require_module().causal_lm
+
+    def _require_module(self) -> TokenLogProbModel:
+        if self.module is None:
+            raise RuntimeError("call initialize() first")
+        return self.module
+
+    # ------------------------------------------------------------------ forward/backward
+    def global_normalizer(self, mask: torch.Tensor) -> LossNormalizer:
+        """Token and sequence counts of ``mask [B, L]`` summed over all data-parallel ranks."""
+        counts = torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())], dtype=torch.float64)
+        if self.dp_size > 1:
+            dist.all_reduce(counts)
+        return LossNormalizer(num_tokens=float(counts[0]), num_seqs=float(counts[1]))
+
+    def micro_batches(self, attention_mask: torch.Tensor) -> list[list[int]]:
+        """Index lists of the micro-batches for this rank (same count on every data-parallel rank)."""
+        lengths = attention_mask.sum(-1).tolist()
+        if self.config.use_packing:
+            parts = token_budget_micro_batches(lengths, self.config.max_tokens_per_micro_batch)
+            count = self._agree_on_count(len(parts))
+            if count != len(parts):
+                parts = token_budget_micro_batches(
+                    lengths, self.config.max_tokens_per_micro_batch, min_parts=count
+                )
+            return parts
+        size = self.config.micro_batch_size
+        count = self._agree_on_count(math.ceil(len(lengths) / size))
+        return [list(range(start, min(start + size, len(lengths)))) for start in range(0, count * size, size)]
+
+    def _agree_on_count(self, local: int) -> int:
+        # Every rank must run the same number of forwards: FSDP2 gathers parameters in each one.
+        if self.dp_size == 1:
+            return local
+        count = torch.tensor([local])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return int(count)
+
+    def forward_backward(
+        self, batch: Batch, loss_fn: LossFn | None, forward_only: bool = False
+    ) -> StepResult:
+        """Run ``loss_fn`` on each micro-batch and accumulate gradients (or just compute outputs).
+
+        ``batch`` needs ``input_ids`` and ``attention_mask`` (``[B, S]``); other fields are passed
+        through to ``loss_fn``. With ``forward_only`` no gradients are computed and the
+        outputs for the whole batch come back in the batch's order.
+        """
+        self._require_module()
+        if "input_ids" not in batch or "attention_mask" not in batch:
+            raise ValueError(
+                f"forward_backward needs input_ids and attention_mask; the batch has {sorted(batch.keys())}"
+            )
+        if not forward_only and loss_fn is None:
+            raise ValueError("forward_backward needs a loss_fn unless forward_only=True")
+        parts = self.micro_batches(batch["attention_mask"])
+        result = StepResult(num_micro_batches=len(parts))
+        collected: list[tuple[list[int], TokenOutputs]] = []
+        for index, rows in enumerate(parts):
+            last = index == len(parts) - 1
+            with self._gradient_sync(last or forward_only), torch.set_grad_enabled(not forward_only):
+                if not rows:  # a rank with fewer sequences than micro-batches still joins the collectives
+                    self._empty_pass(batch, forward_only)
+                    continue
+                micro = batch[rows]
+                outputs = self._forward(micro)
+                if forward_only:
+                    collected.append(
+                        (rows, TokenOutputs(outputs.log_probs.detach(), outputs.entropy.detach()))
+                    )
+                    if loss_fn is None:
+                        continue
+                loss, metrics = loss_fn(micro, outputs)
+                if not forward_only:
+                    (loss * self.dp_size).backward()
+                result.loss += float(loss.detach())
+                for name, value in metrics.items():
+                    result.metrics.setdefault(name, []).append(float(value))
+        if forward_only:
+            result.outputs = _reassemble(collected, batch["input_ids"].shape)
+        return result
+
+    def _forward(self, micro: Batch) -> TokenOutputs:
+        input_ids, attention_mask = micro["input_ids"], micro["attention_mask"]
+        if self.config.use_packing:
+            packed = pack_sequences(input_ids, attention_mask)
+            log_probs, entropy = self.wrapped(
+                input_ids=packed.input_ids, position_ids=packed.position_ids, cu_seqlens=packed.cu_seqlens
+            )
+            return TokenOutputs(unpack(log_probs, packed), unpack(entropy, packed))
+        position_ids = (
+            micro["position_ids"] if "position_ids" in micro else positions_from_mask(attention_mask)
+        )
+        # Compute only the columns this micro-batch uses (its rows may be shorter than the batch's longest).
+        used = attention_mask.any(0).nonzero().flatten()
+        first, last = (int(used[0]), int(used[-1]) + 1) if used.numel() else (0, 1)
+        window = slice(first, last)
+        log_probs, entropy = self.wrapped(
+            input_ids=input_ids[:, window],
+            position_ids=position_ids[:, window],
+            attention_mask=attention_mask[:, window],
+        )
+        mask = attention_mask[:, window].to(log_probs.dtype)
+        full_log_probs = log_probs.new_zeros(input_ids.shape)
+        full_entropy = log_probs.new_zeros(input_ids.shape)
+        full_log_probs[:, window] = log_probs * mask
+        full_entropy[:, window] = entropy * mask
+        return TokenOutputs(full_log_probs, full_entropy)
+
+    def _empty_pass(self, batch: Batch, forward_only: bool) -> None:
+        """A zero-weighted forward/backward on two real tokens, so every layer joins this step's collectives.
+
+        (One token would have no prediction: its backward would skip the layers, and FSDP2's
+        backward all-gathers on the other ranks would wait forever.)
+        """
+        ids = batch["input_ids"][:1, :2]
+        if ids.shape[1] < 2:
+            ids = ids.repeat(1, 2)
+        positions = torch.arange(2).unsqueeze(0)
+        log_probs, _ = self.wrapped(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=None,
+            cu_seqlens=torch.tensor([0, 2], dtype=torch.int32),
+        )
+        if not forward_only:
+            (log_probs.sum() * 0.0).backward()
+
+    def _gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """All-reduce/reduce-scatter gradients only on the last micro-batch of a step."""
+        if self.config.strategy == "ddp" and not enabled:
+            return self.wrapped.no_sync()
+        if self.config.strategy == "fsdp2":
+            self.wrapped.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def adapter_disabled(self) -> Iterator[None]:
+        """Inside, the model computes as the base model (LoRA off): reference log-probs without a second copy."""
+        if not self.config.lora.rank:
+            raise ValueError("adapter_disabled() needs LoRA (engine.lora.rank > 0)")
+        with self.causal_lm.disable_adapter():
+            yield
+
+    # ------------------------------------------------------------------ optimisation
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> float:
+        """Clip gradients to ``grad_clip`` and step; returns the pre-clip global grad norm.
+
+        A non-finite norm skips the update (and zeroes the gradients) instead of corrupting the weights.
+        """
+        params = [p for p in self._require_module().parameters() if p.requires_grad]
+        max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        self.zero_grad()
+        self.step_count += 1
+        return norm
+
+    def lr_step(self) -> float:
+        """Advance the learning-rate schedule; returns the new learning rate."""
+        self.scheduler.step()
+        return float(self.scheduler.get_last_lr()[0])
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # ------------------------------------------------------------------ weights, devices, checkpoints
+    def iter_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(HF name, full tensor)`` one at a time, for weight sync (LoRA merged into its base weights).
+
+        Under FSDP2 each full tensor is all-gathered: every rank must iterate, in step.
+        """
+        model = self.causal_lm
+        if self.config.lora.rank:
+            yield from iter_merged_lora_parameters(model)
+            return
+        for name, param in model.named_parameters():
+            tensor = param.detach()
+            yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+    def to(
+        self, device: str | torch.device, model: bool = True, optimizer: bool = True, grads: bool = True
+    ) -> None:
+        """Move parameters, optimizer state and/or gradients to ``device`` (offload and reload)."""
+        for param in self._require_module().parameters():
+            if model:
+                param.data = param.data.to(device)
+            if grads and param.grad is not None:
+                param.grad = param.grad.to(device)
+        if optimizer:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and key != "step":
+                        state[key] = value.to(device)
+
+    def save(self, path: str) -> None:
+        """Write model, optimizer, scheduler, step and RNG state under ``path`` (atomically)."""
+        save_engine_state(path, self._require_module(), self.optimizer, self._extra_state())
+
+    def load(self, path: str) -> None:
+        """Restore everything :meth:`save` wrote; training then continues exactly as it would have."""
+        extra = load_engine_state(path, self._require_module(), self.optimizer)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.step_count = extra["step_count"]
+        torch.set_rng_state(extra["cpu_rng"])
+        if torch.cuda.is_available() and extra.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(extra["cuda_rng"])
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "step_count": self.step_count,
+            "cpu_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        }
+
+
+def _reassemble(collected: list[tuple[list[int], TokenOutputs]], shape: torch.Size) -> TokenOutputs:
+    log_probs = torch.zeros(shape, dtype=torch.float32)
+    entropy = torch.zeros(shape, dtype=torch.float32)
+    for rows, outputs in collected:
+        index = torch.tensor(rows)
+        log_probs[index] = outputs.log_probs.to(log_probs.device)
+        entropy[index] = outputs.entropy.to(entropy.device)
+    return TokenOutputs(log_probs, entropy)

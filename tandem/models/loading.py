@@ -1,0 +1,71 @@
+"""Loading any HF decoder-only causal LM and its tokenizer from a local directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """``"float32"``/``"bfloat16"``/``"float16"`` -> torch dtype, with an error listing the choices."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in ``path``; a pad token is set to EOS when the tokenizer has none.
+
+    A directory whose ``tokenizer_config.json`` declares a generic ``tokenizer.json``-backed
+    class is loaded as exactly that: ``AutoTokenizer`` would otherwise pick the model
+    family's own class from ``config.json`` (e.g. ``Qwen2Tokenizer``), which replaces the
+    saved pre-tokenizer and adds tokens.
+    """
+    config_file = Path(path) / "tokenizer_config.json"
+    declared = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.exists() else None
+    if declared in GENERIC_TOKENIZER_CLASSES:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(
+    path: str | Path, dtype: str = "float32", attn_implementation: str = "sdpa"
+) -> PreTrainedModel:
+    """The causal LM saved in ``path``, in ``dtype``, with the given attention implementation."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"no model at {path}: config.json is missing (expected a save_pretrained directory)"
+        )
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
+    )
+
+
+def check_vocab_compatible(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Raise when the tokenizer can emit ids the model's embedding table does not have."""
+    embedding_rows = model.get_input_embeddings().weight.shape[0]
+    largest_id = max(len(tokenizer), max(tokenizer.all_special_ids, default=0) + 1)
+    if largest_id > embedding_rows:
+        raise ValueError(
+            f"tokenizer/model vocab mismatch: the tokenizer has {largest_id} ids but the model's embedding has "
+            f"{embedding_rows} rows; load the tokenizer that was saved with this model"
+        )

@@ -1,0 +1,57 @@
+"""``SFTConfig``: the SFT trainer's settings, composed from the data, engine and trainer parts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.config.validation import check_positive, check_range
+from tandem.engine.config import EngineConfig
+from tandem.sft.data import SFTDataConfig
+
+
+@dataclass(frozen=True)
+class SFTTrainerConfig:
+    """The loop (``trainer.*``).
+
+    Attributes:
+        global_batch_size: conversations per optimizer step.
+        total_steps: optimizer steps to run (0: ``epochs`` passes over the data).
+        epochs: passes over the data when ``total_steps`` is 0.
+        eval_every / save_every / log_every: in steps (0 turns evaluation / intermediate saving off).
+        output_dir: checkpoints under ``checkpoints/``, the final HF model under ``hf_model/``.
+        resume: continue from the latest checkpoint in ``output_dir`` when there is one.
+        seed: data order.
+    """
+
+    global_batch_size: int = 16
+    total_steps: int = 0
+    epochs: int = 1
+    eval_every: int = 0
+    save_every: int = 0
+    log_every: int = 10
+    output_dir: str = "outputs/sft"
+    resume: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_positive("trainer", "global_batch_size", self.global_batch_size)
+        check_positive("trainer", "epochs", self.epochs)
+        check_positive("trainer", "log_every", self.log_every)
+        for name in ("total_steps", "eval_every", "save_every"):
+            check_range("trainer", name, getattr(self, name), low=0)
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Everything ``tandem sft`` reads; ``model_path`` fills ``engine.model_path`` when that is empty."""
+
+    model_path: str = ""
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(lr=1e-4))
+    trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
+
+    def __post_init__(self) -> None:
+        if not (self.model_path or self.engine.model_path):
+            raise ValueError("model_path is required (a local HF model directory)")
+        if not self.data.train_path:
+            raise ValueError("data.train_path is required (a .parquet or .jsonl file of conversations)")

@@ -1,0 +1,48 @@
+"""A worker that holds a training engine (used by the 2-process data-parallel tests)."""
+
+import functools
+
+import torch
+
+from tandem.controller import Worker, register
+from tandem.engine import EngineConfig, TorchTrainEngine
+from tandem.protocol import Batch
+from tandem.sft.loss import sft_loss
+
+
+class EngineWorker(Worker):
+    def __init__(self, config: EngineConfig) -> None:
+        if config.strategy != "single":
+            self.init_process_group("gloo")
+        self.engine = TorchTrainEngine(config)
+        self.engine.initialize()
+
+    @register(dispatch="DP_COMPUTE")
+    def train_step(self, batch: Batch) -> Batch:
+        """One optimizer step on this rank's shard; returns the pre-step log-probs and the grad norm."""
+        outputs = self.engine.forward_backward(batch, None, forward_only=True).outputs
+        normalizer = self.engine.global_normalizer(batch["loss_mask"])
+        result = self.engine.forward_backward(batch, functools.partial(sft_loss, normalizer=normalizer))
+        grad_norm = self.engine.optimizer_step()
+        size = len(batch)
+        return Batch(
+            {
+                "log_probs": outputs.log_probs,
+                "grad_norm": torch.full((size,), grad_norm, dtype=torch.float64),
+                "loss": torch.full((size,), result.loss, dtype=torch.float64),
+            }
+        )
+
+    @register(dispatch="ALL_TO_ALL")
+    def train_step_on_shard(self, batch: Batch) -> float:
+        """One optimizer step on a shard of this rank's choosing (shards may differ in size)."""
+        normalizer = self.engine.global_normalizer(batch["loss_mask"])
+        result = self.engine.forward_backward(batch, functools.partial(sft_loss, normalizer=normalizer))
+        self.engine.optimizer_step()
+        return result.num_micro_batches
+
+    @register(
+        dispatch="ONE_TO_ALL"
+    )  # under FSDP2 gathering full tensors is a collective: every rank calls it
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return {name: tensor.clone() for name, tensor in self.engine.iter_parameters()}
