@@ -74,3 +74,14 @@ def token_budget_micro_batches(
         if all(sum(lengths[i] for i in part) <= max_tokens for part in split):
             return split
         parts += 1
+
+
+def balanced_dp_order(lengths: Sequence[int], world_size: int) -> list[int]:
+    """A permutation of the samples such that chunking it into ``world_size`` equal parts balances tokens.
+
+    Feed ``batch.reorder(order)`` to a ``DP_COMPUTE`` call: rank ``r`` receives part ``r``, and
+    every part has the same number of samples and nearly the same number of tokens
+    (Karmarkar-Karp with equal-size parts). Needs ``len(lengths) % world_size == 0`` (pad first).
+    """
+    parts = karmarkar_karp(lengths, world_size, equal_size=True)
+    return [index for part in parts for index in part]

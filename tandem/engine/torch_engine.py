@@ -128,6 +128,12 @@ class TorchTrainEngine:
             )
         if not forward_only and loss_fn is None:
             raise ValueError("forward_backward needs a loss_fn unless forward_only=True")
+        vocab = self.module.head_weight().shape[0]
+        largest = int(batch["input_ids"].max()) if batch["input_ids"].numel() else 0
+        if largest >= vocab:
+            raise ValueError(
+                f"input_ids hold token id {largest}, but the model's vocabulary has {vocab} entries"
+            )
         parts = self.micro_batches(batch["attention_mask"])
         result = StepResult(num_micro_batches=len(parts))
         collected: list[tuple[list[int], TokenOutputs]] = []

@@ -1,6 +1,7 @@
 """Engine behaviours: checkpoint resume equals an uninterrupted step, LoRA reference log-probs, schedules, errors."""
 
 import functools
+import math
 
 import pytest
 import torch
@@ -132,6 +133,14 @@ def test_bad_inputs_are_clear_errors(tiny_model_dir):
         )
     with pytest.raises(ValueError, match="more than the micro-batch token budget of 10"):
         engine.forward_backward(random_batch(0), None, forward_only=True)
+    with pytest.raises(ValueError, match="token id 500, but the model's vocabulary has 103 entries"):
+        engine.forward_backward(
+            Batch(
+                {"input_ids": torch.full((1, 3), 500), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+            ),
+            None,
+            forward_only=True,
+        )
     with pytest.raises(ValueError, match="needs a loss_fn"):
         engine.forward_backward(random_batch(0), None)
     with pytest.raises(ValueError, match="adapter_disabled\\(\\) needs LoRA"), engine.adapter_disabled():
@@ -162,3 +171,16 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir):
         grads.append({n: p.grad.clone() for n, p in engine.causal_lm.named_parameters()})
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_bf16_parameters_train_and_keep_fp32_log_probs(tiny_model_dir):
+    fp32, bf16 = make_engine(tiny_model_dir), make_engine(tiny_model_dir, param_dtype="bfloat16")
+    assert next(bf16.causal_lm.parameters()).dtype == torch.bfloat16
+    batch = random_batch(12)
+    reference = fp32.forward_backward(batch, None, forward_only=True).outputs.log_probs
+    outputs = bf16.forward_backward(batch, None, forward_only=True).outputs.log_probs
+    assert outputs.dtype == torch.float32
+    torch.testing.assert_close(outputs, reference, atol=0.1, rtol=0.05)  # bf16 weights, fp32 head
+    before = params(bf16)
+    assert math.isfinite(train_step(bf16, batch))
+    assert any(not torch.equal(before[n], t) for n, t in params(bf16).items())

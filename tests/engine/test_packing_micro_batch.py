@@ -9,6 +9,7 @@ import torch
 from tandem.engine import (
     EngineConfig,
     TorchTrainEngine,
+    balanced_dp_order,
     karmarkar_karp,
     pack_sequences,
     token_budget_micro_batches,
@@ -110,3 +111,18 @@ def test_equal_size_partition_and_budget_split():
     assert (
         all(sum(weights[i] for i in p) <= 20 for p in micro) and len(micro) == 4
     )  # 78 tokens -> ceil(78 / 20)
+
+
+def test_balanced_dp_order_evens_out_tokens_per_rank():
+    gen = torch.Generator().manual_seed(0)
+    lengths = sorted(
+        torch.randint(16, 512, (32,), generator=gen).tolist()
+    )  # sorted: the worst case for chunking
+
+    def spread(order):
+        sums = [sum(lengths[i] for i in order[r * 8 : (r + 1) * 8]) for r in range(4)]
+        return max(sums) - min(sums)
+
+    order = balanced_dp_order(lengths, 4)
+    assert sorted(order) == list(range(32))
+    assert spread(order) < 0.02 * sum(lengths) / 4 < spread(list(range(32)))

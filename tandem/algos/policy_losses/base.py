@@ -161,6 +161,18 @@ def finish_token_loss(
     return PolicyLossOutput(loss=loss, metrics={"ppo_kl": approx_kl(inputs), **metrics})
 
 
+def clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, config: PolicyLossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's pessimistic surrogate ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`` and where the clip is active.
+
+    Shapes: ``ratio, advantages: [B, R]`` -> ``(loss [B, R], clipped [B, R] bool)``.
+    """
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - config.clip_ratio_low, 1 + config.clip_ratio_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
 def approx_kl(inputs: PolicyLossInput) -> torch.Tensor:
     """Mean over valid tokens of ``log pi_old - log pi_theta`` (k1 estimate of KL(pi_old || pi_theta))."""
     return masked_mean(-inputs.log_ratio.detach(), inputs.mask)

@@ -18,6 +18,7 @@ from tandem.algos.policy_losses.base import (
     PolicyLossConfig,
     PolicyLossInput,
     PolicyLossOutput,
+    clipped_surrogate,
     detached_fraction,
     finish_token_loss,
     register_policy_loss,
@@ -61,15 +62,13 @@ def compute_clip_cov_loss(inputs: PolicyLossInput, config: PolicyLossConfig) -> 
     their loss is set to 0. Shapes: ``[B, R]`` -> scalar.
     Metrics: ``pg_clipfrac`` (fraction of tokens detached), ``ppo_kl``.
     """
-    ratio = torch.exp(inputs.log_ratio)
-    unclipped = -inputs.advantages * ratio
-    clipped = -inputs.advantages * torch.clamp(ratio, 1 - config.clip_ratio_low, 1 + config.clip_ratio_high)
+    surrogate, clip_active = clipped_surrogate(torch.exp(inputs.log_ratio), inputs.advantages, config)
     cov = token_covariance(inputs)
     valid = inputs.response_mask.bool()
-    eligible = valid & ~(clipped > unclipped) & (cov > config.clip_cov_lb) & (cov < config.clip_cov_ub)
+    eligible = valid & ~clip_active & (cov > config.clip_cov_lb) & (cov < config.clip_cov_ub)
     priority = torch.rand(cov.shape, generator=inputs.generator, device=cov.device, dtype=cov.dtype)
     detached = select_top(priority, eligible, _selection_count(inputs, config.clip_cov_ratio))
-    loss_mat = torch.where(detached, torch.zeros_like(unclipped), torch.maximum(unclipped, clipped))
+    loss_mat = torch.where(detached, torch.zeros_like(surrogate), surrogate)
     return finish_token_loss(loss_mat, inputs, config, {"pg_clipfrac": detached_fraction(detached, inputs)})
 
 

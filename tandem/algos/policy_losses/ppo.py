@@ -8,6 +8,7 @@ from tandem.algos.policy_losses.base import (
     PolicyLossConfig,
     PolicyLossInput,
     PolicyLossOutput,
+    clipped_surrogate,
     detached_fraction,
     finish_token_loss,
     register_policy_loss,
@@ -27,12 +28,9 @@ def compute_ppo_loss(inputs: PolicyLossInput, config: PolicyLossConfig) -> Polic
     Shapes: all inputs ``[B, R]`` -> scalar. Metrics: ``pg_clipfrac`` (tokens where the clip
     is active), ``pg_clipfrac_lower`` (tokens where the dual clip is active), ``ppo_kl``.
     """
-    ratio = torch.exp(inputs.log_ratio)
     advantages = inputs.advantages
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - config.clip_ratio_low, 1 + config.clip_ratio_high)
-    loss_mat = torch.maximum(unclipped, clipped)
-    metrics = {"pg_clipfrac": detached_fraction(clipped > unclipped, inputs)}
+    loss_mat, clip_active = clipped_surrogate(torch.exp(inputs.log_ratio), advantages, config)
+    metrics = {"pg_clipfrac": detached_fraction(clip_active, inputs)}
     if config.clip_ratio_c is not None:
         dual_bound = -advantages * config.clip_ratio_c
         dual_active = (advantages < 0) & (loss_mat > dual_bound)

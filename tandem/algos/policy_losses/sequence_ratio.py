@@ -11,6 +11,7 @@ from tandem.algos.policy_losses.base import (
     PolicyLossConfig,
     PolicyLossInput,
     PolicyLossOutput,
+    clipped_surrogate,
     detached_fraction,
     finish_token_loss,
     register_policy_loss,
@@ -35,10 +36,10 @@ def compute_gspo_loss(inputs: PolicyLossInput, config: PolicyLossConfig) -> Poli
     seq_log_ratio = masked_mean(inputs.log_probs - inputs.old_log_probs, mask, dim=-1)
     log_ratio = inputs.log_probs - inputs.log_probs.detach() + seq_log_ratio.detach().unsqueeze(-1)
     ratio = torch.exp(torch.clamp(log_ratio, max=MAX_LOG_SEQ_RATIO))
-    unclipped = -inputs.advantages * ratio
-    clipped = -inputs.advantages * torch.clamp(ratio, 1 - config.clip_ratio_low, 1 + config.clip_ratio_high)
-    metrics = {"pg_clipfrac": detached_fraction(clipped > unclipped, inputs)}
-    return finish_token_loss(torch.maximum(unclipped, clipped), inputs, config, metrics)
+    loss_mat, clip_active = clipped_surrogate(ratio, inputs.advantages, config)
+    return finish_token_loss(
+        loss_mat, inputs, config, {"pg_clipfrac": detached_fraction(clip_active, inputs)}
+    )
 
 
 @register_policy_loss("gmpo")
