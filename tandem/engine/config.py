@@ -44,6 +44,8 @@ class EngineConfig:
         micro_batch_size: sequences per micro-batch when not packing (fixed-size, padded).
         gradient_checkpointing: recompute activations in backward.
         logprob_chunk_size: rows of the fp32 output head computed at once.
+        logprob_temperature: the sampling temperature the rollout used; log-probs are computed
+            under ``softmax(logits / T)`` so they match the rollout's processed log-probs.
         lr / weight_decay / betas / eps: AdamW.
         grad_clip: max global grad norm (None: no clipping, the norm is still returned).
         lr_schedule / warmup_steps / total_steps / min_lr_ratio: learning-rate schedule.
@@ -59,6 +61,7 @@ class EngineConfig:
     micro_batch_size: int = 8
     gradient_checkpointing: bool = False
     logprob_chunk_size: int = 1024
+    logprob_temperature: float = 1.0
     lr: float = 1e-5
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -76,7 +79,14 @@ class EngineConfig:
         check_choice(owner, "strategy", self.strategy, STRATEGIES)
         check_choice(owner, "param_dtype", self.param_dtype, [d for d in DTYPES if d != "float16"])
         check_choice(owner, "lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        for name in ("max_tokens_per_micro_batch", "micro_batch_size", "logprob_chunk_size", "lr", "eps"):
+        for name in (
+            "max_tokens_per_micro_batch",
+            "micro_batch_size",
+            "logprob_chunk_size",
+            "logprob_temperature",
+            "lr",
+            "eps",
+        ):
             check_positive(owner, name, getattr(self, name))
         check_range(owner, "weight_decay", self.weight_decay, low=0.0)
         check_range(owner, "warmup_steps", self.warmup_steps, low=0)

@@ -62,7 +62,7 @@ class TorchTrainEngine:
             model.set_attn_implementation(VARLEN_ATTENTION)
         if config.lora.rank:
             model = apply_lora(model, config.lora)
-        self.module = TokenLogProbModel(model, config.logprob_chunk_size)
+        self.module = TokenLogProbModel(model, config.logprob_chunk_size, config.logprob_temperature)
         self.wrapped = wrap_data_parallel(self.module, config.strategy)
         self.dp_size = data_parallel_size(config.strategy)
         trainable = [p for p in self.module.parameters() if p.requires_grad]

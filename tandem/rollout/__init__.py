@@ -1,0 +1,16 @@
+"""Rollout engines: the native continuous-batching engine and the ``hf`` reference engine."""
+
+from tandem.rollout.base import RolloutEngine
+from tandem.rollout.hf_engine import HFRolloutEngine
+from tandem.rollout.native import NativeEngineConfig, NativeRolloutEngine
+from tandem.rollout.types import Completion, RolloutRequest, SamplingParams
+
+__all__ = [
+    "Completion",
+    "HFRolloutEngine",
+    "NativeEngineConfig",
+    "NativeRolloutEngine",
+    "RolloutEngine",
+    "RolloutRequest",
+    "SamplingParams",
+]

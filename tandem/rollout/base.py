@@ -1,0 +1,49 @@
+"""The ``RolloutEngine`` protocol every generation backend implements."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import Protocol
+
+import torch
+
+from tandem.rollout.types import Completion, RolloutRequest
+
+
+class RolloutEngine(Protocol):
+    """Asynchronous, per-request generation with versioned weight updates.
+
+    ``submit`` queues a request and returns a future of its :class:`Completion` (``generate``
+    is the asyncio form); ``abort`` finishes one early; ``pause(mode)``/``resume`` bracket a
+    weight update (``keep`` in-flight requests, ``abort`` them, or ``wait`` for them);
+    ``update_weights`` loads ``(name, tensor)`` pairs and sets the version later tokens
+    carry; ``sleep``/``wake`` free and restore cache memory; ``reset_prefix_cache`` drops
+    reusable prompt state.
+    """
+
+    version: int
+
+    def submit(self, request: RolloutRequest) -> Future: ...
+
+    async def generate(self, request: RolloutRequest) -> Completion: ...
+
+    def generate_batch(
+        self, requests: Iterable[RolloutRequest], timeout: float | None = None
+    ) -> list[Completion]: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def pause(self, mode: str = "keep") -> None: ...
+
+    def resume(self) -> None: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def close(self) -> None: ...

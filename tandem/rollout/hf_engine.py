@@ -1,0 +1,117 @@
+"""The ``hf`` reference engine: transformers' ``generate``, one request at a time. Slow, simple, the oracle."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from concurrent.futures import Future
+
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from tandem.models.loading import load_model, load_tokenizer
+from tandem.rollout.types import Completion, RolloutRequest
+from tandem.rollout.weights import load_named_tensors
+
+
+class HFRolloutEngine:
+    """Generates with ``model.generate`` per request (no batching, no KV sharing, no prefix cache).
+
+    It implements the same request API as the native engine so tests can compare them;
+    pause/sleep have nothing to hold or free and only track state.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.version = 0
+        self.paused = False
+
+    @staticmethod
+    def from_pretrained(path: str, dtype: str = "float32") -> HFRolloutEngine:
+        return HFRolloutEngine(load_model(path, dtype, attn_implementation="eager"), load_tokenizer(path))
+
+    def submit(self, request: RolloutRequest) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(self._generate(request))
+        except Exception as error:
+            future.set_exception(error)
+        return future
+
+    async def generate(self, request: RolloutRequest) -> Completion:
+        return await asyncio.wrap_future(self.submit(request))
+
+    def generate_batch(
+        self, requests: Iterable[RolloutRequest], timeout: float | None = None
+    ) -> list[Completion]:
+        return [self.submit(r).result(timeout=timeout) for r in requests]
+
+    @torch.inference_mode()
+    def _generate(self, request: RolloutRequest) -> Completion:
+        params = request.params
+        if not request.prompt_ids:
+            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
+        eos = [] if params.ignore_eos else [self.tokenizer.eos_token_id]
+        stop_ids = list(params.stop_token_ids) + eos
+        generator_state = torch.get_rng_state()
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        warpers = LogitsProcessorList()
+        if not params.greedy:
+            warpers.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k:
+                warpers.append(TopKLogitsWarper(params.top_k))
+            if params.top_p < 1:
+                warpers.append(TopPLogitsWarper(params.top_p))
+        output = self.model.generate(
+            torch.tensor([request.prompt_ids]),
+            attention_mask=torch.ones(1, len(request.prompt_ids), dtype=torch.long),
+            do_sample=not params.greedy,
+            max_new_tokens=params.max_tokens,
+            eos_token_id=stop_ids or None,
+            pad_token_id=self.tokenizer.pad_token_id,
+            logits_processor=warpers,
+            output_scores=True,
+            output_logits=True,
+            return_dict_in_generate=True,
+            temperature=None,
+            top_k=None,
+            top_p=None,
+        )
+        torch.set_rng_state(generator_state)
+        tokens = output.sequences[0, len(request.prompt_ids) :].tolist()
+        scores = output.scores if params.logprobs_mode == "processed" else output.logits
+        log_probs = [
+            float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(scores, tokens, strict=False)
+        ]
+        finish = "stop" if tokens and tokens[-1] in stop_ids else "length"
+        return Completion(
+            request.request_id, request.prompt_ids, tokens, log_probs, [self.version] * len(tokens), finish
+        )
+
+    def abort(self, request_id: str) -> bool:
+        return False  # requests finish inside submit(); nothing is ever in flight
+
+    def pause(self, mode: str = "keep") -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        loaded = load_named_tensors(self.model, named_tensors)
+        self.version = version
+        return loaded
+
+    def sleep(self) -> None:
+        """Nothing to free: generate allocates its cache per call."""
+
+    def wake(self) -> None:
+        """Nothing to restore."""
+
+    def reset_prefix_cache(self) -> None:
+        """No prefix cache to reset."""
+
+    def close(self) -> None:
+        """Nothing runs in the background."""

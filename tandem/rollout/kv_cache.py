@@ -1,0 +1,181 @@
+"""A slot-based KV cache and the attention function that reads and writes it.
+
+The cache holds, per layer, ``K, V: [slots, kv_heads, max_len, head_dim]``; each running
+sequence owns one slot. Running sequences are kept in slots ``0..n-1`` (a finished
+sequence's slot is refilled by moving the last one), so batched decode attends over a
+plain slice of the cache without gathering.
+
+The attention function is registered with transformers as ``tandem_kv``: HF's own decoder
+layers compute projections, rotary embeddings and norms, then call it with the step's
+query/key/value; it stores the new keys/values and attends over everything cached. Any
+model family whose attention goes through transformers' attention interface (Llama,
+Qwen2, Qwen3, Mistral, ...) therefore runs unchanged on the same weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+KV_ATTENTION = "tandem_kv"
+
+
+@dataclass(frozen=True)
+class PrefillSegment:
+    """Tokens ``[token_start, token_end)`` of the packed row go to ``slot`` at cache positions ``cache_start...``."""
+
+    token_start: int
+    token_end: int
+    slot: int
+    cache_start: int = 0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Where each token of one packed forward belongs.
+
+    The packed row is all prefill segments, then one decode token per slot ``0..D-1`` (in
+    slot order), decode token ``i`` sitting at cache position ``decode_positions[i]``.
+    """
+
+    cache: SlotKVCache
+    prefill: tuple[PrefillSegment, ...]
+    decode_start: int
+    decode_positions: torch.Tensor  # [D] int64
+
+
+class SlotKVCache:
+    """Per-layer key/value storage for ``num_slots`` sequences of up to ``max_len`` tokens."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.shape = (num_slots, kv_heads, max_len, head_dim)
+        self.num_layers, self.dtype, self.device = num_layers, dtype, device
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.allocate()
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.keys)
+
+    @property
+    def num_slots(self) -> int:
+        return self.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def allocate(self) -> None:
+        self.keys = [
+            torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+        ]
+        self.values = [
+            torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+        ]
+
+    def free(self) -> None:
+        """Release the memory (sleep); :meth:`allocate` brings it back."""
+        self.keys, self.values = [], []
+
+    def move(self, source: int, target: int, length: int) -> None:
+        """Copy the first ``length`` positions of slot ``source`` into slot ``target``, in every layer."""
+        for tensors in (self.keys, self.values):
+            for layer in tensors:
+                layer[target, :, :length] = layer[source, :, :length]
+
+    def read(self, slot: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of slot ``slot``'s first ``length`` positions: per layer ``[kv_heads, length, head_dim]``."""
+        return [k[slot, :, :length].clone() for k in self.keys], [
+            v[slot, :, :length].clone() for v in self.values
+        ]
+
+    def write(self, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Store per-layer ``[kv_heads, n, head_dim]`` tensors at positions ``0..n-1`` of ``slot``."""
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            self.keys[layer][slot, :, : k.shape[1]] = k
+            self.values[layer][slot, :, : v.shape[1]] = v
+
+
+def cached_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    tandem_plan: StepPlan | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Store this step's keys/values in the cache and attend over each sequence's cached tokens.
+
+    Shapes: ``query [1, H, T, D]``, ``key, value [1, H_kv, T, D]`` -> ``[1, T, H, D]``.
+    """
+    if tandem_plan is None:
+        raise ValueError(
+            f"{KV_ATTENTION} attention needs a tandem_plan (it only runs inside the rollout engine)"
+        )
+    cache, layer = tandem_plan.cache, module.layer_idx
+    cache_k, cache_v = cache.keys[layer], cache.values[layer]
+    gqa = key.shape[1] != query.shape[1]
+    out = torch.empty_like(query)
+    for seg in tandem_plan.prefill:
+        n = seg.token_end - seg.token_start
+        end = seg.cache_start + n
+        cache_k[seg.slot, :, seg.cache_start : end] = key[0, :, seg.token_start : seg.token_end]
+        cache_v[seg.slot, :, seg.cache_start : end] = value[0, :, seg.token_start : seg.token_end]
+        q = query[:, :, seg.token_start : seg.token_end]
+        k, v = cache_k[seg.slot : seg.slot + 1, :, :end], cache_v[seg.slot : seg.slot + 1, :, :end]
+        if seg.cache_start == 0:
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:
+            visible = torch.arange(end, device=q.device) <= (
+                seg.cache_start + torch.arange(n, device=q.device)
+            ).unsqueeze(-1)
+            attended = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=visible, scale=scaling, enable_gqa=gqa
+            )
+        out[:, :, seg.token_start : seg.token_end] = attended
+    positions = tandem_plan.decode_positions
+    count = int(positions.numel())
+    if count:
+        start = tandem_plan.decode_start
+        slots = torch.arange(count, device=positions.device)
+        # [1, H_kv, D_tok, d] -> [D_tok, H_kv, d], written at (slot i, position_i)
+        cache_k[slots, :, positions] = key[0, :, start : start + count].transpose(0, 1)
+        cache_v[slots, :, positions] = value[0, :, start : start + count].transpose(0, 1)
+        length = int(positions.max()) + 1
+        visible = (torch.arange(length, device=positions.device) <= positions.unsqueeze(-1)).view(
+            count, 1, 1, length
+        )
+        q = query[0, :, start : start + count].transpose(0, 1).unsqueeze(2)  # [D_tok, H, 1, d]
+        attended = F.scaled_dot_product_attention(
+            q,
+            cache_k[:count, :, :length],
+            cache_v[:count, :, :length],
+            attn_mask=visible,
+            scale=scaling,
+            enable_gqa=gqa,
+        )
+        out[0, :, start : start + count] = attended.squeeze(2).transpose(0, 1)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(KV_ATTENTION, cached_attention)

@@ -1,0 +1,479 @@
+"""The native rollout engine: continuous batching over a slot KV cache, exact processed log-probs.
+
+Each :meth:`NativeRolloutEngine.step` runs ONE forward pass over a packed row holding the
+prompts of newly admitted requests (prefill) followed by one token of every running
+request (decode). New requests join at every step and finished ones leave at once. A
+prompt shared by several requests (the n samples of a GRPO group) is computed once: its
+keys/values and last hidden state go to a prefix cache keyed by (weight version, prompt)
+and are copied into the other requests' slots.
+
+The output head runs in fp32 (``hidden.float() @ W.float().T``), the same computation the
+trainer uses, and each token's log-probability comes from the distribution it was drawn
+from. Every token records the weight version it was sampled under; prefix-cache entries
+of an older version are never used (they are dropped on every weight update).
+
+Threading: one background thread runs steps; the public methods are thread-safe and the
+async ones (:meth:`generate`) integrate with asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.config.validation import check_choice, check_positive
+from tandem.models.loading import load_model, load_tokenizer, resolve_dtype
+from tandem.rollout.kv_cache import KV_ATTENTION, PrefillSegment, SlotKVCache, StepPlan
+from tandem.rollout.sampling import processed_logits, sample_tokens
+from tandem.rollout.types import Completion, RolloutRequest
+from tandem.rollout.weights import load_named_tensors
+
+PAUSE_MODES = ("keep", "abort", "wait")
+
+
+@dataclass(frozen=True)
+class NativeEngineConfig:
+    """Sizes and limits of the native engine.
+
+    Attributes:
+        max_num_seqs: KV-cache slots = most requests running at once (admission waits beyond).
+        max_model_len: longest prompt + response in tokens.
+        max_prefill_tokens: most prompt tokens admitted into one step.
+        dtype: model and KV-cache dtype (the head is fp32 regardless).
+        prefix_cache_entries: prompts whose KV stays cached for reuse (0: only within a step).
+        seed: seeds the random streams of requests that bring no seed of their own.
+    """
+
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    max_prefill_tokens: int = 8192
+    dtype: str = "float32"
+    prefix_cache_entries: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_model_len", "max_prefill_tokens"):
+            check_positive("rollout", name, getattr(self, name))
+        check_choice("rollout", "dtype", self.dtype, ["float32", "bfloat16", "float16"])
+
+
+@dataclass
+class _Sequence:
+    request: RolloutRequest
+    future: Future
+    generator: torch.Generator
+    completion: Completion
+    slot: int = -1
+    cached_len: int = 0  # tokens whose keys/values are in the cache
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt_ids
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt) + len(self.completion.token_ids)
+
+
+@dataclass
+class _PrefixEntry:
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    last_hidden: torch.Tensor
+
+
+@dataclass
+class EngineStats:
+    """Counters for monitoring (the HTTP server's ``/metrics``)."""
+
+    steps: int = 0
+    generated_tokens: int = 0
+    prefilled_tokens: int = 0
+    prefix_hits: int = 0
+    finished: dict[str, int] = field(default_factory=collections.Counter)
+
+
+class NativeRolloutEngine:
+    """Continuous-batching generation for HF decoder-only models (see the module docstring).
+
+    Args:
+        model: an HF causal LM (its attention implementation is switched to ``tandem_kv``).
+        tokenizer: its tokenizer (EOS and stop strings).
+        config: sizes and limits.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer, config: NativeEngineConfig | None = None) -> None:
+        self.config = config or NativeEngineConfig()
+        self.model = model.to(resolve_dtype(self.config.dtype)).eval()
+        self.model.set_attn_implementation(KV_ATTENTION)
+        self.tokenizer = tokenizer
+        hf = self.model.config
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.eos_ids = {i for i in _as_list(hf.eos_token_id) + [tokenizer.eos_token_id] if i is not None}
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.cache = SlotKVCache(
+            hf.num_hidden_layers,
+            self.config.max_num_seqs,
+            hf.num_key_value_heads,
+            self.config.max_model_len,
+            head_dim,
+            resolve_dtype(self.config.dtype),
+            next(self.model.parameters()).device,
+        )
+        self.version = 0
+        self.stats = EngineStats()
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._running: list[_Sequence] = []  # index == KV slot
+        self._prefix: collections.OrderedDict[tuple, _PrefixEntry] = collections.OrderedDict()
+        self._seed_counter = itertools.count()
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self._paused = False
+        self._asleep = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def from_pretrained(path: str, config: NativeEngineConfig | None = None) -> NativeRolloutEngine:
+        """An engine over the HF model and tokenizer saved in ``path``."""
+        config = config or NativeEngineConfig()
+        return NativeRolloutEngine(load_model(path, config.dtype), load_tokenizer(path), config)
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, request: RolloutRequest) -> Future:
+        """Queue ``request``; the future resolves to its :class:`Completion`.
+
+        A bad request (empty or over-long prompt, unknown token ids, a duplicate id) fails its
+        own future with ``ValueError``; the engine keeps serving the others.
+        """
+        future: Future = Future()
+        problem = self._validate(request)
+        if problem:
+            future.set_exception(ValueError(f"request {request.request_id!r}: {problem}"))
+            return future
+        params = request.params
+        seed = (
+            params.seed
+            if params.seed is not None
+            else self.config.seed * 1_000_003 + next(self._seed_counter)
+        )
+        sequence = _Sequence(
+            request,
+            future,
+            torch.Generator().manual_seed(seed),
+            Completion(request.request_id, request.prompt_ids),
+        )
+        with self._lock:
+            if any(
+                s.request.request_id == request.request_id
+                for s in itertools.chain(self._waiting, self._running)
+            ):
+                future.set_exception(
+                    ValueError(f"request {request.request_id!r}: this id is already in flight")
+                )
+                return future
+            self._waiting.append(sequence)
+            self._ensure_thread()
+            self._wake.notify_all()
+        return future
+
+    def _validate(self, request: RolloutRequest) -> str | None:
+        prompt = request.prompt_ids
+        if not prompt:
+            return "the prompt is empty"
+        if len(prompt) >= self.config.max_model_len:
+            return f"the prompt has {len(prompt)} tokens; the context limit is {self.config.max_model_len}"
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            return f"unknown token ids {bad[:5]} (the vocabulary has {self.vocab_size})"
+        return None
+
+    async def generate(self, request: RolloutRequest) -> Completion:
+        """Generate one response (asyncio)."""
+        return await asyncio.wrap_future(self.submit(request))
+
+    def generate_batch(
+        self, requests: Iterable[RolloutRequest], timeout: float | None = None
+    ) -> list[Completion]:
+        """Submit all requests and wait for every completion, in request order."""
+        futures = [self.submit(r) for r in requests]
+        return [f.result(timeout=timeout) for f in futures]
+
+    def abort(self, request_id: str) -> bool:
+        """Finish ``request_id`` now with reason ``abort`` (tokens so far are kept); False if unknown."""
+        with self._lock:
+            for sequence in list(self._waiting):
+                if sequence.request.request_id == request_id:
+                    self._waiting.remove(sequence)
+                    self._finish(sequence, "abort")
+                    return True
+            for sequence in self._running:
+                if sequence.request.request_id == request_id:
+                    self._release(sequence, "abort")
+                    return True
+        return False
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ------------------------------------------------------------------ control
+    def pause(self, mode: str = "keep") -> None:
+        """Stop generating. ``keep``: in-flight requests stay and continue after :meth:`resume`;
+        ``abort``: they finish now with reason ``abort``; ``wait``: stop admitting and return once
+        the running ones have finished. Queued requests stay queued in every mode."""
+        check_choice("pause", "mode", mode, PAUSE_MODES)
+        with self._lock:
+            if mode == "abort":
+                for sequence in list(self._running):
+                    self._release(sequence, "abort")
+            if mode == "wait":
+                self._draining = True
+                while self._running and not self._closed:
+                    self._wake.wait(timeout=0.05)
+                self._draining = False
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = False
+            self._wake.notify_all()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """Load new weights (HF names) while paused or idle; later tokens carry ``version``.
+
+        Returns the number of tensors loaded. The prefix cache is emptied: no entry computed
+        under the old weights can be reused.
+        """
+        with self._lock:
+            if self._running and not self._paused:
+                raise RuntimeError("update_weights needs the engine paused (pause()) or idle")
+            if version <= self.version:
+                raise ValueError(f"weight version must increase: got {version}, current {self.version}")
+            loaded = load_named_tensors(self.model, named_tensors)
+            self.version = version
+            self._prefix.clear()
+            return loaded
+
+    def reset_prefix_cache(self) -> None:
+        with self._lock:
+            self._prefix.clear()
+
+    def sleep(self) -> None:
+        """Free the KV cache and the prefix cache (colocated training needs the memory); needs no running request."""
+        with self._lock:
+            if self._running:
+                raise RuntimeError(
+                    f"sleep needs no running requests ({len(self._running)} are); pause(mode='abort' or 'wait') first"
+                )
+            self.cache.free()
+            self._prefix.clear()
+            self._asleep = True
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._asleep:
+                self.cache.allocate()
+                self._asleep = False
+                self._wake.notify_all()
+
+    def close(self) -> None:
+        """Stop the background thread; pending requests are aborted."""
+        with self._lock:
+            self._closed = True
+            for sequence in list(self._running):
+                self._release(sequence, "abort")
+            while self._waiting:
+                self._finish(self._waiting.popleft(), "abort")
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ the loop
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="tandem-rollout", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                if self._paused or self._asleep or not (self._running or self._waiting):
+                    self._wake.wait(timeout=0.5)
+                    continue
+                try:
+                    self.step()
+                except Exception as error:  # a broken step fails its requests, never the thread silently
+                    for sequence in list(self._running):
+                        self._release(sequence, "error", f"{type(error).__name__}: {error}")
+                self._wake.notify_all()
+            time.sleep(0)  # let API callers take the lock between steps
+
+    _draining = False
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Admit what fits, run one packed forward (prefill + decode), sample, retire finished requests."""
+        old = list(self._running)
+        admitted = [] if self._draining else self._admit()
+        segments, copies, hidden_rows, cursor = [], [], {}, 0
+        prefill_ids, prefill_pos = [], []
+        for sequence in admitted:
+            entry = self._prefix.get((self.version, sequence.prompt))
+            if entry is not None:
+                self._prefix.move_to_end((self.version, sequence.prompt))
+                self.cache.write(sequence.slot, entry.keys, entry.values)
+                hidden_rows[id(sequence)] = entry.last_hidden
+                self.stats.prefix_hits += 1
+            elif (first := next((s for s in segments if s[0].prompt == sequence.prompt), None)) is not None:
+                copies.append((sequence, first[0]))
+            else:
+                n = len(sequence.prompt)
+                segments.append((sequence, PrefillSegment(cursor, cursor + n, sequence.slot)))
+                prefill_ids.extend(sequence.prompt)
+                prefill_pos.extend(range(n))
+                cursor += n
+            sequence.cached_len = len(sequence.prompt)
+        decode_ids = [s.completion.token_ids[-1] for s in old]
+        decode_pos = [s.cached_len for s in old]
+        tokens = prefill_ids + decode_ids
+        if tokens:
+            plan = StepPlan(
+                self.cache,
+                tuple(seg for _, seg in segments),
+                cursor,
+                torch.tensor(decode_pos, dtype=torch.long),
+            )
+            input_ids = torch.tensor([tokens], dtype=torch.long)
+            position_ids = torch.tensor([prefill_pos + decode_pos], dtype=torch.long)
+            hidden = self._decoder()(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, tandem_plan=plan
+            ).last_hidden_state[0]
+            for sequence, seg in segments:
+                hidden_rows[id(sequence)] = hidden[seg.token_end - 1]
+                self._remember_prefix(sequence, hidden[seg.token_end - 1])
+            for i, sequence in enumerate(old):
+                hidden_rows[id(sequence)] = hidden[cursor + i]
+                sequence.cached_len += 1
+            self.stats.prefilled_tokens += cursor
+        for sequence, source in copies:
+            self.cache.move(source.slot, sequence.slot, len(sequence.prompt))
+            hidden_rows[id(sequence)] = hidden_rows[id(source)]
+        batch = admitted + old
+        if batch:
+            self._sample_and_append(batch, torch.stack([hidden_rows[id(s)] for s in batch]))
+        self.stats.steps += 1
+
+    def _decoder(self) -> torch.nn.Module:
+        return self.model.get_decoder()
+
+    def _admit(self) -> list[_Sequence]:
+        admitted, prompt_tokens = [], 0
+        while self._waiting and len(self._running) < self.config.max_num_seqs:
+            sequence = self._waiting[0]
+            if admitted and prompt_tokens + len(sequence.prompt) > self.config.max_prefill_tokens:
+                break
+            self._waiting.popleft()
+            sequence.slot = len(self._running)
+            self._running.append(sequence)
+            admitted.append(sequence)
+            prompt_tokens += len(sequence.prompt)
+        return admitted
+
+    def _remember_prefix(self, sequence: _Sequence, last_hidden: torch.Tensor) -> None:
+        if self.config.prefix_cache_entries <= 0:
+            return
+        keys, values = self.cache.read(sequence.slot, len(sequence.prompt))
+        self._prefix[(self.version, sequence.prompt)] = _PrefixEntry(keys, values, last_hidden.clone())
+        while len(self._prefix) > self.config.prefix_cache_entries:
+            self._prefix.popitem(last=False)
+
+    def _sample_and_append(self, batch: list[_Sequence], hidden: torch.Tensor) -> None:
+        weight = self.model.get_output_embeddings().weight
+        logits = hidden.float() @ weight.float().t()  # fp32 head, as in the trainer
+        params = [s.request.params for s in batch]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        greedy = temperature == 0
+        processed = processed_logits(logits, temperature, top_k, top_p)
+        uniforms = torch.stack(
+            [
+                torch.rand(logits.shape[-1], generator=s.generator)
+                if not g
+                else torch.full((logits.shape[-1],), 0.5)
+                for s, g in zip(batch, greedy.tolist(), strict=True)
+            ]
+        )
+        tokens = sample_tokens(processed, greedy, uniforms)
+        processed_lp = torch.log_softmax(processed, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        need_raw = any(p.logprobs_mode == "raw" for p in params)
+        raw_lp = (
+            torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            if need_raw
+            else processed_lp
+        )
+        for i, sequence in enumerate(batch):
+            token = int(tokens[i])
+            completion = sequence.completion
+            completion.token_ids.append(token)
+            completion.log_probs.append(
+                float(raw_lp[i] if params[i].logprobs_mode == "raw" else processed_lp[i])
+            )
+            completion.weight_versions.append(self.version)
+            self.stats.generated_tokens += 1
+            reason = self._stop_reason(sequence, token)
+            if reason:
+                self._release(sequence, reason)
+
+    def _stop_reason(self, sequence: _Sequence, token: int) -> str | None:
+        params = sequence.request.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
+            return "stop"
+        if params.stop:
+            tail = self.tokenizer.decode(sequence.completion.token_ids[-64:])
+            if any(s in tail for s in params.stop):
+                return "stop"
+        if (
+            len(sequence.completion.token_ids) >= params.max_tokens
+            or sequence.total_len >= self.config.max_model_len
+        ):
+            return "length"
+        return None
+
+    def _release(self, sequence: _Sequence, reason: str, error: str | None = None) -> None:
+        """Retire a running sequence and keep slots compact: the last slot moves into the freed one."""
+        slot = sequence.slot
+        last = self._running.pop()
+        if last is not sequence:
+            self.cache.move(last.slot, slot, last.cached_len)
+            last.slot = slot
+            self._running[slot] = last
+        self._finish(sequence, reason, error)
+
+    def _finish(self, sequence: _Sequence, reason: str, error: str | None = None) -> None:
+        sequence.completion.finish_reason = reason
+        sequence.completion.error = error
+        self.stats.finished[reason] += 1
+        if not sequence.future.done():
+            sequence.future.set_result(sequence.completion)
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]

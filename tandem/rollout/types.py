@@ -1,0 +1,85 @@
+"""Requests, sampling parameters and completions exchanged with a rollout engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tandem.config.validation import check_choice, check_range
+
+LOGPROBS_MODES = ("processed", "raw")
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one response.
+
+    Attributes:
+        temperature: divides the logits; 0 means greedy.
+        top_k: keep the k most likely tokens (0: all).
+        top_p: keep the smallest set of tokens whose probability reaches p (1: all).
+        max_tokens: most new tokens to generate.
+        stop_token_ids: tokens that end the response (kept in it); EOS is added unless ``ignore_eos``.
+        stop: strings that end the response once the decoded text contains one.
+        ignore_eos: keep generating through EOS (fixed-length benchmarks).
+        seed: per-request seed; the same seed gives the same tokens whatever else runs.
+        logprobs_mode: ``processed`` — the log-probability under the distribution actually
+            sampled from (after temperature, top-k, top-p; for greedy, the unscaled
+            distribution) — or ``raw``, the model's unscaled log-softmax.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs_mode: str = "processed"
+
+    def __post_init__(self) -> None:
+        owner = "sampling"
+        check_range(owner, "temperature", self.temperature, low=0.0)
+        check_range(owner, "top_k", self.top_k, low=0)
+        check_range(owner, "top_p", self.top_p, 0.0, 1.0, low_inclusive=False)
+        check_range(owner, "max_tokens", self.max_tokens, low=1)
+        check_choice(owner, "logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"{owner}.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One prompt to complete: token ids, sampling parameters and a unique id."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Completion:
+    """A finished request.
+
+    Attributes:
+        token_ids: the response tokens (a stop token is included, padding never).
+        log_probs: one per response token, under ``logprobs_mode``.
+        weight_versions: the policy version each response token was sampled under.
+        finish_reason: ``stop`` (EOS/stop token/stop string), ``length`` (max_tokens or the
+            context limit), ``abort`` or ``error``.
+        error: the message when ``finish_reason == "error"``.
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    token_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
