@@ -32,7 +32,7 @@ import torch
 from tandem.config.validation import check_choice, check_positive
 from tandem.models.loading import load_model, load_tokenizer, resolve_dtype
 from tandem.rollout.kv_cache import KV_ATTENTION, PrefillSegment, SlotKVCache, StepPlan
-from tandem.rollout.sampling import processed_logits, sample_tokens
+from tandem.rollout.sampling import counter_uniforms, processed_logits, sample_tokens
 from tandem.rollout.types import Completion, RolloutRequest
 from tandem.rollout.weights import load_named_tensors
 
@@ -69,7 +69,7 @@ class NativeEngineConfig:
 class _Sequence:
     request: RolloutRequest
     future: Future
-    generator: torch.Generator
+    seed: int
     completion: Completion
     slot: int = -1
     cached_len: int = 0  # tokens whose keys/values are in the cache
@@ -168,7 +168,7 @@ class NativeRolloutEngine:
         sequence = _Sequence(
             request,
             future,
-            torch.Generator().manual_seed(seed),
+            seed,
             Completion(request.request_id, request.prompt_ids),
         )
         with self._lock:
@@ -411,34 +411,26 @@ class NativeRolloutEngine:
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
         greedy = temperature == 0
         processed = processed_logits(logits, temperature, top_k, top_p)
-        uniforms = torch.stack(
-            [
-                torch.rand(logits.shape[-1], generator=s.generator)
-                if not g
-                else torch.full((logits.shape[-1],), 0.5)
-                for s, g in zip(batch, greedy.tolist(), strict=True)
-            ]
-        )
-        tokens = sample_tokens(processed, greedy, uniforms)
-        processed_lp = torch.log_softmax(processed, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        seeds = torch.tensor([s.seed for s in batch], dtype=torch.int64)
+        steps = torch.tensor([len(s.completion.token_ids) for s in batch], dtype=torch.int64)
+        tokens = sample_tokens(processed, greedy, counter_uniforms(seeds, steps, logits.shape[-1]))
+        picked = tokens.unsqueeze(-1)
+        processed_lp = torch.log_softmax(processed, -1).gather(-1, picked).squeeze(-1).tolist()
         need_raw = any(p.logprobs_mode == "raw" for p in params)
         raw_lp = (
-            torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            torch.log_softmax(logits, -1).gather(-1, picked).squeeze(-1).tolist()
             if need_raw
             else processed_lp
         )
-        for i, sequence in enumerate(batch):
-            token = int(tokens[i])
+        for i, (sequence, token) in enumerate(zip(batch, tokens.tolist(), strict=True)):
             completion = sequence.completion
             completion.token_ids.append(token)
-            completion.log_probs.append(
-                float(raw_lp[i] if params[i].logprobs_mode == "raw" else processed_lp[i])
-            )
+            completion.log_probs.append(raw_lp[i] if params[i].logprobs_mode == "raw" else processed_lp[i])
             completion.weight_versions.append(self.version)
-            self.stats.generated_tokens += 1
             reason = self._stop_reason(sequence, token)
             if reason:
                 self._release(sequence, reason)
+        self.stats.generated_tokens += len(batch)
 
     def _stop_reason(self, sequence: _Sequence, token: int) -> str | None:
         params = sequence.request.params

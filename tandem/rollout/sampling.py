@@ -40,6 +40,42 @@ def processed_logits(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def _to_signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _to_signed(0x9E3779B97F4A7C15)
+_MIX1 = _to_signed(0xBF58476D1CE4E5B9)
+_MIX2 = _to_signed(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical (unsigned) right shift of int64 values."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """The SplitMix64 step (Steele et al. 2014) on int64 tensors; multiplication wraps mod 2^64 as uint64 does."""
+    x = x + _GOLDEN
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def counter_uniforms(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniforms in (0, 1) that depend only on (seed, step, token index): a counter-based stream.
+
+    SplitMix64 applied to the seed, then the step, then the token index, so each request's
+    draws are reproducible whatever else is in the batch and a whole batch is drawn in one
+    vectorised operation. Shapes: ``seeds [B], steps [B]`` int64 -> ``[B, V]`` float32.
+    """
+    key = _splitmix64(_splitmix64(seeds) ^ steps)
+    index = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    x = _splitmix64(key.unsqueeze(-1) ^ _splitmix64(index))
+    mantissa = _shift_right(x, 11)  # the top 53 bits
+    return ((mantissa.double() + 0.5) / float(1 << 53)).float()
+
+
 def sample_tokens(processed: torch.Tensor, greedy: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Draw one token per row from ``softmax(processed)`` (Gumbel-max with the given uniforms), or argmax.
 

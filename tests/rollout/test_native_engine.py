@@ -409,3 +409,23 @@ def test_bad_requests_fail_alone(qwen2_dir):
             engine.update_weights(perturbed_weights(qwen2_dir), version=5)
     finally:
         engine.close()
+
+
+def test_counter_uniforms_are_uniform_and_depend_only_on_their_counters():
+    from tandem.rollout.sampling import counter_uniforms
+
+    seeds = torch.tensor([1, 2, 3, 1], dtype=torch.int64)
+    steps = torch.tensor([0, 0, 0, 0], dtype=torch.int64)
+    draws = counter_uniforms(seeds, steps, 50_000)
+    assert torch.equal(draws[0], draws[3]) and not torch.equal(draws[0], draws[1])
+    assert torch.equal(counter_uniforms(seeds[:1], steps[:1], 50_000)[0], draws[0])  # batch-independent
+    assert not torch.equal(counter_uniforms(seeds[:1], steps[:1] + 1, 50_000)[0], draws[0])
+    flat = draws[:3].flatten().double()
+    assert float(flat.min()) > 0 and float(flat.max()) < 1
+    histogram = torch.histc(flat, bins=20, min=0, max=1)
+    expected = flat.numel() / 20
+    chi2 = float(((histogram - expected) ** 2 / expected).sum())
+    assert chi2 < 19 + 5 * math.sqrt(38), chi2
+    assert (
+        abs(float(torch.corrcoef(torch.stack([flat[:-1], flat[1:]]))[0, 1])) < 0.01
+    )  # neighbours uncorrelated

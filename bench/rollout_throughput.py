@@ -1,0 +1,175 @@
+"""Generated tokens/s: the native rollout engine vs HF ``generate`` (static batches, the path TRL uses on CPU).
+
+Same model, prompts, dtype (fp32) and sampling (temperature 1, no top-k/top-p) for both.
+Workloads:
+
+* fixed: 64 new tokens per request ignoring EOS, at batch 1, 16, 64 and 256 (prompts of 32 tokens);
+* grpo: 32 prompts x n=8 samples, sampling until EOS with up to 512 new tokens — a randomly
+  initialised model already gives long-tailed response lengths.
+
+Model sizes: ``tiny`` (~3M parameters) and ``small`` (~25M). Each number is the median of
+``--repeats`` timed runs after a warm-up; ratios come from the same run. For the small model
+the achieved FLOP/s (2 x parameters x tokens/s, attention ignored) is printed as a fraction of
+a plain fp32 matmul's FLOP/s measured in the same run. vLLM's CPU build is not installed
+here, so its column is left out (see docs/benchmarks.md).
+
+    python bench/rollout_throughput.py [--sizes tiny,small] [--workloads fixed,grpo] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from tandem.models import TinyModelConfig, load_model, load_tokenizer, save_tiny_model
+from tandem.rollout import NativeEngineConfig, NativeRolloutEngine, RolloutRequest, SamplingParams
+
+SIZES = {
+    "tiny": TinyModelConfig(
+        family="qwen2", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768
+    ),
+    "small": TinyModelConfig(
+        family="qwen2", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536
+    ),
+}
+
+
+def prompts(count: int, length: int, seed: int) -> list[tuple[int, ...]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(6, 103, (length,), generator=gen).tolist()) for _ in range(count)]
+
+
+def native_run(
+    engine: NativeRolloutEngine, batch: list[tuple[int, ...]], max_tokens: int, ignore_eos: bool, run: int
+) -> int:
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    requests = [RolloutRequest(f"{run}-{i}", p, params) for i, p in enumerate(batch)]
+    return sum(len(c.token_ids) for c in engine.generate_batch(requests, timeout=3600))
+
+
+@torch.inference_mode()
+def hf_run(model, tokenizer, batch: list[tuple[int, ...]], max_tokens: int, ignore_eos: bool) -> int:
+    width = max(len(p) for p in batch)
+    ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(batch):  # left padding, as generate expects
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens if ignore_eos else 0,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    generated = out[:, width:]
+    if ignore_eos:
+        return generated.numel()
+    ended = generated == tokenizer.eos_token_id
+    lengths = torch.where(
+        ended.any(-1), ended.float().argmax(-1) + 1, torch.full((len(batch),), generated.shape[1])
+    )
+    return int(lengths.sum())
+
+
+def median_rate(fn, repeats: int, warmup=None) -> tuple[float, list[float]]:
+    (warmup or fn)(-1)  # warm-up (a short run where the full one takes minutes)
+    rates = []
+    for run in range(repeats):
+        start = time.perf_counter()
+        tokens = fn(run)
+        rates.append(tokens / (time.perf_counter() - start))
+    return statistics.median(rates), rates
+
+
+def matmul_flops(size: int = 1024, repeats: int = 20) -> float:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def bench_size(size: str, args: argparse.Namespace, workdir: str) -> None:
+    """Every requested workload on one model size."""
+    path = save_tiny_model(f"{workdir}/{size}", SIZES[size])
+    hf_model, tokenizer = load_model(path).eval(), load_tokenizer(path)
+    params = sum(p.numel() for p in hf_model.parameters())
+    engine = NativeRolloutEngine.from_pretrained(
+        str(path), NativeEngineConfig(max_num_seqs=256, max_model_len=640)
+    )
+    print(f"\n== {size}: {params / 1e6:.1f}M parameters")
+    native_rates = []
+    if "fixed" in args.workloads:
+        for batch_size in [int(b) for b in args.batches.split(",")]:
+            batch = prompts(batch_size, 32, seed=batch_size)
+            ours, _ = median_rate(lambda run, b=batch: native_run(engine, b, 64, True, run), args.repeats)
+            theirs, _ = median_rate(
+                lambda run, b=batch: hf_run(hf_model, tokenizer, b, 64, True), args.repeats
+            )
+            native_rates.append(ours)
+            print(
+                f"fixed 64 tokens, batch {batch_size:4d}: native {ours:9,.0f} tok/s  hf generate {theirs:9,.0f} tok/s  ratio {ours / theirs:5.2f}x"
+            )
+    if "grpo" in args.workloads:
+        group = [p for p in prompts(32, 32, seed=7) for _ in range(8)]
+        lengths = []
+
+        def native_grpo(run: int) -> int:  # the response lengths of every timed run are collected
+            params = SamplingParams(temperature=1.0, max_tokens=512)
+            done = engine.generate_batch(
+                [RolloutRequest(f"g{run}-{i}", p, params) for i, p in enumerate(group)], timeout=3600
+            )
+            lengths.extend(len(c.token_ids) for c in done)
+            return sum(len(c.token_ids) for c in done)
+
+        short = prompts(16, 32, seed=1)
+        ours, _ = median_rate(native_grpo, args.repeats, lambda run: native_run(engine, short, 8, True, run))
+        lengths.clear()
+        theirs, _ = median_rate(
+            lambda run: hf_run(hf_model, tokenizer, group, 512, False),
+            args.repeats,
+            lambda run: hf_run(hf_model, tokenizer, short, 8, True),
+        )
+        native_rates.append(ours)
+        lengths_t = torch.tensor(lengths, dtype=torch.float)
+        print(
+            f"grpo 32x8 until EOS (<=512): native {ours:9,.0f} tok/s  hf generate {theirs:9,.0f} tok/s  ratio {ours / theirs:5.2f}x"
+            f"  (response lengths median {int(lengths_t.median())}, mean {lengths_t.mean():.0f}, max {int(lengths_t.max())})"
+        )
+    if size == "small" and native_rates:
+        peak = matmul_flops()
+        best = max(native_rates)
+        print(
+            f"small model: {2 * params * best / 1e9:.2f} GFLOP/s at its best rate = {2 * params * best / peak:.1%} of a 1024^3 fp32 matmul ({peak / 1e9:.1f} GFLOP/s)"
+        )
+    engine.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="tiny,small")
+    parser.add_argument("--workloads", default="fixed,grpo")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batches", default="1,16,64,256")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    workdir = tempfile.mkdtemp()
+    print(f"{args.threads} threads, fp32, median of {args.repeats} runs after a warm-up")
+    for size in args.sizes.split(","):
+        bench_size(size, args, workdir)
+
+
+if __name__ == "__main__":
+    main()
