@@ -135,7 +135,6 @@ def bench_size(size: str, args: argparse.Namespace, workdir: str) -> None:
 
         short = prompts(16, 32, seed=1)
         ours, _ = median_rate(native_grpo, args.repeats, lambda run: native_run(engine, short, 8, True, run))
-        lengths.clear()
         theirs, _ = median_rate(
             lambda run: hf_run(hf_model, tokenizer, group, 512, False),
             args.repeats,

@@ -148,7 +148,7 @@ class NativeRolloutEngine:
         return NativeRolloutEngine(load_model(path, config.dtype), load_tokenizer(path), config)
 
     # ------------------------------------------------------------------ requests
-    def submit(self, request: RolloutRequest) -> Future:
+    def submit(self, request: RolloutRequest, start_loop: bool = True) -> Future:
         """Queue ``request``; the future resolves to its :class:`Completion`.
 
         A bad request (empty or over-long prompt, unknown token ids, a duplicate id) fails its
@@ -181,7 +181,8 @@ class NativeRolloutEngine:
                 )
                 return future
             self._waiting.append(sequence)
-            self._ensure_thread()
+            if start_loop:
+                self._ensure_thread()
             self._wake.notify_all()
         return future
 
@@ -203,9 +204,26 @@ class NativeRolloutEngine:
     def generate_batch(
         self, requests: Iterable[RolloutRequest], timeout: float | None = None
     ) -> list[Completion]:
-        """Submit all requests and wait for every completion, in request order."""
-        futures = [self.submit(r) for r in requests]
-        return [f.result(timeout=timeout) for f in futures]
+        """Submit all requests and wait for every completion, in request order.
+
+        When no background loop is running, the steps run on the calling thread: compute then
+        stays on one thread (one OpenMP team on CPU), which is what a synchronous trainer wants.
+        """
+        if self._thread is not None and self._thread.is_alive():
+            futures = [self.submit(r) for r in requests]
+            return [f.result(timeout=timeout) for f in futures]
+        futures = [self.submit(r, start_loop=False) for r in requests]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not all(f.done() for f in futures):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"generate_batch did not finish within {timeout} s")
+            with self._lock:
+                if self._paused or self._asleep:
+                    raise RuntimeError(
+                        "generate_batch cannot make progress while the engine is paused or asleep"
+                    )
+                self._step_or_fail()
+        return [f.result() for f in futures]
 
     def abort(self, request_id: str) -> bool:
         """Finish ``request_id`` now with reason ``abort`` (tokens so far are kept); False if unknown."""
@@ -315,15 +333,18 @@ class NativeRolloutEngine:
                 if self._paused or self._asleep or not (self._running or self._waiting):
                     self._wake.wait(timeout=0.5)
                     continue
-                try:
-                    self.step()
-                except Exception as error:  # a broken step fails its requests, never the thread silently
-                    for sequence in list(self._running):
-                        self._release(sequence, "error", f"{type(error).__name__}: {error}")
+                self._step_or_fail()
                 self._wake.notify_all()
             time.sleep(0)  # let API callers take the lock between steps
 
     _draining = False
+
+    def _step_or_fail(self) -> None:
+        try:
+            self.step()
+        except Exception as error:  # a broken step fails its requests, never the loop silently
+            for sequence in list(self._running):
+                self._release(sequence, "error", f"{type(error).__name__}: {error}")
 
     @torch.inference_mode()
     def step(self) -> None:
