@@ -352,6 +352,7 @@ class NativeRolloutEngine:
         old = list(self._running)
         admitted = [] if self._draining else self._admit()
         segments, copies, hidden_rows, cursor = [], [], {}, 0
+        prefilling: dict[tuple[int, ...], _Sequence] = {}
         prefill_ids, prefill_pos = [], []
         for sequence in admitted:
             entry = self._prefix.get((self.version, sequence.prompt))
@@ -360,9 +361,10 @@ class NativeRolloutEngine:
                 self.cache.write(sequence.slot, entry.keys, entry.values)
                 hidden_rows[id(sequence)] = entry.last_hidden
                 self.stats.prefix_hits += 1
-            elif (first := next((s for s in segments if s[0].prompt == sequence.prompt), None)) is not None:
-                copies.append((sequence, first[0]))
+            elif sequence.prompt in prefilling:  # same prompt as another request in this step
+                copies.append((sequence, prefilling[sequence.prompt]))
             else:
+                prefilling[sequence.prompt] = sequence
                 n = len(sequence.prompt)
                 segments.append((sequence, PrefillSegment(cursor, cursor + n, sequence.slot)))
                 prefill_ids.extend(sequence.prompt)
