@@ -137,6 +137,7 @@ class NativeRolloutEngine:
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._paused = False
+        self._draining = False  # pause('wait'): finish running requests, admit none
         self._asleep = False
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -336,8 +337,6 @@ class NativeRolloutEngine:
                 self._step_or_fail()
                 self._wake.notify_all()
             time.sleep(0)  # let API callers take the lock between steps
-
-    _draining = False
 
     def _step_or_fail(self) -> None:
         try:
