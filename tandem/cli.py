@@ -1,4 +1,4 @@
-"""The ``tandem`` command line: ``tandem demo`` and ``tandem algos``."""
+"""The ``tandem`` command line: ``demo``, ``train``, ``sft``, ``prepare-data`` and ``algos``."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ def print_registries(console: Console) -> None:
     from tandem.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 
     for title, registry in (
-        ("advantage estimators (algorithm.estimator)", ADVANTAGE_ESTIMATORS),
-        ("policy losses (actor.name)", POLICY_LOSSES),
+        ("advantage estimators (algorithm.adv_estimator)", ADVANTAGE_ESTIMATORS),
+        ("policy losses (actor.policy_loss)", POLICY_LOSSES),
         ("KL estimators (algorithm.kl.estimator)", KL_ESTIMATORS),
     ):
         table = Table(title=title, title_justify="left")
@@ -34,56 +34,52 @@ def print_registries(console: Console) -> None:
     console.print(f"loss aggregation modes (actor.loss_agg_mode): {', '.join(LOSS_AGG_MODES)}")
 
 
-def run_demo(console: Console) -> None:
-    """Show the registered algorithms and one worked GRPO step's advantage and losses on a toy group."""
-    import torch
+def run_train(overrides: list[str], console: Console) -> None:
+    """``tandem train key=value ...``: compose the preset and overrides, then run the RL trainer."""
+    from tandem.rl import RLTrainer, load_train_config
 
-    from tandem.algos import (
-        POLICY_LOSSES,
-        AdvantageConfig,
-        AdvantageInput,
-        PolicyLossConfig,
-        PolicyLossInput,
-        compute_advantage,
-        compute_policy_loss,
-    )
+    result = RLTrainer(load_train_config(overrides), console).fit()
+    if result.validation:
+        console.print("final validation: " + ", ".join(f"{k} {v:.4f}" for k, v in result.validation.items()))
+    console.print(f"outputs in {result.output_dir}")
 
-    console.rule(f"tandem {__version__}")
-    console.print(
-        "This build has the foundation: the data protocol and the algorithm library. The end-to-end "
-        "demo (SFT warm-up, then GRPO on arithmetic) arrives with the RL trainer; until then this "
-        "command shows what is registered and runs the math on a toy batch.\n"
-    )
-    print_registries(console)
 
-    console.rule("a toy GRPO group: 4 responses to one prompt, rewards 1, 0, 0, 1")
-    rewards = torch.zeros(4, 3)
-    rewards[[0, 3], 2] = 1.0
-    mask = torch.ones(4, 3, dtype=torch.long)
-    adv = compute_advantage(
-        AdvantageInput(rewards, mask, torch.zeros(4, dtype=torch.long)), AdvantageConfig()
-    ).advantages
-    console.print(f"GRPO advantages per response: {[round(v, 4) for v in adv[:, 0].tolist()]}")
-    gen = torch.Generator().manual_seed(0)
-    old = torch.log(torch.full((4, 3), 0.5))
-    log_probs = (old + 0.3 * torch.randn(4, 3, generator=gen)).requires_grad_(True)
-    table = Table(title="each policy loss on the same batch (ratios exp(N(0, 0.3^2)))", title_justify="left")
-    for column in ("loss", "value", "|grad|", "metrics"):
-        table.add_column(column)
-    for name in POLICY_LOSSES.names():
-        inputs = PolicyLossInput(log_probs, old, adv, mask, generator=torch.Generator().manual_seed(0))
-        out = compute_policy_loss(inputs, PolicyLossConfig(name=name, clip_cov_lb=-1.0))
-        (grad,) = torch.autograd.grad(out.loss, log_probs)
-        metrics = ", ".join(f"{k}={float(v):.3f}" for k, v in sorted(out.metrics.items()))
-        table.add_row(name, f"{float(out.loss.detach()):+.4f}", f"{float(grad.norm()):.4f}", metrics)
-    console.print(table)
+def prepare_data(args: argparse.Namespace, console: Console) -> None:
+    """Write a verl-schema parquet file from a built-in task or a local gsm8k/MATH file."""
+    from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows, gsm8k_rows, math_rows, write_parquet
+
+    if args.task == "arithmetic":
+        task = ArithmeticTaskConfig(
+            min_digits=args.min_digits, max_digits=args.max_digits, num_operands=args.operands, operators=args.operators
+        )
+        rows = arithmetic_rows(args.count, task, args.seed, split=args.split)
+    else:
+        if not args.source:
+            raise SystemExit(f"--source PATH (a local {args.task} parquet or JSONL file) is required for {args.task}")
+        rows = (gsm8k_rows if args.task == "gsm8k" else math_rows)(args.source, split=args.split)
+    path = write_parquet(rows, args.out)
+    console.print(f"wrote {len(rows)} rows to {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="RL post-training for language models.")
     parser.add_argument("--version", action="version", version=f"tandem {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("demo", help="the main demo (for now: the algorithm library on a toy batch)")
+    demo = commands.add_parser("demo", help="the main demo: SFT warm-up then GRPO on 2-digit addition (~6 min on 2 CPUs)")
+    demo.add_argument("--output-dir", default="outputs/demo")
+    train = commands.add_parser("train", help="RL training: tandem train preset=grpo model_path=... data.train_path=...")
+    train.add_argument("overrides", nargs="*", help="key=value settings (Hydra syntax), e.g. rollout.n=8 preset=dapo")
+    data = commands.add_parser("prepare-data", help="write prompts in verl's parquet schema (arithmetic, gsm8k, math)")
+    data.add_argument("task", choices=["arithmetic", "gsm8k", "math"])
+    data.add_argument("--out", required=True, help="the parquet file to write")
+    data.add_argument("--source", help="gsm8k/math: the local parquet or JSONL file to convert")
+    data.add_argument("--count", type=int, default=10_000, help="arithmetic: number of problems")
+    data.add_argument("--min-digits", type=int, default=1)
+    data.add_argument("--max-digits", type=int, default=2)
+    data.add_argument("--operands", type=int, default=2)
+    data.add_argument("--operators", default="+")
+    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--split", default="train")
     commands.add_parser("algos", help="list every registered algorithm")
     sft = commands.add_parser(
         "sft", help="supervised fine-tuning on chat data: tandem sft model_path=... data.train_path=..."
@@ -94,8 +90,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     console = Console()
+    try:
+        _run(args, console)
+    except (ValueError, FileNotFoundError) as error:  # bad configuration or data: a message, not a traceback
+        print(f"tandem {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run(args: argparse.Namespace, console: Console) -> None:
     if args.command == "demo":
-        run_demo(console)
+        from tandem.rl.demo import DemoSettings, run_demo
+
+        run_demo(DemoSettings(output_dir=args.output_dir), console)
+    elif args.command == "train":
+        run_train(args.overrides, console)
+    elif args.command == "prepare-data":
+        prepare_data(args, console)
     elif args.command == "sft":
         from tandem.config.overrides import config_from_overrides
         from tandem.sft import SFTConfig, SFTTrainer
@@ -104,7 +115,6 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"model written to {result.hf_model_dir}")
     else:
         print_registries(console)
-    return 0
 
 
 if __name__ == "__main__":

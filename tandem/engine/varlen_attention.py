@@ -3,19 +3,22 @@
 transformers' SDPA path handles a packed row by building a dense block-causal ``[T, T]``
 mask, so its cost grows with the square of the *packed* length. This implementation reads
 the sequence boundaries (``cu_seq_lens_q``, the flash-attention varlen argument) and runs
-causal SDPA on each sequence alone: the cost is ``sum(len_i^2)``, as with flash-attention's
+causal SDPA on each sequence alone (sequences of equal length batched into one call): the cost is ``sum(len_i^2)``, as with flash-attention's
 varlen kernel on GPU. Results equal the padded computation (tests check 1e-5).
 """
 
 from __future__ import annotations
-
-import itertools
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
 VARLEN_ATTENTION = "tandem_varlen"
+
+
+def _gather(tensor: torch.Tensor, index: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """Rows ``index`` (``n * L`` packed positions) of ``tensor [1, H, T, D]`` as ``[n, H, L, D]``."""
+    return tensor[0, :, index].unflatten(1, shape).transpose(0, 1)
 
 
 def varlen_sdpa_attention(
@@ -39,20 +42,25 @@ def varlen_sdpa_attention(
     if query.shape[0] != 1:
         raise ValueError(f"{VARLEN_ATTENTION} attention expects one packed row, got batch {query.shape[0]}")
     dropout_p = dropout if module.training else 0.0
-    pieces = [
-        F.scaled_dot_product_attention(
-            query[:, :, start:end],
-            key[:, :, start:end],
-            value[:, :, start:end],
-            is_causal=True,
-            scale=scaling,
-            dropout_p=dropout_p,
-            enable_gqa=key.shape[1] != query.shape[1],
-        )
-        for start, end in itertools.pairwise(cu_seq_lens_q.tolist())
-        if end > start
-    ]
-    return torch.cat(pieces, dim=2).transpose(1, 2).contiguous(), None
+    gqa = key.shape[1] != query.shape[1]
+    starts = cu_seq_lens_q[:-1].long()
+    lengths = cu_seq_lens_q[1:].long() - starts
+    output = query.new_zeros(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
+    # One batched SDPA call per distinct length: RL batches hold hundreds of short sequences
+    # with few distinct lengths, where a call per sequence would dominate the step.
+    for length in torch.unique(lengths).tolist():
+        if length == 0:
+            continue
+        chosen = starts[lengths == length]
+        index = (chosen.unsqueeze(1) + torch.arange(length, device=chosen.device)).flatten()  # [n * L]
+
+        shape = (len(chosen), length)
+        attended = F.scaled_dot_product_attention(
+            _gather(query, index, shape), _gather(key, index, shape), _gather(value, index, shape),
+            is_causal=True, scale=scaling, dropout_p=dropout_p, enable_gqa=gqa,
+        )  # fmt: skip
+        output = output.index_copy(0, index, attended.transpose(1, 2).flatten(0, 1))
+    return output.unsqueeze(0), None
 
 
 AttentionInterface.register(VARLEN_ATTENTION, varlen_sdpa_attention)

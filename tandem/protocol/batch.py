@@ -123,6 +123,10 @@ class Batch:
             return self.sample(int(key))
         return self._take(key)
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """The field ``key`` (tensor or per-sample column), or ``default`` when absent."""
+        return self[key] if key in self else default  # noqa: SIM401 (this *is* get)
+
     def sample(self, i: int) -> dict[str, Any]:
         """Sample ``i`` as a dict of field name -> value (tensors lose the batch dimension)."""
         if not -self.batch_size <= i < self.batch_size:

@@ -63,7 +63,8 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     raise ValueError(f"data file {path} must end in .parquet or .jsonl")
 
 
-def _template_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+def template_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """Token ids of ``messages`` rendered with the tokenizer's chat template."""
     ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
@@ -83,13 +84,13 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], where: str) -> t
             )
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"{where}: no assistant message, so nothing to learn")
-    input_ids = _template_ids(tokenizer, messages, add_generation_prompt=False)
+    input_ids = template_ids(tokenizer, messages, add_generation_prompt=False)
     loss_mask = [0] * len(input_ids)
     for turn, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = _template_ids(tokenizer, messages[:turn], add_generation_prompt=True)
-        through = _template_ids(tokenizer, messages[: turn + 1], add_generation_prompt=False)
+        prompt = template_ids(tokenizer, messages[:turn], add_generation_prompt=True)
+        through = template_ids(tokenizer, messages[: turn + 1], add_generation_prompt=False)
         if through[: len(prompt)] != prompt or input_ids[: len(through)] != through:
             raise ValueError(f"{where}: the chat template does not render turn {turn} as a prefix extension")
         for position in range(len(prompt), len(through)):

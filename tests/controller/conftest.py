@@ -1,29 +1,9 @@
 """Backends the controller tests run against: in-process, spawned processes (local), and real Ray."""
 
-import os
-from pathlib import Path
-
 import pytest
 
 from tandem.controller import ResourcePool, create_worker_group
 from tests.controller.workers import EchoWorker
-
-ROOT = str(Path(__file__).resolve().parents[2])
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(
-        num_cpus=8,  # over-subscribe the 2-core CI machine: tests hold several small groups at once
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": ROOT}},
-    )
-    yield ray
-    ray.shutdown()
-
 
 BACKENDS = [("local", 1), ("local", 2), ("ray", 2)]
 

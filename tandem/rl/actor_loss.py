@@ -1,0 +1,67 @@
+"""The actor's loss for one micro-batch: policy loss, optional entropy bonus and reference-KL term.
+
+Built as a closure the training engine calls with ``(micro_batch, token_outputs)``; it returns
+this micro-batch's share of the mini-batch loss (global token/sequence counts in the
+normalizer) and its metrics, named as verl names them (``actor/pg_loss``, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.algos import (
+    KLConfig,
+    LossNormalizer,
+    PolicyLossConfig,
+    PolicyLossInput,
+    aggregate_loss,
+    compute_kl_loss,
+    compute_policy_loss,
+)
+from tandem.algos.masked import masked_mean
+from tandem.engine.base import LossFn, TokenOutputs
+from tandem.protocol import Batch
+from tandem.rl.sequences import response_part
+
+METRIC_NAMES = {"pg_clipfrac": "actor/pg_clipfrac", "ppo_kl": "actor/ppo_kl"}
+
+
+def make_actor_loss(
+    loss_config: PolicyLossConfig,
+    normalizer: LossNormalizer,
+    entropy_coeff: float = 0.0,
+    kl: KLConfig | None = None,
+) -> LossFn:
+    """A loss function for :meth:`TorchTrainEngine.forward_backward` (see the module docstring).
+
+    The micro-batch needs ``prompts [B, P]``, ``response_mask``, ``old_log_probs`` and
+    ``advantages`` (``[B, R]``), plus ``rollout_is_weights`` when rollout correction is on and
+    ``ref_log_probs`` when ``kl.use_kl_loss``.
+    """
+    use_kl_loss = kl is not None and kl.use_kl_loss
+
+    def loss_fn(micro: Batch, outputs: TokenOutputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        width = micro["prompts"].shape[1]
+        log_probs = response_part(outputs.log_probs, width)
+        entropy = response_part(outputs.entropy, width)
+        mask = micro["response_mask"]
+        weights = micro.get("rollout_is_weights")
+        result = compute_policy_loss(
+            PolicyLossInput(log_probs, micro["old_log_probs"], micro["advantages"], mask, weights, normalizer),
+            loss_config,
+        )
+        loss = result.loss
+        metrics = {METRIC_NAMES.get(k, f"actor/{k}"): v.detach() for k, v in result.metrics.items()}
+        metrics["actor/pg_loss"] = result.loss.detach()
+        metrics["actor/entropy"] = masked_mean(entropy.detach(), mask.to(entropy.dtype))
+        if entropy_coeff:
+            loss = loss - entropy_coeff * aggregate_loss(entropy, mask, loss_config.loss_agg_mode, normalizer)
+        if use_kl_loss:
+            kl_loss = compute_kl_loss(
+                log_probs, micro["ref_log_probs"], mask, kl.estimator, loss_config.loss_agg_mode, normalizer
+            )
+            loss = loss + kl.kl_loss_coef * kl_loss
+            metrics["actor/kl_loss"] = kl_loss.detach()
+        return loss, metrics
+
+    return loss_fn

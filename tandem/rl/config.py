@@ -1,0 +1,351 @@
+"""``TrainConfig``: everything ``tandem train`` reads, as typed dataclasses validated up front.
+
+Batch-size semantics (the same as verl's):
+
+* ``data.train_batch_size`` — prompts sampled per step; each gets ``rollout.n`` responses,
+  so a step trains on ``train_batch_size * n`` sequences.
+* ``actor.ppo_mini_batch_size`` — prompts per optimizer step (``* n`` sequences); a step
+  makes ``train_batch_size / ppo_mini_batch_size`` optimizer steps per epoch, for
+  ``actor.ppo_epochs`` epochs.
+* micro-batches — how a mini-batch is cut for gradient accumulation: a token budget
+  (``actor.engine.max_tokens_per_micro_batch``, with packing) or a sequence count
+  (``actor.engine.micro_batch_size``). They change memory, never the result.
+* ``trainer.n_workers`` — data-parallel workers; each gets an equal share of every
+  mini-batch, so ``ppo_mini_batch_size * n`` must divide by it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from tandem.algos import ADVANTAGE_ESTIMATORS, AdvantageConfig, KLConfig, PolicyLossConfig
+from tandem.algos.rollout_correction import RolloutCorrectionConfig
+from tandem.config.validation import check_choice, check_positive, check_range
+from tandem.engine.config import EngineConfig
+
+# Estimators that compare the n responses of a prompt with each other.
+GROUP_ESTIMATORS = ("grpo", "rloo", "opo", "grpo_passk", "reinforce_plus_plus_baseline", "gpg")
+BACKENDS = ("local", "ray")
+RESUME_MODES = ("auto", "disable")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+
+
+@dataclass(frozen=True)
+class RLDataConfig:
+    """Prompts (``data.*``): parquet files in verl's schema (see :mod:`tandem.rl.data`).
+
+    Attributes:
+        train_path / val_path: parquet files (``val_path`` empty: no validation).
+        train_batch_size: prompts per step.
+        max_prompt_length: longest tokenised prompt (chat template applied).
+        overlong_prompts: ``filter`` (drop them, counted and reported) or ``error``.
+        shuffle: a fresh seeded order each epoch.
+        val_max_samples: evaluate on at most this many validation prompts (0: all).
+    """
+
+    train_path: str = ""
+    val_path: str = ""
+    train_batch_size: int = 32
+    max_prompt_length: int = 256
+    overlong_prompts: str = "filter"
+    shuffle: bool = True
+    val_max_samples: int = 0
+
+    def __post_init__(self) -> None:
+        check_positive("data", "train_batch_size", self.train_batch_size)
+        check_positive("data", "max_prompt_length", self.max_prompt_length)
+        check_choice("data", "overlong_prompts", self.overlong_prompts, ["filter", "error"])
+        check_range("data", "val_max_samples", self.val_max_samples, low=0)
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    """The policy and its update (``actor.*``).
+
+    Attributes:
+        engine: the training engine (model is ``model_path``; strategy follows ``trainer.n_workers``).
+        policy_loss: a registered policy loss (``tandem algos`` lists them).
+        loss_agg_mode: ``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean`` or ``seq-mean-token-sum-norm``.
+        clip_ratio_low / clip_ratio_high / clip_ratio_c: PPO clip range and dual-clip bound.
+        loss_options: further :class:`~tandem.algos.PolicyLossConfig` fields by name (``sapo_tau_pos``, ...).
+        ppo_mini_batch_size: prompts per optimizer step (0: the whole step's batch, one update).
+        ppo_epochs: passes over the step's batch.
+        shuffle_mini_batches: reshuffle sequences between epochs.
+        entropy_coeff: weight of an entropy bonus (0: off).
+    """
+
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(lr=1e-6))
+    policy_loss: str = "ppo"
+    loss_agg_mode: str = "token-mean"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float | None = 3.0
+    loss_options: dict[str, float] = field(default_factory=dict)
+    ppo_mini_batch_size: int = 0
+    ppo_epochs: int = 1
+    shuffle_mini_batches: bool = False
+    entropy_coeff: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_range("actor", "ppo_mini_batch_size", self.ppo_mini_batch_size, low=0)
+        check_positive("actor", "ppo_epochs", self.ppo_epochs)
+        check_range("actor", "entropy_coeff", self.entropy_coeff, low=0.0)
+        self.loss_config()  # validates the loss name and options now, naming the field
+
+    def loss_config(self) -> PolicyLossConfig:
+        """The :class:`PolicyLossConfig` these fields describe."""
+        known = {f.name for f in dataclasses.fields(PolicyLossConfig)} - {
+            "name",
+            "loss_agg_mode",
+            "clip_ratio_low",
+            "clip_ratio_high",
+            "clip_ratio_c",
+        }
+        unknown = sorted(set(self.loss_options) - known)
+        if unknown:
+            raise ValueError(f"actor.loss_options has unknown keys {unknown}; known: {sorted(known)}")
+        try:
+            return PolicyLossConfig(
+                name=self.policy_loss,
+                loss_agg_mode=self.loss_agg_mode,
+                clip_ratio_low=self.clip_ratio_low,
+                clip_ratio_high=self.clip_ratio_high,
+                clip_ratio_c=self.clip_ratio_c,
+                **self.loss_options,
+            )
+        except ValueError as error:  # PolicyLossConfig says "actor.name"; our field is actor.policy_loss
+            raise ValueError(str(error).replace("actor.name=", "actor.policy_loss=")) from None
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Generation (``rollout.*``) with the native engine.
+
+    Attributes:
+        n: responses per prompt.
+        temperature / top_p / top_k: sampling (the trainer's log-probs use the same temperature).
+        max_response_length: most new tokens per response.
+        max_num_seqs: requests decoded at once (KV-cache slots).
+        dtype: the rollout model's dtype (the output head is fp32 regardless).
+        val_temperature / val_n: validation sampling (temperature 0: greedy, so ``val_n`` is 1).
+    """
+
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_response_length: int = 256
+    max_num_seqs: int = 256
+    dtype: str = "float32"
+    val_temperature: float = 0.0
+    val_n: int = 1
+
+    def __post_init__(self) -> None:
+        check_positive("rollout", "n", self.n)
+        check_positive("rollout", "temperature", self.temperature)
+        check_range("rollout", "top_p", self.top_p, 0.0, 1.0, low_inclusive=False)
+        check_range("rollout", "top_k", self.top_k, low=0)
+        check_positive("rollout", "max_response_length", self.max_response_length)
+        check_positive("rollout", "max_num_seqs", self.max_num_seqs)
+        check_choice("rollout", "dtype", self.dtype, ["float32", "bfloat16"])
+        check_range("rollout", "val_temperature", self.val_temperature, low=0.0)
+        check_positive("rollout", "val_n", self.val_n)
+        if self.val_temperature == 0.0 and self.val_n != 1:
+            raise ValueError(f"rollout.val_n={self.val_n} needs rollout.val_temperature > 0 (greedy is deterministic)")
+
+
+@dataclass(frozen=True)
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (``algorithm.filter_groups.*``): drop prompt groups whose n
+    rewards are all equal (no learning signal) and generate more until the step is full.
+
+    Attributes:
+        enable: on/off.
+        max_num_gen_batches: most generation rounds per step (then train on what there is).
+    """
+
+    enable: bool = False
+    max_num_gen_batches: int = 4
+
+    def __post_init__(self) -> None:
+        check_positive("algorithm.filter_groups", "max_num_gen_batches", self.max_num_gen_batches)
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Advantages, KL and rollout correction (``algorithm.*``).
+
+    Attributes:
+        adv_estimator: a registered advantage estimator (``tandem algos`` lists them).
+        norm_adv_by_std: divide GRPO advantages by the group's std (False: Dr. GRPO).
+        gamma / lam: discount and GAE lambda for the estimators that use them.
+        kl: reference-KL use (``kl.use_kl_loss`` for the actor loss, ``kl.use_kl_in_reward`` for a penalty).
+        rollout_correction: TIS / MIS against the rollout-vs-trainer mismatch.
+        filter_groups: DAPO dynamic sampling.
+    """
+
+    adv_estimator: str = "grpo"
+    norm_adv_by_std: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
+    kl: KLConfig = field(default_factory=KLConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+
+    def __post_init__(self) -> None:
+        check_choice("algorithm", "adv_estimator", self.adv_estimator, ADVANTAGE_ESTIMATORS.names())
+        if self.adv_estimator == "gae":
+            raise ValueError(
+                "algorithm.adv_estimator='gae' needs a critic, which this trainer does not run yet; "
+                "use a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax, ...)"
+            )
+
+    def advantage_config(self) -> AdvantageConfig:
+        return AdvantageConfig(
+            estimator=self.adv_estimator, gamma=self.gamma, lam=self.lam, norm_adv_by_std=self.norm_adv_by_std
+        )
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl.use_kl_loss or self.kl.use_kl_in_reward
+
+
+@dataclass(frozen=True)
+class OverlongPenaltyConfig:
+    """DAPO's soft overlong punishment (``reward.overlong.*``): responses longer than
+    ``max_response_length - buffer`` lose up to ``penalty_factor`` linearly with the excess."""
+
+    enable: bool = False
+    buffer: int = 64
+    penalty_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_positive("reward.overlong", "buffer", self.buffer)
+        check_range("reward.overlong", "penalty_factor", self.penalty_factor, low=0.0)
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Scoring (``reward.*``).
+
+    Attributes:
+        custom_path: a Python file with a scoring function (empty: the built-in scorers by ``data_source``).
+        custom_name: the function's name in that file: ``fn(data_source, solution_str, ground_truth, extra_info) -> float | dict``.
+        num_workers: threads scoring in parallel.
+        timeout_s: per-item time limit; a timeout or an exception scores 0 and counts in ``reward/errors``.
+        overlong: DAPO's overlong penalty.
+    """
+
+    custom_path: str = ""
+    custom_name: str = "compute_score"
+    num_workers: int = 4
+    timeout_s: float = 10.0
+    overlong: OverlongPenaltyConfig = field(default_factory=OverlongPenaltyConfig)
+
+    def __post_init__(self) -> None:
+        check_positive("reward", "num_workers", self.num_workers)
+        check_positive("reward", "timeout_s", self.timeout_s)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The loop (``trainer.*``).
+
+    Attributes:
+        total_steps: RL steps (0: ``total_epochs`` passes over the prompts).
+        total_epochs: passes over the training prompts when ``total_steps`` is 0.
+        backend: ``local`` (in-process for one worker, spawned processes for more) or ``ray``.
+        n_workers: data-parallel workers (each holds actor, rollout and reference).
+        val_every / save_every: in steps (0: off); ``val_before_train`` evaluates at step 0.
+        keep_last: checkpoints kept (older ones are deleted).
+        resume: ``auto`` (latest checkpoint in ``output_dir`` if any), ``disable``, or a checkpoint path.
+        output_dir: checkpoints, metrics, the report and the exported model.
+        loggers: any of ``console``, ``jsonl``, ``tensorboard``, ``wandb``, ``mlflow``.
+        project / experiment: names for wandb/MLflow.
+        seed: data order, sampling seeds and initialisation.
+        report: write ``report.html`` with the curves at the end.
+        export_hf: save the final policy as a plain HF model directory.
+    """
+
+    total_steps: int = 0
+    total_epochs: int = 1
+    backend: str = "local"
+    n_workers: int = 1
+    val_every: int = 0
+    val_before_train: bool = True
+    save_every: int = 0
+    keep_last: int = 2
+    resume: str = "auto"
+    output_dir: str = "outputs/rl"
+    loggers: tuple[str, ...] = ("console", "jsonl")
+    project: str = "tandem"
+    experiment: str = "run"
+    seed: int = 0
+    report: bool = True
+    export_hf: bool = True
+
+    def __post_init__(self) -> None:
+        check_range("trainer", "total_steps", self.total_steps, low=0)
+        check_positive("trainer", "total_epochs", self.total_epochs)
+        check_choice("trainer", "backend", self.backend, BACKENDS)
+        check_positive("trainer", "n_workers", self.n_workers)
+        for name in ("val_every", "save_every"):
+            check_range("trainer", name, getattr(self, name), low=0)
+        check_positive("trainer", "keep_last", self.keep_last)
+        for logger in self.loggers:
+            check_choice("trainer", "loggers", logger, LOGGERS)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything ``tandem train`` reads; ``model_path`` is the policy (and reference) HF directory."""
+
+    model_path: str = ""
+    data: RLDataConfig = field(default_factory=RLDataConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("model_path is required (a local HF model directory)")
+        if not self.data.train_path:
+            raise ValueError("data.train_path is required (a parquet file of prompts in verl's schema)")
+        n, workers = self.rollout.n, self.trainer.n_workers
+        if self.algorithm.adv_estimator in GROUP_ESTIMATORS and n < 2:
+            raise ValueError(
+                f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} compares the responses of a prompt, "
+                f"so rollout.n must be at least 2 (got {n})"
+            )
+        if self.algorithm.filter_groups.enable and n < 2:
+            raise ValueError("algorithm.filter_groups.enable needs rollout.n >= 2")
+        mini = self.mini_batch_prompts
+        if self.data.train_batch_size % mini:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size={mini} must divide data.train_batch_size={self.data.train_batch_size}"
+            )
+        if (mini * n) % workers:
+            raise ValueError(
+                f"a mini-batch of actor.ppo_mini_batch_size * rollout.n = {mini * n} sequences must divide "
+                f"evenly over trainer.n_workers={workers}"
+            )
+        longest = self.data.max_prompt_length + self.rollout.max_response_length
+        engine = self.actor.engine
+        if engine.use_packing and engine.max_tokens_per_micro_batch < longest:
+            raise ValueError(
+                f"actor.engine.max_tokens_per_micro_batch={engine.max_tokens_per_micro_batch} is below the longest "
+                f"sequence, data.max_prompt_length + rollout.max_response_length = {longest}"
+            )
+        if self.algorithm.needs_reference and self.algorithm.kl.use_kl_loss and self.algorithm.kl.kl_loss_coef == 0:
+            raise ValueError("algorithm.kl.use_kl_loss is on but algorithm.kl.kl_loss_coef is 0")
+
+    @property
+    def mini_batch_prompts(self) -> int:
+        return self.actor.ppo_mini_batch_size or self.data.train_batch_size
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.data.max_prompt_length + self.rollout.max_response_length

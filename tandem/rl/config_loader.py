@@ -1,0 +1,69 @@
+"""``load_train_config``: Hydra composition of a preset and ``key=value`` overrides into a :class:`TrainConfig`.
+
+The typed :class:`TrainConfig` is registered in Hydra's ConfigStore as ``train_schema``; each
+preset in ``tandem/rl/presets/`` is a YAML file that starts from it (``defaults: [train_schema,
+_self_]``) and sets the algorithm's knobs. Overrides use Hydra's grammar and are checked against
+the schema (an unknown key or a wrong type names the key); then every dataclass validates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from tandem.rl.config import TrainConfig
+
+PRESET_DIR = Path(__file__).parent / "presets"
+SCHEMA_NAME = "train_schema"
+
+
+def presets() -> list[str]:
+    """Names of the shipped presets (``preset=<name>``)."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def _writable_schema() -> DictConfig:
+    node = OmegaConf.structured(TrainConfig)
+    _unlock(node)  # frozen dataclasses come back read-only; Hydra must be able to merge into them
+    return node
+
+
+def _unlock(node: DictConfig) -> None:
+    OmegaConf.set_readonly(node, False)
+    for key in node:
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            _unlock(child)
+
+
+def load_train_config(overrides: Sequence[str] = (), preset: str = "grpo") -> TrainConfig:
+    """Compose ``preset`` with ``overrides`` (a ``preset=<name>`` item among them selects the preset)."""
+    rest = []
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key=value (e.g. rollout.n=8)")
+        key, _, value = item.partition("=")
+        if key == "preset":
+            preset = value
+        else:
+            rest.append(item)
+    if preset not in presets():
+        raise ValueError(f"preset={preset!r} is not a preset; choose one of {presets()}")
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=_writable_schema())
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(PRESET_DIR), version_base=None):
+            composed = compose(config_name=preset, overrides=rest)
+        return OmegaConf.to_object(composed)
+    except (HydraException, OmegaConfBaseException) as error:
+        cause = f" ({error.__cause__})" if error.__cause__ else ""
+        raise ValueError(f"bad configuration: {error}{cause}") from None
+    finally:
+        GlobalHydra.instance().clear()

@@ -1,0 +1,17 @@
+"""RL prompts: verl-schema parquet datasets, built-in synthetic tasks, and converters for local gsm8k/MATH files."""
+
+from tandem.rl.data.arithmetic import ArithmeticTaskConfig, arithmetic_rows
+from tandem.rl.data.dataset import PromptSample, RLDataset, validate_row
+from tandem.rl.data.io import write_parquet
+from tandem.rl.data.public import gsm8k_rows, math_rows
+
+__all__ = [
+    "ArithmeticTaskConfig",
+    "PromptSample",
+    "RLDataset",
+    "arithmetic_rows",
+    "gsm8k_rows",
+    "math_rows",
+    "validate_row",
+    "write_parquet",
+]

@@ -1,0 +1,113 @@
+"""The RL prompt dataset: parquet (or JSONL) rows in verl's schema, tokenised with the chat template.
+
+A row holds ``data_source`` (str: selects the reward function), ``prompt`` (chat messages:
+a list of ``{"role", "content"}`` dicts), ``reward_model`` (a dict with ``ground_truth``),
+and optionally ``ability`` (str) and ``extra_info`` (dict). verl users' files load unchanged.
+A malformed row is an error naming the file, the row and the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tandem.protocol import Batch
+from tandem.sft.data import read_rows, template_ids
+
+
+@dataclass(frozen=True)
+class PromptSample:
+    """One tokenised prompt and what its reward function needs."""
+
+    prompt_ids: tuple[int, ...]
+    data_source: str
+    ground_truth: str
+    extra_info: dict
+    raw_prompt: list
+
+
+def validate_row(row: Any, where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` and the field when ``row`` does not follow verl's schema."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a row must be a mapping of fields, got {type(row).__name__}")
+    for name in ("data_source", "prompt", "reward_model"):
+        if name not in row or row[name] is None:
+            raise ValueError(f"{where}: missing field {name!r} (has {sorted(row)})")
+    if not isinstance(row["data_source"], str):
+        raise ValueError(f"{where}: field 'data_source' must be a string, got {type(row['data_source']).__name__}")
+    prompt = row["prompt"]
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError(f"{where}: field 'prompt' must be a non-empty list of chat messages, got {type(prompt).__name__}")
+    for turn, message in enumerate(prompt):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise ValueError(f"{where}: field 'prompt' message {turn} needs string 'role' and 'content', got {message!r}")
+    reward_model = row["reward_model"]
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+        raise ValueError(f"{where}: field 'reward_model' must be a dict with 'ground_truth', got {reward_model!r}")
+    truth = reward_model["ground_truth"]
+    if not isinstance(truth, (str, int, float)) or isinstance(truth, bool):
+        raise ValueError(
+            f"{where}: field 'reward_model.ground_truth' must be a string or number, got {type(truth).__name__}"
+        )
+    if row.get("ability") is not None and not isinstance(row["ability"], str):
+        raise ValueError(f"{where}: field 'ability' must be a string, got {type(row['ability']).__name__}")
+    if row.get("extra_info") is not None and not isinstance(row["extra_info"], dict):
+        raise ValueError(f"{where}: field 'extra_info' must be a dict, got {type(row['extra_info']).__name__}")
+
+
+@dataclass
+class RLDataset:
+    """Tokenised prompts; ``filtered`` counts the prompts dropped as longer than ``max_prompt_length``."""
+
+    samples: list[PromptSample]
+    filtered: int = 0
+
+    @staticmethod
+    def load(path: str | Path, tokenizer: Any, max_prompt_length: int, overlong: str = "filter") -> RLDataset:
+        """Read and tokenise ``path``; ``overlong`` is ``filter`` (drop and count) or ``error``."""
+        samples, filtered = [], 0
+        for index, row in enumerate(read_rows(path)):
+            where = f"{path}: row {index}"
+            validate_row(row, where)
+            ids = template_ids(tokenizer, row["prompt"], add_generation_prompt=True)
+            if len(ids) > max_prompt_length:
+                if overlong == "error":
+                    raise ValueError(
+                        f"{where}: field 'prompt' is {len(ids)} tokens, over data.max_prompt_length="
+                        f"{max_prompt_length} (raise it, or set data.overlong_prompts=filter)"
+                    )
+                filtered += 1
+                continue
+            samples.append(
+                PromptSample(
+                    prompt_ids=tuple(ids),
+                    data_source=row["data_source"],
+                    ground_truth=str(row["reward_model"]["ground_truth"]),
+                    extra_info=dict(row.get("extra_info") or {}),
+                    raw_prompt=list(row["prompt"]),
+                )
+            )
+        if not samples:
+            raise ValueError(f"{path}: no usable prompts ({filtered} longer than {max_prompt_length} tokens)")
+        return RLDataset(samples, filtered)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def collate(self, indices: list[int]) -> Batch:
+        """The prompts at ``indices`` as a batch of per-sample columns (token ids stay lists until generation)."""
+        rows = [self.samples[i] for i in indices]
+        return Batch(
+            non_tensors={
+                "prompt_ids": [r.prompt_ids for r in rows],
+                "data_source": [r.data_source for r in rows],
+                "ground_truth": [r.ground_truth for r in rows],
+                "extra_info": [r.extra_info for r in rows],
+                "index": list(indices),
+            }
+        )

@@ -1,0 +1,56 @@
+"""Step metrics with verl's names: data statistics, timings and throughput."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+
+from tandem.protocol import Batch
+
+
+@contextlib.contextmanager
+def timed(timings: dict[str, float], name: str) -> Iterator[None]:
+    """Add the block's wall time in seconds to ``timings[name]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    values = values.float()
+    return {
+        f"{prefix}/mean": float(values.mean()),
+        f"{prefix}/max": float(values.max()),
+        f"{prefix}/min": float(values.min()),
+    }
+
+
+def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
+    """Scores, rewards, advantages and lengths of a trained batch (``critic/*``, ``response_length/*``, ...)."""
+    response_mask = batch["response_mask"].bool()
+    lengths = batch["response_mask"].sum(-1)
+    prompt_lengths = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1)
+    metrics = {
+        **_stats("critic/score", batch["token_level_scores"].sum(-1)),
+        **_stats("critic/rewards", batch["token_level_rewards"].sum(-1)),
+        **_stats("critic/advantages", batch["advantages"][response_mask]),
+        **_stats("response_length", lengths),
+        "response_length/clip_ratio": float((lengths >= max_response_length).float().mean()),
+    }
+    metrics.update(_stats("prompt_length", prompt_lengths))
+    return metrics
+
+
+def timing_metrics(timings: dict[str, float], num_tokens: int, num_workers: int) -> dict[str, float]:
+    """``timing_s/<stage>`` and ``perf/throughput`` (tokens per second per worker over the whole step)."""
+    metrics = {f"timing_s/{name}": value for name, value in timings.items()}
+    step = timings.get("step", 0.0)
+    metrics["perf/total_num_tokens"] = float(num_tokens)
+    if step > 0:
+        metrics["perf/throughput"] = num_tokens / step / num_workers
+    return metrics

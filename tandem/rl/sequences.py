@@ -1,0 +1,123 @@
+"""Turning prompts and completions into the padded tensors of the data protocol, and back.
+
+Layout (``P`` = the batch's longest prompt, ``R`` = its longest response):
+``prompts [B, P]`` left-padded, ``responses [B, R]`` right-padded, ``input_ids = cat(prompts,
+responses) [B, P+R]`` with its ``attention_mask`` and ``position_ids``; ``response_mask``,
+``rollout_log_probs`` and ``weight_version`` are ``[B, R]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tandem.protocol import Batch
+from tandem.rollout.types import Completion
+
+
+def _left_pad(rows: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
+def sequence_tensors(
+    prompt_ids: Sequence[Sequence[int]], completions: Sequence[Completion], pad_id: int
+) -> dict[str, torch.Tensor]:
+    """The protocol's generation fields for ``completions`` of ``prompt_ids`` (see the module docstring)."""
+    width = max(len(p) for p in prompt_ids)
+    length = max(1, max(len(c.token_ids) for c in completions))
+    prompts, prompt_mask = _left_pad(prompt_ids, width, pad_id)
+    batch = len(completions)
+    responses = torch.full((batch, length), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((batch, length), dtype=torch.long)
+    log_probs = torch.zeros((batch, length), dtype=torch.float32)
+    versions = torch.zeros((batch, length), dtype=torch.long)
+    for i, completion in enumerate(completions):
+        n = len(completion.token_ids)
+        if n:
+            responses[i, :n] = torch.tensor(completion.token_ids, dtype=torch.long)
+            response_mask[i, :n] = 1
+            log_probs[i, :n] = torch.tensor(completion.log_probs, dtype=torch.float32)
+            versions[i, :n] = torch.tensor(completion.weight_versions, dtype=torch.long)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        "response_mask": response_mask,
+        "rollout_log_probs": log_probs,
+        "weight_version": versions,
+    }
+
+
+def response_part(per_token: torch.Tensor, prompt_width: int) -> torch.Tensor:
+    """The response columns ``[B, R]`` of a per-token tensor aligned with ``input_ids [B, P+R]``."""
+    return per_token[:, prompt_width:]
+
+
+def decode_responses(tokenizer, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    """The text of each response (special tokens such as EOS dropped)."""
+    lengths = response_mask.sum(-1).tolist()
+    return [
+        tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
+        for row, n in zip(responses, lengths, strict=True)
+    ]
+
+
+
+SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids")
+
+
+def resize_columns(
+    tensors: dict[str, torch.Tensor], prompt_width: int, response_width: int, pad_id: int
+) -> dict[str, torch.Tensor]:
+    """Pad or cut every generation-layout field to ``prompt_width`` / ``response_width`` columns.
+
+    ``prompts`` grows or shrinks on the left, response-side fields (``[B, R]`` tensors such as
+    ``responses``, ``response_mask``, scores and log-probs) on the right, and ``input_ids``-like
+    fields on both sides. Other tensors pass through. Only padding may be cut.
+    """
+    old_prompt, old_response = tensors["prompts"].shape[1], tensors["responses"].shape[1]
+    left, right = prompt_width - old_prompt, response_width - old_response
+
+    def fill(name: str) -> int:
+        return pad_id if name in ("prompts", "responses", "input_ids") else 0
+
+    out = {}
+    for name, tensor in tensors.items():
+        if name == "prompts":
+            out[name] = torch.nn.functional.pad(tensor, (left, 0), value=fill(name))
+        elif name in SEQUENCE_FIELDS:
+            out[name] = torch.nn.functional.pad(tensor, (left, right), value=fill(name))
+        elif tensor.ndim == 2 and tensor.shape[1] == old_response:
+            out[name] = torch.nn.functional.pad(tensor, (0, right), value=fill(name))
+        else:
+            out[name] = tensor
+    return out
+
+
+def trim_padding(batch: Batch, pad_id: int) -> Batch:
+    """The batch with prompt columns cut to its longest prompt and response columns to its longest response."""
+    prompt_width = int(batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).max())
+    response_width = max(1, int(batch["response_mask"].sum(-1).max()))
+    tensors = resize_columns(dict(batch.tensors.items()), prompt_width, response_width, pad_id)
+    return Batch(tensors, batch.non_tensors, batch.meta)
+
+
+def concat_sequences(batches: Sequence[Batch], pad_id: int) -> Batch:
+    """Concatenate generation batches of different widths (each is widened to the widest first)."""
+    prompt_width = max(b["prompts"].shape[1] for b in batches)
+    response_width = max(b["responses"].shape[1] for b in batches)
+    widened = [
+        Batch(resize_columns(dict(b.tensors.items()), prompt_width, response_width, pad_id), b.non_tensors, b.meta)
+        for b in batches
+    ]
+    return Batch.concat(widened)

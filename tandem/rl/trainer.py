@@ -1,0 +1,357 @@
+"""``RLTrainer``: the synchronous, colocated RL loop — it reads like the algorithm.
+
+Each step: sample prompts -> generate ``n`` responses -> score them -> old (and reference)
+log-probs -> advantages on the controller -> actor update in mini-batches -> sync the new
+weights into the rollout engines -> log -> validate / checkpoint on schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from tandem.algos import (
+    AdvantageInput,
+    apply_kl_penalty,
+    build_kl_controller,
+    compute_advantage,
+    compute_rollout_correction,
+)
+from tandem.controller import ResourcePool, create_worker_group
+from tandem.models.loading import load_tokenizer
+from tandem.protocol import Batch, group_ids_from_uids
+from tandem.rl.checkpoints import CheckpointManager
+from tandem.rl.config import TrainConfig
+from tandem.rl.data import RLDataset
+from tandem.rl.metrics import data_metrics, timed, timing_metrics
+from tandem.rl.report import write_report
+from tandem.rl.rewards import RewardManager
+from tandem.rl.sequences import concat_sequences, decode_responses, trim_padding
+from tandem.rl.trackers import build_trackers
+from tandem.rl.worker import SUMMED_METRICS, ActorRolloutRefWorker
+from tandem.sft.sampler import EpochSampler
+
+
+@dataclass
+class RLResult:
+    """Every logged step's metrics, the last validation metrics, and where the outputs went."""
+
+    history: list[dict[str, float]]
+    validation: dict[str, float]
+    output_dir: Path
+    hf_model_dir: Path | None
+    report: Path | None
+
+
+def sampling_seed(*parts: int) -> int:
+    """A per-request seed from integers (run seed, step, round, row): distinct and reproducible."""
+    value = 0
+    for part in parts:
+        value = (value * 1_000_003 + int(part)) % (2**61 - 1)
+    return value
+
+
+class RLTrainer:
+    """Runs :class:`TrainConfig` end to end (see the module docstring)."""
+
+    def __init__(self, config: TrainConfig, console: Console | None = None) -> None:
+        self.config = config
+        self.console = console or Console()
+        data = config.data
+        self.tokenizer = load_tokenizer(config.model_path)
+        self.train_data = RLDataset.load(data.train_path, self.tokenizer, data.max_prompt_length, data.overlong_prompts)
+        self.val_data = (
+            RLDataset.load(data.val_path, self.tokenizer, data.max_prompt_length, data.overlong_prompts)
+            if data.val_path
+            else None
+        )
+        self.rewards = RewardManager(config.reward)
+        self.rewards.check_sources([s.data_source for s in self.train_data.samples])
+        if self.val_data is not None:
+            self.rewards.check_sources([s.data_source for s in self.val_data.samples])
+        steps_per_epoch = len(self.train_data) // data.train_batch_size
+        if steps_per_epoch == 0 and not config.trainer.total_steps:
+            raise ValueError(
+                f"data.train_batch_size={data.train_batch_size} exceeds the {len(self.train_data)} training prompts; "
+                "lower it or set trainer.total_steps"
+            )
+        self.total_steps = config.trainer.total_steps or steps_per_epoch * config.trainer.total_epochs
+        self.sampler = EpochSampler(len(self.train_data), config.trainer.seed, data.shuffle)
+        self.kl_controller = build_kl_controller(config.algorithm.kl)
+        self.output_dir = Path(config.trainer.output_dir)
+        self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", config.trainer.keep_last)
+        self.step = 0
+        self.history: list[dict[str, float]] = []
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> RLResult:
+        """Train for ``total_steps`` steps; returns the metrics history and output locations."""
+        config, trainer = self.config, self.config.trainer
+        pool = ResourcePool((trainer.n_workers,))
+        with create_worker_group(ActorRolloutRefWorker, pool, trainer.backend, args=(config,)) as workers:
+            self.workers = workers
+            params = workers.init_model()[0]
+            resumed = self._resume()
+            self._print_plan(params)
+            trackers = build_trackers(
+                trainer.loggers, self.output_dir, self.total_steps, self.step, resumed,
+                trainer.project, trainer.experiment, _flatten(dataclasses.asdict(config)), self.console,
+            )  # fmt: skip
+            validation: dict[str, float] = {}
+            try:
+                if self.val_data is not None and trainer.val_before_train and self.step == 0:
+                    validation = self.validate()
+                    self._log(trackers, validation)
+                while self.step < self.total_steps:
+                    metrics = self.train_step()
+                    last = self.step == self.total_steps
+                    if self.val_data is not None and ((trainer.val_every and self.step % trainer.val_every == 0) or last):
+                        validation = self.validate()
+                        metrics.update(validation)
+                    self._log(trackers, metrics)
+                    if (trainer.save_every and self.step % trainer.save_every == 0) or last:
+                        self.save_checkpoint()
+            finally:
+                for tracker in trackers:
+                    tracker.close()
+            hf_dir = None
+            if trainer.export_hf:
+                hf_dir = self.output_dir / "hf_model"
+                workers.export_hf(str(hf_dir))
+            workers.shutdown_engines()
+        report = None
+        if trainer.report and "jsonl" in trainer.loggers:
+            report = write_report(self.output_dir / "metrics.jsonl", self.output_dir / "report.html", trainer.experiment)
+            self.console.print(f"report: {report}")
+        return RLResult(self.history, validation, self.output_dir, hf_dir, report)
+
+    def train_step(self) -> dict[str, float]:
+        """One RL step; returns its metrics."""
+        self.step += 1
+        timings: dict[str, float] = {}
+        with timed(timings, "step"):
+            batch, metrics = self.rollout_batch(timings)
+            with timed(timings, "old_log_prob"):
+                batch = batch.union(self.workers.compute_log_prob(batch))
+            if self.config.algorithm.needs_reference:
+                with timed(timings, "ref"):
+                    batch = batch.union(self.workers.compute_ref_log_prob(batch))
+            with timed(timings, "adv"):
+                batch, adv_metrics = self.compute_advantages(batch)
+            with timed(timings, "update_actor"):
+                per_worker = self.workers.update_actor(batch.assign(meta={"step": self.step}))
+            with timed(timings, "update_weights"):
+                self.workers.sync_rollout_weights(self.step)
+        metrics.update(adv_metrics)
+        metrics.update(_combine_workers(per_worker))
+        metrics.update(data_metrics(batch, self.config.rollout.max_response_length))
+        metrics.update(timing_metrics(timings, int(batch["attention_mask"].sum()), self.config.trainer.n_workers))
+        metrics["training/epoch"] = float(self.sampler.epoch)
+        return metrics
+
+    # ------------------------------------------------------------------ stages
+    def rollout_batch(self, timings: dict[str, float]) -> tuple[Batch, dict[str, float]]:
+        """Generate and score ``train_batch_size`` prompt groups (DAPO dynamic sampling when enabled)."""
+        config = self.config
+        wanted, n = config.data.train_batch_size, config.rollout.n
+        dynamic = config.algorithm.filter_groups
+        kept: list[Batch] = []
+        spare: list[Batch] = []
+        reward_metrics: dict[str, float] = {}
+        rounds = 0
+        while True:
+            rounds += 1
+            prompts = self.train_data.collate(self.sampler.take(wanted))
+            prompts = prompts.assign(non_tensors={"uid": [f"{self.step}-{rounds}-{i}" for i in range(len(prompts))]})
+            baselines = None
+            if config.algorithm.adv_estimator == "remax":
+                with timed(timings, "gen_greedy"):
+                    greedy = self.generate(prompts, [0] * len(prompts), temperature=0.0)
+                    baselines = self.score(greedy)[0]["token_level_scores"].sum(-1).repeat_interleave(n)
+            samples = prompts.repeat(n, interleave=True)
+            seeds = [sampling_seed(config.trainer.seed, self.step, rounds, i) for i in range(len(samples))]
+            with timed(timings, "gen"):
+                generated = self.generate(samples, seeds, config.rollout.temperature)
+            with timed(timings, "reward"):
+                scored, reward_metrics = self.score(generated)
+            if baselines is not None:
+                scored = scored.assign(tensors={"reward_baselines": baselines})
+            if not dynamic.enable:
+                return scored, reward_metrics
+            informative = _groups_with_reward_spread(scored, n)
+            kept.append(scored[informative.repeat_interleave(n).nonzero().flatten()])
+            spare.append(scored[(~informative).repeat_interleave(n).nonzero().flatten()])
+            have = sum(len(b) for b in kept) // n
+            if have >= wanted or rounds >= dynamic.max_num_gen_batches:
+                break
+        # Short of informative groups after the last round: top up with uninformative ones (they add no gradient).
+        pool = concat_sequences([b for b in kept + spare if len(b)], self.tokenizer.pad_token_id)
+        batch = trim_padding(pool[: wanted * n], self.tokenizer.pad_token_id)
+        reward_metrics["dynamic_sampling/gen_rounds"] = float(rounds)
+        reward_metrics["dynamic_sampling/informative_groups"] = float(have)
+        return batch, reward_metrics
+
+    def generate(self, prompts: Batch, seeds: list[int], temperature: float) -> Batch:
+        """Responses for each row of ``prompts`` (one request per row), trimmed to the longest."""
+        rollout = self.config.rollout
+        greedy = temperature == 0.0
+        request = prompts.assign(
+            non_tensors={"seed": seeds},
+            meta={
+                "temperature": temperature,
+                "top_p": 1.0 if greedy else rollout.top_p,
+                "top_k": 0 if greedy else rollout.top_k,
+                "max_tokens": rollout.max_response_length,
+                "prompt_width": max(len(p) for p in prompts["prompt_ids"]),
+            },
+        )
+        out = self.workers.generate_sequences(request)
+        return trim_padding(Batch(dict(out.tensors.items()), out.non_tensors), self.tokenizer.pad_token_id)
+
+    def score(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """``token_level_scores`` (the score on each response's last token) and ``acc [B]``."""
+        mask = batch["response_mask"]
+        lengths = mask.sum(-1)
+        texts = decode_responses(self.tokenizer, batch["responses"], mask)
+        result = self.rewards.score(
+            batch["data_source"], texts, batch["ground_truth"], batch["extra_info"],
+            lengths, self.config.rollout.max_response_length,
+        )  # fmt: skip
+        token_scores = torch.zeros(mask.shape, dtype=torch.float32)
+        token_scores[torch.arange(len(batch)), (lengths - 1).clamp(min=0)] = result.scores
+        if result.errors:
+            self.console.print(f"[yellow]reward: {len(result.errors)} failed ({result.errors[0]}); scored 0")
+        return batch.assign(tensors={"token_level_scores": token_scores, "acc": result.accuracy}), result.metrics
+
+    def compute_advantages(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """KL penalty (if any), rollout correction, and the configured advantage estimator."""
+        algorithm = self.config.algorithm
+        metrics: dict[str, float] = {}
+        mask = batch["response_mask"]
+        rewards = batch["token_level_scores"]
+        if algorithm.kl.use_kl_in_reward:
+            rewards, kl_metrics = apply_kl_penalty(
+                rewards, batch["old_log_probs"], batch["ref_log_probs"], mask,
+                self.kl_controller.value, algorithm.kl.estimator,
+            )  # fmt: skip
+            self.kl_controller.update(float(kl_metrics["kl"]), len(batch))
+            metrics.update({f"actor/reward_{k}": float(v) for k, v in kl_metrics.items()})
+        correction = compute_rollout_correction(
+            batch["old_log_probs"], batch["rollout_log_probs"], mask, algorithm.rollout_correction
+        )
+        metrics.update({k: float(v) for k, v in correction.metrics.items()})
+        advantage = compute_advantage(
+            AdvantageInput(
+                rewards,
+                correction.response_mask,
+                group_ids_from_uids(batch["uid"]),
+                reward_baselines=batch.get("reward_baselines"),
+            ),
+            algorithm.advantage_config(),
+        )
+        tensors = {
+            "token_level_rewards": rewards,
+            "advantages": advantage.advantages,
+            "response_mask": correction.response_mask,
+        }
+        if correction.is_weights is not None:
+            tensors["rollout_is_weights"] = correction.is_weights
+        return batch.assign(tensors=tensors), metrics
+
+    def validate(self) -> dict[str, float]:
+        """Accuracy on the validation prompts per data source: ``val-core/<source>/acc/mean@<n>``."""
+        assert self.val_data is not None
+        rollout = self.config.rollout
+        count = len(self.val_data)
+        if self.config.data.val_max_samples:
+            count = min(count, self.config.data.val_max_samples)
+        prompts = self.val_data.collate(list(range(count))).repeat(rollout.val_n, interleave=True)
+        seeds = [sampling_seed(self.config.trainer.seed, 7_777_777, i) for i in range(len(prompts))]
+        scored, _ = self.score(self.generate(prompts, seeds, rollout.val_temperature))
+        metrics: dict[str, float] = {}
+        sources = scored["data_source"]
+        for source in sorted(set(sources)):
+            rows = torch.tensor([s == source for s in sources])
+            metrics[f"val-core/{source}/acc/mean@{rollout.val_n}"] = float(scored["acc"][rows].mean())
+            metrics[f"val-aux/{source}/score/mean@{rollout.val_n}"] = float(scored["token_level_scores"][rows].sum(-1).mean())
+        metrics["val-aux/response_length/mean"] = float(scored["response_mask"].sum(-1).float().mean())
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints and logging
+    def save_checkpoint(self) -> Path:
+        state = {
+            "step": self.step,
+            "sampler": self.sampler.state(),
+            "kl_coef": self.kl_controller.value,
+            "python_random": repr(random.getstate()),
+        }
+        path = self.checkpoints.save(self.step, state, lambda target: self.workers.save_checkpoint(target))
+        self.console.print(f"checkpoint: {path}")
+        return path
+
+    def _resume(self) -> bool:
+        mode = self.config.trainer.resume
+        if mode == "disable":
+            return False
+        path = self.checkpoints.latest() if mode == "auto" else Path(mode)
+        if path is None:
+            return False
+        state = CheckpointManager.read_state(path)
+        self.workers.load_checkpoint(str(path / "actor"), state["step"])
+        self.step = state["step"]
+        self.sampler.load_state(state["sampler"])
+        self.kl_controller.value = state["kl_coef"]
+        self.console.print(f"resumed from {path} (step {self.step})")
+        return True
+
+    def _log(self, trackers: list, metrics: dict[str, float]) -> None:
+        bad = sorted(k for k, v in metrics.items() if not math.isfinite(v))
+        if bad:
+            self.console.print(f"[red]step {self.step}: non-finite metrics {bad}")
+        self.history.append({"step": self.step, **metrics})
+        for tracker in trackers:
+            tracker.log(metrics, self.step)
+
+    def _print_plan(self, params: int) -> None:
+        config = self.config
+        data, n = config.data, config.rollout.n
+        dropped = self.train_data.filtered
+        self.console.print(
+            f"[bold]RL[/] {config.algorithm.adv_estimator} + {config.actor.policy_loss} loss, "
+            f"policy {params / 1e6:.2f}M parameters, {config.trainer.n_workers} worker(s) on {config.trainer.backend}\n"
+            f"  {len(self.train_data)} training prompts ({dropped} over {data.max_prompt_length} tokens filtered), "
+            f"{len(self.val_data) if self.val_data else 0} validation prompts\n"
+            f"  {self.total_steps} steps of {data.train_batch_size} prompts x {n} responses; "
+            f"{data.train_batch_size // config.mini_batch_prompts} optimizer step(s) x {config.actor.ppo_epochs} epoch(s) "
+            f"per step; starting at step {self.step}"
+        )
+
+
+def _combine_workers(per_worker: list[dict[str, float]]) -> dict[str, float]:
+    """Each worker's loss metrics are its share of the global loss (summed); the rest are averaged."""
+    return {
+        name: sum(m[name] for m in per_worker) / (1 if name in SUMMED_METRICS else len(per_worker))
+        for name in per_worker[0]
+    }
+
+
+def _groups_with_reward_spread(batch: Batch, n: int) -> torch.Tensor:
+    """``[G]`` bool: groups of ``n`` consecutive rows whose scores are not all equal."""
+    scores = batch["token_level_scores"].sum(-1).view(-1, n)
+    return scores.std(dim=1) > 0
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): tree}

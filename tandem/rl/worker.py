@@ -1,0 +1,206 @@
+"""``ActorRolloutRefWorker``: the actor, rollout and reference roles colocated in one process per rank.
+
+The "hybrid engine": each rank trains its shard of the batch with the torch engine (DDP/FSDP2
+across ranks), generates its shard with the native rollout engine, and syncs weights from the
+trainer into its own rollout engine by an in-process copy. The controller (:mod:`tandem.rl.trainer`)
+calls these methods; ``@register`` declares how batches are split over ranks and collected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from tandem.controller import Worker, register
+from tandem.engine import EngineConfig, TorchTrainEngine
+from tandem.models.loading import check_vocab_compatible, load_model, load_tokenizer
+from tandem.protocol import Batch
+from tandem.rl.actor_loss import make_actor_loss
+from tandem.rl.config import TrainConfig
+from tandem.rl.sequences import resize_columns, response_part, sequence_tensors
+from tandem.rollout import NativeEngineConfig, NativeRolloutEngine, RolloutRequest, SamplingParams
+from tandem.rollout.weights import load_named_tensors
+
+SUMMED_METRICS = ("actor/pg_loss", "actor/kl_loss")  # micro-batch shares of one loss: add up
+
+
+class ActorRolloutRefWorker(Worker):
+    """One rank of the colocated actor + rollout + reference group (see the module docstring)."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+
+    # ------------------------------------------------------------------ set-up
+    @register(dispatch="ONE_TO_ALL")
+    def init_model(self) -> int:
+        """Load the policy into the trainer and the rollout engine (and the reference); returns the parameter count."""
+        config = self.config
+        hf_logging.disable_progress_bar()
+        if self.world_size > 1:
+            self.init_process_group()
+        self.tokenizer = load_tokenizer(config.model_path)
+        self.engine = TorchTrainEngine(self._engine_config(config.actor.engine))
+        self.engine.initialize()
+        check_vocab_compatible(self.engine.causal_lm, self.tokenizer)
+        rollout = config.rollout
+        self.rollout = NativeRolloutEngine(
+            load_model(config.model_path, rollout.dtype),
+            self.tokenizer,
+            NativeEngineConfig(
+                max_num_seqs=rollout.max_num_seqs,
+                max_model_len=config.max_sequence_length,
+                dtype=rollout.dtype,
+                prefix_cache_entries=0,
+                seed=config.trainer.seed,
+            ),
+        )
+        self.reference: TorchTrainEngine | None = None
+        if config.algorithm.needs_reference and not config.actor.engine.lora.rank:
+            # A frozen copy computing log-probs only; each rank scores its own shard, so no DP wrapper.
+            self.reference = TorchTrainEngine(dataclasses.replace(self._engine_config(config.actor.engine), strategy="single"))
+            self.reference.initialize()
+            self.reference.causal_lm.requires_grad_(False)
+        return sum(p.numel() for p in self.engine.causal_lm.parameters())
+
+    def _engine_config(self, engine: EngineConfig) -> EngineConfig:
+        config = self.config
+        strategy = engine.strategy
+        if self.world_size > 1 and strategy == "single":
+            strategy = "ddp"
+        updates_per_step = (config.data.train_batch_size // config.mini_batch_prompts) * config.actor.ppo_epochs
+        total = engine.total_steps
+        if engine.lr_schedule != "constant" and not total:
+            total = max(config.trainer.total_steps * updates_per_step, engine.warmup_steps + 1)
+        return dataclasses.replace(
+            engine,
+            model_path=config.model_path,
+            strategy=strategy,
+            logprob_temperature=config.rollout.temperature,
+            seed=config.trainer.seed,
+            total_steps=total,
+        )
+
+    # ------------------------------------------------------------------ generation
+    @register(dispatch="DP_COMPUTE")
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """Complete each row's ``prompt_ids`` (sampling settings and widths in ``prompts.meta``).
+
+        Needs non-tensor ``prompt_ids`` and ``seed``; meta ``temperature``, ``top_p``, ``top_k``,
+        ``max_tokens`` and ``prompt_width``. Returns the rows with the generation fields of
+        :func:`tandem.rl.sequences.sequence_tensors` (responses padded to ``max_tokens``) and
+        a ``finish_reason`` column.
+        """
+        meta = prompts.meta
+        requests = [
+            RolloutRequest(
+                request_id=f"{self.rank}-{i}",
+                prompt_ids=tuple(ids),
+                params=SamplingParams(
+                    temperature=meta["temperature"],
+                    top_p=meta["top_p"],
+                    top_k=meta["top_k"],
+                    max_tokens=meta["max_tokens"],
+                    seed=int(seed),
+                ),
+            )
+            for i, (ids, seed) in enumerate(zip(prompts["prompt_ids"], prompts["seed"], strict=True))
+        ]
+        self.rollout.wake()
+        completions = self.rollout.generate_batch(requests)
+        failed = [c for c in completions if c.finish_reason == "error"]
+        if failed:
+            raise RuntimeError(f"{len(failed)} rollout requests failed; first: {failed[0].error}")
+        tensors = sequence_tensors(prompts["prompt_ids"], completions, self.tokenizer.pad_token_id)
+        tensors = resize_columns(tensors, meta["prompt_width"], meta["max_tokens"], self.tokenizer.pad_token_id)
+        return prompts.assign(tensors=tensors, non_tensors={"finish_reason": [c.finish_reason for c in completions]})
+
+    @register(dispatch="ONE_TO_ALL")
+    def sync_rollout_weights(self, version: int) -> int:
+        """Copy the trainer's weights into this rank's rollout engine; later tokens carry ``version``."""
+        return self.rollout.update_weights(self.engine.iter_parameters(), version)
+
+    # ------------------------------------------------------------------ log-probs
+    @register(dispatch="DP_COMPUTE")
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """``old_log_probs`` and ``entropys`` ``[B, R]`` of the responses under the current policy."""
+        outputs = self.engine.forward_backward(batch, None, forward_only=True).outputs
+        width = batch["prompts"].shape[1]
+        return Batch(
+            {
+                "old_log_probs": response_part(outputs.log_probs, width),
+                "entropys": response_part(outputs.entropy, width),
+            }
+        )
+
+    @register(dispatch="DP_COMPUTE")
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """``ref_log_probs [B, R]`` under the frozen reference (the base model when LoRA is on)."""
+        if self.reference is not None:
+            outputs = self.reference.forward_backward(batch, None, forward_only=True).outputs
+        else:
+            with self.engine.adapter_disabled():
+                outputs = self.engine.forward_backward(batch, None, forward_only=True).outputs
+        return Batch({"ref_log_probs": response_part(outputs.log_probs, batch["prompts"].shape[1])})
+
+    # ------------------------------------------------------------------ update
+    @register(dispatch="DP_COMPUTE")
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """PPO-style update on this rank's shard: ``ppo_epochs`` passes over its mini-batches.
+
+        Each mini-batch is one optimizer step; the loss divides by the mini-batch's global
+        token/sequence counts (all ranks), so the result does not depend on the split.
+        Returns metrics averaged over the optimizer steps (``actor/*``).
+        """
+        config = self.config
+        actor = config.actor
+        local_mini = config.mini_batch_prompts * config.rollout.n // self.world_size
+        loss_config = actor.loss_config()
+        collected: dict[str, list[float]] = defaultdict(list)
+        step = int(batch.meta.get("step", 0))
+        for epoch in range(actor.ppo_epochs):
+            order = batch
+            if actor.shuffle_mini_batches:
+                generator = torch.Generator().manual_seed(config.trainer.seed * 1_000_003 + step * 101 + epoch)
+                order = batch.reorder(torch.randperm(len(batch), generator=generator))
+            for mini in order.split(local_mini):
+                normalizer = self.engine.global_normalizer(mini["response_mask"])
+                loss_fn = make_actor_loss(loss_config, normalizer, actor.entropy_coeff, config.algorithm.kl)
+                result = self.engine.forward_backward(mini, loss_fn)
+                collected["actor/grad_norm"].append(self.engine.optimizer_step())
+                collected["actor/lr"].append(self.engine.lr)
+                self.engine.lr_step()
+                for name, values in result.metrics.items():
+                    collected[name].append(sum(values) if name in SUMMED_METRICS else sum(values) / len(values))
+        return {name: sum(values) / len(values) for name, values in collected.items()}
+
+    # ------------------------------------------------------------------ checkpoints and export
+    @register(dispatch="ONE_TO_ALL")
+    def save_checkpoint(self, path: str) -> None:
+        """The actor's model, optimizer, scheduler and RNG states under ``path`` (atomically)."""
+        self.engine.save(path)
+
+    @register(dispatch="ONE_TO_ALL")
+    def load_checkpoint(self, path: str, version: int) -> None:
+        """Restore the actor from ``path`` and push its weights to the rollout engine as ``version``."""
+        self.engine.load(path)
+        self.rollout.update_weights(self.engine.iter_parameters(), version)
+
+    @register(dispatch="ONE_TO_ALL")
+    def export_hf(self, path: str) -> None:
+        """Write the current policy (LoRA merged) with its tokenizer as a plain HF model directory (rank 0 writes)."""
+        named = list(self.engine.iter_parameters())  # every rank joins (FSDP2 gathers)
+        if self.rank != 0:
+            return
+        model = load_model(self.config.model_path, self.config.actor.engine.param_dtype)
+        load_named_tensors(model, named)
+        target = Path(path)
+        model.save_pretrained(target)
+        self.tokenizer.save_pretrained(target)
+
+    @register(dispatch="ONE_TO_ALL")
+    def shutdown_engines(self) -> None:
+        self.rollout.close()

@@ -1,0 +1,61 @@
+"""Configuration: presets compose, overrides are checked against the typed schema, impossible combinations fail early."""
+
+import pytest
+
+from tandem.rl import load_train_config, presets
+
+BASE = ["model_path=/m", "data.train_path=/d.parquet"]
+
+
+def test_every_preset_composes_with_its_algorithm():
+    expected = {
+        "grpo": ("grpo", "ppo"),
+        "dr_grpo": ("grpo", "ppo"),
+        "dapo": ("grpo", "ppo"),
+        "gspo": ("grpo", "gspo"),
+        "cispo": ("grpo", "cispo"),
+        "sapo": ("grpo", "sapo"),
+        "rloo": ("rloo", "ppo"),
+        "reinforce_pp": ("reinforce_plus_plus", "ppo"),
+        "remax": ("remax", "ppo"),
+    }
+    assert sorted(presets()) == sorted(expected)
+    for name, (estimator, loss) in expected.items():
+        config = load_train_config([*BASE, f"preset={name}"])
+        assert (config.algorithm.adv_estimator, config.actor.policy_loss) == (estimator, loss)
+    dapo = load_train_config([*BASE, "preset=dapo"])
+    assert dapo.actor.clip_ratio_high == 0.28 and dapo.algorithm.filter_groups.enable and dapo.reward.overlong.enable
+    assert not load_train_config([*BASE, "preset=dr_grpo"]).algorithm.norm_adv_by_std
+
+
+def test_overrides_apply_and_bad_ones_name_the_key():
+    config = load_train_config([*BASE, "rollout.n=4", "actor.policy_loss=gspo", "algorithm.kl.use_kl_loss=false"])
+    assert config.rollout.n == 4 and config.actor.policy_loss == "gspo"
+    with pytest.raises(ValueError, match="rollout.nn"):
+        load_train_config([*BASE, "rollout.nn=4"])
+    with pytest.raises(ValueError, match="rollout.n=four"):
+        load_train_config([*BASE, "rollout.n=four"])
+    with pytest.raises(ValueError, match="preset='nope' is not a preset"):
+        load_train_config([*BASE, "preset=nope"])
+    with pytest.raises(ValueError, match="must look like key=value"):
+        load_train_config([*BASE, "rollout.n"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["actor.ppo_mini_batch_size=5"], "actor.ppo_mini_batch_size=5 must divide data.train_batch_size=32"),
+        (["rollout.n=1"], "rollout.n must be at least 2"),
+        (["trainer.n_workers=3", "rollout.n=2", "data.train_batch_size=4"], "must divide evenly over trainer.n_workers=3"),
+        (["actor.engine.max_tokens_per_micro_batch=100"], "actor.engine.max_tokens_per_micro_batch=100 is below"),
+        (["actor.policy_loss=nope"], "actor.policy_loss='nope' is not registered"),
+        (["+actor.loss_options.not_a_knob=1.0"], r"actor.loss_options has unknown keys \['not_a_knob'\]"),
+        (["algorithm.adv_estimator=gae"], "needs a critic"),
+        (["rollout.val_n=4"], "rollout.val_n=4 needs rollout.val_temperature > 0"),
+        (["trainer.loggers=[console,neptune]"], "trainer.loggers='neptune'"),
+        (["model_path="], "model_path is required"),
+    ],
+)
+def test_impossible_combinations_are_rejected_naming_the_fields(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_train_config([*BASE, *overrides])

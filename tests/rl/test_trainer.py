@@ -1,0 +1,154 @@
+"""End-to-end RL runs on CPU: parameters move, metrics are finite, resume and reruns are exact,
+a crash while checkpointing leaves a usable checkpoint, bad rewards never stop a run, every preset runs."""
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tandem.models import load_model
+from tandem.rl import RLTrainer
+from tandem.rl.checkpoints import CheckpointManager
+from tandem.rl.trackers import read_jsonl
+from tests.rl.conftest import small_config
+
+CORE_METRICS = [
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "critic/score/mean",
+    "response_length/mean",
+    "rollout_corr/kl",
+    "rollout_corr/max_abs_log_prob_diff",
+    "rollout_corr/ratio_mean",
+    "timing_s/gen",
+    "timing_s/reward",
+    "timing_s/old_log_prob",
+    "timing_s/adv",
+    "timing_s/update_actor",
+    "timing_s/update_weights",
+    "timing_s/step",
+    "perf/throughput",
+]
+
+
+def _without_timings(history):
+    return [{k: v for k, v in h.items() if not k.startswith(("timing_s/", "perf/throughput"))} for h in history]
+
+
+def test_grpo_run_updates_the_policy_and_logs_finite_metrics(rl_files, tmp_path):
+    config = small_config(rl_files, tmp_path, "trainer.export_hf=true", "trainer.loggers=[jsonl,tensorboard]")
+    result = RLTrainer(config).fit()
+    steps = [h for h in result.history if h["step"] > 0]
+    assert [h["step"] for h in steps] == [1, 2]
+    for metrics in steps:
+        for name in CORE_METRICS:
+            assert math.isfinite(metrics[name]), name
+        assert metrics["rollout_corr/max_abs_log_prob_diff"] < 1e-4  # rollout and trainer agree
+    assert "val-core/arithmetic/acc/mean@1" in result.validation
+    before, after = load_model(rl_files["model"]), load_model(result.hf_model_dir)
+    changed = [n for n, p in after.named_parameters() if not torch.equal(p, dict(before.named_parameters())[n])]
+    assert len(changed) == len(list(before.parameters()))
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert "<svg" in result.report.read_text()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "global_step_2"
+
+
+def test_resume_reproduces_the_uninterrupted_run_and_reruns_are_identical(rl_files, tmp_path):
+    full = RLTrainer(small_config(rl_files, tmp_path / "full", "trainer.total_steps=4", "trainer.val_every=2")).fit()
+    part = small_config(rl_files, tmp_path / "part", "trainer.total_steps=2", "trainer.val_every=2")
+    first = RLTrainer(part).fit()
+    assert _without_timings(first.history) == _without_timings(full.history[:3])  # same seed, same run
+    resumed = RLTrainer(
+        small_config(rl_files, tmp_path / "part", "trainer.total_steps=4", "trainer.val_every=2")
+    ).fit()
+    assert [h["step"] for h in resumed.history] == [3, 4]
+    assert _without_timings(resumed.history) == _without_timings(full.history[3:])
+    assert [r["step"] for r in read_jsonl(tmp_path / "part" / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+
+
+KILL_SCRIPT = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from tandem.rl import RLTrainer
+from tandem.rl.checkpoints import CheckpointManager
+from tests.rl.conftest import small_config
+
+files = {files!r}
+original = CheckpointManager.save
+
+def crash_in_step_4(self, step, state, save_actor):
+    if step < 4:
+        return original(self, step, state, save_actor)
+    def save_then_die(path):
+        save_actor(path)  # the engine state is on disk, the checkpoint is not finished
+        os.kill(os.getpid(), signal.SIGKILL)
+    return original(self, step, state, save_then_die)
+
+CheckpointManager.save = crash_in_step_4
+RLTrainer(small_config(files, {out!r}, "trainer.total_steps=4", "trainer.save_every=2", "trainer.val_before_train=false")).fit()
+"""
+
+
+def test_a_kill_during_checkpoint_write_leaves_a_resumable_checkpoint(rl_files, tmp_path):
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    script = KILL_SCRIPT.format(root=root, files=rl_files, out=str(tmp_path))
+    process = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True)
+    assert process.returncode == -9, process.stderr[-2000:]
+    manager = CheckpointManager(tmp_path / "checkpoints", keep_last=2)
+    assert (tmp_path / "checkpoints" / "global_step_4.tmp").exists()
+    assert [p.name for p in manager.complete()] == ["global_step_2"]
+    resumed = RLTrainer(small_config(rl_files, tmp_path, "trainer.total_steps=4", "trainer.save_every=2")).fit()
+    assert [h["step"] for h in resumed.history] == [3, 4]
+    assert [p.name for p in manager.complete()] == ["global_step_2", "global_step_4"]
+    assert not (tmp_path / "checkpoints" / "global_step_4.tmp").exists()
+
+
+def test_keep_last_prunes_old_checkpoints(rl_files, tmp_path):
+    RLTrainer(small_config(rl_files, tmp_path, "trainer.total_steps=3", "trainer.save_every=1", "trainer.keep_last=2",
+                           "data.val_path=")).fit()  # fmt: skip
+    names = [p.name for p in CheckpointManager(tmp_path / "checkpoints", 2).complete()]
+    assert names == ["global_step_2", "global_step_3"]
+    state = json.loads((tmp_path / "checkpoints" / "global_step_3" / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["sampler"]["cursor"] == 12
+
+
+def test_a_raising_and_a_hanging_reward_function_are_counted_and_the_run_goes_on(rl_files, tmp_path):
+    reward = tmp_path / "flaky.py"
+    reward.write_text(
+        "import time\n"
+        "calls = [0]\n"
+        "def compute_score(data_source, solution, ground_truth, extra_info):\n"
+        "    calls[0] += 1\n"
+        "    if calls[0] % 5 == 0:\n"
+        "        raise RuntimeError('flaky scorer')\n"
+        "    if calls[0] == 3:\n"
+        "        time.sleep(30)\n"
+        "    return float(solution.strip() == ground_truth)\n"
+    )
+    result = RLTrainer(
+        small_config(rl_files, tmp_path, f"reward.custom_path={reward}", "reward.timeout_s=1", "data.val_path=")
+    ).fit()
+    step1, step2 = result.history
+    assert step1["reward/timeouts"] == 1 and step1["reward/errors"] >= 3
+    assert step2["reward/errors"] >= 3 and math.isfinite(step2["actor/pg_loss"])
+
+
+@pytest.mark.parametrize("preset", ["dapo", "gspo", "cispo", "sapo", "rloo", "reinforce_pp", "remax", "dr_grpo"])
+def test_every_preset_trains(rl_files, tmp_path, preset):
+    overrides = [f"preset={preset}", "trainer.total_steps=1", "data.val_path=", "actor.ppo_mini_batch_size=2"]
+    result = RLTrainer(small_config(rl_files, tmp_path, *overrides)).fit()
+    (metrics,) = result.history
+    assert math.isfinite(metrics["actor/pg_loss"]) and math.isfinite(metrics["actor/grad_norm"])
+    if preset == "dapo":
+        assert metrics["dynamic_sampling/gen_rounds"] >= 1
+    if preset == "reinforce_pp":
+        assert "actor/reward_kl" in metrics
