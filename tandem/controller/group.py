@@ -170,7 +170,10 @@ class WorkerGroup:
         ranks = [r for r in range(self.world_size) if per_args[r] is not None]
         if spec.execute == "rank_zero":
             ranks = [0]
-        handles = [self.backend.submit(r, path, tuple(per_args[r]), dict(per_kwargs[r] or {})) for r in ranks]
+        # A backend that can run a blocking call on this thread does (the in-process one).
+        submit = getattr(self.backend, "submit_here", None) if spec.blocking else None
+        submit = submit or self.backend.submit
+        handles = [submit(r, path, tuple(per_args[r]), dict(per_kwargs[r] or {})) for r in ranks]
         future = GroupFuture(self, mode, ranks, handles, context)
         return future if not spec.blocking else future.result()
 

@@ -37,13 +37,41 @@ class _Mailbox:
         self.rank = rank
         self._execute = execute
         self._queue: queue.Queue = queue.Queue()
+        self._running = threading.Lock()  # one call at a time, on whichever thread runs it
+        self._pending = 0  # submitted and not finished
+        self._count = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, method: str, args: tuple, kwargs: dict) -> Future:
         future: Future = Future()
+        with self._count:
+            self._pending += 1
         self._queue.put((future, method, args, kwargs))
         return future
+
+    def run_here(self, method: str, args: tuple, kwargs: dict) -> Future:
+        """Run on the caller's thread when nothing is queued before it (else queue it).
+
+        A blocking call gains nothing from the mailbox thread, and keeping the compute on the
+        controller's thread keeps one OpenMP team busy instead of two competing for the cores.
+        """
+        with self._count:
+            idle = self._pending == 0
+        if not idle:
+            return self.submit(method, args, kwargs)
+        future: Future = Future()
+        with self._running:
+            self._call(future, method, args, kwargs)
+        return future
+
+    def _call(self, future: Future, method: str, args: tuple, kwargs: dict) -> None:
+        try:
+            args = tuple(_resolve(a) for a in args)
+            kwargs = {k: _resolve(v) for k, v in kwargs.items()}
+            future.set_result(self._execute(method, args, kwargs))
+        except BaseException as error:  # delivered to whoever waits on the future
+            future.set_exception(error)
 
     def _loop(self) -> None:
         while True:
@@ -51,12 +79,10 @@ class _Mailbox:
             if item is None:
                 return
             future, method, args, kwargs = item
-            try:
-                args = tuple(_resolve(a) for a in args)
-                kwargs = {k: _resolve(v) for k, v in kwargs.items()}
-                future.set_result(self._execute(method, args, kwargs))
-            except BaseException as error:  # delivered to whoever waits on the future
-                future.set_exception(error)
+            with self._running:
+                self._call(future, method, args, kwargs)
+            with self._count:
+                self._pending -= 1
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._queue.put(None)
@@ -97,7 +123,8 @@ class _LocalBackendBase:
 
 
 class InProcessBackend(_LocalBackendBase):
-    """A single worker living in the controller's process (world size 1), run on a mailbox thread."""
+    """A single worker living in the controller's process (world size 1): non-blocking calls run on
+    a mailbox thread, blocking ones on the caller's thread."""
 
     def __init__(self, worker_cls: type, args: tuple = (), kwargs: dict | None = None) -> None:
         self.world_size = 1
@@ -106,6 +133,10 @@ class InProcessBackend(_LocalBackendBase):
 
     def _run(self, method: str, args: tuple, kwargs: dict) -> Any:
         return self.worker._tandem_execute(method, *args, **kwargs)
+
+    def submit_here(self, rank: int, method: str, args: tuple, kwargs: dict) -> Future:
+        """A blocking call: run it on the caller's thread (see :meth:`_Mailbox.run_here`)."""
+        return self._mailboxes[rank].run_here(method, args, kwargs)
 
     def shutdown(self) -> None:
         for mailbox in self._mailboxes:

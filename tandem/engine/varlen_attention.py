@@ -45,7 +45,7 @@ def varlen_sdpa_attention(
     gqa = key.shape[1] != query.shape[1]
     starts = cu_seq_lens_q[:-1].long()
     lengths = cu_seq_lens_q[1:].long() - starts
-    output = query.new_zeros(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
+    positions, pieces = [], []
     # One batched SDPA call per distinct length: RL batches hold hundreds of short sequences
     # with few distinct lengths, where a call per sequence would dominate the step.
     for length in torch.unique(lengths).tolist():
@@ -53,13 +53,16 @@ def varlen_sdpa_attention(
             continue
         chosen = starts[lengths == length]
         index = (chosen.unsqueeze(1) + torch.arange(length, device=chosen.device)).flatten()  # [n * L]
-
         shape = (len(chosen), length)
         attended = F.scaled_dot_product_attention(
             _gather(query, index, shape), _gather(key, index, shape), _gather(value, index, shape),
             is_causal=True, scale=scaling, dropout_p=dropout_p, enable_gqa=gqa,
         )  # fmt: skip
-        output = output.index_copy(0, index, attended.transpose(1, 2).flatten(0, 1))
+        positions.append(index)
+        pieces.append(attended.transpose(1, 2).flatten(0, 1))  # [n * L, H, D]
+    # Put the rows back in packed order with one gather (its backward is one scatter).
+    order = torch.argsort(torch.cat(positions))
+    output = torch.cat(pieces)[order]
     return output.unsqueeze(0), None
 
 

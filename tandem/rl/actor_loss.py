@@ -17,6 +17,7 @@ from tandem.algos import (
     aggregate_loss,
     compute_kl_loss,
     compute_policy_loss,
+    mismatch_metrics,
 )
 from tandem.algos.masked import masked_mean
 from tandem.engine.base import LossFn, TokenOutputs
@@ -31,12 +32,15 @@ def make_actor_loss(
     normalizer: LossNormalizer,
     entropy_coeff: float = 0.0,
     kl: KLConfig | None = None,
+    old_from_current: bool = False,
 ) -> LossFn:
     """A loss function for :meth:`TorchTrainEngine.forward_backward` (see the module docstring).
 
     The micro-batch needs ``prompts [B, P]``, ``response_mask``, ``old_log_probs`` and
     ``advantages`` (``[B, R]``), plus ``rollout_is_weights`` when rollout correction is on and
-    ``ref_log_probs`` when ``kl.use_kl_loss``.
+    ``ref_log_probs`` when ``kl.use_kl_loss``. With ``old_from_current`` (a purely on-policy
+    step) ``old_log_probs`` are this forward's own log-probs, detached, and the micro-batch
+    needs ``rollout_log_probs`` instead: the rollout-vs-trainer mismatch is measured here.
     """
     use_kl_loss = kl is not None and kl.use_kl_loss
 
@@ -46,12 +50,14 @@ def make_actor_loss(
         entropy = response_part(outputs.entropy, width)
         mask = micro["response_mask"]
         weights = micro.get("rollout_is_weights")
+        old = log_probs.detach() if old_from_current else micro["old_log_probs"]
         result = compute_policy_loss(
-            PolicyLossInput(log_probs, micro["old_log_probs"], micro["advantages"], mask, weights, normalizer),
-            loss_config,
+            PolicyLossInput(log_probs, old, micro["advantages"], mask, weights, normalizer), loss_config
         )
         loss = result.loss
         metrics = {METRIC_NAMES.get(k, f"actor/{k}"): v.detach() for k, v in result.metrics.items()}
+        if old_from_current:
+            metrics.update(mismatch_metrics(old, micro["rollout_log_probs"], mask.to(old.dtype)))
         metrics["actor/pg_loss"] = result.loss.detach()
         metrics["actor/entropy"] = masked_mean(entropy.detach(), mask.to(entropy.dtype))
         if entropy_coeff:

@@ -73,6 +73,10 @@ class ActorConfig:
         ppo_epochs: passes over the step's batch.
         shuffle_mini_batches: reshuffle sequences between epochs.
         entropy_coeff: weight of an entropy bonus (0: off).
+        recompute_old_log_probs: always run a separate forward for the old log-probs. By default
+            a purely on-policy step (one epoch, one mini-batch, no KL penalty in the reward, no
+            rollout correction) takes them from the update's own forward (detached): the same
+            values, one forward fewer. The rollout-vs-trainer mismatch is logged either way.
     """
 
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(lr=1e-6))
@@ -86,6 +90,7 @@ class ActorConfig:
     ppo_epochs: int = 1
     shuffle_mini_batches: bool = False
     entropy_coeff: float = 0.0
+    recompute_old_log_probs: bool = False
 
     def __post_init__(self) -> None:
         check_range("actor", "ppo_mini_batch_size", self.ppo_mini_batch_size, low=0)
@@ -345,6 +350,20 @@ class TrainConfig:
     @property
     def mini_batch_prompts(self) -> int:
         return self.actor.ppo_mini_batch_size or self.data.train_batch_size
+
+    @property
+    def old_log_probs_from_update(self) -> bool:
+        """True when the step is purely on-policy, so the update's forward gives the old log-probs."""
+        correction = self.algorithm.rollout_correction
+        return (
+            not self.actor.recompute_old_log_probs
+            and self.actor.ppo_epochs == 1
+            and self.mini_batch_prompts == self.data.train_batch_size
+            and not self.algorithm.kl.use_kl_in_reward
+            and correction.is_level == "none"
+            and correction.rejection == "none"
+            and correction.veto_threshold is None
+        )
 
     @property
     def max_sequence_length(self) -> int:

@@ -1,15 +1,21 @@
-"""The main demo: a tiny model learns 2-digit addition — a brief SFT warm-up, then GRPO.
+"""The main demo: a tiny model learns 2-digit addition — SFT on a flawed teacher, then GRPO.
 
 Everything is built locally (no download): a character tokenizer, a ~0.4M-parameter Qwen2
-model, and the synthetic arithmetic task. The SFT warm-up is stopped early on purpose, so
-the model knows the answer format but is mostly wrong; GRPO then raises held-out greedy
-accuracy using only the reward. Validation problems never appear in the training data.
+model and the synthetic arithmetic task. The SFT warm-up imitates a *flawed teacher* whose
+answers are one too high 80% of the time: the model learns the format and the arithmetic, but
+its greedy answer copies the teacher's slip, so held-out accuracy starts low. GRPO then uses
+only the exact-match reward (a verifier) to find and reinforce the right answers — the
+situation RL post-training is for. Validation problems never appear in any training data.
+
+(With clean SFT data stopped early instead, the same GRPO settings lift accuracy only from
+~25% to ~50% in 200 steps on this model: reinforcement sharpens what the model can already
+sample far faster than it teaches a skill from scratch. docs/benchmarks.md has both curves.)
 """
 
 from __future__ import annotations
 
 import json
-import os
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +33,7 @@ from tandem.sft import SFTConfig, SFTTrainer
 from tandem.sft.config import SFTTrainerConfig
 from tandem.sft.data import SFTDataConfig
 
-REVERSE = bool(os.environ.get("REV"))
-
-TASK = ArithmeticTaskConfig(min_digits=1, max_digits=2, num_operands=2, operators="+", reverse_answer=REVERSE)
+TASK = ArithmeticTaskConfig(min_digits=1, max_digits=2, num_operands=2, operators="+")
 MODEL = TinyModelConfig(
     family="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
     intermediate_size=384, max_position_embeddings=128,
@@ -39,19 +43,24 @@ ACCURACY_KEY = "val-core/arithmetic/acc/mean@1"
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """Sizes of the demo (the defaults are what the README's numbers were measured with)."""
+    """Sizes of the demo (the defaults are what the README's numbers were measured with).
+
+    ``teacher_error_rate``: share of SFT demonstrations whose answer is one too high.
+    ``overrides``: extra ``key=value`` settings for the GRPO run.
+    """
 
     output_dir: str = "outputs/demo"
-    sft_steps: int = 180
+    sft_steps: int = 600
     sft_batch_size: int = 128
     sft_lr: float = 1e-3
-    rl_steps: int = 120
+    rl_steps: int = 60
     prompts_per_step: int = 64
     responses_per_prompt: int = 8
-    mini_batch_prompts: int = 16
-    rl_lr: float = 1e-3
+    mini_batch_prompts: int = 64
+    rl_lr: float = 3e-4
     val_prompts: int = 256
     val_every: int = 10
+    teacher_error_rate: float = 0.8
     seed: int = 0
     overrides: tuple[str, ...] = ()
 
@@ -68,9 +77,13 @@ def _write_data(root: Path, settings: DemoSettings) -> dict[str, Path]:
     rl_rows = unseen(arithmetic_rows(20_000, TASK, seed=settings.seed + 3))
     sft_path = root / "data" / "sft.jsonl"
     sft_path.parent.mkdir(parents=True, exist_ok=True)
+    flawed = random.Random(settings.seed)
     with sft_path.open("w") as file:
         for row in sft_rows:
-            answer = {"role": "assistant", "content": row["reward_model"]["ground_truth"]}
+            value = int(row["reward_model"]["ground_truth"])
+            if flawed.random() < settings.teacher_error_rate:
+                value += 1  # the flawed teacher's systematic slip
+            answer = {"role": "assistant", "content": str(value)}
             file.write(json.dumps({"messages": [*row["prompt"], answer]}) + "\n")
     return {
         "sft": sft_path,
@@ -86,12 +99,15 @@ def run_demo(settings: DemoSettings | None = None, console: Console | None = Non
     hf_logging.disable_progress_bar()
     root = Path(settings.output_dir)
     started = time.monotonic()
-    console.rule("tandem demo: 2-digit addition, SFT warm-up then GRPO")
+    console.rule("tandem demo: 2-digit addition, SFT on a flawed teacher, then GRPO")
     base = save_tiny_model(root / "base_model", MODEL)
     paths = _write_data(root, settings)
     console.print(f"model and tokenizer in {base}; data in {paths['train'].parent}")
 
-    console.rule(f"1. brief SFT warm-up ({settings.sft_steps} steps)")
+    console.rule(
+        f"1. SFT warm-up ({settings.sft_steps} steps) on a teacher that answers one too high "
+        f"{settings.teacher_error_rate:.0%} of the time"
+    )
     sft = SFTTrainer(
         SFTConfig(
             model_path=str(base),
@@ -117,6 +133,9 @@ def run_demo(settings: DemoSettings | None = None, console: Console | None = Non
             f"rollout.n={settings.responses_per_prompt}",
             "rollout.max_response_length=8",
             f"actor.engine.lr={settings.rl_lr}",
+            "actor.engine.lr_schedule=cosine",
+            f"actor.engine.total_steps={settings.rl_steps * settings.prompts_per_step // settings.mini_batch_prompts}",
+            "actor.engine.min_lr_ratio=0.1",
             f"actor.ppo_mini_batch_size={settings.mini_batch_prompts}",
             f"trainer.total_steps={settings.rl_steps}",
             f"trainer.val_every={settings.val_every}",

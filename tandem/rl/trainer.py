@@ -35,7 +35,7 @@ from tandem.rl.report import write_report
 from tandem.rl.rewards import RewardManager
 from tandem.rl.sequences import concat_sequences, decode_responses, trim_padding
 from tandem.rl.trackers import build_trackers
-from tandem.rl.worker import SUMMED_METRICS, ActorRolloutRefWorker
+from tandem.rl.worker import MAX_METRICS, SUMMED_METRICS, ActorRolloutRefWorker
 from tandem.sft.sampler import EpochSampler
 
 
@@ -138,8 +138,9 @@ class RLTrainer:
         timings: dict[str, float] = {}
         with timed(timings, "step"):
             batch, metrics = self.rollout_batch(timings)
-            with timed(timings, "old_log_prob"):
-                batch = batch.union(self.workers.compute_log_prob(batch))
+            if not self.config.old_log_probs_from_update:
+                with timed(timings, "old_log_prob"):
+                    batch = batch.union(self.workers.compute_log_prob(batch))
             if self.config.algorithm.needs_reference:
                 with timed(timings, "ref"):
                     batch = batch.union(self.workers.compute_ref_log_prob(batch))
@@ -243,26 +244,25 @@ class RLTrainer:
             )  # fmt: skip
             self.kl_controller.update(float(kl_metrics["kl"]), len(batch))
             metrics.update({f"actor/reward_{k}": float(v) for k, v in kl_metrics.items()})
-        correction = compute_rollout_correction(
-            batch["old_log_probs"], batch["rollout_log_probs"], mask, algorithm.rollout_correction
-        )
-        metrics.update({k: float(v) for k, v in correction.metrics.items()})
+        weights = None
+        if "old_log_probs" in batch:  # else the update measures the mismatch (on-policy, no correction)
+            correction = compute_rollout_correction(
+                batch["old_log_probs"], batch["rollout_log_probs"], mask, algorithm.rollout_correction
+            )
+            metrics.update({k: float(v) for k, v in correction.metrics.items()})
+            mask, weights = correction.response_mask, correction.is_weights
         advantage = compute_advantage(
             AdvantageInput(
                 rewards,
-                correction.response_mask,
+                mask,
                 group_ids_from_uids(batch["uid"]),
                 reward_baselines=batch.get("reward_baselines"),
             ),
             algorithm.advantage_config(),
         )
-        tensors = {
-            "token_level_rewards": rewards,
-            "advantages": advantage.advantages,
-            "response_mask": correction.response_mask,
-        }
-        if correction.is_weights is not None:
-            tensors["rollout_is_weights"] = correction.is_weights
+        tensors = {"token_level_rewards": rewards, "advantages": advantage.advantages, "response_mask": mask}
+        if weights is not None:
+            tensors["rollout_is_weights"] = weights
         return batch.assign(tensors=tensors), metrics
 
     def validate(self) -> dict[str, float]:
@@ -335,11 +335,16 @@ class RLTrainer:
 
 
 def _combine_workers(per_worker: list[dict[str, float]]) -> dict[str, float]:
-    """Each worker's loss metrics are its share of the global loss (summed); the rest are averaged."""
-    return {
-        name: sum(m[name] for m in per_worker) / (1 if name in SUMMED_METRICS else len(per_worker))
-        for name in per_worker[0]
-    }
+    """Each worker's loss metrics are its share of the global loss (summed), maxima take the max,
+    the rest are averaged."""
+    combined = {}
+    for name in per_worker[0]:
+        values = [m[name] for m in per_worker]
+        if name in MAX_METRICS:
+            combined[name] = max(values)
+        else:
+            combined[name] = sum(values) / (1 if name in SUMMED_METRICS else len(values))
+    return combined
 
 
 def _groups_with_reward_spread(batch: Batch, n: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ from tandem.rollout import NativeEngineConfig, NativeRolloutEngine, RolloutReque
 from tandem.rollout.weights import load_named_tensors
 
 SUMMED_METRICS = ("actor/pg_loss", "actor/kl_loss")  # micro-batch shares of one loss: add up
+MAX_METRICS = ("rollout_corr/max_abs_log_prob_diff",)
 
 
 class ActorRolloutRefWorker(Worker):
@@ -71,17 +72,12 @@ class ActorRolloutRefWorker(Worker):
         strategy = engine.strategy
         if self.world_size > 1 and strategy == "single":
             strategy = "ddp"
-        updates_per_step = (config.data.train_batch_size // config.mini_batch_prompts) * config.actor.ppo_epochs
-        total = engine.total_steps
-        if engine.lr_schedule != "constant" and not total:
-            total = max(config.trainer.total_steps * updates_per_step, engine.warmup_steps + 1)
         return dataclasses.replace(
             engine,
             model_path=config.model_path,
             strategy=strategy,
             logprob_temperature=config.rollout.temperature,
             seed=config.trainer.seed,
-            total_steps=total,
         )
 
     # ------------------------------------------------------------------ generation
@@ -168,14 +164,16 @@ class ActorRolloutRefWorker(Worker):
                 order = batch.reorder(torch.randperm(len(batch), generator=generator))
             for mini in order.split(local_mini):
                 normalizer = self.engine.global_normalizer(mini["response_mask"])
-                loss_fn = make_actor_loss(loss_config, normalizer, actor.entropy_coeff, config.algorithm.kl)
+                loss_fn = make_actor_loss(
+                    loss_config, normalizer, actor.entropy_coeff, config.algorithm.kl, config.old_log_probs_from_update
+                )
                 result = self.engine.forward_backward(mini, loss_fn)
                 collected["actor/grad_norm"].append(self.engine.optimizer_step())
                 collected["actor/lr"].append(self.engine.lr)
                 self.engine.lr_step()
                 for name, values in result.metrics.items():
-                    collected[name].append(sum(values) if name in SUMMED_METRICS else sum(values) / len(values))
-        return {name: sum(values) / len(values) for name, values in collected.items()}
+                    collected[name].append(_reduce(name, values))
+        return {name: _reduce(name, values, over_steps=True) for name, values in collected.items()}
 
     # ------------------------------------------------------------------ checkpoints and export
     @register(dispatch="ONE_TO_ALL")
@@ -204,3 +202,13 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch="ONE_TO_ALL")
     def shutdown_engines(self) -> None:
         self.rollout.close()
+
+
+def _reduce(name: str, values: list[float], over_steps: bool = False) -> float:
+    """Micro-batch values of one step: loss shares add up, maxima take the max, the rest average.
+    Over optimizer steps every metric averages (maxima still take the max)."""
+    if name in MAX_METRICS:
+        return max(values)
+    if name in SUMMED_METRICS and not over_steps:
+        return sum(values)
+    return sum(values) / len(values)

@@ -48,6 +48,17 @@ def test_arithmetic_rows_are_correct_deterministic_and_follow_the_difficulty():
         assert row["reward_model"]["ground_truth"] == str(value)
 
 
+def test_reversed_answers_are_written_units_first():
+    plain = arithmetic_rows(50, ArithmeticTaskConfig(max_digits=3, operators="+-", allow_negative=True), seed=3)
+    backwards = arithmetic_rows(
+        50, ArithmeticTaskConfig(max_digits=3, operators="+-", allow_negative=True, reverse_answer=True), seed=3
+    )
+    for a, b in zip(plain, backwards, strict=True):
+        value = int(a["reward_model"]["ground_truth"])
+        expected = ("-" if value < 0 else "") + str(abs(value))[::-1]
+        assert b["reward_model"]["ground_truth"] == expected and b["extra_info"]["reverse_answer"]
+
+
 def test_bad_difficulty_names_the_field():
     with pytest.raises(ValueError, match="task.operators"):
         ArithmeticTaskConfig(operators="/")

@@ -17,6 +17,9 @@ def test_arithmetic_scorer_gives_exact_accuracy_and_per_digit_credit():
     assert score("23", "123", {}) == {"score": pytest.approx(2 / 3), "acc": 0.0}  # aligned from the units
     assert score("1x3", "123", {}) == {"score": 0.0, "acc": 0.0}
     assert score("", "5", {}) == {"score": 0.0, "acc": 0.0}
+    reverse = {"reverse_answer": True}  # "321" is 123 written units first: align from the start
+    assert score("32", "321", reverse) == {"score": pytest.approx(2 / 3), "acc": 0.0}
+    assert score("321", "321", reverse) == {"score": 1.0, "acc": 1.0}
 
 
 def test_gsm8k_and_math_scorers():

@@ -29,7 +29,7 @@ CORE_METRICS = [
     "rollout_corr/ratio_mean",
     "timing_s/gen",
     "timing_s/reward",
-    "timing_s/old_log_prob",
+    "timing_s/ref",
     "timing_s/adv",
     "timing_s/update_actor",
     "timing_s/update_weights",
@@ -152,3 +152,15 @@ def test_every_preset_trains(rl_files, tmp_path, preset):
         assert metrics["dynamic_sampling/gen_rounds"] >= 1
     if preset == "reinforce_pp":
         assert "actor/reward_kl" in metrics
+
+
+def test_old_log_probs_from_the_update_equal_a_separate_forward(rl_files, tmp_path):
+    fused = RLTrainer(small_config(rl_files, tmp_path / "fused", "data.val_path=")).fit().history
+    separate = RLTrainer(
+        small_config(rl_files, tmp_path / "separate", "data.val_path=", "actor.recompute_old_log_probs=true")
+    ).fit().history
+    for a, b in zip(fused, separate, strict=True):
+        assert "timing_s/old_log_prob" in b and "timing_s/old_log_prob" not in a
+        for name in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "rollout_corr/kl",
+                     "rollout_corr/ratio_mean", "rollout_corr/max_abs_log_prob_diff"):  # fmt: skip
+            assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), name
