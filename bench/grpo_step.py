@@ -24,7 +24,9 @@ from tandem.models import TinyModelConfig, save_tiny_model
 from tandem.rl import RLTrainer, load_train_config
 from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows, write_parquet
 
-BENCH_MODEL = TinyModelConfig(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768)
+BENCH_MODEL = TinyModelConfig(
+    hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768
+)
 PROMPTS, RESPONSES, NEW_TOKENS, LR = 8, 8, 64, 1e-5
 REWARD_SOURCE = (
     "def compute_score(data_source, solution, ground_truth, extra_info):\n"
@@ -117,7 +119,9 @@ def time_trl(root: Path, model: Path, data_rows: list[dict], steps: int, warmup:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
@@ -128,16 +132,22 @@ def main() -> None:
         rows = arithmetic_rows(2_000, ArithmeticTaskConfig(max_digits=3), seed=0)
         data = write_parquet(rows, root / "prompts.parquet")
         params = sum(p.numel() for p in __import__("tandem").models.load_model(model).parameters())
-        print(f"model: {params / 1e6:.2f}M parameters, fp32; {PROMPTS} prompts x {RESPONSES} responses, <= {NEW_TOKENS} new tokens")
+        print(
+            f"model: {params / 1e6:.2f}M parameters, fp32; {PROMPTS} prompts x {RESPONSES} responses, <= {NEW_TOKENS} new tokens"
+        )
         tandem_times = time_tandem(root, model, data, args.steps, args.warmup)
         trl_times = time_trl(root, model, rows, args.steps, args.warmup)
     tandem_median = statistics.median(tandem_times)
-    print(f"tandem: median {tandem_median:.3f} s/step over {len(tandem_times)} steps ({[round(t, 3) for t in tandem_times]})")
+    print(
+        f"tandem: median {tandem_median:.3f} s/step over {len(tandem_times)} steps ({[round(t, 3) for t in tandem_times]})"
+    )
     if trl_times is None:
         print("TRL is not installed (pip install trl): no baseline")
         return
     trl_median = statistics.median(trl_times)
-    print(f"TRL GRPOTrainer: median {trl_median:.3f} s/step over {len(trl_times)} steps ({[round(t, 3) for t in trl_times]})")
+    print(
+        f"TRL GRPOTrainer: median {trl_median:.3f} s/step over {len(trl_times)} steps ({[round(t, 3) for t in trl_times]})"
+    )
     print(f"speed-up: tandem is {trl_median / tandem_median:.2f}x faster per GRPO step")
 
 

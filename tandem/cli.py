@@ -50,12 +50,17 @@ def prepare_data(args: argparse.Namespace, console: Console) -> None:
 
     if args.task == "arithmetic":
         task = ArithmeticTaskConfig(
-            min_digits=args.min_digits, max_digits=args.max_digits, num_operands=args.operands, operators=args.operators
+            min_digits=args.min_digits,
+            max_digits=args.max_digits,
+            num_operands=args.operands,
+            operators=args.operators,
         )
         rows = arithmetic_rows(args.count, task, args.seed, split=args.split)
     else:
         if not args.source:
-            raise SystemExit(f"--source PATH (a local {args.task} parquet or JSONL file) is required for {args.task}")
+            raise SystemExit(
+                f"--source PATH (a local {args.task} parquet or JSONL file) is required for {args.task}"
+            )
         rows = (gsm8k_rows if args.task == "gsm8k" else math_rows)(args.source, split=args.split)
     path = write_parquet(rows, args.out)
     console.print(f"wrote {len(rows)} rows to {path}")
@@ -65,11 +70,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="RL post-training for language models.")
     parser.add_argument("--version", action="version", version=f"tandem {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="the main demo: SFT warm-up then GRPO on 2-digit addition (~6 min on 2 CPUs)")
+    demo = commands.add_parser(
+        "demo", help="the main demo: SFT warm-up then GRPO on 2-digit addition (~6 min on 2 CPUs)"
+    )
     demo.add_argument("--output-dir", default="outputs/demo")
-    train = commands.add_parser("train", help="RL training: tandem train preset=grpo model_path=... data.train_path=...")
-    train.add_argument("overrides", nargs="*", help="key=value settings (Hydra syntax), e.g. rollout.n=8 preset=dapo")
-    data = commands.add_parser("prepare-data", help="write prompts in verl's parquet schema (arithmetic, gsm8k, math)")
+    train = commands.add_parser(
+        "train", help="RL training: tandem train preset=grpo model_path=... data.train_path=..."
+    )
+    train.add_argument(
+        "overrides", nargs="*", help="key=value settings (Hydra syntax), e.g. rollout.n=8 preset=dapo"
+    )
+    data = commands.add_parser(
+        "prepare-data", help="write prompts in verl's parquet schema (arithmetic, gsm8k, math)"
+    )
     data.add_argument("task", choices=["arithmetic", "gsm8k", "math"])
     data.add_argument("--out", required=True, help="the parquet file to write")
     data.add_argument("--source", help="gsm8k/math: the local parquet or JSONL file to convert")

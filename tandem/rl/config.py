@@ -157,7 +157,9 @@ class RolloutConfig:
         check_range("rollout", "val_temperature", self.val_temperature, low=0.0)
         check_positive("rollout", "val_n", self.val_n)
         if self.val_temperature == 0.0 and self.val_n != 1:
-            raise ValueError(f"rollout.val_n={self.val_n} needs rollout.val_temperature > 0 (greedy is deterministic)")
+            raise ValueError(
+                f"rollout.val_n={self.val_n} needs rollout.val_temperature > 0 (greedy is deterministic)"
+            )
 
 
 @dataclass(frozen=True)
@@ -344,7 +346,11 @@ class TrainConfig:
                 f"actor.engine.max_tokens_per_micro_batch={engine.max_tokens_per_micro_batch} is below the longest "
                 f"sequence, data.max_prompt_length + rollout.max_response_length = {longest}"
             )
-        if self.algorithm.needs_reference and self.algorithm.kl.use_kl_loss and self.algorithm.kl.kl_loss_coef == 0:
+        if (
+            self.algorithm.needs_reference
+            and self.algorithm.kl.use_kl_loss
+            and self.algorithm.kl.kl_loss_coef == 0
+        ):
             raise ValueError("algorithm.kl.use_kl_loss is on but algorithm.kl.kl_loss_coef is 0")
 
     @property

@@ -121,7 +121,9 @@ def run_demo(settings: DemoSettings | None = None, console: Console | None = Non
         console,
     ).fit()  # fmt: skip
 
-    console.rule(f"2. GRPO ({settings.rl_steps} steps of {settings.prompts_per_step} prompts x {settings.responses_per_prompt})")
+    console.rule(
+        f"2. GRPO ({settings.rl_steps} steps of {settings.prompts_per_step} prompts x {settings.responses_per_prompt})"
+    )
     config = load_train_config(
         [
             "preset=grpo",

@@ -29,7 +29,9 @@ def _series(records: list[dict], prefixes: tuple[str, ...]) -> dict[str, list[tu
     series: dict[str, list[tuple[float, float]]] = {}
     for record in records:
         for key, value in record.items():
-            if any(key == p or (p.endswith("/") and key.startswith(p)) for p in prefixes) and isinstance(value, (int, float)):
+            if any(key == p or (p.endswith("/") and key.startswith(p)) for p in prefixes) and isinstance(
+                value, (int, float)
+            ):
                 series.setdefault(key, []).append((float(record["step"]), float(value)))
     return series
 
@@ -62,8 +64,12 @@ def _chart(title: str, series: dict[str, list[tuple[float, float]]]) -> str:
         path = " ".join(place(x, y) for x, y in values if math.isfinite(y))
         parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.8" points="{path}"/>')
         if len(values) == 1:
-            parts.append(f'<circle cx="{place(*values[0]).split(",")[0]}" cy="{place(*values[0]).split(",")[1]}" r="3" fill="{color}"/>')
-        parts.append(f'<text x="{PAD + 6}" y="{HEIGHT - 8 - 12 * index}" fill="{color}">{html.escape(name)}</text>')
+            parts.append(
+                f'<circle cx="{place(*values[0]).split(",")[0]}" cy="{place(*values[0]).split(",")[1]}" r="3" fill="{color}"/>'
+            )
+        parts.append(
+            f'<text x="{PAD + 6}" y="{HEIGHT - 8 - 12 * index}" fill="{color}">{html.escape(name)}</text>'
+        )
     parts.append("</svg>")
     return "\n".join(parts)
 

@@ -72,7 +72,6 @@ def decode_responses(tokenizer, responses: torch.Tensor, response_mask: torch.Te
     ]
 
 
-
 SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids")
 
 
@@ -117,7 +116,11 @@ def concat_sequences(batches: Sequence[Batch], pad_id: int) -> Batch:
     prompt_width = max(b["prompts"].shape[1] for b in batches)
     response_width = max(b["responses"].shape[1] for b in batches)
     widened = [
-        Batch(resize_columns(dict(b.tensors.items()), prompt_width, response_width, pad_id), b.non_tensors, b.meta)
+        Batch(
+            resize_columns(dict(b.tensors.items()), prompt_width, response_width, pad_id),
+            b.non_tensors,
+            b.meta,
+        )
         for b in batches
     ]
     return Batch.concat(widened)

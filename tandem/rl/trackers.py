@@ -58,7 +58,9 @@ class ConsoleTracker:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         parts = [f"{label} {metrics[key]:.4g}" for key, label in CONSOLE_KEYS if key in metrics]
-        validation = [f"{k.removeprefix('val-core/')} {v:.3f}" for k, v in metrics.items() if k.startswith("val-core/")]
+        validation = [
+            f"{k.removeprefix('val-core/')} {v:.3f}" for k, v in metrics.items() if k.startswith("val-core/")
+        ]
         if parts:
             self.console.print(f"step {step}  " + "  ".join(parts))
             self.progress.update(self.task, completed=step)
@@ -78,7 +80,11 @@ class JsonlTracker:
         if resume_step is None:
             self.path.write_text("")
         elif self.path.exists():  # keep the history up to the checkpoint, drop what came after it
-            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line and json.loads(line)["step"] <= resume_step
+            ]
             self.path.write_text("".join(line + "\n" for line in kept))
         self.file = self.path.open("a")
 
@@ -103,7 +109,9 @@ class TensorBoardTracker:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:
-            raise ImportError("trainer.loggers has 'tensorboard'; install it: pip install tensorboard") from error
+            raise ImportError(
+                "trainer.loggers has 'tensorboard'; install it: pip install tensorboard"
+            ) from error
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
     def log(self, metrics: dict[str, float], step: int) -> None:

@@ -66,7 +66,9 @@ class RLTrainer:
         self.console = console or Console()
         data = config.data
         self.tokenizer = load_tokenizer(config.model_path)
-        self.train_data = RLDataset.load(data.train_path, self.tokenizer, data.max_prompt_length, data.overlong_prompts)
+        self.train_data = RLDataset.load(
+            data.train_path, self.tokenizer, data.max_prompt_length, data.overlong_prompts
+        )
         self.val_data = (
             RLDataset.load(data.val_path, self.tokenizer, data.max_prompt_length, data.overlong_prompts)
             if data.val_path
@@ -112,7 +114,9 @@ class RLTrainer:
                 while self.step < self.total_steps:
                     metrics = self.train_step()
                     last = self.step == self.total_steps
-                    if self.val_data is not None and ((trainer.val_every and self.step % trainer.val_every == 0) or last):
+                    if self.val_data is not None and (
+                        (trainer.val_every and self.step % trainer.val_every == 0) or last
+                    ):
                         validation = self.validate()
                         metrics.update(validation)
                     self._log(trackers, metrics)
@@ -128,7 +132,9 @@ class RLTrainer:
             workers.shutdown_engines()
         report = None
         if trainer.report and "jsonl" in trainer.loggers:
-            report = write_report(self.output_dir / "metrics.jsonl", self.output_dir / "report.html", trainer.experiment)
+            report = write_report(
+                self.output_dir / "metrics.jsonl", self.output_dir / "report.html", trainer.experiment
+            )
             self.console.print(f"report: {report}")
         return RLResult(self.history, validation, self.output_dir, hf_dir, report)
 
@@ -153,7 +159,9 @@ class RLTrainer:
         metrics.update(adv_metrics)
         metrics.update(_combine_workers(per_worker))
         metrics.update(data_metrics(batch, self.config.rollout.max_response_length))
-        metrics.update(timing_metrics(timings, int(batch["attention_mask"].sum()), self.config.trainer.n_workers))
+        metrics.update(
+            timing_metrics(timings, int(batch["attention_mask"].sum()), self.config.trainer.n_workers)
+        )
         metrics["training/epoch"] = float(self.sampler.epoch)
         return metrics
 
@@ -170,7 +178,9 @@ class RLTrainer:
         while True:
             rounds += 1
             prompts = self.train_data.collate(self.sampler.take(wanted))
-            prompts = prompts.assign(non_tensors={"uid": [f"{self.step}-{rounds}-{i}" for i in range(len(prompts))]})
+            prompts = prompts.assign(
+                non_tensors={"uid": [f"{self.step}-{rounds}-{i}" for i in range(len(prompts))]}
+            )
             baselines = None
             if config.algorithm.adv_estimator == "remax":
                 with timed(timings, "gen_greedy"):
@@ -229,7 +239,9 @@ class RLTrainer:
         token_scores[torch.arange(len(batch)), (lengths - 1).clamp(min=0)] = result.scores
         if result.errors:
             self.console.print(f"[yellow]reward: {len(result.errors)} failed ({result.errors[0]}); scored 0")
-        return batch.assign(tensors={"token_level_scores": token_scores, "acc": result.accuracy}), result.metrics
+        return batch.assign(
+            tensors={"token_level_scores": token_scores, "acc": result.accuracy}
+        ), result.metrics
 
     def compute_advantages(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """KL penalty (if any), rollout correction, and the configured advantage estimator."""
@@ -280,7 +292,9 @@ class RLTrainer:
         for source in sorted(set(sources)):
             rows = torch.tensor([s == source for s in sources])
             metrics[f"val-core/{source}/acc/mean@{rollout.val_n}"] = float(scored["acc"][rows].mean())
-            metrics[f"val-aux/{source}/score/mean@{rollout.val_n}"] = float(scored["token_level_scores"][rows].sum(-1).mean())
+            metrics[f"val-aux/{source}/score/mean@{rollout.val_n}"] = float(
+                scored["token_level_scores"][rows].sum(-1).mean()
+            )
         metrics["val-aux/response_length/mean"] = float(scored["response_mask"].sum(-1).float().mean())
         return metrics
 

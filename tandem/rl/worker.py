@@ -62,7 +62,9 @@ class ActorRolloutRefWorker(Worker):
         self.reference: TorchTrainEngine | None = None
         if config.algorithm.needs_reference and not config.actor.engine.lora.rank:
             # A frozen copy computing log-probs only; each rank scores its own shard, so no DP wrapper.
-            self.reference = TorchTrainEngine(dataclasses.replace(self._engine_config(config.actor.engine), strategy="single"))
+            self.reference = TorchTrainEngine(
+                dataclasses.replace(self._engine_config(config.actor.engine), strategy="single")
+            )
             self.reference.initialize()
             self.reference.causal_lm.requires_grad_(False)
         return sum(p.numel() for p in self.engine.causal_lm.parameters())
@@ -111,8 +113,12 @@ class ActorRolloutRefWorker(Worker):
         if failed:
             raise RuntimeError(f"{len(failed)} rollout requests failed; first: {failed[0].error}")
         tensors = sequence_tensors(prompts["prompt_ids"], completions, self.tokenizer.pad_token_id)
-        tensors = resize_columns(tensors, meta["prompt_width"], meta["max_tokens"], self.tokenizer.pad_token_id)
-        return prompts.assign(tensors=tensors, non_tensors={"finish_reason": [c.finish_reason for c in completions]})
+        tensors = resize_columns(
+            tensors, meta["prompt_width"], meta["max_tokens"], self.tokenizer.pad_token_id
+        )
+        return prompts.assign(
+            tensors=tensors, non_tensors={"finish_reason": [c.finish_reason for c in completions]}
+        )
 
     @register(dispatch="ONE_TO_ALL")
     def sync_rollout_weights(self, version: int) -> int:
@@ -160,12 +166,18 @@ class ActorRolloutRefWorker(Worker):
         for epoch in range(actor.ppo_epochs):
             order = batch
             if actor.shuffle_mini_batches:
-                generator = torch.Generator().manual_seed(config.trainer.seed * 1_000_003 + step * 101 + epoch)
+                generator = torch.Generator().manual_seed(
+                    config.trainer.seed * 1_000_003 + step * 101 + epoch
+                )
                 order = batch.reorder(torch.randperm(len(batch), generator=generator))
             for mini in order.split(local_mini):
                 normalizer = self.engine.global_normalizer(mini["response_mask"])
                 loss_fn = make_actor_loss(
-                    loss_config, normalizer, actor.entropy_coeff, config.algorithm.kl, config.old_log_probs_from_update
+                    loss_config,
+                    normalizer,
+                    actor.entropy_coeff,
+                    config.algorithm.kl,
+                    config.old_log_probs_from_update,
                 )
                 result = self.engine.forward_backward(mini, loss_fn)
                 collected["actor/grad_norm"].append(self.engine.optimizer_step())

@@ -28,11 +28,15 @@ def test_prepare_data_then_train_from_the_command_line(rl_files, tmp_path):
     assert main(["train", *overrides]) == 0
     assert [r["step"] for r in read_jsonl(tmp_path / "cli" / "metrics.jsonl")] == [1]
     module = subprocess.run(
-        [sys.executable, "-m", "tandem.train", *overrides, "trainer.total_steps=2"], capture_output=True, text=True
+        [sys.executable, "-m", "tandem.train", *overrides, "trainer.total_steps=2"],
+        capture_output=True,
+        text=True,
     )
     assert module.returncode == 0, module.stderr[-2000:]
     assert "resumed from" in module.stdout  # resume=auto picks up the step-1 checkpoint
-    bad = subprocess.run([sys.executable, "-m", "tandem.train", *overrides, "rollout.n=zero"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "tandem.train", *overrides, "rollout.n=zero"], capture_output=True, text=True
+    )
     assert bad.returncode != 0 and "rollout.n=zero" in bad.stderr
 
 

@@ -24,12 +24,18 @@ def test_every_preset_composes_with_its_algorithm():
         config = load_train_config([*BASE, f"preset={name}"])
         assert (config.algorithm.adv_estimator, config.actor.policy_loss) == (estimator, loss)
     dapo = load_train_config([*BASE, "preset=dapo"])
-    assert dapo.actor.clip_ratio_high == 0.28 and dapo.algorithm.filter_groups.enable and dapo.reward.overlong.enable
+    assert (
+        dapo.actor.clip_ratio_high == 0.28
+        and dapo.algorithm.filter_groups.enable
+        and dapo.reward.overlong.enable
+    )
     assert not load_train_config([*BASE, "preset=dr_grpo"]).algorithm.norm_adv_by_std
 
 
 def test_overrides_apply_and_bad_ones_name_the_key():
-    config = load_train_config([*BASE, "rollout.n=4", "actor.policy_loss=gspo", "algorithm.kl.use_kl_loss=false"])
+    config = load_train_config(
+        [*BASE, "rollout.n=4", "actor.policy_loss=gspo", "algorithm.kl.use_kl_loss=false"]
+    )
     assert config.rollout.n == 4 and config.actor.policy_loss == "gspo"
     with pytest.raises(ValueError, match="rollout.nn"):
         load_train_config([*BASE, "rollout.nn=4"])
@@ -46,8 +52,14 @@ def test_overrides_apply_and_bad_ones_name_the_key():
     [
         (["actor.ppo_mini_batch_size=5"], "actor.ppo_mini_batch_size=5 must divide data.train_batch_size=32"),
         (["rollout.n=1"], "rollout.n must be at least 2"),
-        (["trainer.n_workers=3", "rollout.n=2", "data.train_batch_size=4"], "must divide evenly over trainer.n_workers=3"),
-        (["actor.engine.max_tokens_per_micro_batch=100"], "actor.engine.max_tokens_per_micro_batch=100 is below"),
+        (
+            ["trainer.n_workers=3", "rollout.n=2", "data.train_batch_size=4"],
+            "must divide evenly over trainer.n_workers=3",
+        ),
+        (
+            ["actor.engine.max_tokens_per_micro_batch=100"],
+            "actor.engine.max_tokens_per_micro_batch=100 is below",
+        ),
         (["actor.policy_loss=nope"], "actor.policy_loss='nope' is not registered"),
         (["+actor.loss_options.not_a_knob=1.0"], r"actor.loss_options has unknown keys \['not_a_knob'\]"),
         (["algorithm.adv_estimator=gae"], "needs a critic"),

@@ -49,9 +49,13 @@ def test_arithmetic_rows_are_correct_deterministic_and_follow_the_difficulty():
 
 
 def test_reversed_answers_are_written_units_first():
-    plain = arithmetic_rows(50, ArithmeticTaskConfig(max_digits=3, operators="+-", allow_negative=True), seed=3)
+    plain = arithmetic_rows(
+        50, ArithmeticTaskConfig(max_digits=3, operators="+-", allow_negative=True), seed=3
+    )
     backwards = arithmetic_rows(
-        50, ArithmeticTaskConfig(max_digits=3, operators="+-", allow_negative=True, reverse_answer=True), seed=3
+        50,
+        ArithmeticTaskConfig(max_digits=3, operators="+-", allow_negative=True, reverse_answer=True),
+        seed=3,
     )
     for a, b in zip(plain, backwards, strict=True):
         value = int(a["reward_model"]["ground_truth"])
@@ -75,9 +79,14 @@ def test_dataset_tokenises_with_the_chat_template_and_filters_overlong(tmp_path)
     assert len(data) == 9 and data.filtered == 1
     assert data.samples[0].prompt_ids == tuple(template_ids(tokenizer, rows[0]["prompt"], True))
     batch = data.collate([0, 2])
-    assert list(batch["ground_truth"]) == [rows[0]["reward_model"]["ground_truth"], rows[2]["reward_model"]["ground_truth"]]
+    assert list(batch["ground_truth"]) == [
+        rows[0]["reward_model"]["ground_truth"],
+        rows[2]["reward_model"]["ground_truth"],
+    ]
     assert list(batch["data_source"]) == ["arithmetic", "arithmetic"]
-    with pytest.raises(ValueError, match=r"row 3: field 'prompt' is \d+ tokens, over data.max_prompt_length=64"):
+    with pytest.raises(
+        ValueError, match=r"row 3: field 'prompt' is \d+ tokens, over data.max_prompt_length=64"
+    ):
         RLDataset.load(path, tokenizer, max_prompt_length=64, overlong="error")
 
 
@@ -88,7 +97,10 @@ def test_dataset_tokenises_with_the_chat_template_and_filters_overlong(tmp_path)
         (lambda r: r.update(prompt="just a string"), "row 2: field 'prompt' must be a non-empty list"),
         (lambda r: r.update(prompt=[{"role": "user"}]), "row 2: field 'prompt' message 0 needs string"),
         (lambda r: r.update(data_source=7), "row 2: field 'data_source' must be a string"),
-        (lambda r: r.update(reward_model={"style": "rule"}), "row 2: field 'reward_model' must be a dict with 'ground_truth'"),
+        (
+            lambda r: r.update(reward_model={"style": "rule"}),
+            "row 2: field 'reward_model' must be a dict with 'ground_truth'",
+        ),
         (lambda r: r.update(extra_info="x"), "row 2: field 'extra_info' must be a dict"),
     ],
 )
@@ -105,7 +117,9 @@ def test_wrong_type_in_parquet_is_reported(tmp_path):
     rows = arithmetic_rows(3, ArithmeticTaskConfig(), seed=0)
     for row in rows:
         row["reward_model"]["ground_truth"] = [1, 2]  # a list, in every row (parquet needs one type)
-    with pytest.raises(ValueError, match="row 0: field 'reward_model.ground_truth' must be a string or number"):
+    with pytest.raises(
+        ValueError, match="row 0: field 'reward_model.ground_truth' must be a string or number"
+    ):
         RLDataset.load(write_parquet(rows, tmp_path / "t.parquet"), build_char_tokenizer(), 64)
 
 
@@ -116,7 +130,9 @@ def test_gsm8k_and_math_converters(tmp_path):
     assert row["reward_model"]["ground_truth"] == "1005" and row["data_source"] == "openai/gsm8k"
     assert row["prompt"][0]["content"].startswith("2 apples and 3 more?")
     math = tmp_path / "math.jsonl"
-    math.write_text(json.dumps({"problem": "Simplify 2/4.", "solution": "It is $\\boxed{\\frac{1}{2}}$."}) + "\n")
+    math.write_text(
+        json.dumps({"problem": "Simplify 2/4.", "solution": "It is $\\boxed{\\frac{1}{2}}$."}) + "\n"
+    )
     (row,) = math_rows(math)
     assert row["reward_model"]["ground_truth"] == "\\frac{1}{2}"
     gsm.write_text(json.dumps({"question": "q", "answer": "no marker"}) + "\n")

@@ -25,7 +25,12 @@ def test_two_workers_match_one(rl_files, tmp_path, single_worker_run, backend, r
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
     config = small_config(
-        rl_files, tmp_path, "trainer.total_steps=1", "data.val_path=", "trainer.n_workers=2", f"trainer.backend={backend}"
+        rl_files,
+        tmp_path,
+        "trainer.total_steps=1",
+        "data.val_path=",
+        "trainer.n_workers=2",
+        f"trainer.backend={backend}",
     )
     (two,) = RLTrainer(config).fit().history
     (one,) = single_worker_run

@@ -39,7 +39,9 @@ CORE_METRICS = [
 
 
 def _without_timings(history):
-    return [{k: v for k, v in h.items() if not k.startswith(("timing_s/", "perf/throughput"))} for h in history]
+    return [
+        {k: v for k, v in h.items() if not k.startswith(("timing_s/", "perf/throughput"))} for h in history
+    ]
 
 
 def test_grpo_run_updates_the_policy_and_logs_finite_metrics(rl_files, tmp_path):
@@ -53,7 +55,9 @@ def test_grpo_run_updates_the_policy_and_logs_finite_metrics(rl_files, tmp_path)
         assert metrics["rollout_corr/max_abs_log_prob_diff"] < 1e-4  # rollout and trainer agree
     assert "val-core/arithmetic/acc/mean@1" in result.validation
     before, after = load_model(rl_files["model"]), load_model(result.hf_model_dir)
-    changed = [n for n, p in after.named_parameters() if not torch.equal(p, dict(before.named_parameters())[n])]
+    changed = [
+        n for n, p in after.named_parameters() if not torch.equal(p, dict(before.named_parameters())[n])
+    ]
     assert len(changed) == len(list(before.parameters()))
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
@@ -63,7 +67,9 @@ def test_grpo_run_updates_the_policy_and_logs_finite_metrics(rl_files, tmp_path)
 
 
 def test_resume_reproduces_the_uninterrupted_run_and_reruns_are_identical(rl_files, tmp_path):
-    full = RLTrainer(small_config(rl_files, tmp_path / "full", "trainer.total_steps=4", "trainer.val_every=2")).fit()
+    full = RLTrainer(
+        small_config(rl_files, tmp_path / "full", "trainer.total_steps=4", "trainer.val_every=2")
+    ).fit()
     part = small_config(rl_files, tmp_path / "part", "trainer.total_steps=2", "trainer.val_every=2")
     first = RLTrainer(part).fit()
     assert _without_timings(first.history) == _without_timings(full.history[:3])  # same seed, same run
@@ -106,7 +112,9 @@ def test_a_kill_during_checkpoint_write_leaves_a_resumable_checkpoint(rl_files, 
     manager = CheckpointManager(tmp_path / "checkpoints", keep_last=2)
     assert (tmp_path / "checkpoints" / "global_step_4.tmp").exists()
     assert [p.name for p in manager.complete()] == ["global_step_2"]
-    resumed = RLTrainer(small_config(rl_files, tmp_path, "trainer.total_steps=4", "trainer.save_every=2")).fit()
+    resumed = RLTrainer(
+        small_config(rl_files, tmp_path, "trainer.total_steps=4", "trainer.save_every=2")
+    ).fit()
     assert [h["step"] for h in resumed.history] == [3, 4]
     assert [p.name for p in manager.complete()] == ["global_step_2", "global_step_4"]
     assert not (tmp_path / "checkpoints" / "global_step_4.tmp").exists()
@@ -135,14 +143,18 @@ def test_a_raising_and_a_hanging_reward_function_are_counted_and_the_run_goes_on
         "    return float(solution.strip() == ground_truth)\n"
     )
     result = RLTrainer(
-        small_config(rl_files, tmp_path, f"reward.custom_path={reward}", "reward.timeout_s=1", "data.val_path=")
+        small_config(
+            rl_files, tmp_path, f"reward.custom_path={reward}", "reward.timeout_s=1", "data.val_path="
+        )
     ).fit()
     step1, step2 = result.history
     assert step1["reward/timeouts"] == 1 and step1["reward/errors"] >= 3
     assert step2["reward/errors"] >= 3 and math.isfinite(step2["actor/pg_loss"])
 
 
-@pytest.mark.parametrize("preset", ["dapo", "gspo", "cispo", "sapo", "rloo", "reinforce_pp", "remax", "dr_grpo"])
+@pytest.mark.parametrize(
+    "preset", ["dapo", "gspo", "cispo", "sapo", "rloo", "reinforce_pp", "remax", "dr_grpo"]
+)
 def test_every_preset_trains(rl_files, tmp_path, preset):
     overrides = [f"preset={preset}", "trainer.total_steps=1", "data.val_path=", "actor.ppo_mini_batch_size=2"]
     result = RLTrainer(small_config(rl_files, tmp_path, *overrides)).fit()
@@ -156,9 +168,15 @@ def test_every_preset_trains(rl_files, tmp_path, preset):
 
 def test_old_log_probs_from_the_update_equal_a_separate_forward(rl_files, tmp_path):
     fused = RLTrainer(small_config(rl_files, tmp_path / "fused", "data.val_path=")).fit().history
-    separate = RLTrainer(
-        small_config(rl_files, tmp_path / "separate", "data.val_path=", "actor.recompute_old_log_probs=true")
-    ).fit().history
+    separate = (
+        RLTrainer(
+            small_config(
+                rl_files, tmp_path / "separate", "data.val_path=", "actor.recompute_old_log_probs=true"
+            )
+        )
+        .fit()
+        .history
+    )
     for a, b in zip(fused, separate, strict=True):
         assert "timing_s/old_log_prob" in b and "timing_s/old_log_prob" not in a
         for name in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "rollout_corr/kl",

@@ -55,13 +55,20 @@ def make_problem(rng: random.Random, config: ArithmeticTaskConfig) -> tuple[str,
     """One expression (``"37+58"``) and its value (Python's precedence)."""
     numbers = [_operand(rng, config) for _ in range(config.num_operands)]
     operators = [rng.choice(config.operators) for _ in range(config.num_operands - 1)]
-    if not config.allow_negative and config.num_operands == 2 and operators[0] == "-" and numbers[0] < numbers[1]:
+    if (
+        not config.allow_negative
+        and config.num_operands == 2
+        and operators[0] == "-"
+        and numbers[0] < numbers[1]
+    ):
         numbers.reverse()
     expression = str(numbers[0]) + "".join(op + str(n) for op, n in zip(operators, numbers[1:], strict=True))
     return expression, eval(expression)  # noqa: S307 — digits and +-* only, built just above
 
 
-def arithmetic_rows(count: int, config: ArithmeticTaskConfig, seed: int, split: str = "train") -> list[dict[str, Any]]:
+def arithmetic_rows(
+    count: int, config: ArithmeticTaskConfig, seed: int, split: str = "train"
+) -> list[dict[str, Any]]:
     """``count`` rows in verl's schema; the same ``seed`` gives the same rows."""
     check_positive("task", "count", count)
     rng = random.Random(seed)

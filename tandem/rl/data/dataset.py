@@ -35,20 +35,28 @@ def validate_row(row: Any, where: str) -> None:
         if name not in row or row[name] is None:
             raise ValueError(f"{where}: missing field {name!r} (has {sorted(row)})")
     if not isinstance(row["data_source"], str):
-        raise ValueError(f"{where}: field 'data_source' must be a string, got {type(row['data_source']).__name__}")
+        raise ValueError(
+            f"{where}: field 'data_source' must be a string, got {type(row['data_source']).__name__}"
+        )
     prompt = row["prompt"]
     if not isinstance(prompt, list) or not prompt:
-        raise ValueError(f"{where}: field 'prompt' must be a non-empty list of chat messages, got {type(prompt).__name__}")
+        raise ValueError(
+            f"{where}: field 'prompt' must be a non-empty list of chat messages, got {type(prompt).__name__}"
+        )
     for turn, message in enumerate(prompt):
         if not (
             isinstance(message, dict)
             and isinstance(message.get("role"), str)
             and isinstance(message.get("content"), str)
         ):
-            raise ValueError(f"{where}: field 'prompt' message {turn} needs string 'role' and 'content', got {message!r}")
+            raise ValueError(
+                f"{where}: field 'prompt' message {turn} needs string 'role' and 'content', got {message!r}"
+            )
     reward_model = row["reward_model"]
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
-        raise ValueError(f"{where}: field 'reward_model' must be a dict with 'ground_truth', got {reward_model!r}")
+        raise ValueError(
+            f"{where}: field 'reward_model' must be a dict with 'ground_truth', got {reward_model!r}"
+        )
     truth = reward_model["ground_truth"]
     if not isinstance(truth, (str, int, float)) or isinstance(truth, bool):
         raise ValueError(
@@ -57,7 +65,9 @@ def validate_row(row: Any, where: str) -> None:
     if row.get("ability") is not None and not isinstance(row["ability"], str):
         raise ValueError(f"{where}: field 'ability' must be a string, got {type(row['ability']).__name__}")
     if row.get("extra_info") is not None and not isinstance(row["extra_info"], dict):
-        raise ValueError(f"{where}: field 'extra_info' must be a dict, got {type(row['extra_info']).__name__}")
+        raise ValueError(
+            f"{where}: field 'extra_info' must be a dict, got {type(row['extra_info']).__name__}"
+        )
 
 
 @dataclass

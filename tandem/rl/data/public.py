@@ -12,7 +12,7 @@ from typing import Any
 from tandem.rl.rewards.math_answers import last_boxed_content
 from tandem.sft.data import read_rows
 
-GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 
 
@@ -49,7 +49,9 @@ def math_rows(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
     for index, row in enumerate(read_rows(path)):
         where = f"{path}: row {index}"
         _require(row, ("problem", "solution"), where)
-        truth = row.get("answer") if isinstance(row.get("answer"), str) else last_boxed_content(row["solution"])
+        truth = (
+            row.get("answer") if isinstance(row.get("answer"), str) else last_boxed_content(row["solution"])
+        )
         if truth is None:
             raise ValueError(f"{where}: field 'solution' has no \\boxed{{...}} answer")
         rows.append(

@@ -93,7 +93,11 @@ def _unpack(results: list[CallResult]) -> tuple[list[float], list[float], dict[s
         accuracy = None
         if error is None and isinstance(value, dict):
             for key, item in value.items():
-                if key not in ("score", "acc") and isinstance(item, (int, float)) and not isinstance(item, bool):
+                if (
+                    key not in ("score", "acc")
+                    and isinstance(item, (int, float))
+                    and not isinstance(item, bool)
+                ):
                     extras[key].append(float(item))
             accuracy = value.get("acc")
             value = value.get("score")

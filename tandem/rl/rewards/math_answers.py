@@ -41,6 +41,8 @@ def numbers_equal(a: str, b: str) -> bool:
 def normalize_latex(answer: str) -> str:
     """A light normal form for comparing short LaTeX answers without a CAS."""
     answer = answer.strip().strip("$").replace(" ", "").replace("\\!", "")
-    answer = answer.replace("\\left", "").replace("\\right", "").replace("dfrac", "frac").replace("tfrac", "frac")
+    answer = (
+        answer.replace("\\left", "").replace("\\right", "").replace("dfrac", "frac").replace("tfrac", "frac")
+    )
     answer = re.sub(r"\\text\{(.*?)\}", r"\1", answer)
     return answer.rstrip(".")
