@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"tandem {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
-        "demo", help="the main demo: SFT warm-up then GRPO on 2-digit addition (~6 min on 2 CPUs)"
+        "demo",
+        help="the main demo: SFT on a flawed teacher, then GRPO, on 2-digit addition (~2-3 min on 2 CPUs)",
     )
     demo.add_argument("--output-dir", default="outputs/demo")
     train = commands.add_parser(

@@ -22,7 +22,7 @@ def config_from_overrides(schema: type[T], overrides: Sequence[str], yaml_path: 
             raise ValueError(f"override {item!r} must look like key=value (e.g. trainer.total_steps=100)")
     try:
         merged = OmegaConf.structured(schema)
-        _make_writable(merged)  # frozen dataclasses come back read-only; overrides must apply
+        make_writable(merged)  # frozen dataclasses come back read-only; overrides must apply
         if yaml_path:
             merged = OmegaConf.merge(merged, OmegaConf.load(yaml_path))
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
@@ -31,9 +31,10 @@ def config_from_overrides(schema: type[T], overrides: Sequence[str], yaml_path: 
         raise ValueError(f"bad configuration: {error}") from None
 
 
-def _make_writable(node: DictConfig) -> None:
+def make_writable(node: DictConfig) -> None:
+    """Clear the read-only flag on ``node`` and every nested config (frozen dataclasses set it)."""
     OmegaConf.set_readonly(node, False)
     for key in node:
         child = node._get_node(key)
         if isinstance(child, DictConfig):
-            _make_writable(child)
+            make_writable(child)

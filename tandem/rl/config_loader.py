@@ -18,6 +18,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from tandem.config.overrides import make_writable
 from tandem.rl.config import TrainConfig
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -31,16 +32,8 @@ def presets() -> list[str]:
 
 def _writable_schema() -> DictConfig:
     node = OmegaConf.structured(TrainConfig)
-    _unlock(node)  # frozen dataclasses come back read-only; Hydra must be able to merge into them
+    make_writable(node)  # frozen dataclasses come back read-only; Hydra must be able to merge into them
     return node
-
-
-def _unlock(node: DictConfig) -> None:
-    OmegaConf.set_readonly(node, False)
-    for key in node:
-        child = node._get_node(key)
-        if isinstance(child, DictConfig):
-            _unlock(child)
 
 
 def load_train_config(overrides: Sequence[str] = (), preset: str = "grpo") -> TrainConfig:

@@ -234,3 +234,15 @@ def test_futures_chain_across_groups(backend_world):
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_in_process_blocking_calls_run_on_the_callers_thread_after_queued_work():
+    import threading
+
+    with create_worker_group(EchoWorker, ResourcePool((1,)), "local") as group:
+        assert group.thread_id() == [threading.get_ident()]  # idle: runs right here
+        group.set_delay(0.3)
+        pending = group.double_later(Batch({"x": torch.ones(2, 1)}))  # queued on the mailbox thread
+        assert group.thread_id() != [threading.get_ident()]  # waits its turn behind the queued call
+        assert group.call_log() == [["thread_id", "double_later", "thread_id"]]
+        assert pending.result()["y"].tolist() == [[2.0], [2.0]]

@@ -1,6 +1,7 @@
 """Worker classes the controller tests run (importable, so spawned processes and Ray actors can load them)."""
 
 import os
+import threading
 import time
 
 import torch
@@ -46,6 +47,11 @@ class EchoWorker(Worker):
     @register(dispatch="ONE_TO_ALL")
     def sum_of(self, batch: Batch) -> tuple[int, float]:
         return len(batch), float(batch["x"].sum())
+
+    @register(dispatch="ONE_TO_ALL")
+    def thread_id(self) -> int:
+        self.calls.append("thread_id")
+        return threading.get_ident()
 
     @register(dispatch="ONE_TO_ALL")
     def call_log(self) -> list[str]:

@@ -90,3 +90,10 @@ def test_overlong_penalty_matches_the_dapo_formula():
     expected = [1.0 - min(max(n - 12, 0) / 4, 1) * 0.5 for n in lengths.tolist()]
     assert result.scores.tolist() == pytest.approx(expected)
     assert result.accuracy.tolist() == [1.0] * 5
+
+
+def test_math_scorer_uses_symbolic_equivalence_when_math_verify_is_installed():
+    pytest.importorskip("math_verify")
+    math = SCORERS.get("math")
+    assert math("so $\\boxed{0.5}$", "\\frac{1}{2}", {}) == 1.0  # a string comparison would say no
+    assert math("so $\\boxed{0.6}$", "\\frac{1}{2}", {}) == 0.0

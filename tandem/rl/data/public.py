@@ -22,6 +22,16 @@ def _require(row: dict, names: tuple[str, ...], where: str) -> None:
             raise ValueError(f"{where}: field {name!r} must be a string (has {sorted(row)})")
 
 
+def _verl_row(data_source: str, content: str, truth: str, split: str, index: int) -> dict[str, Any]:
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": content}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": truth},
+        "extra_info": {"split": split, "index": index},
+    }
+
+
 def gsm8k_rows(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
     """Rows of a gsm8k parquet/JSONL file in verl's schema (``data_source="openai/gsm8k"``)."""
     rows = []
@@ -31,15 +41,8 @@ def gsm8k_rows(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
         if "####" not in row["answer"]:
             raise ValueError(f"{where}: field 'answer' has no '#### <answer>' line")
         truth = row["answer"].split("####")[-1].strip().replace(",", "")
-        rows.append(
-            {
-                "data_source": "openai/gsm8k",
-                "prompt": [{"role": "user", "content": f"{row['question']} {GSM8K_INSTRUCTION}"}],
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": truth},
-                "extra_info": {"split": split, "index": index},
-            }
-        )
+        content = f"{row['question']} {GSM8K_INSTRUCTION}"
+        rows.append(_verl_row("openai/gsm8k", content, truth, split, index))
     return rows
 
 
@@ -54,13 +57,6 @@ def math_rows(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
         )
         if truth is None:
             raise ValueError(f"{where}: field 'solution' has no \\boxed{{...}} answer")
-        rows.append(
-            {
-                "data_source": "math",
-                "prompt": [{"role": "user", "content": f"{row['problem']} {MATH_INSTRUCTION}"}],
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": truth},
-                "extra_info": {"split": split, "index": index},
-            }
-        )
+        content = f"{row['problem']} {MATH_INSTRUCTION}"
+        rows.append(_verl_row("math", content, truth, split, index))
     return rows
