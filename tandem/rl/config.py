@@ -134,6 +134,9 @@ class RolloutConfig:
         max_num_seqs: requests decoded at once (KV-cache slots).
         dtype: the rollout model's dtype (the output head is fp32 regardless).
         val_temperature / val_n: validation sampling (temperature 0: greedy, so ``val_n`` is 1).
+        free_cache_between_generations: free the KV cache after each generation and allocate it
+            again before the next, so the actor's update has that memory (colocated training on
+            a memory-bound accelerator); off by default, since re-allocation costs time on CPU.
     """
 
     n: int = 8
@@ -145,6 +148,7 @@ class RolloutConfig:
     dtype: str = "float32"
     val_temperature: float = 0.0
     val_n: int = 1
+    free_cache_between_generations: bool = False
 
     def __post_init__(self) -> None:
         check_positive("rollout", "n", self.n)

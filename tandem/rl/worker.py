@@ -109,6 +109,8 @@ class ActorRolloutRefWorker(Worker):
         ]
         self.rollout.wake()
         completions = self.rollout.generate_batch(requests)
+        if self.config.rollout.free_cache_between_generations:
+            self.rollout.sleep()  # the update gets the KV-cache memory; the next generation wakes it
         failed = [c for c in completions if c.finish_reason == "error"]
         if failed:
             raise RuntimeError(f"{len(failed)} rollout requests failed; first: {failed[0].error}")

@@ -182,3 +182,17 @@ def test_old_log_probs_from_the_update_equal_a_separate_forward(rl_files, tmp_pa
         for name in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "rollout_corr/kl",
                      "rollout_corr/ratio_mean", "rollout_corr/max_abs_log_prob_diff"):  # fmt: skip
             assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), name
+
+
+def test_freeing_the_kv_cache_between_generations_changes_nothing(rl_files, tmp_path):
+    kept = RLTrainer(small_config(rl_files, tmp_path / "kept", "data.val_path=")).fit().history
+    freed = (
+        RLTrainer(
+            small_config(
+                rl_files, tmp_path / "freed", "data.val_path=", "rollout.free_cache_between_generations=true"
+            )
+        )
+        .fit()
+        .history
+    )
+    assert _without_timings(kept) == _without_timings(freed)
