@@ -3,8 +3,9 @@
 transformers' SDPA path handles a packed row by building a dense block-causal ``[T, T]``
 mask, so its cost grows with the square of the *packed* length. This implementation reads
 the sequence boundaries (``cu_seq_lens_q``, the flash-attention varlen argument) and runs
-causal SDPA on each sequence alone (sequences of equal length batched into one call): the cost is ``sum(len_i^2)``, as with flash-attention's
-varlen kernel on GPU. Results equal the padded computation (tests check 1e-5).
+causal SDPA within each sequence (sequences of equal length batched into one call): the cost
+is ``sum(len_i^2)``, as with flash-attention's varlen kernel on GPU. Results equal the padded
+computation (tests check 1e-5).
 """
 
 from __future__ import annotations
@@ -52,12 +53,17 @@ def varlen_sdpa_attention(
         if length == 0:
             continue
         chosen = starts[lengths == length]
-        index = (chosen.unsqueeze(1) + torch.arange(length, device=chosen.device)).flatten()  # [n * L]
-        shape = (len(chosen), length)
+        if len(chosen) == 1:  # a length of its own: attend on views, no gather
+            index = torch.arange(int(chosen), int(chosen) + length, device=chosen.device)
+            window = slice(int(chosen), int(chosen) + length)
+            q, k, v = query[:, :, window], key[:, :, window], value[:, :, window]
+        else:
+            index = (chosen.unsqueeze(1) + torch.arange(length, device=chosen.device)).flatten()  # [n * L]
+            shape = (len(chosen), length)
+            q, k, v = _gather(query, index, shape), _gather(key, index, shape), _gather(value, index, shape)
         attended = F.scaled_dot_product_attention(
-            _gather(query, index, shape), _gather(key, index, shape), _gather(value, index, shape),
-            is_causal=True, scale=scaling, dropout_p=dropout_p, enable_gqa=gqa,
-        )  # fmt: skip
+            q, k, v, is_causal=True, scale=scaling, dropout_p=dropout_p, enable_gqa=gqa
+        )  # [n, H, L, D]
         positions.append(index)
         pieces.append(attended.transpose(1, 2).flatten(0, 1))  # [n * L, H, D]
     # Put the rows back in packed order with one gather (its backward is one scatter).
