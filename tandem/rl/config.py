@@ -350,11 +350,7 @@ class TrainConfig:
                 f"actor.engine.max_tokens_per_micro_batch={engine.max_tokens_per_micro_batch} is below the longest "
                 f"sequence, data.max_prompt_length + rollout.max_response_length = {longest}"
             )
-        if (
-            self.algorithm.needs_reference
-            and self.algorithm.kl.use_kl_loss
-            and self.algorithm.kl.kl_loss_coef == 0
-        ):
+        if self.algorithm.kl.use_kl_loss and self.algorithm.kl.kl_loss_coef == 0:
             raise ValueError("algorithm.kl.use_kl_loss is on but algorithm.kl.kl_loss_coef is 0")
 
     @property

@@ -35,7 +35,7 @@ from tandem.rl.report import write_report
 from tandem.rl.rewards import RewardManager
 from tandem.rl.sequences import concat_sequences, decode_responses, trim_padding
 from tandem.rl.trackers import build_trackers
-from tandem.rl.worker import MAX_METRICS, SUMMED_METRICS, ActorRolloutRefWorker
+from tandem.rl.worker import ActorRolloutRefWorker, reduce_metric
 from tandem.sft.sampler import EpochSampler
 
 
@@ -157,7 +157,7 @@ class RLTrainer:
             with timed(timings, "update_weights"):
                 self.workers.sync_rollout_weights(self.step)
         metrics.update(adv_metrics)
-        metrics.update(_combine_workers(per_worker))
+        metrics.update({name: reduce_metric(name, [m[name] for m in per_worker]) for name in per_worker[0]})
         metrics.update(data_metrics(batch, self.config.rollout.max_response_length))
         metrics.update(
             timing_metrics(timings, int(batch["attention_mask"].sum()), self.config.trainer.n_workers)
@@ -346,19 +346,6 @@ class RLTrainer:
             f"{data.train_batch_size // config.mini_batch_prompts} optimizer step(s) x {config.actor.ppo_epochs} epoch(s) "
             f"per step; starting at step {self.step}"
         )
-
-
-def _combine_workers(per_worker: list[dict[str, float]]) -> dict[str, float]:
-    """Each worker's loss metrics are its share of the global loss (summed), maxima take the max,
-    the rest are averaged."""
-    combined = {}
-    for name in per_worker[0]:
-        values = [m[name] for m in per_worker]
-        if name in MAX_METRICS:
-            combined[name] = max(values)
-        else:
-            combined[name] = sum(values) / (1 if name in SUMMED_METRICS else len(values))
-    return combined
 
 
 def _groups_with_reward_spread(batch: Batch, n: int) -> torch.Tensor:

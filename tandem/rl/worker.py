@@ -25,7 +25,7 @@ from tandem.rl.sequences import resize_columns, response_part, sequence_tensors
 from tandem.rollout import NativeEngineConfig, NativeRolloutEngine, RolloutRequest, SamplingParams
 from tandem.rollout.weights import load_named_tensors
 
-SUMMED_METRICS = ("actor/pg_loss", "actor/kl_loss")  # micro-batch shares of one loss: add up
+SUMMED_METRICS = ("actor/pg_loss", "actor/kl_loss")  # micro-batch (and worker) shares of one loss: add up
 MAX_METRICS = ("rollout_corr/max_abs_log_prob_diff",)
 
 
@@ -130,15 +130,9 @@ class ActorRolloutRefWorker(Worker):
     # ------------------------------------------------------------------ log-probs
     @register(dispatch="DP_COMPUTE")
     def compute_log_prob(self, batch: Batch) -> Batch:
-        """``old_log_probs`` and ``entropys`` ``[B, R]`` of the responses under the current policy."""
+        """``old_log_probs [B, R]`` of the responses under the current policy."""
         outputs = self.engine.forward_backward(batch, None, forward_only=True).outputs
-        width = batch["prompts"].shape[1]
-        return Batch(
-            {
-                "old_log_probs": response_part(outputs.log_probs, width),
-                "entropys": response_part(outputs.entropy, width),
-            }
-        )
+        return Batch({"old_log_probs": response_part(outputs.log_probs, batch["prompts"].shape[1])})
 
     @register(dispatch="DP_COMPUTE")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
@@ -186,8 +180,8 @@ class ActorRolloutRefWorker(Worker):
                 collected["actor/lr"].append(self.engine.lr)
                 self.engine.lr_step()
                 for name, values in result.metrics.items():
-                    collected[name].append(_reduce(name, values))
-        return {name: _reduce(name, values, over_steps=True) for name, values in collected.items()}
+                    collected[name].append(reduce_metric(name, values))
+        return {name: reduce_metric(name, values, over_steps=True) for name, values in collected.items()}
 
     # ------------------------------------------------------------------ checkpoints and export
     @register(dispatch="ONE_TO_ALL")
@@ -218,9 +212,10 @@ class ActorRolloutRefWorker(Worker):
         self.rollout.close()
 
 
-def _reduce(name: str, values: list[float], over_steps: bool = False) -> float:
-    """Micro-batch values of one step: loss shares add up, maxima take the max, the rest average.
-    Over optimizer steps every metric averages (maxima still take the max)."""
+def reduce_metric(name: str, values: list[float], over_steps: bool = False) -> float:
+    """Combine one metric's values from the micro-batches (or workers) of one optimizer step:
+    loss shares add up, maxima take the max, the rest average. Over optimizer steps every
+    metric averages (maxima still take the max)."""
     if name in MAX_METRICS:
         return max(values)
     if name in SUMMED_METRICS and not over_steps:
