@@ -1,9 +1,11 @@
-"""The ``tandem`` command line: ``demo``, ``train``, ``sft``, ``prepare-data`` and ``algos``."""
+"""The ``tandem`` command line: ``demo``, ``train``, ``sft``, ``serve``, ``prepare-data`` and ``algos``."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -66,6 +68,36 @@ def prepare_data(args: argparse.Namespace, console: Console) -> None:
     console.print(f"wrote {len(rows)} rows to {path}")
 
 
+def run_serve(args: argparse.Namespace, console: Console) -> None:
+    """``tandem serve MODEL_PATH``: an OpenAI-compatible server over a rollout engine."""
+    try:
+        from tandem.serve import ServerConfig, build_engine, serve
+    except ImportError as error:
+        raise SystemExit(
+            f'tandem serve needs the serve extra: pip install "tandem[serve]" ({error})'
+        ) from error
+    from tandem.models import load_tokenizer
+
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        model_name=args.served_model_name or Path(args.model_path).name or "tandem",
+        api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
+        request_timeout_s=args.request_timeout,
+    )
+    options = {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs}
+    if args.engine == "vllm":
+        options["gpu_memory_utilization"] = args.gpu_memory_utilization
+    engine = build_engine(args.model_path, args.engine, **options)
+    tokenizer = load_tokenizer(args.model_path)
+    auth = "bearer token required" if config.api_key else "no auth"
+    console.print(
+        f"serving {args.model_path} as {config.model_name!r} ({args.engine} engine, {auth}) "
+        f"at http://{config.host}:{config.port}/v1"
+    )
+    serve(engine, tokenizer, config)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="RL post-training for language models.")
     parser.add_argument("--version", action="version", version=f"tandem {__version__}")
@@ -102,6 +134,22 @@ def main(argv: list[str] | None = None) -> int:
     sft.add_argument(
         "overrides", nargs="*", help="key=value settings, e.g. trainer.total_steps=200 engine.lr=1e-4"
     )
+    server = commands.add_parser("serve", help="an OpenAI-compatible HTTP server: tandem serve MODEL_PATH")
+    server.add_argument("model_path", help="an HF model directory (config, weights, tokenizer)")
+    server.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--served-model-name", help="the model id clients send (default: the directory name)")
+    server.add_argument(
+        "--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin (or set TANDEM_API_KEY)"
+    )
+    server.add_argument("--engine", choices=["native", "vllm"], default="native")
+    server.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    server.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + response")
+    server.add_argument("--max-num-seqs", type=int, default=256, help="most requests generating at once")
+    server.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds before a request is aborted"
+    )
+    server.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="vllm engine only")
     args = parser.parse_args(argv)
     console = Console()
     try:
@@ -119,6 +167,8 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         run_demo(DemoSettings(output_dir=args.output_dir), console)
     elif args.command == "train":
         run_train(args.overrides, console)
+    elif args.command == "serve":
+        run_serve(args, console)
     elif args.command == "prepare-data":
         prepare_data(args, console)
     elif args.command == "sft":

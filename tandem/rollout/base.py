@@ -8,23 +8,26 @@ from typing import Protocol
 
 import torch
 
-from tandem.rollout.types import Completion, RolloutRequest
+from tandem.rollout.types import Completion, EngineMetrics, RolloutRequest, TokenCallback
 
 
 class RolloutEngine(Protocol):
     """Asynchronous, per-request generation with versioned weight updates.
 
     ``submit`` queues a request and returns a future of its :class:`Completion` (``generate``
-    is the asyncio form); ``abort`` finishes one early; ``pause(mode)``/``resume`` bracket a
+    is the asyncio form); its ``on_token`` callback sees every token as it is sampled
+    (streaming); ``abort`` finishes one early; ``pause(mode)``/``resume`` bracket a
     weight update (``keep`` in-flight requests, ``abort`` them, or ``wait`` for them);
     ``update_weights`` loads ``(name, tensor)`` pairs and sets the version later tokens
     carry; ``sleep``/``wake`` free and restore cache memory; ``reset_prefix_cache`` drops
-    reusable prompt state.
+    reusable prompt state; ``metrics`` is a monitoring snapshot.
     """
 
     version: int
+    max_model_len: int  # longest prompt + response
+    vocab_size: int
 
-    def submit(self, request: RolloutRequest) -> Future: ...
+    def submit(self, request: RolloutRequest, *, on_token: TokenCallback | None = None) -> Future: ...
 
     async def generate(self, request: RolloutRequest) -> Completion: ...
 
@@ -45,5 +48,7 @@ class RolloutEngine(Protocol):
     def wake(self) -> None: ...
 
     def reset_prefix_cache(self) -> None: ...
+
+    def metrics(self) -> EngineMetrics: ...
 
     def close(self) -> None: ...

@@ -10,7 +10,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from tandem.models.loading import load_model, load_tokenizer
-from tandem.rollout.types import Completion, RolloutRequest
+from tandem.rollout.types import Completion, EngineMetrics, RolloutRequest, TokenCallback
 from tandem.rollout.weights import load_named_tensors
 
 
@@ -26,17 +26,35 @@ class HFRolloutEngine:
         self.tokenizer = tokenizer
         self.version = 0
         self.paused = False
+        self.generated_tokens = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
 
     @staticmethod
     def from_pretrained(path: str, dtype: str = "float32") -> HFRolloutEngine:
         return HFRolloutEngine(load_model(path, dtype, attn_implementation="eager"), load_tokenizer(path))
 
-    def submit(self, request: RolloutRequest) -> Future:
+    def submit(self, request: RolloutRequest, *, on_token: TokenCallback | None = None) -> Future:
+        """Generate now, on the calling thread; ``on_token`` sees the tokens once generation ends."""
         future: Future = Future()
         try:
-            future.set_result(self._generate(request))
+            completion = self._generate(request)
         except Exception as error:
             future.set_exception(error)
+            return future
+        if on_token is not None:
+            for token, log_prob, version in zip(
+                completion.token_ids, completion.log_probs, completion.weight_versions, strict=True
+            ):
+                on_token(token, log_prob, version)
+        self.generated_tokens += len(completion.token_ids)
+        future.set_result(completion)
         return future
 
     async def generate(self, request: RolloutRequest) -> Completion:
@@ -112,6 +130,9 @@ class HFRolloutEngine:
 
     def reset_prefix_cache(self) -> None:
         """No prefix cache to reset."""
+
+    def metrics(self) -> EngineMetrics:
+        return EngineMetrics(generated_tokens=self.generated_tokens, version=self.version, paused=self.paused)
 
     def close(self) -> None:
         """Nothing runs in the background."""

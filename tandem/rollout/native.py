@@ -33,7 +33,7 @@ from tandem.config.validation import check_choice, check_positive
 from tandem.models.loading import load_model, load_tokenizer, resolve_dtype
 from tandem.rollout.kv_cache import KV_ATTENTION, PrefillSegment, SlotKVCache, StepPlan
 from tandem.rollout.sampling import counter_uniforms, processed_logits, sample_tokens
-from tandem.rollout.types import Completion, RolloutRequest
+from tandem.rollout.types import Completion, EngineMetrics, RolloutRequest, TokenCallback
 from tandem.rollout.weights import load_named_tensors
 
 PAUSE_MODES = ("keep", "abort", "wait")
@@ -71,6 +71,7 @@ class _Sequence:
     future: Future
     seed: int
     completion: Completion
+    on_token: TokenCallback | None = None
     slot: int = -1
     cached_len: int = 0  # tokens whose keys/values are in the cache
 
@@ -90,15 +91,37 @@ class _PrefixEntry:
     last_hidden: torch.Tensor
 
 
+THROUGHPUT_WINDOW_S = 10.0
+
+
 @dataclass
 class EngineStats:
-    """Counters for monitoring (the HTTP server's ``/metrics``)."""
+    """Counters for monitoring (the HTTP server's ``/metrics``).
+
+    ``recent`` holds ``(time, tokens generated)`` per step for the last
+    ``THROUGHPUT_WINDOW_S`` seconds, from which :meth:`tokens_per_second` is computed.
+    """
 
     steps: int = 0
     generated_tokens: int = 0
     prefilled_tokens: int = 0
     prefix_hits: int = 0
     finished: dict[str, int] = field(default_factory=collections.Counter)
+    recent: collections.deque = field(default_factory=collections.deque)
+
+    def record_step(self, tokens: int, now: float) -> None:
+        self.generated_tokens += tokens
+        self.recent.append((now, tokens))
+        while self.recent and self.recent[0][0] < now - THROUGHPUT_WINDOW_S:
+            self.recent.popleft()
+
+    def tokens_per_second(self, now: float) -> float:
+        """Generated tokens per second over the last window (0 when idle for a whole window)."""
+        recent = [(t, n) for t, n in self.recent if t >= now - THROUGHPUT_WINDOW_S]
+        if not recent:
+            return 0.0
+        span = max(now - recent[0][0], 1e-3)
+        return sum(n for _, n in recent) / span
 
 
 class NativeRolloutEngine:
@@ -149,10 +172,13 @@ class NativeRolloutEngine:
         return NativeRolloutEngine(load_model(path, config.dtype), load_tokenizer(path), config)
 
     # ------------------------------------------------------------------ requests
-    def submit(self, request: RolloutRequest, start_loop: bool = True) -> Future:
+    def submit(
+        self, request: RolloutRequest, *, start_loop: bool = True, on_token: TokenCallback | None = None
+    ) -> Future:
         """Queue ``request``; the future resolves to its :class:`Completion`.
 
-        A bad request (empty or over-long prompt, unknown token ids, a duplicate id) fails its
+        ``on_token(token_id, log_prob, version)`` runs on the engine thread after every token
+        (streaming); keep it short and never call back into the engine from it. A bad request (empty or over-long prompt, unknown token ids, a duplicate id) fails its
         own future with ``ValueError``; the engine keeps serving the others.
         """
         future: Future = Future()
@@ -171,6 +197,7 @@ class NativeRolloutEngine:
             future,
             seed,
             Completion(request.request_id, request.prompt_ids),
+            on_token,
         )
         with self._lock:
             if any(
@@ -241,12 +268,36 @@ class NativeRolloutEngine:
         return False
 
     @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
     def num_running(self) -> int:
         return len(self._running)
 
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    def metrics(self) -> EngineMetrics:
+        """A snapshot for monitoring: queue sizes, throughput, KV-cache use, weight version."""
+        with self._lock:
+            cached = sum(s.cached_len for s in self._running)
+            capacity = self.config.max_num_seqs * self.config.max_model_len
+            return EngineMetrics(
+                running=len(self._running),
+                waiting=len(self._waiting),
+                generated_tokens=self.stats.generated_tokens,
+                prompt_tokens=self.stats.prefilled_tokens,
+                tokens_per_second=self.stats.tokens_per_second(time.monotonic()),
+                kv_cache_usage=0.0 if self._asleep else cached / capacity,
+                kv_slots_used=len(self._running),
+                kv_slots_total=self.config.max_num_seqs,
+                version=self.version,
+                paused=self._paused,
+                asleep=self._asleep,
+                finished=dict(self.stats.finished),
+            )
 
     # ------------------------------------------------------------------ control
     def pause(self, mode: str = "keep") -> None:
@@ -449,10 +500,16 @@ class NativeRolloutEngine:
             completion.token_ids.append(token)
             completion.log_probs.append(raw_lp[i] if params[i].logprobs_mode == "raw" else processed_lp[i])
             completion.weight_versions.append(self.version)
+            if sequence.on_token is not None:
+                try:
+                    sequence.on_token(token, completion.log_probs[-1], self.version)
+                except Exception as error:  # a broken listener ends its own request only
+                    self._release(sequence, "error", f"on_token callback failed: {error!r}")
+                    continue
             reason = self._stop_reason(sequence, token)
             if reason:
                 self._release(sequence, reason)
-        self.stats.generated_tokens += len(batch)
+        self.stats.record_step(len(batch), time.monotonic())
 
     def _stop_reason(self, sequence: _Sequence, token: int) -> str | None:
         params = sequence.request.params

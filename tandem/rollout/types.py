@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -9,6 +10,8 @@ from tandem.config.validation import check_choice, check_range
 
 LOGPROBS_MODES = ("processed", "raw")
 FinishReason = Literal["stop", "length", "abort", "error"]
+TokenCallback = Callable[[int, float, int], None]
+"""``on_token(token_id, log_prob, weight_version)``: called by an engine after each sampled token."""
 
 
 @dataclass(frozen=True)
@@ -83,3 +86,32 @@ class Completion:
     weight_versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
+
+
+@dataclass
+class EngineMetrics:
+    """A monitoring snapshot of a rollout engine (the server's ``/metrics``).
+
+    Attributes:
+        running / waiting: requests generating now / queued for admission.
+        generated_tokens / prompt_tokens: totals since start (prompt tokens actually computed).
+        tokens_per_second: generated tokens per second over the last few seconds.
+        kv_cache_usage: fraction of the KV-cache token capacity holding live keys/values.
+        kv_slots_used / kv_slots_total: sequences in the cache / most at once.
+        version: the weight version new tokens are sampled under.
+        paused / asleep: generation paused; cache memory freed.
+        finished: completed requests per finish reason.
+    """
+
+    running: int = 0
+    waiting: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    tokens_per_second: float = 0.0
+    kv_cache_usage: float = 0.0
+    kv_slots_used: int = 0
+    kv_slots_total: int = 0
+    version: int = 0
+    paused: bool = False
+    asleep: bool = False
+    finished: dict[str, int] = field(default_factory=dict)

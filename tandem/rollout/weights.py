@@ -1,8 +1,9 @@
-"""Loading named tensors (HF parameter names) into a model in place."""
+"""Named tensors (HF parameter names): reading them from a model directory, loading them into a model."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -27,3 +28,27 @@ def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str
         target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
         loaded += 1
     return loaded
+
+
+def read_hf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` pairs saved in an HF model directory (``*.safetensors``, else ``*.bin``).
+
+    Raises ``FileNotFoundError`` naming the directory when it holds no weight files.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no weights at {path}: not a directory")
+    safetensors_files = sorted(path.glob("*.safetensors"))
+    if safetensors_files:
+        from safetensors import safe_open
+
+        for file in safetensors_files:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                    yield name, handle.get_tensor(name)
+        return
+    bin_files = sorted(path.glob("pytorch_model*.bin"))
+    if not bin_files:
+        raise FileNotFoundError(f"no weights at {path}: no *.safetensors or pytorch_model*.bin files")
+    for file in bin_files:
+        yield from torch.load(file, map_location="cpu", weights_only=True).items()

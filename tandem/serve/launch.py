@@ -1,0 +1,78 @@
+"""Starting the server: in the foreground (``tandem serve``) or on a background thread (tests, notebooks)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import uvicorn
+
+from tandem.serve.app import create_app
+from tandem.serve.config import ServerConfig
+
+STARTUP_TIMEOUT_S = 30.0
+
+
+def build_engine(model_path: str, engine: str = "native", **engine_options):
+    """A rollout engine over the HF model directory ``model_path`` and its tokenizer.
+
+    ``engine``: ``native`` (``engine_options`` go to :class:`NativeEngineConfig`) or ``vllm``
+    (they go to :class:`VLLMEngineConfig`).
+    """
+    if engine == "native":
+        from tandem.rollout import NativeEngineConfig, NativeRolloutEngine
+
+        return NativeRolloutEngine.from_pretrained(model_path, NativeEngineConfig(**engine_options))
+    if engine == "vllm":
+        from tandem.rollout.vllm_engine import VLLMEngineConfig, VLLMRolloutEngine
+
+        return VLLMRolloutEngine(model_path, VLLMEngineConfig(**engine_options))
+    raise ValueError(f"serve.engine={engine!r} is not allowed; choose one of ['native', 'vllm']")
+
+
+def serve(engine, tokenizer, config: ServerConfig, log_level: str = "info") -> None:
+    """Serve until interrupted (Ctrl-C), then close the engine."""
+    app = create_app(engine, tokenizer, config)
+    try:
+        uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.close()
+
+
+class ServerThread:
+    """The server on a background thread of this process; a context manager.
+
+    ``with ServerThread(engine, tokenizer, ServerConfig(port=0)) as server:`` then point a
+    client at ``server.url`` (``http://127.0.0.1:<port>/v1`` is ``server.url + "/v1"``).
+    The engine stays open: closing it is the caller's business.
+    """
+
+    def __init__(self, engine, tokenizer, config: ServerConfig | None = None) -> None:
+        self.config = config or ServerConfig(port=0)
+        self.app = create_app(engine, tokenizer, self.config)
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host=self.config.host, port=self.config.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, name="tandem-server", daemon=True)
+        self.url = ""
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start on {self.config.host}:{self.config.port}")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://{self.config.host}:{port}"
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

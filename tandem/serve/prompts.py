@@ -1,0 +1,105 @@
+"""From API request bodies to engine inputs: prompt token ids and ``SamplingParams``."""
+
+from __future__ import annotations
+
+from tandem.rollout.types import SamplingParams
+from tandem.serve.errors import APIError
+from tandem.serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+
+def completion_prompts(body: CompletionRequest, tokenizer, max_prompts: int) -> list[list[int]]:
+    """The token ids of each prompt of a completion request (text is tokenized without special tokens)."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise APIError(400, "prompt is empty", "prompt")
+    if len(prompts) > max_prompts:
+        raise APIError(400, f"{len(prompts)} prompts in one request; at most {max_prompts}", "prompt")
+    ids = [tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p) for p in prompts]
+    if any(not p for p in ids):
+        raise APIError(400, "a prompt is empty", "prompt")
+    return ids
+
+
+def chat_prompt(body: ChatCompletionRequest, tokenizer) -> list[int]:
+    """The chat template applied to the messages (with ``tools`` and ``chat_template_kwargs``)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages")
+    if body.continue_final_message and body.messages[-1].role != "assistant":
+        raise APIError(400, "continue_final_message needs the last message to be the assistant's", "messages")
+    try:
+        ids = tokenizer.apply_chat_template(
+            [m.as_template_message() for m in body.messages],
+            tools=body.tools,
+            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+            continue_final_message=body.continue_final_message,
+            tokenize=True,
+            return_dict=False,
+            **(body.chat_template_kwargs or {}),
+        )
+    except Exception as error:  # a template that rejects these messages is the caller's problem
+        raise APIError(400, f"the chat template failed on these messages: {error}", "messages") from error
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def sampling_params(
+    body: SamplingFields,
+    prompt_len: int,
+    max_model_len: int,
+    default_max_tokens: int | None,
+    vocab_size: int,
+    choice: int = 0,
+) -> SamplingParams:
+    """Engine sampling parameters for one choice; 400 when they cannot fit the context.
+
+    ``default_max_tokens=None`` means "the rest of the context". With ``seed`` and ``n > 1``,
+    choice ``i`` draws from a stream derived from ``(seed, i)`` so the choices differ.
+    """
+    requested = body.max_tokens
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        requested = body.max_completion_tokens
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise APIError(
+            400,
+            f"the prompt has {prompt_len} tokens; the model's context is {max_model_len} tokens",
+            "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+        )
+    max_tokens = requested or default_max_tokens or room
+    if prompt_len + max_tokens > max_model_len:
+        if requested is None:
+            max_tokens = room
+        else:
+            raise APIError(
+                400,
+                f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds the model's "
+                f"context of {max_model_len} tokens",
+                "max_tokens",
+            )
+    stop_ids = tuple(body.stop_token_ids or ())
+    if any(not 0 <= t < vocab_size for t in stop_ids):
+        raise APIError(400, f"stop_token_ids must lie in [0, {vocab_size})", "stop_token_ids")
+    seed = body.seed
+    if seed is not None and choice:
+        seed = (seed * 1_000_003 + choice) % (2**62)
+    try:
+        return SamplingParams(
+            temperature=body.temperature,
+            top_k=max(body.top_k, 0),
+            top_p=body.top_p,
+            max_tokens=max_tokens,
+            stop_token_ids=stop_ids,
+            stop=body.stop_strings(),
+            ignore_eos=body.ignore_eos,
+            seed=seed,
+            logprobs_mode=body.logprobs_mode,
+        )
+    except ValueError as error:
+        raise APIError(400, str(error)) from error

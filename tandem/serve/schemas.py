@@ -1,0 +1,134 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), with tandem's extension fields.
+
+Fields OpenAI defines but tandem does not implement are accepted only at their neutral value;
+anything else is a 400 that names the field (see :func:`unsupported_fields`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions.
+
+    Extensions: ``top_k`` (0 or -1: off), ``stop_token_ids``, ``ignore_eos``,
+    ``logprobs_mode`` (``processed``: under the distribution sampled from; ``raw``).
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    logprobs_mode: Literal["processed", "raw"] = "processed"
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: ``prompt`` is text, token ids, or a batch of either."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # tool_calls, name, tool_call_id go to the template as given
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_message(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part.text for part in self.content)
+        message.setdefault("content", "")
+        return message
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``: messages rendered with the model's chat template.
+
+    ``tools`` and ``chat_template_kwargs`` are passed to the template; tool calls come back
+    as plain text in ``message.content`` (an agent loop parses them).
+    """
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    response_format: dict[str, Any] | None = None
+
+
+class PauseRequest(BaseModel):
+    mode: Literal["keep", "abort", "wait"] = "keep"
+
+
+class UpdateWeightsRequest(BaseModel):
+    """``path``: an HF model directory (``*.safetensors`` or ``pytorch_model*.bin``) on the server's disk."""
+
+    path: str
+    version: int | None = None
+
+
+def unsupported_fields(body: SamplingFields) -> list[tuple[str, str]]:
+    """``(field, reason)`` for each field set to a value tandem does not implement."""
+    problems = []
+    if body.presence_penalty or body.frequency_penalty:
+        problems.append(("presence_penalty", "presence/frequency penalties are not supported"))
+    if body.logit_bias:
+        problems.append(("logit_bias", "logit_bias is not supported"))
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            problems.append(("echo", "echo is not supported (no prompt log-probabilities)"))
+        if body.suffix:
+            problems.append(("suffix", "suffix is not supported"))
+        if body.best_of not in (None, 1, body.n):
+            problems.append(("best_of", "best_of other than n is not supported"))
+        if body.logprobs is not None and body.logprobs > 1:
+            problems.append(
+                ("logprobs", "only the sampled token's log-probability is returned (logprobs <= 1)")
+            )
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs:
+            problems.append(
+                ("top_logprobs", "only the sampled token's log-probability is returned (top_logprobs = 0)")
+            )
+        if body.response_format and body.response_format.get("type") not in (None, "text"):
+            problems.append(("response_format", "only text responses are supported"))
+    return problems
