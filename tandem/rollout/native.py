@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +33,7 @@ from tandem.config.validation import check_choice, check_positive
 from tandem.models.loading import load_model, load_tokenizer, resolve_dtype
 from tandem.rollout.kv_cache import KV_ATTENTION, PrefillSegment, SlotKVCache, StepPlan
 from tandem.rollout.sampling import counter_uniforms, processed_logits, sample_tokens
+from tandem.rollout.stats import EngineStats
 from tandem.rollout.types import Completion, EngineMetrics, RolloutRequest, TokenCallback
 from tandem.rollout.weights import load_named_tensors
 
@@ -89,39 +90,6 @@ class _PrefixEntry:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     last_hidden: torch.Tensor
-
-
-THROUGHPUT_WINDOW_S = 10.0
-
-
-@dataclass
-class EngineStats:
-    """Counters for monitoring (the HTTP server's ``/metrics``).
-
-    ``recent`` holds ``(time, tokens generated)`` per step for the last
-    ``THROUGHPUT_WINDOW_S`` seconds, from which :meth:`tokens_per_second` is computed.
-    """
-
-    steps: int = 0
-    generated_tokens: int = 0
-    prefilled_tokens: int = 0
-    prefix_hits: int = 0
-    finished: dict[str, int] = field(default_factory=collections.Counter)
-    recent: collections.deque = field(default_factory=collections.deque)
-
-    def record_step(self, tokens: int, now: float) -> None:
-        self.generated_tokens += tokens
-        self.recent.append((now, tokens))
-        while self.recent and self.recent[0][0] < now - THROUGHPUT_WINDOW_S:
-            self.recent.popleft()
-
-    def tokens_per_second(self, now: float) -> float:
-        """Generated tokens per second over the last window (0 when idle for a whole window)."""
-        recent = [(t, n) for t, n in self.recent if t >= now - THROUGHPUT_WINDOW_S]
-        if not recent:
-            return 0.0
-        span = max(now - recent[0][0], 1e-3)
-        return sum(n for _, n in recent) / span
 
 
 class NativeRolloutEngine:

