@@ -36,7 +36,9 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     saved pre-tokenizer and adds tokens.
     """
     if not Path(path).is_dir():
-        raise FileNotFoundError(f"no tokenizer at {path}: not a directory (expected a save_pretrained directory)")
+        raise FileNotFoundError(
+            f"no tokenizer at {path}: not a directory (expected a save_pretrained directory)"
+        )
     config_file = Path(path) / "tokenizer_config.json"
     declared = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.exists() else None
     if declared in GENERIC_TOKENIZER_CLASSES:
