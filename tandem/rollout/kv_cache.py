@@ -14,6 +14,7 @@ Qwen2, Qwen3, Mistral, ...) therefore runs unchanged on the same weights.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,25 @@ class StepPlan:
     prefill: tuple[PrefillSegment, ...]
     decode_start: int
     decode_positions: torch.Tensor  # [D] int64
+
+    # Derived once per step (not once per layer): decode slots, the attended length, the mask.
+    @functools.cached_property
+    def decode_slots(self) -> torch.Tensor:
+        return torch.arange(self.decode_positions.numel(), device=self.decode_positions.device)
+
+    @functools.cached_property
+    def decode_length(self) -> int:
+        return int(self.decode_positions.max()) + 1
+
+    @functools.cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """``[D, 1, 1, length]`` bool: which cached positions each decode token sees.
+
+        Always a mask, even when every sequence has the same length: CPU SDPA is faster with one.
+        """
+        positions, length = self.decode_positions, self.decode_length
+        visible = torch.arange(length, device=positions.device) <= positions.unsqueeze(-1)
+        return visible.view(positions.numel(), 1, 1, length)
 
 
 class SlotKVCache:
@@ -156,21 +176,16 @@ def cached_attention(
     positions = tandem_plan.decode_positions
     count = int(positions.numel())
     if count:
-        start = tandem_plan.decode_start
-        slots = torch.arange(count, device=positions.device)
+        start, slots, length = tandem_plan.decode_start, tandem_plan.decode_slots, tandem_plan.decode_length
         # [1, H_kv, D_tok, d] -> [D_tok, H_kv, d], written at (slot i, position_i)
         cache_k[slots, :, positions] = key[0, :, start : start + count].transpose(0, 1)
         cache_v[slots, :, positions] = value[0, :, start : start + count].transpose(0, 1)
-        length = int(positions.max()) + 1
-        visible = (torch.arange(length, device=positions.device) <= positions.unsqueeze(-1)).view(
-            count, 1, 1, length
-        )
         q = query[0, :, start : start + count].transpose(0, 1).unsqueeze(2)  # [D_tok, H, 1, d]
         attended = F.scaled_dot_product_attention(
             q,
             cache_k[:count, :, :length],
             cache_v[:count, :, :length],
-            attn_mask=visible,
+            attn_mask=tandem_plan.decode_mask,
             scale=scaling,
             enable_gqa=gqa,
         )

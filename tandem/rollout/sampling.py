@@ -8,6 +8,8 @@ the same processing) sees a ratio of exactly 1.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 NEG_INF = float("-inf")
@@ -44,9 +46,7 @@ def _to_signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-_GOLDEN = _to_signed(0x9E3779B97F4A7C15)
-_MIX1 = _to_signed(0xBF58476D1CE4E5B9)
-_MIX2 = _to_signed(0x94D049BB133111EB)
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -56,10 +56,39 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     """The SplitMix64 step (Steele et al. 2014) on int64 tensors; multiplication wraps mod 2^64 as uint64 does."""
-    x = x + _GOLDEN
-    x = (x ^ _shift_right(x, 30)) * _MIX1
-    x = (x ^ _shift_right(x, 27)) * _MIX2
+    x = x + _to_signed(_GOLDEN)
+    x = (x ^ _shift_right(x, 30)) * _to_signed(_MIX1)
+    x = (x ^ _shift_right(x, 27)) * _to_signed(_MIX2)
     return x ^ _shift_right(x, 31)
+
+
+_MASK64 = (1 << 64) - 1
+SMALL_BATCH_KEYS = 32  # up to this many rows, per-row keys are cheaper in Python than as tensor ops
+
+
+def splitmix64_int(x: int) -> int:
+    """SplitMix64 on one Python int (unsigned 64-bit arithmetic); equals :func:`_splitmix64` bit for bit."""
+    x = (x + _GOLDEN) & _MASK64
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
+    return x ^ (x >> 31)
+
+
+@functools.lru_cache(maxsize=8)
+def _mixed_indices(vocab: int, device: torch.device) -> torch.Tensor:
+    """``_splitmix64(arange(vocab))``, computed once per vocabulary size (read-only)."""
+    return _splitmix64(torch.arange(vocab, dtype=torch.int64, device=device))
+
+
+def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """``splitmix64(splitmix64(seed) ^ step)`` per row: ``[B]`` int64 (Python ints for small batches)."""
+    if seeds.numel() > SMALL_BATCH_KEYS:
+        return _splitmix64(_splitmix64(seeds) ^ steps)
+    keys = [
+        _to_signed(splitmix64_int(splitmix64_int(seed & _MASK64) ^ (step & _MASK64)))
+        for seed, step in zip(seeds.tolist(), steps.tolist(), strict=True)
+    ]
+    return torch.tensor(keys, dtype=torch.int64, device=seeds.device)
 
 
 def counter_uniforms(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -69,9 +98,7 @@ def counter_uniforms(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> to
     draws are reproducible whatever else is in the batch and a whole batch is drawn in one
     vectorised operation. Shapes: ``seeds [B], steps [B]`` int64 -> ``[B, V]`` float32.
     """
-    key = _splitmix64(_splitmix64(seeds) ^ steps)
-    index = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
-    x = _splitmix64(key.unsqueeze(-1) ^ _splitmix64(index))
+    x = _splitmix64(row_keys(seeds, steps).unsqueeze(-1) ^ _mixed_indices(vocab, seeds.device))
     mantissa = _shift_right(x, 11)  # the top 53 bits
     return ((mantissa.double() + 0.5) / float(1 << 53)).float()
 

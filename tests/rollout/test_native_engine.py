@@ -429,3 +429,16 @@ def test_counter_uniforms_are_uniform_and_depend_only_on_their_counters():
     assert (
         abs(float(torch.corrcoef(torch.stack([flat[:-1], flat[1:]]))[0, 1])) < 0.01
     )  # neighbours uncorrelated
+
+
+def test_row_keys_in_python_equal_the_tensor_path():
+    """Small batches key their rows with Python ints; the vectorised int64 path is the reference."""
+    from tandem.rollout.sampling import SMALL_BATCH_KEYS, _splitmix64, row_keys
+
+    gen = torch.Generator().manual_seed(0)
+    seeds = torch.randint(-(2**62), 2**62, (SMALL_BATCH_KEYS,), generator=gen)
+    seeds[:3] = torch.tensor([0, -1, 2**63 - 1])
+    steps = torch.randint(0, 10_000, (SMALL_BATCH_KEYS,), generator=gen)
+    assert torch.equal(row_keys(seeds, steps), _splitmix64(_splitmix64(seeds) ^ steps))
+    wide_seeds, wide_steps = seeds.repeat(2), steps.repeat(2)  # over the threshold: the tensor path
+    assert torch.equal(row_keys(wide_seeds, wide_steps)[:SMALL_BATCH_KEYS], row_keys(seeds, steps))
