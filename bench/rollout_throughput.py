@@ -128,6 +128,23 @@ def matmul_flops(size: int = 1024, repeats: int = 20) -> float:
     return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
+def interleaved_rates(fns: dict, repeats: int) -> dict[str, float]:
+    """Median tokens/s of each function, run in turn within every repeat (after one warm-up each).
+
+    Interleaving spreads the shared machine's slow periods over all engines instead of
+    letting one engine's whole block land in them.
+    """
+    for fn in fns.values():
+        fn(-1)
+    rates: dict[str, list[float]] = {name: [] for name in fns}
+    for run in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            tokens = fn(run)
+            rates[name].append(tokens / (time.perf_counter() - start))
+    return {name: statistics.median(r) for name, r in rates.items()}
+
+
 def bench_size(size: str, args: argparse.Namespace, workdir: str) -> None:
     """Every requested workload on one model size."""
     path = save_tiny_model(f"{workdir}/{size}", SIZES[size])
@@ -142,15 +159,18 @@ def bench_size(size: str, args: argparse.Namespace, workdir: str) -> None:
     if "fixed" in args.workloads:
         for batch_size in [int(b) for b in args.batches.split(",")]:
             batch = prompts(batch_size, 32, seed=batch_size)
-            ours, _ = median_rate(lambda run, b=batch: native_run(engine, b, 64, True, run), args.repeats)
-            theirs, _ = median_rate(
-                lambda run, b=batch: hf_run(hf_model, tokenizer, b, 64, True), args.repeats
-            )
+            runners = {
+                "native": lambda run, b=batch: native_run(engine, b, 64, True, run),
+                "hf": lambda run, b=batch: hf_run(hf_model, tokenizer, b, 64, True),
+            }
+            if vllm is not None:
+                runners["vllm"] = lambda run, b=batch: vllm(b, 64, True)
+            rates = interleaved_rates(runners, args.repeats)
+            ours, theirs = rates["native"], rates["hf"]
             native_rates.append(ours)
             extra = ""
             if vllm is not None:
-                rate, _ = median_rate(lambda run, b=batch: vllm(b, 64, True), args.repeats)
-                extra = f"  vllm {rate:9,.0f} tok/s  native/vllm {ours / rate:5.2f}x"
+                extra = f"  vllm {rates['vllm']:9,.0f} tok/s  native/vllm {ours / rates['vllm']:5.2f}x"
             print(
                 f"fixed 64 tokens, batch {batch_size:4d}: native {ours:9,.0f} tok/s  hf generate {theirs:9,.0f} tok/s  ratio {ours / theirs:5.2f}x{extra}"
             )
