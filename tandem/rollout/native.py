@@ -32,6 +32,7 @@ import torch
 from tandem.config.validation import check_choice, check_positive
 from tandem.models.loading import load_model, load_tokenizer, resolve_dtype
 from tandem.rollout.kv_cache import KV_ATTENTION, PrefillSegment, SlotKVCache, StepPlan
+from tandem.rollout.lean import LeanDecoder, lean_unsupported_reason
 from tandem.rollout.sampling import counter_uniforms, processed_logits, sample_tokens
 from tandem.rollout.stats import EngineStats
 from tandem.rollout.types import Completion, EngineMetrics, RolloutRequest, TokenCallback
@@ -51,6 +52,9 @@ class NativeEngineConfig:
         dtype: model and KV-cache dtype (the head is fp32 regardless).
         prefix_cache_entries: prompts whose KV stays cached for reuse (0: only within a step).
         seed: seeds the random streams of requests that bring no seed of their own.
+        lean_forward: run Llama/Qwen2/Qwen3 models through :class:`LeanDecoder` (the same
+            computation as HF's forward, bit for bit, without its per-layer Python overhead);
+            other models always use HF's forward.
     """
 
     max_num_seqs: int = 256
@@ -59,6 +63,7 @@ class NativeEngineConfig:
     dtype: str = "float32"
     prefix_cache_entries: int = 64
     seed: int = 0
+    lean_forward: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_prefill_tokens"):
@@ -105,6 +110,8 @@ class NativeRolloutEngine:
         self.config = config or NativeEngineConfig()
         self.model = model.to(resolve_dtype(self.config.dtype)).eval()
         self.model.set_attn_implementation(KV_ATTENTION)
+        lean = self.config.lean_forward and lean_unsupported_reason(self.model) is None
+        self._lean = LeanDecoder(self.model) if lean else None
         self.tokenizer = tokenizer
         hf = self.model.config
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
@@ -401,9 +408,12 @@ class NativeRolloutEngine:
             )
             input_ids = torch.tensor([tokens], dtype=torch.long)
             position_ids = torch.tensor([prefill_pos + decode_pos], dtype=torch.long)
-            hidden = self._decoder()(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False, tandem_plan=plan
-            ).last_hidden_state[0]
+            if self._lean is not None:
+                hidden = self._lean(input_ids[0], position_ids[0], plan)
+            else:
+                hidden = self._decoder()(
+                    input_ids=input_ids, position_ids=position_ids, use_cache=False, tandem_plan=plan
+                ).last_hidden_state[0]
             for sequence, seg in segments:
                 hidden_rows[id(sequence)] = hidden[seg.token_end - 1]
                 self._remember_prefix(sequence, hidden[seg.token_end - 1])

@@ -1,0 +1,101 @@
+"""A lean forward pass for Llama-style decoders (Llama, Qwen2, Qwen3) inside the native engine.
+
+HF's modelling code makes ~100 small operator and module calls per layer; at small batch
+a decode step is bound by that Python overhead, not by FLOPs. :class:`LeanDecoder` runs the
+same computation — embedding, RMSNorm in fp32, q/k/v projections (Qwen3's q/k norms),
+HF's own rotary embedding module, tandem's cached attention, o-projection, SwiGLU MLP,
+residuals — as plain functional calls on the model's *own* parameters (nothing is copied,
+so weight updates by name apply as before). Every operation mirrors HF's in order and
+dtype, so the output equals HF's forward bit for bit (tested per family); models outside
+what it covers (other families, sliding-window attention, non-SiLU MLPs) keep HF's forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tandem.rollout.kv_cache import StepPlan, cached_attention
+
+LEAN_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def lean_unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why :class:`LeanDecoder` cannot run ``model`` (``None`` when it can)."""
+    config = model.config
+    if config.model_type not in LEAN_FAMILIES:
+        return f"model type {config.model_type!r} (lean forward covers {list(LEAN_FAMILIES)})"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"hidden_act={config.hidden_act!r}"
+    if getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and set(layer_types) != {"full_attention"}:
+        return f"layer types {sorted(set(layer_types))}"
+    decoder = model.get_decoder()
+    for name in ("embed_tokens", "rotary_emb", "norm", "layers"):
+        if not hasattr(decoder, name):
+            return f"the decoder has no {name}"
+    return None
+
+
+def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    """HF's RMSNorm: normalise in fp32, cast back, then scale."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * xf.to(x.dtype)
+
+
+def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A plain ``nn.Linear`` as a direct call (no module-call overhead); anything else (LoRA, ...) as itself."""
+    if type(module) is torch.nn.Linear:
+        return F.linear(x, module.weight, module.bias)
+    return module(x)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin``."""
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+class LeanDecoder:
+    """``forward(input_ids [T], position_ids [T], plan) -> hidden [T, hidden]`` for one packed step."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        reason = lean_unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the lean forward does not support this model: {reason}")
+        self.decoder = model.get_decoder()
+        self.qk_norm = model.config.model_type == "qwen3"
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        decoder = self.decoder
+        hidden = F.embedding(input_ids, decoder.embed_tokens.weight)
+        cos, sin = decoder.rotary_emb(hidden.unsqueeze(0), position_ids.unsqueeze(0))
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, head_dim]
+        tokens = input_ids.shape[0]
+        for layer in decoder.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            x = _rms_norm(hidden, layer.input_layernorm)
+            q = _linear(attention.q_proj, x).view(tokens, -1, attention.head_dim)
+            k = _linear(attention.k_proj, x).view(tokens, -1, attention.head_dim)
+            v = _linear(attention.v_proj, x).view(tokens, -1, attention.head_dim)
+            if self.qk_norm:
+                q, k = _rms_norm(q, attention.q_norm), _rms_norm(k, attention.k_norm)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            attended, _ = cached_attention(
+                attention,
+                q.transpose(0, 1).unsqueeze(0),
+                k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0),
+                None,
+                scaling=attention.scaling,
+                tandem_plan=plan,
+            )
+            hidden = hidden + _linear(attention.o_proj, attended.reshape(tokens, -1))
+            x = _rms_norm(hidden, layer.post_attention_layernorm)
+            hidden = hidden + _linear(
+                mlp.down_proj, F.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x)
+            )
+        return _rms_norm(hidden, decoder.norm)
