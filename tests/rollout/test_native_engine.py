@@ -442,3 +442,29 @@ def test_row_keys_in_python_equal_the_tensor_path():
     assert torch.equal(row_keys(seeds, steps), _splitmix64(_splitmix64(seeds) ^ steps))
     wide_seeds, wide_steps = seeds.repeat(2), steps.repeat(2)  # over the threshold: the tensor path
     assert torch.equal(row_keys(wide_seeds, wide_steps)[:SMALL_BATCH_KEYS], row_keys(seeds, steps))
+
+
+def test_on_token_sees_every_token_and_a_broken_listener_ends_only_its_request(qwen2_dir):
+    engine = native(qwen2_dir)
+    try:
+        seen = []
+        calls = []
+
+        def broken(token, log_prob, version):
+            calls.append(token)
+            raise RuntimeError("listener bug")
+
+        prompts = random_prompts(2, 11)
+        params = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=4)
+        watched = engine.submit(
+            RolloutRequest("watched", prompts[0], params), on_token=lambda *e: seen.append(e)
+        )
+        failing = engine.submit(RolloutRequest("failing", prompts[1], params), on_token=broken)
+        completion, failed = watched.result(timeout=60), failing.result(timeout=60)
+    finally:
+        engine.close()
+    assert seen == list(
+        zip(completion.token_ids, completion.log_probs, completion.weight_versions, strict=True)
+    )
+    assert len(seen) == 20 and completion.finish_reason == "length"
+    assert failed.finish_reason == "error" and "listener bug" in failed.error and len(calls) == 1
