@@ -35,7 +35,7 @@ from tandem.rollout.kv_cache import KV_ATTENTION, PrefillSegment, SlotKVCache, S
 from tandem.rollout.lean import LeanDecoder, lean_unsupported_reason
 from tandem.rollout.sampling import counter_uniforms, processed_logits, sample_tokens
 from tandem.rollout.stats import EngineStats
-from tandem.rollout.types import Completion, EngineMetrics, RolloutRequest, TokenCallback
+from tandem.rollout.types import Completion, EngineMetrics, RolloutRequest, TokenCallback, prompt_problem
 from tandem.rollout.weights import load_named_tensors
 
 PAUSE_MODES = ("keep", "abort", "wait")
@@ -190,15 +190,7 @@ class NativeRolloutEngine:
         return future
 
     def _validate(self, request: RolloutRequest) -> str | None:
-        prompt = request.prompt_ids
-        if not prompt:
-            return "the prompt is empty"
-        if len(prompt) >= self.config.max_model_len:
-            return f"the prompt has {len(prompt)} tokens; the context limit is {self.config.max_model_len}"
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            return f"unknown token ids {bad[:5]} (the vocabulary has {self.vocab_size})"
-        return None
+        return prompt_problem(request.prompt_ids, self.config.max_model_len, self.vocab_size)
 
     async def generate(self, request: RolloutRequest) -> Completion:
         """Generate one response (asyncio)."""

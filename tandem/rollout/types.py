@@ -66,6 +66,18 @@ class RolloutRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
 
 
+def prompt_problem(prompt: tuple[int, ...], max_model_len: int, vocab_size: int) -> str | None:
+    """Why an engine cannot take this prompt (empty, too long, unknown ids), or ``None``."""
+    if not prompt:
+        return "the prompt is empty"
+    if len(prompt) >= max_model_len:
+        return f"the prompt has {len(prompt)} tokens; the context limit is {max_model_len}"
+    bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        return f"unknown token ids {bad[:5]} (the vocabulary has {vocab_size})"
+    return None
+
+
 @dataclass
 class Completion:
     """A finished request.

@@ -34,7 +34,7 @@ from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.models.loading import load_tokenizer
 from tandem.rollout.native import PAUSE_MODES
 from tandem.rollout.stats import EngineStats
-from tandem.rollout.types import Completion, EngineMetrics, RolloutRequest, TokenCallback
+from tandem.rollout.types import Completion, EngineMetrics, RolloutRequest, TokenCallback, prompt_problem
 
 WORKER_EXTENSION = "tandem.rollout.vllm_worker.TandemWorkerExtension"
 VLLM_LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
@@ -149,14 +149,9 @@ class VLLMRolloutEngine:
         return asyncio.run_coroutine_threadsafe(self._generate(request, on_token), self._loop)
 
     def _validate(self, request: RolloutRequest) -> str | None:
-        prompt = request.prompt_ids
-        if not prompt:
-            return "the prompt is empty"
-        if len(prompt) >= self.config.max_model_len:
-            return f"the prompt has {len(prompt)} tokens; the context limit is {self.config.max_model_len}"
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            return f"unknown token ids {bad[:5]} (the vocabulary has {self.vocab_size})"
+        problem = prompt_problem(request.prompt_ids, self.config.max_model_len, self.vocab_size)
+        if problem is not None:
+            return problem
         if request.params.logprobs_mode != self.config.logprobs_mode:
             return (
                 f"logprobs_mode={request.params.logprobs_mode!r} but this vLLM engine computes "

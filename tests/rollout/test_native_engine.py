@@ -151,25 +151,29 @@ def test_processed_log_probs_are_the_renormalised_truncated_distribution(
         engine.close()
     model = load_model(qwen2_dir)
     for prompt, completion in zip(prompts, completions, strict=True):
-        sequence = torch.tensor([list(prompt) + completion.token_ids])
-        with torch.no_grad():
-            hidden = model.get_decoder()(sequence).last_hidden_state[0]
-        logits = hidden.float() @ model.lm_head.weight.float().t()
-        steps = len(completion.token_ids)
-        rows = logits[len(prompt) - 1 : len(prompt) - 1 + steps]
-        n = rows.shape[0]
-        kept = processed_logits(
-            rows, torch.full((n,), temperature), torch.full((n,), top_k), torch.full((n,), top_p)
-        )
-        expected = (
-            torch.log_softmax(kept, -1)
-            .gather(-1, torch.tensor(completion.token_ids).unsqueeze(-1))
-            .squeeze(-1)
-        )
+        expected, kept = processed_reference(model, prompt, completion, temperature, top_k, top_p)
         assert torch.isfinite(expected).all()  # every sampled token survived truncation
         torch.testing.assert_close(torch.tensor(completion.log_probs), expected, atol=1e-5, rtol=0)
         if top_k:
             assert int((kept > float("-inf")).sum(-1).max()) <= top_k
+
+
+def processed_reference(model, prompt, completion, temperature, top_k, top_p):
+    """The reference: HF's forward over prompt + response, processed as the sampler does.
+
+    Returns the log-probability of each response token under the renormalised truncated
+    distribution ``[steps]`` and the processed logits ``[steps, V]``.
+    """
+    with torch.no_grad():
+        hidden = model.get_decoder()(torch.tensor([list(prompt) + completion.token_ids])).last_hidden_state[0]
+    logits = hidden.float() @ model.lm_head.weight.float().t()
+    rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(completion.token_ids)]
+    n = rows.shape[0]
+    kept = processed_logits(
+        rows, torch.full((n,), temperature), torch.full((n,), top_k), torch.full((n,), top_p)
+    )
+    picked = torch.tensor(completion.token_ids).unsqueeze(-1)
+    return torch.log_softmax(kept, -1).gather(-1, picked).squeeze(-1), kept
 
 
 def test_processed_truncation_matches_a_loop_reference():

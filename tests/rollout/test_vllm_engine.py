@@ -12,9 +12,8 @@ import torch
 
 from tandem.models import TinyModelConfig, load_model, load_tokenizer, save_tiny_model
 from tandem.rollout import HFRolloutEngine, RolloutRequest, SamplingParams
-from tandem.rollout.sampling import processed_logits
 from tandem.rollout.weights import read_hf_weights
-from tests.rollout.test_native_engine import greedy, random_prompts, trainer_log_probs
+from tests.rollout.test_native_engine import greedy, processed_reference, random_prompts, trainer_log_probs
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
@@ -91,20 +90,7 @@ def test_processed_log_probs_are_the_renormalised_truncated_distribution(
     )
     model = load_model(model_dir)
     for prompt, completion in zip(prompts, completions, strict=True):
-        with torch.no_grad():
-            hidden = model.get_decoder()(
-                torch.tensor([list(prompt) + completion.token_ids])
-            ).last_hidden_state[0]
-        rows = (hidden.float() @ model.lm_head.weight.float().t())[len(prompt) - 1 : -1]
-        n = rows.shape[0]
-        kept = processed_logits(
-            rows, torch.full((n,), temperature), torch.full((n,), top_k), torch.full((n,), top_p)
-        )
-        expected = (
-            torch.log_softmax(kept, -1)
-            .gather(-1, torch.tensor(completion.token_ids).unsqueeze(-1))
-            .squeeze(-1)
-        )
+        expected, _ = processed_reference(model, prompt, completion, temperature, top_k, top_p)
         assert torch.isfinite(expected).all()  # every sampled token survived the truncation
         torch.testing.assert_close(torch.tensor(completion.log_probs), expected, atol=1e-4, rtol=0)
 
