@@ -7,6 +7,10 @@ prompt shared by several requests (the n samples of a GRPO group) is computed on
 keys/values and last hidden state go to a prefix cache keyed by (weight version, prompt)
 and are copied into the other requests' slots.
 
+For Llama, Qwen2 and Qwen3 the forward runs through :class:`~tandem.rollout.lean.LeanDecoder`
+(HF's computation without its per-layer Python overhead, bit-identical); other models use
+HF's own decoder with the cache plugged in as an attention implementation.
+
 The output head runs in fp32 (``hidden.float() @ W.float().T``), the same computation the
 trainer uses, and each token's log-probability comes from the distribution it was drawn
 from. Every token records the weight version it was sampled under; prefix-cache entries
@@ -153,8 +157,10 @@ class NativeRolloutEngine:
         """Queue ``request``; the future resolves to its :class:`Completion`.
 
         ``on_token(token_id, log_prob, version)`` runs on the engine thread after every token
-        (streaming); keep it short and never call back into the engine from it. A bad request (empty or over-long prompt, unknown token ids, a duplicate id) fails its
-        own future with ``ValueError``; the engine keeps serving the others.
+        (streaming); keep it short and never call back into the engine from it (one that
+        raises ends its own request with ``error``). A bad request (empty or over-long prompt,
+        unknown token ids, a duplicate id) fails its own future with ``ValueError``; the
+        engine keeps serving the others.
         """
         future: Future = Future()
         problem = self._validate(request)
