@@ -46,7 +46,9 @@ def _to_signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # unsigned
+# the same constants as int64 (tensors wrap like uint64 under + and *)
+_GOLDEN_I64, _MIX1_I64, _MIX2_I64 = (_to_signed(c) for c in (_GOLDEN, _MIX1, _MIX2))
 
 
 def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -56,9 +58,9 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     """The SplitMix64 step (Steele et al. 2014) on int64 tensors; multiplication wraps mod 2^64 as uint64 does."""
-    x = x + _to_signed(_GOLDEN)
-    x = (x ^ _shift_right(x, 30)) * _to_signed(_MIX1)
-    x = (x ^ _shift_right(x, 27)) * _to_signed(_MIX2)
+    x = x + _GOLDEN_I64
+    x = (x ^ _shift_right(x, 30)) * _MIX1_I64
+    x = (x ^ _shift_right(x, 27)) * _MIX2_I64
     return x ^ _shift_right(x, 31)
 
 

@@ -38,20 +38,13 @@ from tandem.serve.schemas import (
 from tandem.serve.text import IncrementalText
 
 
-def create_app(
-    engine, tokenizer, config: ServerConfig | None = None, max_model_len: int | None = None
-) -> FastAPI:
-    """The FastAPI app serving ``engine`` (its ``tokenizer`` renders chat and decodes text).
-
-    ``max_model_len`` defaults to the engine's own ``max_model_len``.
-    """
+def create_app(engine, tokenizer, config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (its ``tokenizer`` renders chat and decodes text)."""
     config = config or ServerConfig()
-    context = max_model_len or engine.max_model_len
+    context = engine.max_model_len
     vocab_size = engine.vocab_size
     http = HTTPCounters()
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None)
-    app.state.engine = engine
-    app.state.config = config
     weights_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ errors, limits, auth
@@ -142,19 +135,13 @@ def create_app(
             async for event in events:
                 choice = choices[event.choice]
                 if isinstance(event, TokenEvent):
-                    text = choice.add(event.token_id, event.log_prob, event.version)
+                    text = choice.add([event.token_id], [event.log_prob], [event.version])
                     yield chunk(choice, text, [event.token_id], [event.log_prob], [event.version])
                 else:
-                    missed = choice.absorb(event.completion)  # tokens no callback reported (none normally)
-                    text = choice.finish(event.completion.finish_reason)
-                    yield chunk(
-                        choice,
-                        text,
-                        missed,
-                        choice.log_probs[len(choice.log_probs) - len(missed) :],
-                        choice.versions[len(choice.versions) - len(missed) :],
-                        event.completion.finish_reason,
-                    )
+                    # the callback reported every token already (normally): ``added`` is empty
+                    text, *added = choice.absorb(event.completion)
+                    text += choice.finish(event.completion.finish_reason)
+                    yield chunk(choice, text, *added, event.completion.finish_reason)
             if include_usage:
                 yield f"data: {json.dumps(builder.usage_chunk(choices, prompts))}\n\n"
             yield "data: [DONE]\n\n"

@@ -31,22 +31,21 @@ class ChoiceState:
     finish_reason: str | None = None
     logprob_chars: int = 0  # characters of the token strings reported so far (completions' text_offset)
 
-    def add(self, token_id: int, log_prob: float, version: int) -> str:
-        """Record one token; returns the text it makes safe to emit."""
-        self.token_ids.append(token_id)
-        self.log_probs.append(log_prob)
-        self.versions.append(version)
-        return self.text.push([token_id])
+    def add(self, token_ids: list[int], log_probs: list[float], versions: list[int]) -> str:
+        """Record tokens; returns the text they make safe to emit."""
+        self.token_ids.extend(token_ids)
+        self.log_probs.extend(log_probs)
+        self.versions.extend(versions)
+        return self.text.push(token_ids)
 
-    def absorb(self, completion) -> list[int]:
-        """Record the finished completion's tokens not seen yet (all of them when not streaming)."""
+    def absorb(self, completion) -> tuple[str, list[int], list[float], list[int]]:
+        """Record the finished completion's tokens not seen yet (all of them when not streaming).
+
+        Returns the text they make safe to emit and the tokens, log-probs and versions added.
+        """
         seen = len(self.token_ids)
-        missed = completion.token_ids[seen:]
-        self.token_ids.extend(missed)
-        self.log_probs.extend(completion.log_probs[seen:])
-        self.versions.extend(completion.weight_versions[seen:])
-        self.text.push(missed)
-        return missed
+        new = (completion.token_ids[seen:], completion.log_probs[seen:], completion.weight_versions[seen:])
+        return (self.add(*new), *new)
 
     def finish(self, reason: str) -> str:
         self.finish_reason = reason

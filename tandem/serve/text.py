@@ -8,7 +8,10 @@ REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for an incomplete UTF-8 seq
 class IncrementalText:
     """The text of a growing token sequence, emitted in deltas that never need retracting.
 
-    Text is decoded without special tokens. When a stop string appears the text ends just
+    Text is decoded without special tokens, a short window at a time: each push decodes the
+    tokens from ``prefix_offset`` (a few tokens of context, so tokenizers that merge across
+    token boundaries decode correctly) and keeps what extends the context's own text — not
+    the whole response again, which would make a long stream quadratic. When a stop string appears the text ends just
     before it (OpenAI semantics) and later tokens add nothing. Until the response ends, the
     last ``len(longest stop) - 1`` characters are held back (they could be the start of a stop
     string), as is a trailing incomplete character.
@@ -22,6 +25,9 @@ class IncrementalText:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
         self.token_ids: list[int] = []
+        self.prefix_offset = 0  # window start: context tokens already part of ``decoded``
+        self.read_offset = 0  # tokens up to here are part of ``decoded``
+        self.decoded = ""  # the text of ``token_ids[:read_offset]``
         self.text = ""  # everything decoded so far, cut at a stop string
         self.emitted = 0  # characters of ``text`` already returned
         self.stopped = False  # a stop string was found
@@ -31,21 +37,32 @@ class IncrementalText:
         if self.stopped or not token_ids:
             return ""
         self.token_ids.extend(token_ids)
-        self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        cut = self._stop_position()
-        if cut is not None:
-            self.text = self.text[:cut]
-            self.stopped = True
+        self._refresh(final=False)
+        if self.stopped:
             return self._emit(len(self.text))
         hold = max((len(s) for s in self.stop), default=1) - 1
-        end = len(self.text) - hold
-        if self.text.endswith(REPLACEMENT_CHAR):
-            end = min(end, len(self.text) - 1)
-        return self._emit(end)
+        return self._emit(len(self.text) - hold)
 
     def finish(self) -> str:
-        """The response ended: returns whatever was still held back."""
+        """The response ended: returns whatever was still held back (an incomplete character too)."""
+        if not self.stopped:
+            self._refresh(final=True)
         return self._emit(len(self.text))
+
+    def _refresh(self, final: bool) -> None:
+        """Decode the window; keep its new text unless it ends mid-character (and more may come)."""
+        context = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        window = self._decode(self.token_ids[self.prefix_offset :])
+        if len(window) > len(context) and (final or not window.endswith(REPLACEMENT_CHAR)):
+            self.decoded += window[len(context) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.text = self.decoded
+        cut = self._stop_position()
+        if cut is not None:
+            self.text, self.stopped = self.text[:cut], True
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if token_ids else ""
 
     def _stop_position(self) -> int | None:
         # A stop string can only newly appear in the region not yet emitted (plus its own length).

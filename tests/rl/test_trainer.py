@@ -166,16 +166,15 @@ def test_every_preset_trains(rl_files, tmp_path, preset):
         assert "actor/reward_kl" in metrics
 
 
+def history_without_validation(rl_files, path, *overrides) -> list[dict]:
+    """Per-step metrics of a short run with no validation set."""
+    return RLTrainer(small_config(rl_files, path, "data.val_path=", *overrides)).fit().history
+
+
 def test_old_log_probs_from_the_update_equal_a_separate_forward(rl_files, tmp_path):
-    fused = RLTrainer(small_config(rl_files, tmp_path / "fused", "data.val_path=")).fit().history
-    separate = (
-        RLTrainer(
-            small_config(
-                rl_files, tmp_path / "separate", "data.val_path=", "actor.recompute_old_log_probs=true"
-            )
-        )
-        .fit()
-        .history
+    fused = history_without_validation(rl_files, tmp_path / "fused")
+    separate = history_without_validation(
+        rl_files, tmp_path / "separate", "actor.recompute_old_log_probs=true"
     )
     for a, b in zip(fused, separate, strict=True):
         assert "timing_s/old_log_prob" in b and "timing_s/old_log_prob" not in a
@@ -185,14 +184,8 @@ def test_old_log_probs_from_the_update_equal_a_separate_forward(rl_files, tmp_pa
 
 
 def test_freeing_the_kv_cache_between_generations_changes_nothing(rl_files, tmp_path):
-    kept = RLTrainer(small_config(rl_files, tmp_path / "kept", "data.val_path=")).fit().history
-    freed = (
-        RLTrainer(
-            small_config(
-                rl_files, tmp_path / "freed", "data.val_path=", "rollout.free_cache_between_generations=true"
-            )
-        )
-        .fit()
-        .history
+    kept = history_without_validation(rl_files, tmp_path / "kept")
+    freed = history_without_validation(
+        rl_files, tmp_path / "freed", "rollout.free_cache_between_generations=true"
     )
     assert _without_timings(kept) == _without_timings(freed)

@@ -46,3 +46,34 @@ def test_no_stop_string_prefix_escapes_before_the_end(tokenizer):
     emitted = "".join(text.push([t]) for t in ids)
     assert emitted == "ab"  # "c wo" (4 = len("world") - 1 characters) could still become "world"
     assert emitted + text.finish() == "abc wo"
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    """A byte-level BPE whose tokens split multi-byte characters (é, 日本, emoji) across tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = ["hello world, café crème", "the quick brown fox", "plain ascii words only"] * 20
+    tokenizer.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+
+
+@pytest.mark.parametrize("text", ["café 日本語 🙂 done", "naïve résumé", "🙂🙂 ok"])
+def test_split_characters_are_held_until_complete(byte_tokenizer, text):
+    ids = byte_tokenizer.encode(text, add_special_tokens=False)
+    # some prefix ends inside a character: the case the incremental decoder must hold back
+    assert any(byte_tokenizer.decode(ids[:i]).endswith("\ufffd") for i in range(1, len(ids)))
+    streamed, pieces = pushed_one_by_one(byte_tokenizer, ids)
+    assert streamed == byte_tokenizer.decode(ids) == text
+    assert not any("\ufffd" in piece for piece in pieces)
+    cut_short = ids[:-1]  # a response that ends mid-character still returns what it decodes to
+    assert pushed_one_by_one(byte_tokenizer, cut_short)[0] == byte_tokenizer.decode(cut_short)
