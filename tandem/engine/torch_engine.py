@@ -22,6 +22,7 @@ from tandem.engine.packing import pack_sequences, positions_from_mask, unpack
 from tandem.engine.parallel import data_parallel_size, wrap_data_parallel
 from tandem.engine.token_model import TokenLogProbModel
 from tandem.engine.varlen_attention import VARLEN_ATTENTION
+from tandem.models.cpu_linear import use_cpu_linears
 from tandem.models.loading import load_model, resolve_dtype
 from tandem.protocol import Batch
 
@@ -62,6 +63,7 @@ class TorchTrainEngine:
             model.set_attn_implementation(VARLEN_ATTENTION)
         if config.lora.rank:
             model = apply_lora(model, config.lora)
+        use_cpu_linears(model)  # oneDNN for fp32 on CPU (see tandem.models.cpu_linear)
         self.module = TokenLogProbModel(model, config.logprob_chunk_size, config.logprob_temperature)
         self.wrapped = wrap_data_parallel(self.module, config.strategy)
         self.dp_size = data_parallel_size(config.strategy)

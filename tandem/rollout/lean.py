@@ -6,7 +6,9 @@ same computation — embedding, RMSNorm in fp32, q/k/v projections (Qwen3's q/k 
 HF's own rotary embedding module, tandem's cached attention, o-projection, SwiGLU MLP,
 residuals — as plain functional calls on the model's *own* parameters (nothing is copied,
 so weight updates by name apply as before). Every operation mirrors HF's in order and
-dtype, so the output equals HF's forward bit for bit (tested per family); models outside
+dtype, so the output equals HF's forward bit for bit (tested per family; with weights
+prepacked by :class:`~tandem.models.cpu_linear.PackedLinears` only the matmuls' summation
+order differs); models outside
 what it covers (other families, sliding-window attention, non-SiLU MLPs) keep HF's forward.
 """
 
@@ -15,7 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tandem.models.cpu_linear import CPULinear, PackedLinears, linear, packed_linear
 from tandem.rollout.kv_cache import StepPlan, cached_attention
+
+PLAIN_LINEARS = (torch.nn.Linear, CPULinear)
 
 LEAN_FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -46,13 +51,6 @@ def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     return norm.weight * xf.to(x.dtype)
 
 
-def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A plain ``nn.Linear`` as a direct call (no module-call overhead); anything else (LoRA, ...) as itself."""
-    if type(module) is torch.nn.Linear:
-        return F.linear(x, module.weight, module.bias)
-    return module(x)
-
-
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF's ``x * cos + rotate_half(x) * sin``."""
     half = x.shape[-1] // 2
@@ -62,12 +60,23 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class LeanDecoder:
     """``forward(input_ids [T], position_ids [T], plan) -> hidden [T, hidden]`` for one packed step."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, packed: PackedLinears | None = None) -> None:
         reason = lean_unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the lean forward does not support this model: {reason}")
         self.decoder = model.get_decoder()
         self.qk_norm = model.config.model_type == "qwen3"
+        self.packed = packed
+
+    def _linear(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A plain linear layer as a direct call (no module-call overhead; its prepacked weight
+        when there is one); anything else (LoRA, ...) as itself."""
+        if type(module) not in PLAIN_LINEARS:
+            return module(x)
+        packed = self.packed.get(module) if self.packed is not None else None
+        if packed is not None:
+            return packed_linear(x, packed, module.bias)
+        return linear(x, module.weight, module.bias)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         decoder = self.decoder
@@ -78,9 +87,9 @@ class LeanDecoder:
         for layer in decoder.layers:
             attention, mlp = layer.self_attn, layer.mlp
             x = _rms_norm(hidden, layer.input_layernorm)
-            q = _linear(attention.q_proj, x).view(tokens, -1, attention.head_dim)
-            k = _linear(attention.k_proj, x).view(tokens, -1, attention.head_dim)
-            v = _linear(attention.v_proj, x).view(tokens, -1, attention.head_dim)
+            q = self._linear(attention.q_proj, x).view(tokens, -1, attention.head_dim)
+            k = self._linear(attention.k_proj, x).view(tokens, -1, attention.head_dim)
+            v = self._linear(attention.v_proj, x).view(tokens, -1, attention.head_dim)
             if self.qk_norm:
                 q, k = _rms_norm(q, attention.q_norm), _rms_norm(k, attention.k_norm)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -93,9 +102,9 @@ class LeanDecoder:
                 scaling=attention.scaling,
                 tandem_plan=plan,
             )
-            hidden = hidden + _linear(attention.o_proj, attended.reshape(tokens, -1))
+            hidden = hidden + self._linear(attention.o_proj, attended.reshape(tokens, -1))
             x = _rms_norm(hidden, layer.post_attention_layernorm)
-            hidden = hidden + _linear(
-                mlp.down_proj, F.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x)
+            hidden = hidden + self._linear(
+                mlp.down_proj, F.silu(self._linear(mlp.gate_proj, x)) * self._linear(mlp.up_proj, x)
             )
         return _rms_norm(hidden, decoder.norm)

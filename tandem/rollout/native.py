@@ -9,7 +9,9 @@ and are copied into the other requests' slots.
 
 For Llama, Qwen2 and Qwen3 the forward runs through :class:`~tandem.rollout.lean.LeanDecoder`
 (HF's computation without its per-layer Python overhead, bit-identical); other models use
-HF's own decoder with the cache plugged in as an attention implementation.
+HF's own decoder with the cache plugged in as an attention implementation. fp32 linear
+layers run on oneDNN (:mod:`tandem.models.cpu_linear`, as in the trainer), with weights
+prepacked into oneDNN's blocked layout for the lean forward and the head.
 
 The output head runs in fp32 (``hidden.float() @ W.float().T``), the same computation the
 trainer uses, and each token's log-probability comes from the distribution it was drawn
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.config.validation import check_choice, check_positive
+from tandem.models.cpu_linear import PackedLinears, linear, packed_linear, use_cpu_linears
 from tandem.models.loading import load_model, load_tokenizer, resolve_dtype
 from tandem.rollout.kv_cache import KV_ATTENTION, PrefillSegment, SlotKVCache, StepPlan
 from tandem.rollout.lean import LeanDecoder, lean_unsupported_reason
@@ -59,6 +62,9 @@ class NativeEngineConfig:
         lean_forward: run Llama/Qwen2/Qwen3 models through :class:`LeanDecoder` (the same
             computation as HF's forward, bit for bit, without its per-layer Python overhead);
             other models always use HF's forward.
+        prepack_weights: keep an inference copy of each fp32 linear weight in oneDNN's
+            blocked layout (CPU): decode matmuls 1.3-1.8x faster for one more copy of those
+            weights. Used by the lean forward and the output head.
     """
 
     max_num_seqs: int = 256
@@ -68,6 +74,7 @@ class NativeEngineConfig:
     prefix_cache_entries: int = 64
     seed: int = 0
     lean_forward: bool = True
+    prepack_weights: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_prefill_tokens"):
@@ -113,9 +120,11 @@ class NativeRolloutEngine:
     def __init__(self, model: torch.nn.Module, tokenizer, config: NativeEngineConfig | None = None) -> None:
         self.config = config or NativeEngineConfig()
         self.model = model.to(resolve_dtype(self.config.dtype)).eval()
+        use_cpu_linears(self.model)  # the trainer's linear kernels (oneDNN for fp32 on CPU)
         self.model.set_attn_implementation(KV_ATTENTION)
         lean = self.config.lean_forward and lean_unsupported_reason(self.model) is None
-        self._lean = LeanDecoder(self.model) if lean else None
+        self._packed = PackedLinears(self.model, enabled=self.config.prepack_weights)
+        self._lean = LeanDecoder(self.model, self._packed) if lean else None
         self.tokenizer = tokenizer
         hf = self.model.config
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
@@ -306,6 +315,7 @@ class NativeRolloutEngine:
             if version <= self.version:
                 raise ValueError(f"weight version must increase: got {version}, current {self.version}")
             loaded = load_named_tensors(self.model, named_tensors)
+            self._packed.refresh()
             self.version = version
             self._prefix.clear()
             return loaded
@@ -452,8 +462,14 @@ class NativeRolloutEngine:
             self._prefix.popitem(last=False)
 
     def _sample_and_append(self, batch: list[_Sequence], hidden: torch.Tensor) -> None:
-        weight = self.model.get_output_embeddings().weight
-        logits = hidden.float() @ weight.float().t()  # fp32 head, as in the trainer
+        head = self.model.get_output_embeddings()
+        packed = self._packed.get(head)
+        # The fp32 head, as in the trainer.
+        logits = (
+            packed_linear(hidden.float(), packed)
+            if packed is not None
+            else linear(hidden.float(), head.weight.float())
+        )  # [B, V]
         params = [s.request.params for s in batch]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)

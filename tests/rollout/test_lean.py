@@ -1,9 +1,10 @@
-"""The lean forward against HF's forward inside the same engine: equal bit for bit."""
+"""The lean forward against HF's forward inside the same engine: equal bit for bit; prepacked weights against plain ones."""
 
 import pytest
 import torch
 
 from tandem.models import TinyModelConfig, load_model, load_tokenizer, save_tiny_model
+from tandem.models.cpu_linear import onednn_available
 from tandem.rollout import NativeEngineConfig, NativeRolloutEngine, RolloutRequest, SamplingParams
 from tandem.rollout.lean import LeanDecoder, lean_unsupported_reason
 from tests.rollout.test_native_engine import random_prompts
@@ -15,22 +16,29 @@ def model_dir(request, tmp_path_factory):
     return str(save_tiny_model(tmp_path_factory.mktemp(f"lean-{request.param}") / "m", config))
 
 
-def run(model_dir, lean: bool, requests):
+def run(model_dir, lean: bool, requests, prepack: bool = False):
     engine = NativeRolloutEngine.from_pretrained(
         model_dir,
-        NativeEngineConfig(max_num_seqs=16, max_model_len=128, max_prefill_tokens=200, lean_forward=lean),
+        NativeEngineConfig(
+            max_num_seqs=16,
+            max_model_len=128,
+            max_prefill_tokens=200,
+            lean_forward=lean,
+            prepack_weights=prepack,
+        ),
     )
     try:
         assert (engine._lean is not None) == lean
+        assert (len(engine._packed) > 0) == (prepack and onednn_available())
         return engine.generate_batch(requests, timeout=120)
     finally:
         engine.close()
 
 
-def test_lean_engine_equals_the_hf_forward_engine(model_dir):
+def mixed_requests() -> list[RolloutRequest]:
     """Mixed prefill + decode steps, admission over several steps, sampled and greedy, shared prompts."""
     prompts = random_prompts(24, 9)
-    requests = [
+    return [
         RolloutRequest(
             f"r{i}",
             prompts[i % 20],  # four prompts repeat: the prefix-sharing paths run too
@@ -40,10 +48,23 @@ def test_lean_engine_equals_the_hf_forward_engine(model_dir):
         )
         for i in range(24)
     ]
+
+
+def test_lean_engine_equals_the_hf_forward_engine(model_dir):
+    requests = mixed_requests()
     lean, reference = run(model_dir, True, requests), run(model_dir, False, requests)
     for ours, theirs in zip(lean, reference, strict=True):
         assert ours.token_ids == theirs.token_ids
         assert ours.log_probs == theirs.log_probs  # exact: the same operations in the same order
+
+
+def test_prepacked_weights_match_plain_weights(model_dir):
+    """oneDNN's blocked weights change only the summation order: same tokens, log-probs within 1e-5."""
+    requests = mixed_requests()
+    packed, plain = run(model_dir, True, requests, prepack=True), run(model_dir, True, requests)
+    for ours, theirs in zip(packed, plain, strict=True):
+        assert ours.token_ids == theirs.token_ids
+        assert max(abs(a - b) for a, b in zip(ours.log_probs, theirs.log_probs, strict=True)) < 1e-5
 
 
 def test_models_outside_the_lean_forward_keep_hf(tmp_path):

@@ -217,7 +217,7 @@ def test_sampled_tokens_follow_the_processed_distribution(qwen2_dir):
     model = load_model(qwen2_dir)
     with torch.no_grad():
         hidden = model.get_decoder()(torch.tensor([prompt])).last_hidden_state[0, -1]
-    logits = (hidden.float() @ model.lm_head.weight.float().t()).unsqueeze(0)
+        logits = (hidden.float() @ model.lm_head.weight.float().t()).unsqueeze(0)
     probs = torch.softmax(
         processed_logits(logits, torch.tensor([0.9]), torch.tensor([12]), torch.tensor([1.0])), -1
     )[0]
