@@ -65,15 +65,16 @@ def cpu_linear_backend(backend: str) -> Iterator[None]:
         _backend = previous
 
 
+def _plain_fp32_cpu(tensor: torch.Tensor) -> bool:
+    return tensor.dtype == torch.float32 and tensor.device.type == "cpu" and type(tensor) in _PLAIN_TYPES
+
+
 def _takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         _backend == "onednn"
         and _OP is not None
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and weight.device.type == "cpu"
-        and type(weight) in _PLAIN_TYPES
-        and type(x) in _PLAIN_TYPES
+        and _plain_fp32_cpu(x)
+        and _plain_fp32_cpu(weight)
         and x.numel() > 0
     )
 
@@ -127,13 +128,7 @@ def prepack(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | None:
     makes small-batch products 1.3-1.8x faster. ``batch_hint`` is the row count the layout is
     tuned for; any row count works.
     """
-    if not (
-        _backend == "onednn"
-        and onednn_available()
-        and weight.dtype == torch.float32
-        and weight.device.type == "cpu"
-        and type(weight) in _PLAIN_TYPES
-    ):
+    if not (_backend == "onednn" and onednn_available() and _plain_fp32_cpu(weight)):
         return None
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
