@@ -107,13 +107,17 @@ class _OneDNNLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., in]`` as a contiguous ``[N, in]``."""
+    x2d = x.reshape(-1, x.shape[-1])
+    return x2d if x2d.is_contiguous() else x2d.contiguous()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: ``x [..., in]``, ``weight [out, in]`` -> ``[..., out]`` (see module doc)."""
     if not _takes_onednn(x, weight):
         return F.linear(x, weight, bias)
-    x2d = x.reshape(-1, x.shape[-1])
-    if not x2d.is_contiguous():
-        x2d = x2d.contiguous()
+    x2d = _rows(x)
     tracked = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
@@ -136,17 +140,15 @@ def prepack(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | None:
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., in]`` times a :func:`prepack`-ed ``[out, in]`` weight (no autograd) -> ``[..., out]``."""
-    x2d = x.reshape(-1, x.shape[-1])
-    out = _onednn(x2d if x2d.is_contiguous() else x2d.contiguous(), packed, bias)
-    return out.view(*x.shape[:-1], packed.shape[0])
+    return _onednn(_rows(x), packed, bias).view(*x.shape[:-1], packed.shape[0])
 
 
 class PackedLinears:
     """:func:`prepack`-ed copies of every linear weight in a model, for inference (the rollout engine).
 
-    ``get(module)`` is the packed weight of that linear layer, or ``None`` (not fp32 on CPU, or
-    packing off). Call :meth:`refresh` after the weights change. Costs one more copy of the
-    linear weights.
+    ``forward(module, x)`` applies a linear layer through its packed weight, or through
+    :func:`linear` when it has none (not fp32 on CPU, or packing off). Call :meth:`refresh`
+    after the weights change. Costs one more copy of the linear weights.
     """
 
     def __init__(self, model: nn.Module, enabled: bool = True, batch_hint: int = 64) -> None:
@@ -166,8 +168,12 @@ class PackedLinears:
                 if packed is not None:
                     self._packed[module] = packed
 
-    def get(self, module: nn.Module) -> torch.Tensor | None:
-        return self._packed.get(module)
+    def forward(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)`` without autograd; an unpacked weight is cast to ``x``'s dtype (the fp32 head)."""
+        packed = self._packed.get(module)
+        if packed is not None:
+            return packed_linear(x, packed, module.bias)
+        return linear(x, module.weight.to(x.dtype), module.bias)
 
     def __len__(self) -> int:
         return len(self._packed)

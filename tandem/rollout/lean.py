@@ -8,8 +8,8 @@ residuals — as plain functional calls on the model's *own* parameters (nothing
 so weight updates by name apply as before). Every operation mirrors HF's in order and
 dtype, so the output equals HF's forward bit for bit (tested per family; with weights
 prepacked by :class:`~tandem.models.cpu_linear.PackedLinears` only the matmuls' summation
-order differs); models outside
-what it covers (other families, sliding-window attention, non-SiLU MLPs) keep HF's forward.
+order differs); models outside what it covers (other families, sliding-window attention,
+non-SiLU MLPs) keep HF's forward.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.models.cpu_linear import CPULinear, PackedLinears, linear, packed_linear
+from tandem.models.cpu_linear import CPULinear, PackedLinears
 from tandem.rollout.kv_cache import StepPlan, cached_attention
 
 PLAIN_LINEARS = (torch.nn.Linear, CPULinear)
@@ -66,17 +66,14 @@ class LeanDecoder:
             raise ValueError(f"the lean forward does not support this model: {reason}")
         self.decoder = model.get_decoder()
         self.qk_norm = model.config.model_type == "qwen3"
-        self.packed = packed
+        self.packed = packed if packed is not None else PackedLinears(model, enabled=False)
 
     def _linear(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A plain linear layer as a direct call (no module-call overhead; its prepacked weight
         when there is one); anything else (LoRA, ...) as itself."""
         if type(module) not in PLAIN_LINEARS:
             return module(x)
-        packed = self.packed.get(module) if self.packed is not None else None
-        if packed is not None:
-            return packed_linear(x, packed, module.bias)
-        return linear(x, module.weight, module.bias)
+        return self.packed.forward(module, x)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         decoder = self.decoder

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.config.validation import check_choice, check_positive
-from tandem.models.cpu_linear import PackedLinears, linear, packed_linear, use_cpu_linears
+from tandem.models.cpu_linear import PackedLinears, use_cpu_linears
 from tandem.models.loading import load_model, load_tokenizer, resolve_dtype
 from tandem.rollout.kv_cache import KV_ATTENTION, PrefillSegment, SlotKVCache, StepPlan
 from tandem.rollout.lean import LeanDecoder, lean_unsupported_reason
@@ -462,14 +462,8 @@ class NativeRolloutEngine:
             self._prefix.popitem(last=False)
 
     def _sample_and_append(self, batch: list[_Sequence], hidden: torch.Tensor) -> None:
-        head = self.model.get_output_embeddings()
-        packed = self._packed.get(head)
         # The fp32 head, as in the trainer.
-        logits = (
-            packed_linear(hidden.float(), packed)
-            if packed is not None
-            else linear(hidden.float(), head.weight.float())
-        )  # [B, V]
+        logits = self._packed.forward(self.model.get_output_embeddings(), hidden.float())  # [B, V]
         params = [s.request.params for s in batch]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)

@@ -84,3 +84,23 @@ def test_models_outside_the_lean_forward_keep_hf(tmp_path):
         assert len(out.token_ids) <= 4 and torch.isfinite(torch.tensor(out.log_probs)).all()
     finally:
         engine.close()
+
+
+def test_bf16_engine_keeps_an_fp32_head(tmp_path):
+    """Nothing is prepacked for bf16 weights; the head still runs in fp32 on the bf16 hidden state."""
+    path = save_tiny_model(tmp_path / "m", TinyModelConfig(family="qwen2", seed=2))
+    prompt = random_prompts(1, 3)[0]
+    engine = NativeRolloutEngine.from_pretrained(str(path), NativeEngineConfig(dtype="bfloat16"))
+    try:
+        assert len(engine._packed) == 0
+        out = engine.generate_batch(
+            [RolloutRequest("b", prompt, SamplingParams(temperature=0.0, max_tokens=1))], timeout=60
+        )[0]
+    finally:
+        engine.close()
+    model = load_model(path, "bfloat16")
+    with torch.no_grad():
+        hidden = model.get_decoder()(torch.tensor([prompt])).last_hidden_state[0, -1]
+        reference = torch.log_softmax(hidden.float() @ model.lm_head.weight.float().t(), -1)
+    assert out.token_ids[0] == int(reference.argmax())
+    assert abs(out.log_probs[0] - float(reference.max())) < 1e-2  # bf16 layers; the head itself is fp32
