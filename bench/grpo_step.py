@@ -3,17 +3,25 @@
 Both: the benchmark's ~3M-parameter Qwen2 (hidden 256, 4 layers), fp32 on CPU, 8 prompts x 8
 responses = 64 per step, up to 64 new tokens at temperature 1, no KL term, one optimizer step
 per step, the same reward function. TRL runs with ``use_cpu=True, bf16=False,
-gradient_checkpointing=False`` and no vLLM (transformers ``generate``). Each side runs
-``--warmup`` steps that are not timed, then ``--steps`` timed ones; the median is reported and
-the ratio printed. TRL is optional: without it only tandem's numbers are printed.
+gradient_checkpointing=False`` and no vLLM (transformers ``generate``).
 
-    python bench/grpo_step.py [--steps 8] [--warmup 2]
+Each side runs in a fresh process of its own, as its users run it (tandem's process-wide CPU
+settings, e.g. its malloc tuning, never reach TRL's run), for ``--rounds`` rounds that
+alternate which side goes first (the machine's speed drifts). A run does ``--warmup``
+untimed steps, then ``--steps`` timed ones; the median over all timed steps of all rounds
+is reported and the ratio printed. TRL is optional: without it only tandem's numbers are
+printed.
+
+    python bench/grpo_step.py [--steps 8] [--warmup 2] [--rounds 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -118,35 +126,81 @@ def time_trl(root: Path, model: Path, data_rows: list[dict], steps: int, warmup:
     return timer.times[warmup:]
 
 
+def run_side(side: str, root: Path, steps: int, warmup: int) -> list[float] | None:
+    """Time ``side`` (tandem or trl) in a fresh process; ``None`` when TRL is not installed."""
+    command = [
+        sys.executable,
+        __file__,
+        "--side",
+        side,
+        "--root",
+        str(root),
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {side} run failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def child(side: str, root: Path, steps: int, warmup: int) -> None:
+    torch.set_num_threads(2)
+    rows = arithmetic_rows(2_000, ArithmeticTaskConfig(max_digits=3), seed=0)
+    if side == "tandem":
+        times = time_tandem(root, root / "model", root / "prompts.parquet", steps, warmup)
+    else:
+        times = time_trl(root, root / "model", rows, steps, warmup)
+    print(json.dumps(times))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--side", choices=["tandem", "trl"], help=argparse.SUPPRESS)  # a child run
+    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    if args.side:
+        child(args.side, args.root, args.steps, args.warmup)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = save_tiny_model(root / "model", BENCH_MODEL)
         rows = arithmetic_rows(2_000, ArithmeticTaskConfig(max_digits=3), seed=0)
-        data = write_parquet(rows, root / "prompts.parquet")
+        write_parquet(rows, root / "prompts.parquet")
         params = sum(p.numel() for p in __import__("tandem").models.load_model(model).parameters())
         print(
             f"model: {params / 1e6:.2f}M parameters, fp32; {PROMPTS} prompts x {RESPONSES} responses, <= {NEW_TOKENS} new tokens"
         )
-        tandem_times = time_tandem(root, model, data, args.steps, args.warmup)
-        trl_times = time_trl(root, model, rows, args.steps, args.warmup)
-    tandem_median = statistics.median(tandem_times)
+        times: dict[str, list[float]] = {"tandem": [], "trl": []}
+        trl_installed = True
+        for round_ in range(args.rounds):
+            order = ["tandem", "trl"] if round_ % 2 == 0 else ["trl", "tandem"]
+            for side in order:
+                if side == "trl" and not trl_installed:
+                    continue
+                measured = run_side(side, root, args.steps, args.warmup)
+                if measured is None:
+                    trl_installed = False
+                    continue
+                times[side] += measured
+                print(f"round {round_ + 1} {side}: median {statistics.median(measured):.3f} s/step")
+    tandem_median = statistics.median(times["tandem"])
     print(
-        f"tandem: median {tandem_median:.3f} s/step over {len(tandem_times)} steps ({[round(t, 3) for t in tandem_times]})"
+        f"tandem: median {tandem_median:.3f} s/step over {len(times['tandem'])} steps ({[round(t, 3) for t in times['tandem']]})"
     )
-    if trl_times is None:
+    if not trl_installed:
         print("TRL is not installed (pip install trl): no baseline")
         return
-    trl_median = statistics.median(trl_times)
+    trl_median = statistics.median(times["trl"])
     print(
-        f"TRL GRPOTrainer: median {trl_median:.3f} s/step over {len(trl_times)} steps ({[round(t, 3) for t in trl_times]})"
+        f"TRL GRPOTrainer: median {trl_median:.3f} s/step over {len(times['trl'])} steps ({[round(t, 3) for t in times['trl']]})"
     )
     print(f"speed-up: tandem is {trl_median / tandem_median:.2f}x faster per GRPO step")
 

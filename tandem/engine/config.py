@@ -42,6 +42,14 @@ class EngineConfig:
         use_packing: pack valid tokens into one row ("remove padding") instead of padded rows.
         max_tokens_per_micro_batch: token budget of a micro-batch (packing) — see ``micro_batch_size``.
         micro_batch_size: sequences per micro-batch when not packing (fixed-size, padded).
+        share_prompts: with packing, rows of a batch with a ``prompts`` column that carry the
+            same prompt compute it once (see :mod:`tandem.engine.shared_prompts`); a prompt
+            group stays in one micro-batch unless it alone exceeds the token budget. Only
+            response tokens then get log-probs.
+        pad_tokens_to_multiple: with packing, filler tokens round each packed row up to a
+            multiple of this (1: off). Linear-layer shapes then repeat across steps, so
+            oneDNN reuses its per-shape kernels instead of building (and caching) new ones
+            each step; fillers change no result.
         gradient_checkpointing: recompute activations in backward.
         logprob_chunk_size: rows of the fp32 output head computed at once.
         logprob_temperature: the sampling temperature the rollout used; log-probs are computed
@@ -59,6 +67,8 @@ class EngineConfig:
     use_packing: bool = True
     max_tokens_per_micro_batch: int = 4096
     micro_batch_size: int = 8
+    share_prompts: bool = True
+    pad_tokens_to_multiple: int = 64
     gradient_checkpointing: bool = False
     logprob_chunk_size: int = 1024
     logprob_temperature: float = 1.0
@@ -82,6 +92,7 @@ class EngineConfig:
         for name in (
             "max_tokens_per_micro_batch",
             "micro_batch_size",
+            "pad_tokens_to_multiple",
             "logprob_chunk_size",
             "logprob_temperature",
             "lr",

@@ -53,9 +53,17 @@ def karmarkar_karp(weights: Sequence[int], parts: int, equal_size: bool = False)
 
 
 def token_budget_micro_batches(
-    lengths: Sequence[int], max_tokens: int, min_parts: int = 1
+    lengths: Sequence[int],
+    max_tokens: int,
+    min_parts: int = 1,
+    groups: Sequence[tuple[Sequence[int], int]] | None = None,
 ) -> list[list[int]]:
     """Split sequences into the fewest balanced micro-batches (at least ``min_parts``) of at most ``max_tokens`` each.
+
+    ``groups`` (optional) lists ``(rows, shared)``: rows whose first ``shared`` tokens are
+    one packed copy (a shared prompt, :mod:`tandem.engine.shared_prompts`). A group costs
+    ``shared + sum(lengths[row] - shared)`` tokens and stays in one micro-batch unless that
+    exceeds the budget, when its rows are placed one by one. Every row must be in one group.
 
     Raises ``ValueError`` naming the sequence when one alone is longer than the budget.
     Empty micro-batches can appear only when ``min_parts`` exceeds the number of sequences.
@@ -68,12 +76,32 @@ def token_budget_micro_batches(
                 f"sequence {index} has {length} tokens, more than the micro-batch token budget of {max_tokens}; "
                 "raise the budget or truncate the data"
             )
-    parts = max(min_parts, math.ceil(sum(lengths) / max_tokens), 1)
+    units = _placement_units(lengths, max_tokens, groups)
+    weights = [cost for _, cost in units]
+    parts = max(min_parts, math.ceil(sum(weights) / max_tokens), 1)
     while True:
-        split = karmarkar_karp(lengths, parts)
-        if all(sum(lengths[i] for i in part) <= max_tokens for part in split):
-            return split
+        split = karmarkar_karp(weights, parts)
+        if all(sum(weights[u] for u in part) <= max_tokens for part in split):
+            return [sorted(row for u in part for row in units[u][0]) for part in split]
         parts += 1
+
+
+def _placement_units(
+    lengths: Sequence[int], max_tokens: int, groups: Sequence[tuple[Sequence[int], int]] | None
+) -> list[tuple[list[int], int]]:
+    """``(rows, tokens)`` placed together: each group within the budget, else single rows."""
+    if groups is None:
+        return [([row], length) for row, length in enumerate(lengths)]
+    units: list[tuple[list[int], int]] = []
+    for rows, shared in groups:
+        cost = shared + sum(lengths[row] - shared for row in rows)
+        if cost <= max_tokens:
+            units.append((list(rows), cost))
+        else:
+            units.extend(([row], lengths[row]) for row in rows)
+    if sorted(row for rows, _ in units for row in rows) != list(range(len(lengths))):
+        raise ValueError(f"groups must hold each of the {len(lengths)} rows exactly once")
+    return units
 
 
 def balanced_dp_order(lengths: Sequence[int], world_size: int) -> list[int]:

@@ -8,32 +8,63 @@ never attend across a sequence boundary. Padding may sit on either side of a row
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.varlen_attention import AttentionPlan, contiguous_plan
+
+
+@dataclass(frozen=True)
+class Predictions:
+    """Which hidden states predict which tokens, as indices into the flattened ``[B * S]`` layout:
+    the hidden state at ``sources[i]`` predicts the token at ``targets[i]`` (both ``[N]`` int64)."""
+
+    sources: torch.Tensor
+    targets: torch.Tensor
+
+
+def next_token_predictions(position_ids: torch.Tensor) -> Predictions:
+    """Each token predicted from the one before it, except where a sequence starts (position 0)
+    and in the first column. ``position_ids [B, S]``."""
+    starts = position_ids == 0
+    starts[:, 0] = True
+    targets = (~starts).flatten().nonzero().flatten()
+    return Predictions(targets - 1, targets)
+
 
 @dataclass(frozen=True)
 class PackedSequences:
-    """A padded ``[B, S]`` batch packed into one row of ``T`` valid tokens.
+    """A padded ``[B, S]`` batch packed into one row of ``T`` tokens.
 
     Attributes:
         input_ids: ``[1, T]`` token ids of all sequences, one after another.
         position_ids: ``[1, T]`` position of each token inside its own sequence.
-        cu_seqlens: ``[B + 1]`` int32 cumulative sequence lengths (flash-attention varlen layout).
-        flat_index: ``[T]`` where each packed token sits in the flattened ``[B * S]`` padded layout.
+        cu_seqlens: ``[B + 1]`` int32 cumulative sequence lengths (flash-attention varlen
+            layout); ``None`` when sequences share packed tokens (shared prompts).
+        flat_index: ``[N]`` where packed values land in the flattened ``[B * S]`` padded layout.
         padded_shape: ``(B, S)``.
+        attention_plan: which packed positions each sequence attends over.
+        token_index: ``[N]`` the packed positions that ``flat_index`` places; ``None``: all
+            ``T``, in order (``N = T``).
+        predictions: which packed hidden states predict which packed tokens; ``None``: each
+            token from the one before it in its sequence.
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    cu_seqlens: torch.Tensor
+    cu_seqlens: torch.Tensor | None
     flat_index: torch.Tensor
     padded_shape: tuple[int, int]
+    attention_plan: AttentionPlan
+    token_index: torch.Tensor | None = None
+    predictions: Predictions | None = None
 
     @property
     def num_tokens(self) -> int:
-        return int(self.flat_index.numel())
+        """``T``, the length of the packed row."""
+        return int(self.input_ids.shape[1])
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -42,12 +73,16 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return ((mask.cumsum(-1) - 1) * mask).clamp(min=0)
 
 
-def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedSequences:
-    """Pack the valid tokens of ``input_ids [B, S]`` (where ``attention_mask`` is 1) into one row."""
+def check_same_shape(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
     if input_ids.shape != attention_mask.shape:
         raise ValueError(
             f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} differ"
         )
+
+
+def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedSequences:
+    """Pack the valid tokens of ``input_ids [B, S]`` (where ``attention_mask`` is 1) into one row."""
+    check_same_shape(input_ids, attention_mask)
     mask = attention_mask.bool()
     flat_index = mask.flatten().nonzero().flatten()
     lengths = mask.sum(-1)
@@ -59,12 +94,41 @@ def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Pac
         cu_seqlens=cu_seqlens,
         flat_index=flat_index,
         padded_shape=(int(input_ids.shape[0]), int(input_ids.shape[1])),
+        attention_plan=contiguous_plan(cu_seqlens),
     )
 
 
 def unpack(values: torch.Tensor, packed: PackedSequences, fill: float = 0.0) -> torch.Tensor:
     """Scatter per-token ``values [T]`` (or ``[1, T]``) back to the padded ``[B, S]`` layout."""
     values = values.reshape(-1)
+    if packed.token_index is not None:
+        values = values[packed.token_index]
     batch, length = packed.padded_shape
     out = values.new_full((batch * length,), fill)
     return out.index_put((packed.flat_index,), values).reshape(batch, length)
+
+
+def pad_to_multiple(packed: PackedSequences, multiple: int) -> PackedSequences:
+    """Append filler tokens so the packed row's length is a multiple of ``multiple``.
+
+    Rows of varying length give the linear layers a new shape every step, and oneDNN builds
+    (and caches, holding memory) a kernel per shape; rounded lengths repeat. The fillers
+    (token 0 at position 0) are read by no attention query, take their attention output
+    from row 0 of the first bucket, predict nothing and are left out by :func:`unpack`, so
+    they change no result and receive no gradient.
+    """
+    total = packed.num_tokens
+    pad = -total % multiple
+    if pad == 0 or total == 0:
+        return packed
+    plan = packed.attention_plan
+    filler = packed.input_ids.new_zeros(1, pad)
+    return dataclasses.replace(
+        packed,
+        input_ids=torch.cat([packed.input_ids, filler], 1),
+        position_ids=torch.cat([packed.position_ids, filler], 1),
+        attention_plan=AttentionPlan(
+            plan.index, plan.buckets, torch.cat([plan.select, plan.select.new_zeros(pad)])
+        ),
+        token_index=packed.token_index if packed.token_index is not None else torch.arange(total),
+    )

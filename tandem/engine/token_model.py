@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.engine.packing import Predictions, next_token_predictions
+from tandem.engine.varlen_attention import PLAN_KEYWORD, AttentionPlan
 from tandem.models.logprobs import log_probs_from_hidden
 
 
@@ -18,7 +20,8 @@ class TokenLogProbModel(nn.Module):
     ``log_probs[:, t] = log p(input_ids[:, t] | input_ids[:, <t])`` and ``entropy[:, t]`` is the
     entropy of that predictive distribution; position 0 has no prediction and holds 0.
     Packed rows (``attention_mask=None`` with restarting ``position_ids``) also work: the first
-    token of every packed sequence gets 0 too.
+    token of every packed sequence gets 0 too. With explicit ``predictions`` only the named
+    tokens get values (the RL engine asks for response tokens only).
     """
 
     def __init__(self, causal_lm: nn.Module, chunk_size: int = 1024, temperature: float = 1.0) -> None:
@@ -45,11 +48,21 @@ class TokenLogProbModel(nn.Module):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        attention_plan: AttentionPlan | None = None,
+        predictions: Predictions | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        varlen = {}
-        if cu_seqlens is not None:  # packed row: sequence boundaries for varlen attention kernels
+        """Per-token log-probs and entropy ``[B, S]``; positions that nothing predicts hold 0.
+
+        ``cu_seqlens`` or ``attention_plan`` describe a packed row (varlen attention);
+        ``predictions`` names which hidden states predict which tokens (default: each token
+        from the one before it within its sequence).
+        """
+        attention = {}
+        if attention_plan is not None:  # packed row, possibly with shared prompts
+            attention = {PLAN_KEYWORD: attention_plan}
+        elif cu_seqlens is not None:  # packed row: sequence boundaries for varlen attention kernels
             longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-            varlen = {
+            attention = {
                 "cu_seq_lens_q": cu_seqlens,
                 "cu_seq_lens_k": cu_seqlens,
                 "max_length_q": longest,
@@ -60,17 +73,20 @@ class TokenLogProbModel(nn.Module):
             position_ids=position_ids,
             attention_mask=attention_mask,
             use_cache=False,
-            **varlen,
+            **attention,
         ).last_hidden_state
-        batch, length, width = hidden.shape
-        # Position t predicts token t + 1: shift the labels left by one.
-        predictors = hidden[:, :-1].reshape(-1, width)
-        labels = input_ids[:, 1:].reshape(-1)
+        if predictions is None:
+            predictions = next_token_predictions(position_ids)
+        width = hidden.shape[-1]
         log_probs, entropy = log_probs_from_hidden(
-            predictors, self.head_weight(), labels, self.temperature, self.chunk_size
+            hidden.reshape(-1, width).index_select(0, predictions.sources),
+            self.head_weight(),
+            input_ids.reshape(-1).index_select(0, predictions.targets),
+            self.temperature,
+            self.chunk_size,
         )
-        zero = log_probs.new_zeros(batch, 1)
-        log_probs = torch.cat([zero, log_probs.reshape(batch, length - 1)], dim=1)
-        entropy = torch.cat([zero, entropy.reshape(batch, length - 1)], dim=1)
-        starts = position_ids == 0  # first token of a sequence: nothing predicts it
-        return log_probs.masked_fill(starts, 0.0), entropy.masked_fill(starts, 0.0)
+        zeros = log_probs.new_zeros(input_ids.numel())
+        return (
+            zeros.index_put((predictions.targets,), log_probs).view_as(input_ids),
+            zeros.index_put((predictions.targets,), entropy).view_as(input_ids),
+        )

@@ -18,10 +18,12 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.lora import apply_lora, iter_merged_lora_parameters
 from tandem.engine.lr_schedule import build_scheduler
 from tandem.engine.micro_batch import token_budget_micro_batches
-from tandem.engine.packing import pack_sequences, positions_from_mask, unpack
+from tandem.engine.packing import pack_sequences, pad_to_multiple, positions_from_mask, unpack
 from tandem.engine.parallel import data_parallel_size, wrap_data_parallel
+from tandem.engine.shared_prompts import pack_shared_prompts, prompt_groups
 from tandem.engine.token_model import TokenLogProbModel
 from tandem.engine.varlen_attention import VARLEN_ATTENTION
+from tandem.models.cpu_allocator import tune_cpu_allocator
 from tandem.models.cpu_linear import use_cpu_linears
 from tandem.models.loading import load_model, resolve_dtype
 from tandem.protocol import Batch
@@ -49,6 +51,7 @@ class TorchTrainEngine:
             raise RuntimeError(
                 f"engine.strategy={config.strategy!r} needs an initialised torch.distributed group"
             )
+        tune_cpu_allocator()  # recycle activation memory instead of faulting in new pages each step
         torch.manual_seed(config.seed)
         model = (
             self._given_model
@@ -91,20 +94,31 @@ class TorchTrainEngine:
             dist.all_reduce(counts)
         return LossNormalizer(num_tokens=float(counts[0]), num_seqs=float(counts[1]))
 
-    def micro_batches(self, attention_mask: torch.Tensor) -> list[list[int]]:
-        """Index lists of the micro-batches for this rank (same count on every data-parallel rank)."""
+    def micro_batches(self, batch: Batch) -> list[list[int]]:
+        """Row index lists of the micro-batches for this rank (same count on every data-parallel rank)."""
+        attention_mask = batch["attention_mask"]
         lengths = attention_mask.sum(-1).tolist()
         if self.config.use_packing:
-            parts = token_budget_micro_batches(lengths, self.config.max_tokens_per_micro_batch)
+            groups = None
+            if self._shares_prompts(batch):  # keep each prompt's rows together, counting the prompt once
+                width = batch["prompts"].shape[1]
+                prompt_lengths = attention_mask[:, :width].sum(-1).tolist()
+                groups = [
+                    (rows, prompt_lengths[rows[0]])
+                    for rows in prompt_groups(batch["input_ids"], attention_mask, width)
+                ]
+            budget = self.config.max_tokens_per_micro_batch
+            parts = token_budget_micro_batches(lengths, budget, groups=groups)
             count = self._agree_on_count(len(parts))
             if count != len(parts):
-                parts = token_budget_micro_batches(
-                    lengths, self.config.max_tokens_per_micro_batch, min_parts=count
-                )
+                parts = token_budget_micro_batches(lengths, budget, min_parts=count, groups=groups)
             return parts
         size = self.config.micro_batch_size
         count = self._agree_on_count(math.ceil(len(lengths) / size))
         return [list(range(start, min(start + size, len(lengths)))) for start in range(0, count * size, size)]
+
+    def _shares_prompts(self, batch: Batch) -> bool:
+        return self.config.use_packing and self.config.share_prompts and "prompts" in batch
 
     def _agree_on_count(self, local: int) -> int:
         # Every rank must run the same number of forwards: FSDP2 gathers parameters in each one.
@@ -136,7 +150,7 @@ class TorchTrainEngine:
             raise ValueError(
                 f"input_ids hold token id {largest}, but the model's vocabulary has {vocab} entries"
             )
-        parts = self.micro_batches(batch["attention_mask"])
+        parts = self.micro_batches(batch)
         result = StepResult(num_micro_batches=len(parts))
         collected: list[tuple[list[int], TokenOutputs]] = []
         for index, rows in enumerate(parts):
@@ -166,9 +180,16 @@ class TorchTrainEngine:
     def _forward(self, micro: Batch) -> TokenOutputs:
         input_ids, attention_mask = micro["input_ids"], micro["attention_mask"]
         if self.config.use_packing:
-            packed = pack_sequences(input_ids, attention_mask)
+            if self._shares_prompts(micro):
+                packed = pack_shared_prompts(input_ids, attention_mask, micro["prompts"].shape[1])
+            else:
+                packed = pack_sequences(input_ids, attention_mask)
+            packed = pad_to_multiple(packed, self.config.pad_tokens_to_multiple)
             log_probs, entropy = self.wrapped(
-                input_ids=packed.input_ids, position_ids=packed.position_ids, cu_seqlens=packed.cu_seqlens
+                input_ids=packed.input_ids,
+                position_ids=packed.position_ids,
+                attention_plan=packed.attention_plan,
+                predictions=packed.predictions,
             )
             return TokenOutputs(unpack(log_probs, packed), unpack(entropy, packed))
         position_ids = (

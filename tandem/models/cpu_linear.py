@@ -101,7 +101,12 @@ class _OneDNNLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _onednn(grad, weight.t(), None)  # [N, out] @ [out, in]
         if ctx.needs_input_grad[1]:
-            grad_weight = _onednn(grad.t(), x2d.t(), None)  # [out, N] @ [N, in]
+            # oneDNN copies a transposed left operand into rows first: transpose the narrower
+            # activation (measured 1.3x faster for a 256 -> 768 layer at 3k rows).
+            if grad.shape[1] > x2d.shape[1]:
+                grad_weight = _onednn(x2d.t(), grad.t(), None).t().contiguous()  # ([in, N] @ [N, out])^T
+            else:
+                grad_weight = _onednn(grad.t(), x2d.t(), None)  # [out, N] @ [N, in]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.sum(0)
         return grad_x, grad_weight, grad_bias
@@ -147,8 +152,11 @@ class PackedLinears:
     """:func:`prepack`-ed copies of every linear weight in a model, for inference (the rollout engine).
 
     ``forward(module, x)`` applies a linear layer through its packed weight, or through
-    :func:`linear` when it has none (not fp32 on CPU, or packing off). Call :meth:`refresh`
-    after the weights change. Costs one more copy of the linear weights.
+    :func:`linear` when it has none (not fp32 on CPU, or packing off). Layers that read the
+    same input (q/k/v, gate/up) can be :meth:`fuse`-d: their weights are packed side by side
+    and :meth:`forward_many` runs one product instead of several (at decode batch sizes
+    each call costs as much as its arithmetic). Call :meth:`refresh` after the weights
+    change. Costs one more copy of the linear weights.
     """
 
     def __init__(self, model: nn.Module, enabled: bool = True, batch_hint: int = 64) -> None:
@@ -156,10 +164,17 @@ class PackedLinears:
         self.enabled = enabled
         self.batch_hint = batch_hint
         self._packed: dict[nn.Module, torch.Tensor] = {}
+        self._groups: list[tuple[nn.Linear, ...]] = []
+        self._fused: dict[tuple[nn.Linear, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.refresh()
+
+    def fuse(self, groups: list[tuple[nn.Linear, ...]]) -> None:
+        """Pack each group of linear layers (same input width) as one weight from now on."""
+        self._groups = [tuple(group) for group in groups]
         self.refresh()
 
     def refresh(self) -> None:
-        self._packed = {}
+        self._packed, self._fused = {}, {}
         if not self.enabled:
             return
         for module in self.model.modules():
@@ -167,6 +182,23 @@ class PackedLinears:
                 packed = prepack(module.weight, self.batch_hint)
                 if packed is not None:
                     self._packed[module] = packed
+        for group in self._groups:
+            if all(module in self._packed for module in group):
+                self._fused[group] = self._pack_group(group)
+
+    def _pack_group(self, group: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        weight = torch.cat([module.weight.detach() for module in group])
+        bias = None
+        if any(module.bias is not None for module in group):
+            bias = torch.cat(
+                [
+                    module.bias.detach()
+                    if module.bias is not None
+                    else module.weight.new_zeros(module.out_features)
+                    for module in group
+                ]
+            )
+        return prepack(weight, self.batch_hint), bias
 
     def forward(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """``module(x)`` without autograd; an unpacked weight is cast to ``x``'s dtype (the fp32 head)."""
@@ -174,6 +206,14 @@ class PackedLinears:
         if packed is not None:
             return packed_linear(x, packed, module.bias)
         return linear(x, module.weight.to(x.dtype), module.bias)
+
+    def forward_many(self, group: tuple[nn.Linear, ...], x: torch.Tensor) -> list[torch.Tensor]:
+        """``[module(x) for module in group]``, as one product when the group is fused."""
+        fused = self._fused.get(group)
+        if fused is None:
+            return [self.forward(module, x) for module in group]
+        out = packed_linear(x, *fused)
+        return list(out.split([module.out_features for module in group], dim=-1))
 
     def __len__(self) -> int:
         return len(self._packed)

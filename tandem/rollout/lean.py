@@ -67,6 +67,20 @@ class LeanDecoder:
         self.decoder = model.get_decoder()
         self.qk_norm = model.config.model_type == "qwen3"
         self.packed = packed if packed is not None else PackedLinears(model, enabled=False)
+        # q/k/v and gate/up read the same input: one product each when all are plain linears.
+        self.qkv, self.gate_up = [], []
+        for layer in self.decoder.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            self.qkv.append((attention.q_proj, attention.k_proj, attention.v_proj))
+            self.gate_up.append((mlp.gate_proj, mlp.up_proj))
+        plain = [group for group in self.qkv + self.gate_up if all(type(m) in PLAIN_LINEARS for m in group)]
+        self.packed.fuse(plain)
+
+    def _linears(self, group: tuple[torch.nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
+        """Linear layers sharing the input ``x``: one fused product when packed, else one by one."""
+        if any(type(module) not in PLAIN_LINEARS for module in group):
+            return [module(x) for module in group]
+        return self.packed.forward_many(group, x)
 
     def _linear(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A plain linear layer as a direct call (no module-call overhead; its prepacked weight
@@ -81,12 +95,10 @@ class LeanDecoder:
         cos, sin = decoder.rotary_emb(hidden.unsqueeze(0), position_ids.unsqueeze(0))
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, head_dim]
         tokens = input_ids.shape[0]
-        for layer in decoder.layers:
+        for index, layer in enumerate(decoder.layers):
             attention, mlp = layer.self_attn, layer.mlp
             x = _rms_norm(hidden, layer.input_layernorm)
-            q = self._linear(attention.q_proj, x).view(tokens, -1, attention.head_dim)
-            k = self._linear(attention.k_proj, x).view(tokens, -1, attention.head_dim)
-            v = self._linear(attention.v_proj, x).view(tokens, -1, attention.head_dim)
+            q, k, v = (t.reshape(tokens, -1, attention.head_dim) for t in self._linears(self.qkv[index], x))
             if self.qk_norm:
                 q, k = _rms_norm(q, attention.q_norm), _rms_norm(k, attention.k_norm)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -101,7 +113,6 @@ class LeanDecoder:
             )
             hidden = hidden + self._linear(attention.o_proj, attended.reshape(tokens, -1))
             x = _rms_norm(hidden, layer.post_attention_layernorm)
-            hidden = hidden + self._linear(
-                mlp.down_proj, F.silu(self._linear(mlp.gate_proj, x)) * self._linear(mlp.up_proj, x)
-            )
+            gate, up = self._linears(self.gate_up[index], x)
+            hidden = hidden + self._linear(mlp.down_proj, F.silu(gate) * up)
         return _rms_norm(hidden, decoder.norm)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.config.validation import check_choice, check_positive
+from tandem.models.cpu_allocator import tune_cpu_allocator
 from tandem.models.cpu_linear import PackedLinears, use_cpu_linears
 from tandem.models.loading import load_model, load_tokenizer, resolve_dtype
 from tandem.rollout.kv_cache import KV_ATTENTION, PrefillSegment, SlotKVCache, StepPlan
@@ -120,6 +121,7 @@ class NativeRolloutEngine:
     def __init__(self, model: torch.nn.Module, tokenizer, config: NativeEngineConfig | None = None) -> None:
         self.config = config or NativeEngineConfig()
         self.model = model.to(resolve_dtype(self.config.dtype)).eval()
+        tune_cpu_allocator()  # recycle activation memory instead of faulting in new pages each step
         use_cpu_linears(self.model)  # the trainer's linear kernels (oneDNN for fp32 on CPU)
         self.model.set_attn_implementation(KV_ATTENTION)
         lean = self.config.lean_forward and lean_unsupported_reason(self.model) is None

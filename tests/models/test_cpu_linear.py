@@ -26,12 +26,15 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 @needs_onednn
 @pytest.mark.parametrize("shape", [(7, 64), (3, 5, 64), (1, 64)])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_values_and_gradients_match_f_linear(shape, with_bias):
+@pytest.mark.parametrize(
+    "out_features", [48, 96]
+)  # narrower and wider than the input: both weight-gradient paths
+def test_values_and_gradients_match_f_linear(shape, with_bias, out_features):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=gen, requires_grad=True)
-    weight = torch.randn(48, 64, generator=gen, requires_grad=True)
-    bias = torch.randn(48, generator=gen, requires_grad=True) if with_bias else None
-    upstream = torch.randn(*shape[:-1], 48, generator=gen)
+    weight = torch.randn(out_features, 64, generator=gen, requires_grad=True)
+    bias = torch.randn(out_features, generator=gen, requires_grad=True) if with_bias else None
+    upstream = torch.randn(*shape[:-1], out_features, generator=gen)
 
     def run(fn):
         for t in (x, weight, bias):
