@@ -102,7 +102,7 @@ def unpack(values: torch.Tensor, packed: PackedSequences, fill: float = 0.0) -> 
     """Scatter per-token ``values [T]`` (or ``[1, T]``) back to the padded ``[B, S]`` layout."""
     values = values.reshape(-1)
     if packed.token_index is not None:
-        values = values[packed.token_index]
+        values = values.index_select(0, packed.token_index)
     batch, length = packed.padded_shape
     out = values.new_full((batch * length,), fill)
     return out.index_put((packed.flat_index,), values).reshape(batch, length)

@@ -154,7 +154,7 @@ class PackedLinears:
     ``forward(module, x)`` applies a linear layer through its packed weight, or through
     :func:`linear` when it has none (not fp32 on CPU, or packing off). Layers that read the
     same input (q/k/v, gate/up) can be :meth:`fuse`-d: their weights are packed side by side
-    and :meth:`forward_many` runs one product instead of several (at decode batch sizes
+    and :meth:`forward_fused` runs one product instead of several (at decode batch sizes
     each call costs as much as its arithmetic). Call :meth:`refresh` after the weights
     change. Costs one more copy of the linear weights.
     """
@@ -169,7 +169,8 @@ class PackedLinears:
         self.refresh()
 
     def fuse(self, groups: list[tuple[nn.Linear, ...]]) -> None:
-        """Pack each group of linear layers (same input width) as one weight from now on."""
+        """Pack each group of linear layers (same input width) as one weight from now on; a
+        group with a layer that has no packed weight (LoRA, not fp32) stays unfused."""
         self._groups = [tuple(group) for group in groups]
         self.refresh()
 
@@ -207,11 +208,11 @@ class PackedLinears:
             return packed_linear(x, packed, module.bias)
         return linear(x, module.weight.to(x.dtype), module.bias)
 
-    def forward_many(self, group: tuple[nn.Linear, ...], x: torch.Tensor) -> list[torch.Tensor]:
-        """``[module(x) for module in group]``, as one product when the group is fused."""
+    def forward_fused(self, group: tuple[nn.Linear, ...], x: torch.Tensor) -> list[torch.Tensor] | None:
+        """``[module(x) for module in group]`` as one product, or ``None`` when the group is not fused."""
         fused = self._fused.get(group)
         if fused is None:
-            return [self.forward(module, x) for module in group]
+            return None
         out = packed_linear(x, *fused)
         return list(out.split([module.out_features for module in group], dim=-1))
 

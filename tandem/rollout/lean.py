@@ -67,20 +67,16 @@ class LeanDecoder:
         self.decoder = model.get_decoder()
         self.qk_norm = model.config.model_type == "qwen3"
         self.packed = packed if packed is not None else PackedLinears(model, enabled=False)
-        # q/k/v and gate/up read the same input: one product each when all are plain linears.
-        self.qkv, self.gate_up = [], []
-        for layer in self.decoder.layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            self.qkv.append((attention.q_proj, attention.k_proj, attention.v_proj))
-            self.gate_up.append((mlp.gate_proj, mlp.up_proj))
-        plain = [group for group in self.qkv + self.gate_up if all(type(m) in PLAIN_LINEARS for m in group)]
-        self.packed.fuse(plain)
+        # q/k/v and gate/up read the same input: one product each when their weights are packed.
+        layers = self.decoder.layers
+        self.qkv = [(a.q_proj, a.k_proj, a.v_proj) for a in (layer.self_attn for layer in layers)]
+        self.gate_up = [(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in layers]
+        self.packed.fuse(self.qkv + self.gate_up)
 
     def _linears(self, group: tuple[torch.nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
         """Linear layers sharing the input ``x``: one fused product when packed, else one by one."""
-        if any(type(module) not in PLAIN_LINEARS for module in group):
-            return [module(x) for module in group]
-        return self.packed.forward_many(group, x)
+        fused = self.packed.forward_fused(group, x)
+        return fused if fused is not None else [self._linear(module, x) for module in group]
 
     def _linear(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A plain linear layer as a direct call (no module-call overhead; its prepacked weight
