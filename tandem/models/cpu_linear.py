@@ -130,6 +130,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def prepack_eligible(weight: torch.Tensor) -> bool:
+    """Whether :func:`prepack` packs ``weight`` (an fp32 CPU tensor with oneDNN on)."""
+    return _backend == "onednn" and onednn_available() and _plain_fp32_cpu(weight)
+
+
 def prepack(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | None:
     """An inference copy of ``weight [out, in]`` in oneDNN's blocked layout (``None`` where oneDNN does not apply).
 
@@ -137,7 +142,7 @@ def prepack(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | None:
     makes small-batch products 1.3-1.8x faster. ``batch_hint`` is the row count the layout is
     tuned for; any row count works.
     """
-    if not (_backend == "onednn" and onednn_available() and _plain_fp32_cpu(weight)):
+    if not prepack_eligible(weight):
         return None
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
@@ -155,7 +160,8 @@ class PackedLinears:
     :func:`linear` when it has none (not fp32 on CPU, or packing off). Layers that read the
     same input (q/k/v, gate/up) can be :meth:`fuse`-d: their weights are packed side by side
     and :meth:`forward_fused` runs one product instead of several (at decode batch sizes
-    each call costs as much as its arithmetic). Call :meth:`refresh` after the weights
+    each call costs as much as its arithmetic); a fused layer is not packed alone as well
+    (``forward`` on it takes the plain weight). Call :meth:`refresh` after the weights
     change. Costs one more copy of the linear weights.
     """
 
@@ -178,14 +184,17 @@ class PackedLinears:
         self._packed, self._fused = {}, {}
         if not self.enabled:
             return
-        for module in self.model.modules():
-            if isinstance(module, nn.Linear):
-                packed = prepack(module.weight, self.batch_hint)
-                if packed is not None:
-                    self._packed[module] = packed
+        linears = [module for module in self.model.modules() if isinstance(module, nn.Linear)]
+        packable = {module for module in linears if prepack_eligible(module.weight)}
         for group in self._groups:
-            if all(module in self._packed for module in group):
+            if all(module in packable for module in group):
                 self._fused[group] = self._pack_group(group)
+        # A fused layer is only ever applied through its group: packing it alone too would cost
+        # time on every weight update (and memory) for nothing.
+        in_groups = {module for group in self._fused for module in group}
+        for module in linears:
+            if module in packable and module not in in_groups:
+                self._packed[module] = prepack(module.weight, self.batch_hint)
 
     def _pack_group(self, group: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         weight = torch.cat([module.weight.detach() for module in group])
@@ -217,7 +226,8 @@ class PackedLinears:
         return list(out.split([module.out_features for module in group], dim=-1))
 
     def __len__(self) -> int:
-        return len(self._packed)
+        """How many packed weights there are (a fused group counts once)."""
+        return len(self._packed) + len(self._fused)
 
 
 class CPULinear(nn.Linear):

@@ -47,7 +47,7 @@ class StepPlan:
     decode_start: int
     decode_positions: torch.Tensor  # [D] int64
 
-    # Derived once per step (not once per layer): decode slots, the attended length, the mask.
+    # Derived once per step (not once per layer): decode slots, the attended length, the bias.
     @functools.cached_property
     def decode_slots(self) -> torch.Tensor:
         return torch.arange(self.decode_positions.numel(), device=self.decode_positions.device)
@@ -57,14 +57,16 @@ class StepPlan:
         return int(self.decode_positions.max()) + 1
 
     @functools.cached_property
-    def decode_mask(self) -> torch.Tensor:
-        """``[D, 1, 1, length]`` bool: which cached positions each decode token sees.
-
-        Always a mask, even when every sequence has the same length: CPU SDPA is faster with one.
-        """
+    def decode_bias(self) -> torch.Tensor:
+        """``[D * kv_heads, 1, length]`` float: 0 where decode token ``i`` sees a cached position, -inf
+        where it does not, repeated for each of the cache's key/value heads (the rows of
+        :func:`decode_attention`'s batched products)."""
         positions, length = self.decode_positions, self.decode_length
-        visible = torch.arange(length, device=positions.device) <= positions.unsqueeze(-1)
-        return visible.view(positions.numel(), 1, 1, length)
+        visible = torch.arange(length, device=positions.device) <= positions.unsqueeze(-1)  # [D, length]
+        bias = torch.zeros(visible.shape, dtype=self.cache.dtype, device=positions.device)
+        bias.masked_fill_(~visible, float("-inf"))
+        kv_heads = self.cache.shape[1]
+        return bias.unsqueeze(1).expand(-1, kv_heads, -1).reshape(-1, 1, length)
 
 
 class SlotKVCache:
@@ -180,17 +182,38 @@ def cached_attention(
         # [1, H_kv, D_tok, d] -> [D_tok, H_kv, d], written at (slot i, position_i)
         cache_k[slots, :, positions] = key[0, :, start : start + count].transpose(0, 1)
         cache_v[slots, :, positions] = value[0, :, start : start + count].transpose(0, 1)
-        q = query[0, :, start : start + count].transpose(0, 1).unsqueeze(2)  # [D_tok, H, 1, d]
-        attended = F.scaled_dot_product_attention(
-            q,
-            cache_k[:count, :, :length],
-            cache_v[:count, :, :length],
-            attn_mask=tandem_plan.decode_mask,
-            scale=scaling,
-            enable_gqa=gqa,
+        q = query[0, :, start : start + count].transpose(0, 1)  # [D_tok, H, d]
+        attended = decode_attention(
+            q, cache_k[:count, :, :length], cache_v[:count, :, :length], tandem_plan.decode_bias, scaling
         )
-        out[0, :, start : start + count] = attended.squeeze(2).transpose(0, 1)
+        out[0, :, start : start + count] = attended.transpose(0, 1)
     return out.transpose(1, 2).contiguous(), None
+
+
+def decode_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """One new token per sequence attending over its cached keys/values.
+
+    Shapes: ``query [D, H, d]``; ``keys, values [D, H_kv, L, d]`` (a slice of the cache: rows of
+    ``L`` positions ``max_len`` apart, no copy); ``bias [D * H_kv, 1, L]`` (0 visible, -inf not)
+    -> ``[D, H, d]``.
+
+    The query heads sharing a key/value head are stacked as the rows of one product, so each
+    cached key/value is read once per step (not once per query head), and the products run
+    as batched matrix products over ``D * H_kv`` small matrices — at decode sizes about twice as
+    fast on the CPU as the fused attention kernel, which is built for many query rows.
+    """
+    count, heads, dim = query.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    scale = dim**-0.5 if scale is None else scale
+    rows = query.reshape(count * kv_heads, group, dim)
+    scores = torch.baddbmm(
+        bias, rows, keys.reshape(count * kv_heads, length, dim).transpose(1, 2), alpha=scale
+    )
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.bmm(weights, values.reshape(count * kv_heads, length, dim)).view(count, heads, dim)
 
 
 AttentionInterface.register(KV_ATTENTION, cached_attention)

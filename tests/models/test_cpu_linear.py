@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from tandem.models import TinyModelConfig, build_tiny_model
 from tandem.models.cpu_linear import (
     CPULinear,
+    PackedLinears,
     active_backend,
     cpu_linear_backend,
     linear,
@@ -109,3 +110,32 @@ def test_swapped_model_keeps_its_state_and_matches_the_plain_model():
     ref_loss.backward()
     for (name, p), q in zip(swapped.named_parameters(), plain.parameters(), strict=True):
         assert relative_error(p.grad, q.grad) < 1e-4, name
+
+
+@needs_onednn
+def test_packed_linears_fuse_groups_and_match_plain_products():
+    """Fused groups give each member's product; a fused member is not packed alone (its
+    ``forward`` takes the plain weight); a layer outside the groups keeps its own packing."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict(
+        {
+            "q": torch.nn.Linear(32, 32),
+            "k": torch.nn.Linear(32, 16, bias=False),
+            "o": torch.nn.Linear(32, 32),
+        }
+    )
+    packed = PackedLinears(model)
+    group = (model["q"], model["k"])
+    packed.fuse([group])
+    assert len(packed) == 2  # the q/k group once, o alone
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        fused = packed.forward_fused(group, x)
+        assert fused is not None
+        for module, out in zip(group, fused, strict=True):
+            torch.testing.assert_close(out, module(x), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(packed.forward(module, x), module(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed.forward(model["o"], x), model["o"](x), atol=1e-5, rtol=1e-5)
+        model["q"].weight.mul_(2.0)  # a weight update: refresh repacks the group
+        packed.refresh()
+        torch.testing.assert_close(packed.forward_fused(group, x)[0], model["q"](x), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,44 @@
+"""The batched decode attention against one SDPA call per sequence on its own cached tokens."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.rollout.kv_cache import SlotKVCache, StepPlan, decode_attention
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (4, 4), (6, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_equals_per_sequence_sdpa(heads, kv_heads, dtype):
+    torch.manual_seed(0)
+    count, dim, max_len = 5, 16, 40
+    cache = SlotKVCache(1, 8, kv_heads, max_len, dim, dtype, torch.device("cpu"))
+    cache.keys[0].normal_()
+    cache.values[0].normal_()
+    positions = torch.tensor([3, 0, 17, 9, 17])  # each token sees positions 0..its own
+    plan = StepPlan(cache, (), 0, positions)
+    query = torch.randn(count, heads, dim, dtype=dtype)
+    length = plan.decode_length
+    got = decode_attention(
+        query, cache.keys[0][:count, :, :length], cache.values[0][:count, :, :length], plan.decode_bias, 0.3
+    )
+    for i, position in enumerate(positions.tolist()):
+        seen = slice(0, position + 1)
+        expected = F.scaled_dot_product_attention(
+            query[i].float().unsqueeze(1),  # [H, 1, d]
+            cache.keys[0][i, :, seen].float(),
+            cache.values[0][i, :, seen].float(),
+            scale=0.3,
+            enable_gqa=heads != kv_heads,
+        ).squeeze(1)
+        tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got[i].float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_decode_bias_hides_positions_after_each_token():
+    cache = SlotKVCache(1, 4, 2, 16, 8, torch.float32, torch.device("cpu"))
+    plan = StepPlan(cache, (), 0, torch.tensor([2, 0]))
+    bias = plan.decode_bias  # [2 tokens * 2 kv heads, 1, 3]
+    assert bias.shape == (4, 1, 3)
+    assert bias[:2].eq(0).all()  # token 0 (position 2) sees 0..2 for both heads
+    assert bias[2:, 0, 0].eq(0).all() and bias[2:, 0, 1:].eq(float("-inf")).all()
