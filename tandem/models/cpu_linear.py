@@ -69,14 +69,14 @@ def _plain_fp32_cpu(tensor: torch.Tensor) -> bool:
     return tensor.dtype == torch.float32 and tensor.device.type == "cpu" and type(tensor) in _PLAIN_TYPES
 
 
+def prepack_eligible(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` takes the oneDNN path (fp32 on CPU, oneDNN on): :func:`prepack` packs
+    exactly these, and :func:`linear` sends them to oneDNN with a plain fp32 CPU input."""
+    return _backend == "onednn" and _OP is not None and _plain_fp32_cpu(weight)
+
+
 def _takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        _backend == "onednn"
-        and _OP is not None
-        and _plain_fp32_cpu(x)
-        and _plain_fp32_cpu(weight)
-        and x.numel() > 0
-    )
+    return prepack_eligible(weight) and _plain_fp32_cpu(x) and x.numel() > 0
 
 
 def _onednn(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -128,11 +128,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     )
     out = _OneDNNLinear.apply(x2d, weight, bias) if tracked else _onednn(x2d, weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
-
-
-def prepack_eligible(weight: torch.Tensor) -> bool:
-    """Whether :func:`prepack` packs ``weight`` (an fp32 CPU tensor with oneDNN on)."""
-    return _backend == "onednn" and onednn_available() and _plain_fp32_cpu(weight)
 
 
 def prepack(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | None:
