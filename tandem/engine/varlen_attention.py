@@ -23,8 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from tandem.engine.causal_attention import causal_attention
 
 VARLEN_ATTENTION = "tandem_varlen"
 PLAN_KEYWORD = "tandem_attention_plan"
@@ -141,11 +142,8 @@ def varlen_sdpa_attention(
     if query.shape[0] != 1:
         raise ValueError(f"{VARLEN_ATTENTION} attention expects one packed row, got batch {query.shape[0]}")
     dropout_p = dropout if module.training else 0.0
-    gqa = key.shape[1] != query.shape[1]
     pieces = [
-        F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scaling, dropout_p=dropout_p, enable_gqa=gqa
-        )
+        causal_attention(q, k, v, scaling, dropout_p)
         .transpose(1, 2)
         .flatten(0, 1)  # [n, H, L, D] -> [n * L, H, D]
         for q, k, v in zip(

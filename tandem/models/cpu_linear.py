@@ -212,12 +212,16 @@ class PackedLinears:
             return packed_linear(x, packed, module.bias)
         return linear(x, module.weight.to(x.dtype), module.bias)
 
+    def forward_group(self, group: tuple[nn.Linear, ...], x: torch.Tensor) -> torch.Tensor | None:
+        """``cat([module(x) for module in group], -1)`` as one product, or ``None`` when the group is not fused."""
+        fused = self._fused.get(group)
+        return None if fused is None else packed_linear(x, *fused)
+
     def forward_fused(self, group: tuple[nn.Linear, ...], x: torch.Tensor) -> list[torch.Tensor] | None:
         """``[module(x) for module in group]`` as one product, or ``None`` when the group is not fused."""
-        fused = self._fused.get(group)
-        if fused is None:
+        out = self.forward_group(group, x)
+        if out is None:
             return None
-        out = packed_linear(x, *fused)
         return list(out.split([module.out_features for module in group], dim=-1))
 
     def __len__(self) -> int:

@@ -47,11 +47,7 @@ class StepPlan:
     decode_start: int
     decode_positions: torch.Tensor  # [D] int64
 
-    # Derived once per step (not once per layer): decode slots, the attended length, the bias.
-    @functools.cached_property
-    def decode_slots(self) -> torch.Tensor:
-        return torch.arange(self.decode_positions.numel(), device=self.decode_positions.device)
-
+    # Derived once per step (not once per layer): the attended length, the bias, the cache rows.
     @functools.cached_property
     def decode_length(self) -> int:
         return int(self.decode_positions.max()) + 1
@@ -67,6 +63,15 @@ class StepPlan:
         bias.masked_fill_(~visible, float("-inf"))
         kv_heads = self.cache.shape[1]
         return bias.unsqueeze(1).expand(-1, kv_heads, -1).reshape(-1, 1, length)
+
+    @functools.cached_property
+    def decode_rows(self) -> torch.Tensor:
+        """``[D * kv_heads]`` int64: where decode token ``i``'s key/value head ``h`` goes in a layer's
+        cache viewed as rows of ``head_dim`` (``[slots * kv_heads * max_len, head_dim]``):
+        ``(i * kv_heads + h) * max_len + decode_positions[i]``, token-major like the keys."""
+        positions, (_, kv_heads, max_len, _) = self.decode_positions, self.cache.shape
+        slot_heads = torch.arange(positions.numel() * kv_heads, device=positions.device).view(-1, kv_heads)
+        return (slot_heads * max_len + positions.unsqueeze(1)).flatten()
 
 
 class SlotKVCache:
@@ -175,19 +180,42 @@ def cached_attention(
                 q, k, v, attn_mask=visible, scale=scaling, enable_gqa=gqa
             )
         out[:, :, seg.token_start : seg.token_end] = attended
-    positions = tandem_plan.decode_positions
-    count = int(positions.numel())
+    count = int(tandem_plan.decode_positions.numel())
     if count:
-        start, slots, length = tandem_plan.decode_start, tandem_plan.decode_slots, tandem_plan.decode_length
-        # [1, H_kv, D_tok, d] -> [D_tok, H_kv, d], written at (slot i, position_i)
-        cache_k[slots, :, positions] = key[0, :, start : start + count].transpose(0, 1)
-        cache_v[slots, :, positions] = value[0, :, start : start + count].transpose(0, 1)
-        q = query[0, :, start : start + count].transpose(0, 1)  # [D_tok, H, d]
-        attended = decode_attention(
-            q, cache_k[:count, :, :length], cache_v[:count, :, :length], tandem_plan.decode_bias, scaling
+        start = tandem_plan.decode_start
+        # [1, H, D_tok, d] -> [D_tok, H, d]
+        attended = decode_step_attention(
+            tandem_plan,
+            layer,
+            query[0, :, start : start + count].transpose(0, 1),
+            key[0, :, start : start + count].transpose(0, 1),
+            value[0, :, start : start + count].transpose(0, 1),
+            scaling,
         )
         out[0, :, start : start + count] = attended.transpose(0, 1)
     return out.transpose(1, 2).contiguous(), None
+
+
+def decode_step_attention(
+    plan: StepPlan,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None,
+) -> torch.Tensor:
+    """The decode tokens of a step: store their keys/values in ``layer``'s cache, then attend.
+
+    Shapes: ``query [D, H, d]``, ``key, value [D, H_kv, d]`` (token ``i`` belongs to slot ``i``)
+    -> ``[D, H, d]``.
+    """
+    count, length = query.shape[0], plan.decode_length
+    cache_k, cache_v = plan.cache.keys[layer], plan.cache.values[layer]
+    for cache, new in ((cache_k, key), (cache_v, value)):
+        cache.view(-1, cache.shape[-1]).index_copy_(0, plan.decode_rows, new.reshape(-1, new.shape[-1]))
+    return decode_attention(
+        query, cache_k[:count, :, :length], cache_v[:count, :, :length], plan.decode_bias, scale
+    )
 
 
 def decode_attention(

@@ -89,6 +89,8 @@ class _Sequence:
     future: Future
     seed: int
     completion: Completion
+    stop_ids: frozenset[int]  # tokens that end it: its stop tokens, and EOS unless ignored
+    token_limit: int  # most new tokens: max_tokens, or what fits in max_model_len
     on_token: TokenCallback | None = None
     slot: int = -1
     cached_len: int = 0  # tokens whose keys/values are in the cache
@@ -96,10 +98,6 @@ class _Sequence:
     @property
     def prompt(self) -> tuple[int, ...]:
         return self.request.prompt_ids
-
-    @property
-    def total_len(self) -> int:
-        return len(self.prompt) + len(self.completion.token_ids)
 
 
 @dataclass
@@ -130,7 +128,9 @@ class NativeRolloutEngine:
         self.tokenizer = tokenizer
         hf = self.model.config
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
-        self.eos_ids = {i for i in _as_list(hf.eos_token_id) + [tokenizer.eos_token_id] if i is not None}
+        self.eos_ids = frozenset(
+            i for i in _as_list(hf.eos_token_id) + [tokenizer.eos_token_id] if i is not None
+        )
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.cache = SlotKVCache(
             hf.num_hidden_layers,
@@ -189,6 +189,8 @@ class NativeRolloutEngine:
             future,
             seed,
             Completion(request.request_id, request.prompt_ids),
+            frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
+            min(params.max_tokens, self.config.max_model_len - len(request.prompt_ids)),
             on_token,
         )
         with self._lock:
@@ -427,16 +429,18 @@ class NativeRolloutEngine:
             for sequence, seg in segments:
                 hidden_rows[id(sequence)] = hidden[seg.token_end - 1]
                 self._remember_prefix(sequence, hidden[seg.token_end - 1])
-            for i, sequence in enumerate(old):
-                hidden_rows[id(sequence)] = hidden[cursor + i]
+            for sequence in old:
                 sequence.cached_len += 1
             self.stats.prefilled_tokens += cursor
         for sequence, source in copies:
             self.cache.move(source.slot, sequence.slot, len(sequence.prompt))
             hidden_rows[id(sequence)] = hidden_rows[id(source)]
-        batch = admitted + old
-        if batch:
-            self._sample_and_append(batch, torch.stack([hidden_rows[id(s)] for s in batch]))
+        # The batch's last hidden states: admitted requests' prompt ends, then the decode rows in order.
+        parts = [torch.stack([hidden_rows[id(s)] for s in admitted])] if admitted else []
+        if old:
+            parts.append(hidden[cursor:])
+        if parts:
+            self._sample_and_append(admitted + old, parts[0] if len(parts) == 1 else torch.cat(parts))
         self.stats.steps += 1
 
     def _decoder(self) -> torch.nn.Module:
@@ -500,17 +504,14 @@ class NativeRolloutEngine:
         self.stats.record_step(len(batch), time.monotonic())
 
     def _stop_reason(self, sequence: _Sequence, token: int) -> str | None:
-        params = sequence.request.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
+        if token in sequence.stop_ids:
             return "stop"
-        if params.stop:
+        stop = sequence.request.params.stop
+        if stop:
             tail = self.tokenizer.decode(sequence.completion.token_ids[-64:])
-            if any(s in tail for s in params.stop):
+            if any(s in tail for s in stop):
                 return "stop"
-        if (
-            len(sequence.completion.token_ids) >= params.max_tokens
-            or sequence.total_len >= self.config.max_model_len
-        ):
+        if len(sequence.completion.token_ids) >= sequence.token_limit:
             return "length"
         return None
 

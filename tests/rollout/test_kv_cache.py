@@ -1,10 +1,10 @@
-"""The batched decode attention against one SDPA call per sequence on its own cached tokens."""
+"""The batched decode attention against one SDPA call per sequence on its own cached tokens; decode cache writes."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.rollout.kv_cache import SlotKVCache, StepPlan, decode_attention
+from tandem.rollout.kv_cache import SlotKVCache, StepPlan, decode_attention, decode_step_attention
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (4, 4), (6, 1)])
@@ -42,3 +42,22 @@ def test_decode_bias_hides_positions_after_each_token():
     assert bias.shape == (4, 1, 3)
     assert bias[:2].eq(0).all()  # token 0 (position 2) sees 0..2 for both heads
     assert bias[2:, 0, 0].eq(0).all() and bias[2:, 0, 1:].eq(float("-inf")).all()
+
+
+def test_decode_step_attention_writes_each_token_at_its_slot_and_position():
+    """Flat-row writes land where ``cache[slot, :, position] = key`` puts them; attention then sees them."""
+    torch.manual_seed(1)
+    kv_heads, dim = 2, 8
+    cache = SlotKVCache(2, 6, kv_heads, 12, dim, torch.float32, torch.device("cpu"))
+    positions = torch.tensor([4, 0, 11])
+    plan = StepPlan(cache, (), 0, positions)
+    query, key, value = torch.randn(3, 4, dim), torch.randn(3, kv_heads, dim), torch.randn(3, kv_heads, dim)
+    expected_keys = cache.keys[1].clone()
+    for slot, position in enumerate(positions.tolist()):
+        expected_keys[slot, :, position] = key[slot]
+    got = decode_step_attention(plan, 1, query, key, value, 0.5)
+    torch.testing.assert_close(cache.keys[1], expected_keys, atol=0, rtol=0)
+    assert cache.keys[0].eq(0).all()  # other layers untouched
+    assert torch.equal(cache.values[1][2, :, 11], value[2])
+    # slot 1 sees only position 0: its own value, whatever the scores
+    torch.testing.assert_close(got[1], value[1].repeat_interleave(2, dim=0), atol=1e-6, rtol=1e-6)

@@ -1,0 +1,58 @@
+"""The trainer's batched-product causal attention against PyTorch's fused kernel: outputs and gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.engine.causal_attention import MAX_LENGTH, causal_attention
+
+
+def packed_views(n: int, length: int, heads: int, kv_heads: int, dim: int, dtype=torch.float32):
+    """q, k, v as the varlen attention hands them over: views into one gathered ``[n * L, heads, d]`` leaf."""
+    leaf = torch.randn(n * length, heads + 2 * kv_heads, dim, dtype=dtype).requires_grad_()
+    x = leaf.unflatten(0, (n, length)).transpose(1, 2)  # [n, all heads, L, d], not contiguous
+    return leaf, x[:, :heads], x[:, heads : heads + kv_heads], x[:, heads + kv_heads :]
+
+
+@pytest.mark.parametrize(
+    ("n", "length", "heads", "kv_heads", "dim"),
+    [(5, 17, 4, 2, 16), (3, 33, 4, 4, 8), (2, 64, 6, 1, 32), (16, 96, 4, 2, 64), (1, 1, 2, 1, 8)],
+)
+def test_equals_sdpa_outputs_and_gradients(n, length, heads, kv_heads, dim):
+    torch.manual_seed(n * length)
+    ours_leaf, q, k, v = packed_views(n, length, heads, kv_heads, dim)
+    ref_leaf = ours_leaf.detach().clone().requires_grad_()
+    x = ref_leaf.unflatten(0, (n, length)).transpose(1, 2)
+    q_ref, k_ref, v_ref = x[:, :heads], x[:, heads : heads + kv_heads], x[:, heads + kv_heads :]
+    grad = torch.randn(n, heads, length, dim)
+    ours = causal_attention(q, k, v, 0.3)
+    reference = F.scaled_dot_product_attention(
+        q_ref, k_ref, v_ref, is_causal=True, scale=0.3, enable_gqa=heads != kv_heads
+    )
+    ours.backward(grad)
+    reference.backward(grad)
+    torch.testing.assert_close(ours, reference, atol=5e-6, rtol=1e-5)
+    torch.testing.assert_close(ours_leaf.grad, ref_leaf.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_default_scale_is_one_over_sqrt_head_dim():
+    _, q, k, v = packed_views(2, 9, 2, 2, 16)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(causal_attention(q, k, v, None), expected, atol=2e-6, rtol=1e-5)
+
+
+def test_other_dtypes_long_sequences_and_dropout_take_the_fused_kernel():
+    """bf16, sequences past MAX_LENGTH and dropout all match (or are) SDPA itself."""
+    _, q, k, v = packed_views(2, 12, 4, 2, 8, dtype=torch.bfloat16)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5, enable_gqa=True)
+    assert torch.equal(causal_attention(q, k, v, 0.5), expected)
+    _, q, k, v = packed_views(1, MAX_LENGTH + 1, 2, 2, 8)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+    assert torch.equal(causal_attention(q, k, v, 0.5), expected)
+    _, q, k, v = packed_views(2, 12, 2, 2, 8)
+    torch.manual_seed(0)
+    dropped = causal_attention(q, k, v, 0.5, dropout_p=0.5)
+    torch.manual_seed(0)
+    assert torch.equal(
+        dropped, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5, dropout_p=0.5)
+    )
