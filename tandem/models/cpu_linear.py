@@ -145,6 +145,8 @@ def prepack(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | None:
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., in]`` times a :func:`prepack`-ed ``[out, in]`` weight (no autograd) -> ``[..., out]``."""
+    if x.dim() == 2 and x.is_contiguous():  # the decode case: no reshaping calls
+        return _onednn(x, packed, bias)
     return _onednn(_rows(x), packed, bias).view(*x.shape[:-1], packed.shape[0])
 
 

@@ -240,7 +240,9 @@ def decode_attention(
     scores = torch.baddbmm(
         bias, rows, keys.reshape(count * kv_heads, length, dim).transpose(1, 2), alpha=scale
     )
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if weights.dtype != values.dtype:
+        weights = weights.to(values.dtype)
     return torch.bmm(weights, values.reshape(count * kv_heads, length, dim)).view(count, heads, dim)
 
 

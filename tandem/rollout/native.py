@@ -478,7 +478,7 @@ class NativeRolloutEngine:
         processed = processed_logits(logits, temperature, top_k, top_p)
         seeds = torch.tensor([s.seed for s in batch], dtype=torch.int64)
         steps = torch.tensor([len(s.completion.token_ids) for s in batch], dtype=torch.int64)
-        tokens = sample_tokens(processed, greedy, counter_uniforms(seeds, steps, logits.shape[-1]))
+        tokens = sample_tokens(processed, greedy, counter_uniforms(seeds, steps))
         picked = tokens.unsqueeze(-1)
         processed_lp = torch.log_softmax(processed, -1).gather(-1, picked).squeeze(-1).tolist()
         need_raw = any(p.logprobs_mode == "raw" for p in params)

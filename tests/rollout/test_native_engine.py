@@ -420,19 +420,48 @@ def test_counter_uniforms_are_uniform_and_depend_only_on_their_counters():
 
     seeds = torch.tensor([1, 2, 3, 1], dtype=torch.int64)
     steps = torch.tensor([0, 0, 0, 0], dtype=torch.int64)
-    draws = counter_uniforms(seeds, steps, 50_000)
-    assert torch.equal(draws[0], draws[3]) and not torch.equal(draws[0], draws[1])
-    assert torch.equal(counter_uniforms(seeds[:1], steps[:1], 50_000)[0], draws[0])  # batch-independent
-    assert not torch.equal(counter_uniforms(seeds[:1], steps[:1] + 1, 50_000)[0], draws[0])
-    flat = draws[:3].flatten().double()
-    assert float(flat.min()) > 0 and float(flat.max()) < 1
-    histogram = torch.histc(flat, bins=20, min=0, max=1)
-    expected = flat.numel() / 20
+    draws = counter_uniforms(seeds, steps)
+    assert draws[0] == draws[3] and draws[0] != draws[1]
+    assert torch.equal(counter_uniforms(seeds[:1], steps[:1]), draws[:1])  # batch-independent
+    assert counter_uniforms(seeds[:1], steps[:1] + 1) != draws[0]
+    many = counter_uniforms(torch.arange(50_000) * 7919, torch.arange(50_000) % 13)  # the tensor path
+    assert float(many.min()) > 0 and float(many.max()) < 1
+    histogram = torch.histc(many, bins=20, min=0, max=1)
+    expected = many.numel() / 20
     chi2 = float(((histogram - expected) ** 2 / expected).sum())
     assert chi2 < 19 + 5 * math.sqrt(38), chi2
     assert (
-        abs(float(torch.corrcoef(torch.stack([flat[:-1], flat[1:]]))[0, 1])) < 0.01
+        abs(float(torch.corrcoef(torch.stack([many[:-1], many[1:]]))[0, 1])) < 0.01
     )  # neighbours uncorrelated
+
+
+def test_sampler_draws_follow_temperature_top_k_top_p():
+    """100k streams at the sampler itself: frequencies match softmax(processed); removed tokens never appear."""
+    from tandem.rollout.sampling import counter_uniforms, processed_logits, sample_tokens
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0, 0.5, -3.0, 1.5]])
+    n, vocab = 100_000, logits.shape[-1]
+    temperature, top_k, top_p = torch.full((n,), 0.7), torch.full((n,), 6), torch.full((n,), 0.97)
+    processed = processed_logits(logits.expand(n, -1), temperature, top_k, top_p)
+    uniforms = counter_uniforms(torch.arange(n) * 31 + 5, torch.full((n,), 3))
+    tokens = sample_tokens(processed, torch.zeros(n, dtype=torch.bool), uniforms)
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    probs = torch.softmax(processed[0], -1).double()
+    removed = probs == 0
+    assert removed.sum() >= 2 and counts[removed].sum() == 0
+    expected = probs[~removed] * n
+    chi2 = float(((counts[~removed] - expected) ** 2 / expected).sum())
+    dof = int((~removed).sum()) - 1
+    assert chi2 < dof + 5 * math.sqrt(2 * dof), (chi2, counts, expected)
+
+
+def test_sampling_at_the_edges_of_the_unit_interval_keeps_to_kept_tokens():
+    from tandem.rollout.sampling import sample_tokens
+
+    processed = torch.tensor([[float("-inf"), 0.0, 1.0, float("-inf")]] * 3)
+    uniforms = torch.tensor([0.0, 0.5, 1.0 - 2.0**-53], dtype=torch.float64)
+    greedy = torch.tensor([False, True, False])
+    assert sample_tokens(processed, greedy, uniforms).tolist() == [1, 2, 2]
 
 
 def test_row_keys_in_python_equal_the_tensor_path():
