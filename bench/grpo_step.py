@@ -12,7 +12,7 @@ untimed steps, then ``--steps`` timed ones; the median over all timed steps of a
 is reported and the ratio printed. TRL is optional: without it only tandem's numbers are
 printed.
 
-    python bench/grpo_step.py [--steps 8] [--warmup 2] [--rounds 2]
+    python bench/grpo_step.py [--steps 8] [--warmup 2] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--side", choices=["tandem", "trl"], help=argparse.SUPPRESS)  # a child run
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
