@@ -127,6 +127,17 @@ class SlotKVCache:
             for layer in tensors:
                 layer[target, :, :length] = layer[source, :, :length]
 
+    def copy_slots(self, sources: list[int], targets: list[int], length: int) -> None:
+        """Copy positions ``0..length-1`` of each ``sources[i]`` slot into ``targets[i]``, in every
+        layer: one gather and one scatter per cache tensor, however many slots (sources and
+        targets disjoint). Positions a target does not use yet may receive the source's later
+        positions; they are written before they are ever attended."""
+        source, target = torch.tensor(sources, device=self.device), torch.tensor(targets, device=self.device)
+        for tensors in (self.keys, self.values):
+            for layer in tensors:
+                window = layer[:, :, :length]
+                window.index_copy_(0, target, window.index_select(0, source))
+
     def read(self, slot: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copies of slot ``slot``'s first ``length`` positions: per layer ``[kv_heads, length, head_dim]``."""
         return [k[slot, :, :length].clone() for k in self.keys], [

@@ -432,8 +432,13 @@ class NativeRolloutEngine:
             for sequence in old:
                 sequence.cached_len += 1
             self.stats.prefilled_tokens += cursor
+        if copies:
+            self.cache.copy_slots(
+                [source.slot for _, source in copies],
+                [sequence.slot for sequence, _ in copies],
+                max(len(sequence.prompt) for sequence, _ in copies),
+            )
         for sequence, source in copies:
-            self.cache.move(source.slot, sequence.slot, len(sequence.prompt))
             hidden_rows[id(sequence)] = hidden_rows[id(source)]
         # The batch's last hidden states: admitted requests' prompt ends, then the decode rows in order.
         parts = [torch.stack([hidden_rows[id(s)] for s in admitted])] if admitted else []

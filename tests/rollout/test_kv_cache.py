@@ -61,3 +61,15 @@ def test_decode_step_attention_writes_each_token_at_its_slot_and_position():
     assert torch.equal(cache.values[1][2, :, 11], value[2])
     # slot 1 sees only position 0: its own value, whatever the scores
     torch.testing.assert_close(got[1], value[1].repeat_interleave(2, dim=0), atol=1e-6, rtol=1e-6)
+
+
+def test_copy_slots_copies_each_prefix_in_every_layer():
+    cache = SlotKVCache(2, 6, 2, 10, 4, torch.float32, torch.device("cpu"))
+    for tensor in cache.keys + cache.values:
+        tensor.normal_()
+    before = [t.clone() for t in cache.keys + cache.values]
+    cache.copy_slots([0, 3], [5, 1], 7)
+    for old, new in zip(before, cache.keys + cache.values, strict=True):
+        assert torch.equal(new[5, :, :7], old[0, :, :7]) and torch.equal(new[1, :, :7], old[3, :, :7])
+        assert torch.equal(new[[0, 2, 3, 4]], old[[0, 2, 3, 4]])  # sources and bystanders unchanged
+        assert torch.equal(new[5, :, 7:], old[5, :, 7:])  # nothing past the copied window
