@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from tandem.rollout.shared_prefix import SharedPrefixes, cascade_attention
+
 KV_ATTENTION = "tandem_kv"
 
 
@@ -46,6 +48,7 @@ class StepPlan:
     prefill: tuple[PrefillSegment, ...]
     decode_start: int
     decode_positions: torch.Tensor  # [D] int64
+    shared: SharedPrefixes | None = None  # decode tokens grouped by a shared prefix, read once
 
     # Derived once per step (not once per layer): the attended length, the bias, the cache rows.
     @functools.cached_property
@@ -63,6 +66,13 @@ class StepPlan:
         bias.masked_fill_(~visible, float("-inf"))
         kv_heads = self.cache.shape[1]
         return bias.unsqueeze(1).expand(-1, kv_heads, -1).reshape(-1, 1, length)
+
+    @functools.cached_property
+    def shared_biases(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The biases of :func:`~tandem.rollout.shared_prefix.cascade_attention` for this step."""
+        return self.shared.biases(
+            self.decode_positions, self.decode_length, self.cache.shape[1], self.cache.dtype
+        )
 
     @functools.cached_property
     def decode_rows(self) -> torch.Tensor:
@@ -224,6 +234,9 @@ def decode_step_attention(
     cache_k, cache_v = plan.cache.keys[layer], plan.cache.values[layer]
     for cache, new in ((cache_k, key), (cache_v, value)):
         cache.view(-1, cache.shape[-1]).index_copy_(0, plan.decode_rows, new.reshape(-1, new.shape[-1]))
+    if plan.shared is not None:
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        return cascade_attention(query, cache_k, cache_v, plan.shared, plan.shared_biases, length, scale)
     return decode_attention(
         query, cache_k[:count, :, :length], cache_v[:count, :, :length], plan.decode_bias, scale
     )

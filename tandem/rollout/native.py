@@ -42,6 +42,7 @@ from tandem.models.loading import load_model, load_tokenizer, resolve_dtype
 from tandem.rollout.kv_cache import KV_ATTENTION, PrefillSegment, SlotKVCache, StepPlan
 from tandem.rollout.lean import LeanDecoder, lean_unsupported_reason
 from tandem.rollout.sampling import counter_uniforms, processed_logits, sample_tokens
+from tandem.rollout.shared_prefix import SharedPrefixes, group_by_prefix
 from tandem.rollout.stats import EngineStats
 from tandem.rollout.types import Completion, EngineMetrics, RolloutRequest, TokenCallback, prompt_problem
 from tandem.rollout.weights import load_named_tensors
@@ -66,6 +67,9 @@ class NativeEngineConfig:
         prepack_weights: keep an inference copy of each fp32 linear weight in oneDNN's
             blocked layout (CPU): decode matmuls 1.3-1.8x faster for one more copy of those
             weights. Used by the lean forward and the output head.
+        share_prefix_reads: when running requests share long prompts (the n samples of a
+            GRPO prompt), decode attention reads each prompt's keys/values once per step
+            instead of once per request (:mod:`tandem.rollout.shared_prefix`).
     """
 
     max_num_seqs: int = 256
@@ -76,6 +80,7 @@ class NativeEngineConfig:
     seed: int = 0
     lean_forward: bool = True
     prepack_weights: bool = True
+    share_prefix_reads: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_prefill_tokens"):
@@ -94,6 +99,7 @@ class _Sequence:
     on_token: TokenCallback | None = None
     slot: int = -1
     cached_len: int = 0  # tokens whose keys/values are in the cache
+    prefill_version: int = -1  # the weight version its prompt's keys/values were computed under
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -145,6 +151,8 @@ class NativeRolloutEngine:
         self.stats = EngineStats()
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []  # index == KV slot
+        self._batch_epoch = 0  # bumped whenever the running set or its slots change
+        self._sharing: tuple[tuple[int, int], SharedPrefixes | None] = ((-1, 0), None)  # ((epoch, D), groups)
         self._prefix: collections.OrderedDict[tuple, _PrefixEntry] = collections.OrderedDict()
         self._seed_counter = itertools.count()
         self._lock = threading.RLock()
@@ -408,6 +416,7 @@ class NativeRolloutEngine:
                 prefill_pos.extend(range(n))
                 cursor += n
             sequence.cached_len = len(sequence.prompt)
+            sequence.prefill_version = self.version
         decode_ids = [s.completion.token_ids[-1] for s in old]
         decode_pos = [s.cached_len for s in old]
         tokens = prefill_ids + decode_ids
@@ -417,6 +426,7 @@ class NativeRolloutEngine:
                 tuple(seg for _, seg in segments),
                 cursor,
                 torch.tensor(decode_pos, dtype=torch.long),
+                self._shared_prefixes(old) if old else None,
             )
             input_ids = torch.tensor([tokens], dtype=torch.long)
             position_ids = torch.tensor([prefill_pos + decode_pos], dtype=torch.long)
@@ -451,6 +461,20 @@ class NativeRolloutEngine:
     def _decoder(self) -> torch.nn.Module:
         return self.model.get_decoder()
 
+    def _shared_prefixes(self, decoding: list[_Sequence]) -> SharedPrefixes | None:
+        """The decode tokens grouped by shared prompt (same prompt, same weight version), when
+        reading each prompt once pays; recomputed only after the running set changed."""
+        if not self.config.share_prefix_reads:
+            return None
+        epoch, shared = self._sharing
+        if epoch != (self._batch_epoch, len(decoding)):
+            keys = [(s.prefill_version, s.prompt) for s in decoding]
+            shared = group_by_prefix(keys, [len(s.prompt) for s in decoding])
+            self._sharing = ((self._batch_epoch, len(decoding)), shared)
+        if shared is not None:
+            self.stats.shared_prefix_steps += 1
+        return shared
+
     def _admit(self) -> list[_Sequence]:
         admitted, prompt_tokens = [], 0
         while self._waiting and len(self._running) < self.config.max_num_seqs:
@@ -462,6 +486,8 @@ class NativeRolloutEngine:
             self._running.append(sequence)
             admitted.append(sequence)
             prompt_tokens += len(sequence.prompt)
+        if admitted:
+            self._batch_epoch += 1
         return admitted
 
     def _remember_prefix(self, sequence: _Sequence, last_hidden: torch.Tensor) -> None:
@@ -523,6 +549,7 @@ class NativeRolloutEngine:
     def _release(self, sequence: _Sequence, reason: str, error: str | None = None) -> None:
         """Retire a running sequence and keep slots compact: the last slot moves into the freed one."""
         slot = sequence.slot
+        self._batch_epoch += 1
         last = self._running.pop()
         if last is not sequence:
             self.cache.move(last.slot, slot, last.cached_len)

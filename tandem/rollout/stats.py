@@ -20,6 +20,7 @@ class EngineStats:
     generated_tokens: int = 0
     prefilled_tokens: int = 0
     prefix_hits: int = 0
+    shared_prefix_steps: int = 0  # decode steps that read each shared prompt once
     finished: dict[str, int] = field(default_factory=collections.Counter)
     recent: collections.deque = field(default_factory=collections.deque)
 
