@@ -74,11 +74,13 @@ def causal_attention(
 ) -> torch.Tensor:
     """Causal attention of each sequence over its own keys; grouped-query heads shared.
 
-    Shapes: ``q [n, H, L, d]``, ``k, v [n, H_kv, L, d]`` -> ``[n, H, L, d]``. fp32 sequences of
-    up to :data:`MAX_LENGTH` without dropout take the batched products; the rest (and
-    dropout) go to ``scaled_dot_product_attention``.
+    Shapes: ``q [n, H, L, d]``, ``k, v [n, H_kv, L, d]`` -> ``[n, H, L, d]``. fp32 sequences on
+    the CPU of up to :data:`MAX_LENGTH` without dropout take the batched products; the rest
+    (GPUs, whose fused kernels are the fast path there; dropout) go to
+    ``scaled_dot_product_attention``.
     """
-    if q.dtype != torch.float32 or dropout_p > 0.0 or q.shape[2] > MAX_LENGTH or q.shape[2] == 0:
+    batched = q.device.type == "cpu" and q.dtype == torch.float32 and dropout_p == 0.0
+    if not batched or not 0 < q.shape[2] <= MAX_LENGTH:
         gqa = k.shape[1] != q.shape[1]
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p, enable_gqa=gqa

@@ -2,9 +2,10 @@
 
 transformers' SDPA path handles a packed row by building a dense block-causal ``[T, T]``
 mask, so its cost grows with the square of the *packed* length. This implementation runs
-causal SDPA within each sequence (sequences of equal length batched into one call): the cost
-is ``sum(len_i^2)``, as with flash-attention's varlen kernel on GPU. Results equal the padded
-computation (tests check 1e-5).
+causal attention within each sequence (sequences bucketed by length, one call per bucket:
+:func:`tandem.engine.causal_attention.causal_attention`): the cost is ``sum(len_i^2)``, as
+with flash-attention's varlen kernel on GPU. Results equal the padded computation (tests
+check 1e-5).
 
 What a "sequence" is comes from an :class:`AttentionPlan`, built once per forward and passed
 to every layer as the ``tandem_attention_plan`` keyword. A sequence lists the packed

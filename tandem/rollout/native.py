@@ -466,8 +466,8 @@ class NativeRolloutEngine:
         reading each prompt once pays; recomputed only after the running set changed."""
         if not self.config.share_prefix_reads:
             return None
-        epoch, shared = self._sharing
-        if epoch != (self._batch_epoch, len(decoding)):
+        built_for, shared = self._sharing
+        if built_for != (self._batch_epoch, len(decoding)):
             keys = [(s.prefill_version, s.prompt) for s in decoding]
             shared = group_by_prefix(keys, [len(s.prompt) for s in decoding])
             self._sharing = ((self._batch_epoch, len(decoding)), shared)

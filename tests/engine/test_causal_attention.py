@@ -56,3 +56,12 @@ def test_other_dtypes_long_sequences_and_dropout_take_the_fused_kernel():
     assert torch.equal(
         dropped, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5, dropout_p=0.5)
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_tensors_take_the_fused_kernel():
+    _, q, k, v = packed_views(2, 12, 4, 2, 8)
+    q, k, v = q.cuda(), k.cuda(), v.cuda()
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5, enable_gqa=True)
+    assert torch.equal(causal_attention(q, k, v, 0.5), expected)
