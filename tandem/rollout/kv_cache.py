@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from tandem.rollout.shared_prefix import SharedPrefixes, cascade_attention
+from tandem.rollout.shared_prefix import SharedPrefixes, cascade_attention, visibility_bias
 
 KV_ATTENTION = "tandem_kv"
 
@@ -60,12 +60,9 @@ class StepPlan:
         """``[D * kv_heads, 1, length]`` float: 0 where decode token ``i`` sees a cached position, -inf
         where it does not, repeated for each of the cache's key/value heads (the rows of
         :func:`decode_attention`'s batched products)."""
-        positions, length = self.decode_positions, self.decode_length
-        visible = torch.arange(length, device=positions.device) <= positions.unsqueeze(-1)  # [D, length]
-        bias = torch.zeros(visible.shape, dtype=self.cache.dtype, device=positions.device)
-        bias.masked_fill_(~visible, float("-inf"))
-        kv_heads = self.cache.shape[1]
-        return bias.unsqueeze(1).expand(-1, kv_heads, -1).reshape(-1, 1, length)
+        positions = self.decode_positions
+        visible = torch.arange(self.decode_length, device=positions.device) <= positions.unsqueeze(-1)
+        return visibility_bias(visible, self.cache.shape[1], self.cache.dtype)  # visible: [D, length]
 
     @functools.cached_property
     def shared_biases(self) -> tuple[torch.Tensor, torch.Tensor]:

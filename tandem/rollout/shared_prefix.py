@@ -101,12 +101,15 @@ class SharedPrefixes:
         start = self.lengths[self.group_of].unsqueeze(-1)  # [D, 1]
         absolute = torch.arange(self.shortest, length)
         own = (absolute >= start) & (absolute <= positions.unsqueeze(-1))  # [D, length - shortest]
-        return _bias(shared, kv_heads, dtype), _bias(own, kv_heads, dtype)
+        return visibility_bias(shared, kv_heads, dtype), visibility_bias(own, kv_heads, dtype)
 
 
-def _bias(visible: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
-    """``visible [N, L]`` bool -> ``[N * kv_heads, 1, L]`` with 0 / -inf."""
-    bias = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+def visibility_bias(visible: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """``visible [N, L]`` bool -> ``[N * kv_heads, 1, L]``: 0 where visible, -inf where not, one
+    row per (row, key/value head) as the decode attentions' batched products take it."""
+    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+        ~visible, float("-inf")
+    )
     return bias.unsqueeze(1).expand(-1, kv_heads, -1).reshape(-1, 1, visible.shape[-1])
 
 
