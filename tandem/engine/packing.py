@@ -127,8 +127,6 @@ def pad_to_multiple(packed: PackedSequences, multiple: int) -> PackedSequences:
         packed,
         input_ids=torch.cat([packed.input_ids, filler], 1),
         position_ids=torch.cat([packed.position_ids, filler], 1),
-        attention_plan=AttentionPlan(
-            plan.index, plan.buckets, torch.cat([plan.select, plan.select.new_zeros(pad)])
-        ),
+        attention_plan=dataclasses.replace(plan, select=torch.cat([plan.select, plan.select.new_zeros(pad)])),
         token_index=packed.token_index if packed.token_index is not None else torch.arange(total),
     )

@@ -12,7 +12,10 @@ to every layer as the ``tandem_attention_plan`` keyword. A sequence lists the pa
 positions it reads, in order; they need not be contiguous, and several sequences may read
 the same positions. That is how rows sharing a prompt attend to one packed copy of it
 (:mod:`tandem.engine.shared_prompts`): each row's sequence is its group's prompt followed
-by its own response, and one row per group supplies the prompt's outputs. Without a plan,
+by its own response, one row per group supplies the prompt's outputs, and the other rows
+compute queries for their response tokens only (the prompt's keys and values are read, its
+queries not recomputed: with ``n`` responses per prompt that drops ``n - 1`` of every ``n``
+prompt query rows from the attention's products). Without a plan,
 the sequences are the contiguous spans of ``cu_seq_lens_q`` (flash-attention's varlen
 argument).
 """
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from tandem.engine.causal_attention import causal_attention
+from tandem.engine.causal_attention import QueryOffsets, causal_attention
 
 VARLEN_ATTENTION = "tandem_varlen"
 PLAN_KEYWORD = "tandem_attention_plan"
@@ -36,16 +39,26 @@ PLAN_KEYWORD = "tandem_attention_plan"
 class AttentionPlan:
     """How one packed row of ``T`` tokens is attended.
 
+    A sequence reads some packed positions as keys and computes queries at the last of them
+    (all of them, unless it shares a prompt that another sequence computes). Sequences are
+    bucketed by padded (query, key) lengths.
+
     Attributes:
-        index: ``[M]`` the packed positions read by all sequences, bucket after bucket and
-            sequence after sequence (each sequence right-padded to its bucket's length).
-        buckets: ``(n, L)`` per bucket: ``n`` sequences padded to length ``L``; ``M = sum(n * L)``.
-        select: ``[T]`` for each packed position, the row of the ``[M]`` outputs that holds
-            its output (the sequence that owns the position).
+        index: ``[M_k]`` the packed positions read as keys, bucket after bucket and sequence
+            after sequence (each sequence right-padded to its bucket's key length).
+        query_index: ``[M_q]`` the packed positions of the queries, laid out the same way.
+        buckets: ``(n, L_q, L_k)`` per bucket: ``n`` sequences with queries padded to ``L_q``
+            and keys to ``L_k``; ``M_q = sum(n * L_q)``, ``M_k = sum(n * L_k)``.
+        offsets: per bucket, ``None`` when every query sits at its own index among the keys
+            (``L_q == L_k``), else where each sequence's queries start among its keys.
+        select: ``[T]`` for each packed position, the row of the ``[M_q]`` outputs that holds
+            its output.
     """
 
     index: torch.Tensor
-    buckets: tuple[tuple[int, int], ...]
+    query_index: torch.Tensor
+    buckets: tuple[tuple[int, int, int], ...]
+    offsets: tuple[QueryOffsets | None, ...]
     select: torch.Tensor
 
 
@@ -61,38 +74,52 @@ def plan_sequences(
     sequences: Sequence[torch.Tensor], owned: Sequence[torch.Tensor], num_tokens: int
 ) -> AttentionPlan:
     """A plan from each sequence's packed positions ``sequences[s] [L_s]`` and a bool mask
-    ``owned[s] [L_s]`` of the positions whose output it supplies (each of the ``num_tokens``
-    packed positions must be owned exactly once).
+    ``owned[s] [L_s]`` of the positions whose output it supplies: a suffix of the sequence
+    (its queries), ``L_s`` positions or fewer. Each of the ``num_tokens`` packed positions
+    must be owned exactly once.
 
-    Padding a sequence at its end changes nothing for its real positions under causal
-    attention (no real query sees a later key), and the padded rows own nothing, so their
-    outputs are dropped and no gradient flows through them.
+    Padding a sequence's keys and queries at their ends changes nothing for its real
+    queries under causal attention (no real query sees a later key), and the padded query
+    rows own nothing, so their outputs are dropped and no gradient flows through them.
     """
     if [len(s) for s in sequences] != [len(o) for o in owned]:
         raise ValueError("each sequence needs an ownership mask of its own length")
-    by_length: dict[int, list[int]] = defaultdict(list)
-    for s, positions in enumerate(sequences):
-        if len(positions):
-            by_length[bucket_length(len(positions))].append(s)
-    index, keep, buckets = [], [], []
-    for length in sorted(by_length):
-        members = by_length[length]
+    by_lengths: dict[tuple[int, int], list[int]] = defaultdict(list)
+    query_counts = []
+    for s, mask in enumerate(owned):
+        count = int(mask.sum())
+        if count and not bool(mask[len(mask) - count :].all()):
+            raise ValueError(f"sequence {s} must own a suffix of its positions (its queries)")
+        query_counts.append(count)
+        if count:
+            by_lengths[(bucket_length(count), bucket_length(len(mask)))].append(s)
+    index, query_index, keep, buckets, offsets = [], [], [], [], []
+    for q_len, k_len in sorted(by_lengths):
+        members = by_lengths[(q_len, k_len)]
+        starts = []
         for s in members:
-            pad = length - len(sequences[s])
-            index += [sequences[s], sequences[s][-1:].expand(pad)]
-            keep += [owned[s], torch.zeros(pad, dtype=torch.bool)]
-        buckets.append((len(members), length))
+            keys, count = sequences[s], query_counts[s]
+            queries = keys[len(keys) - count :]
+            index += [keys, keys[-1:].expand(k_len - len(keys))]
+            query_index += [queries, queries[-1:].expand(q_len - count)]
+            keep += [torch.ones(count, dtype=torch.bool), torch.zeros(q_len - count, dtype=torch.bool)]
+            starts.append(len(keys) - count)
+        buckets.append((len(members), q_len, k_len))
+        plain = q_len == k_len and not any(starts)
+        offsets.append(None if plain else QueryOffsets(torch.tensor(starts)))
     if not buckets:
         empty = torch.zeros(0, dtype=torch.long)
-        return AttentionPlan(empty, (), empty)
-    index_all = torch.cat(index)
-    kept_rows = torch.cat(keep).nonzero().flatten()  # rows of the [M] outputs that are kept
-    kept_positions = index_all[kept_rows]
+        return AttentionPlan(empty, empty, (), (), empty)
+    query_all = torch.cat(query_index)
+    kept_rows = torch.cat(keep).nonzero().flatten()  # rows of the [M_q] outputs that are kept
+    kept_positions = query_all[kept_rows]
     if kept_positions.numel() != num_tokens or not torch.equal(
         kept_positions.sort().values, torch.arange(num_tokens)
     ):
         raise ValueError(f"the sequences must own each of the {num_tokens} packed positions exactly once")
-    return AttentionPlan(index_all, tuple(buckets), kept_rows[torch.argsort(kept_positions)])
+    return AttentionPlan(
+        torch.cat(index), query_all, tuple(buckets), tuple(offsets), kept_rows[torch.argsort(kept_positions)]
+    )
 
 
 def contiguous_plan(cu_seqlens: torch.Tensor) -> AttentionPlan:
@@ -102,18 +129,18 @@ def contiguous_plan(cu_seqlens: torch.Tensor) -> AttentionPlan:
     return plan_sequences(sequences, [torch.ones(len(s), dtype=torch.bool) for s in sequences], bounds[-1])
 
 
-def _sequences(tensor: torch.Tensor, plan: AttentionPlan) -> list[torch.Tensor]:
-    """``tensor [1, H, T, D]`` gathered along the plan as one ``[n, H, L, D]`` tensor per bucket.
+def _sequences(
+    tensor: torch.Tensor, index: torch.Tensor, shapes: list[tuple[int, int]]
+) -> list[torch.Tensor]:
+    """``tensor [1, H, T, D]`` gathered at ``index`` as one ``[n, H, L, D]`` tensor per ``(n, L)`` in ``shapes``.
 
     One ``index_select`` over tokens and a split: their backward is one ``index_add`` and one
     concatenation, however many buckets there are (advanced indexing's backward, an
     accumulating ``index_put``, was 10x slower on CPU).
     """
-    gathered = tensor.squeeze(0).transpose(0, 1).index_select(0, plan.index)  # [M, H, D]
-    pieces = gathered.split([n * length for n, length in plan.buckets])
-    return [
-        piece.unflatten(0, bucket).transpose(1, 2) for piece, bucket in zip(pieces, plan.buckets, strict=True)
-    ]
+    gathered = tensor.squeeze(0).transpose(0, 1).index_select(0, index)  # [M, H, D]
+    pieces = gathered.split([n * length for n, length in shapes])
+    return [piece.unflatten(0, shape).transpose(1, 2) for piece, shape in zip(pieces, shapes, strict=True)]
 
 
 def varlen_sdpa_attention(
@@ -143,12 +170,18 @@ def varlen_sdpa_attention(
     if query.shape[0] != 1:
         raise ValueError(f"{VARLEN_ATTENTION} attention expects one packed row, got batch {query.shape[0]}")
     dropout_p = dropout if module.training else 0.0
+    query_shapes = [(n, q_len) for n, q_len, _ in plan.buckets]
+    key_shapes = [(n, k_len) for n, _, k_len in plan.buckets]
     pieces = [
-        causal_attention(q, k, v, scaling, dropout_p)
+        causal_attention(q, k, v, scaling, dropout_p, offsets)
         .transpose(1, 2)
-        .flatten(0, 1)  # [n, H, L, D] -> [n * L, H, D]
-        for q, k, v in zip(
-            _sequences(query, plan), _sequences(key, plan), _sequences(value, plan), strict=True
+        .flatten(0, 1)  # [n, H, L_q, D] -> [n * L_q, H, D]
+        for q, k, v, offsets in zip(
+            _sequences(query, plan.query_index, query_shapes),
+            _sequences(key, plan.index, key_shapes),
+            _sequences(value, plan.index, key_shapes),
+            plan.offsets,
+            strict=True,
         )
     ]
     # Put the owned rows back in packed order with one gather (its backward is one scatter).

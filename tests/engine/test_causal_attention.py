@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.causal_attention import MAX_LENGTH, causal_attention
+from tandem.engine.causal_attention import MAX_LENGTH, QueryOffsets, causal_attention
 
 
 def packed_views(n: int, length: int, heads: int, kv_heads: int, dim: int, dtype=torch.float32):
@@ -56,6 +56,54 @@ def test_other_dtypes_long_sequences_and_dropout_take_the_fused_kernel():
     assert torch.equal(
         dropped, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5, dropout_p=0.5)
     )
+
+
+def suffix_reference(q_full, k, v, offsets, q_len, scale):
+    """Each sequence's queries at key positions ``offsets[s] ..`` from plain causal attention over
+    all its keys (queries at every position), cut to the ``q_len`` rows after the offset."""
+    full = F.scaled_dot_product_attention(
+        q_full, k, v, is_causal=True, scale=scale, enable_gqa=q_full.shape[1] != k.shape[1]
+    )
+    return torch.stack([full[s, :, o : o + q_len] for s, o in enumerate(offsets.tolist())])
+
+
+@pytest.mark.parametrize(
+    ("k_len", "dtype"), [(40, torch.float32), (MAX_LENGTH + 8, torch.float32), (40, torch.float64)]
+)
+def test_query_suffixes_equal_rows_of_full_causal_attention(k_len, dtype):
+    """Queries at the last positions only (the batched products, or SDPA with a mask past
+    MAX_LENGTH and for other dtypes): outputs and gradients equal the matching rows of
+    full causal attention."""
+    n, heads, kv_heads, dim, q_len = 4, 4, 2, 16, 9
+    torch.manual_seed(k_len)
+    offsets = torch.tensor([0, 5, k_len - q_len, 17])
+    q_full = torch.randn(n, heads, k_len, dim, dtype=dtype).requires_grad_()
+    k = torch.randn(n, kv_heads, k_len, dim, dtype=dtype).requires_grad_()
+    v = torch.randn(n, kv_heads, k_len, dim, dtype=dtype).requires_grad_()
+    rows = torch.arange(q_len)
+    q = (
+        torch.stack([q_full[s, :, o + rows] for s, o in enumerate(offsets.tolist())])
+        .detach()
+        .requires_grad_()
+    )
+    k_ours, v_ours = k.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()
+    grad = torch.randn(n, heads, q_len, dim, dtype=dtype)
+    ours = causal_attention(q, k_ours, v_ours, 0.25, offsets=QueryOffsets(offsets))
+    reference = suffix_reference(q_full, k, v, offsets, q_len, 0.25)
+    ours.backward(grad)
+    reference.backward(grad)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-10, "rtol": 1e-10}
+    torch.testing.assert_close(ours, reference, **tolerance)
+    q_grad = torch.stack([q_full.grad[s, :, o + rows] for s, o in enumerate(offsets.tolist())])
+    torch.testing.assert_close(q.grad, q_grad, **tolerance)
+    torch.testing.assert_close(k_ours.grad, k.grad, **tolerance)
+    torch.testing.assert_close(v_ours.grad, v.grad, **tolerance)
+
+
+def test_fewer_queries_than_keys_need_offsets():
+    _, q, k, v = packed_views(2, 9, 2, 2, 16)
+    with pytest.raises(ValueError, match="4 queries over 9 keys need QueryOffsets"):
+        causal_attention(q[:, :, :4], k, v, None)
 
 
 @pytest.mark.gpu

@@ -145,8 +145,9 @@ def test_group_over_budget_is_split_into_rows():
 
 def test_plans_check_ownership():
     plan = contiguous_plan(torch.tensor([0, 3, 5, 25], dtype=torch.int32))
-    assert plan.buckets == ((2, 16), (1, 32))  # lengths 3, 2 -> 16; 20 -> 32
-    assert plan.index[plan.select].tolist() == list(range(25))
+    assert plan.buckets == ((2, 16, 16), (1, 32, 32))  # lengths 3, 2 -> 16; 20 -> 32
+    assert plan.offsets == (None, None)  # every query at its own key position
+    assert plan.query_index[plan.select].tolist() == list(range(25))
     with pytest.raises(ValueError, match="own each of the 4 packed positions exactly once"):
         plan_sequences(
             [torch.arange(3), torch.tensor([0, 3])],
@@ -155,6 +156,27 @@ def test_plans_check_ownership():
         )
     with pytest.raises(ValueError, match="ownership mask of its own length"):
         plan_sequences([torch.arange(3)], [torch.ones(2, dtype=torch.bool)], 3)
+    with pytest.raises(ValueError, match="sequence 1 must own a suffix"):
+        plan_sequences(
+            [torch.arange(3), torch.tensor([0, 3, 4])],
+            [torch.ones(3, dtype=torch.bool), torch.tensor([False, True, False])],
+            5,
+        )
+
+
+def test_responses_compute_no_prompt_queries():
+    """Only the group's first row has query rows at the prompt; the others read its keys."""
+    batch = grouped_batch(6, groups=2, n=4)
+    packed = pack_shared_prompts(batch["input_ids"], batch["attention_mask"], PROMPT_WIDTH)
+    plan = packed.attention_plan
+    lengths = batch["attention_mask"].sum(-1)
+    responses = batch["response_mask"].sum(-1)
+    owners = [0, 1]  # rows 0 and 1 open the two interleaved groups
+    attending = [r for r in range(len(lengths)) if r in owners or responses[r]]  # rows with queries
+    keys = sum(bucket_length(int(lengths[r])) for r in attending)  # each reads its prompt's keys
+    queries = sum(bucket_length(int(lengths[r] if r in owners else responses[r])) for r in attending)
+    assert plan.index.numel() == keys and plan.query_index.numel() == queries < keys
+    assert any(offsets is not None for offsets in plan.offsets)
 
 
 def test_bucket_lengths_pad_at_most_an_eighth_beyond_16():
