@@ -9,7 +9,8 @@ Each side runs in a fresh process of its own, as its users run it (tandem's proc
 settings, e.g. its malloc tuning, never reach TRL's run), for ``--rounds`` rounds that
 alternate which side goes first (the machine's speed drifts). A run does ``--warmup``
 untimed steps, then ``--steps`` timed ones; the median over all timed steps of all rounds
-is reported and the ratio printed. TRL is optional: without it only tandem's numbers are
+is reported and the ratio printed; each tandem round also prints the medians of its
+generation and actor-update phases. TRL is optional: without it only tandem's numbers are
 printed.
 
     python bench/grpo_step.py [--steps 8] [--warmup 2] [--rounds 3]
@@ -46,7 +47,11 @@ def digit_share(text: str) -> float:
     return sum(c.isdigit() for c in text) / max(len(text), 1)
 
 
-def time_tandem(root: Path, model: Path, data: Path, steps: int, warmup: int) -> list[float]:
+TANDEM_PHASES = ("gen", "update_actor")  # printed per round next to the step time
+
+
+def time_tandem(root: Path, model: Path, data: Path, steps: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds of each timed step (``step``) and of its main phases (:data:`TANDEM_PHASES`)."""
     reward = root / "reward.py"
     reward.write_text(REWARD_SOURCE)
     config = load_train_config(
@@ -68,8 +73,8 @@ def time_tandem(root: Path, model: Path, data: Path, steps: int, warmup: int) ->
             f"trainer.output_dir={root / 'tandem'}",
         ]
     )
-    history = RLTrainer(config).fit().history
-    return [h["timing_s/step"] for h in history[warmup:]]
+    history = RLTrainer(config).fit().history[warmup:]
+    return {name: [h[f"timing_s/{name}"] for h in history] for name in ("step", *TANDEM_PHASES)}
 
 
 def time_trl(root: Path, model: Path, data_rows: list[dict], steps: int, warmup: int) -> list[float] | None:
@@ -126,8 +131,9 @@ def time_trl(root: Path, model: Path, data_rows: list[dict], steps: int, warmup:
     return timer.times[warmup:]
 
 
-def run_side(side: str, root: Path, steps: int, warmup: int) -> list[float] | None:
-    """Time ``side`` (tandem or trl) in a fresh process; ``None`` when TRL is not installed."""
+def run_side(side: str, root: Path, steps: int, warmup: int) -> dict[str, list[float]] | None:
+    """Time ``side`` (tandem or trl) in a fresh process: ``{"step": [...], phase: [...]}``;
+    ``None`` when TRL is not installed."""
     command = [
         sys.executable,
         __file__,
@@ -152,7 +158,8 @@ def child(side: str, root: Path, steps: int, warmup: int) -> None:
     if side == "tandem":
         times = time_tandem(root, root / "model", root / "prompts.parquet", steps, warmup)
     else:
-        times = time_trl(root, root / "model", rows, steps, warmup)
+        trl_steps = time_trl(root, root / "model", rows, steps, warmup)
+        times = None if trl_steps is None else {"step": trl_steps}
     print(json.dumps(times))
 
 
@@ -189,8 +196,15 @@ def main() -> None:
                 if measured is None:
                     trl_installed = False
                     continue
-                times[side] += measured
-                print(f"round {round_ + 1} {side}: median {statistics.median(measured):.3f} s/step")
+                times[side] += measured["step"]
+                phases = "".join(
+                    f", {name} {statistics.median(values):.3f}"
+                    for name, values in measured.items()
+                    if name != "step"
+                )
+                print(
+                    f"round {round_ + 1} {side}: median {statistics.median(measured['step']):.3f} s/step{phases}"
+                )
     tandem_median = statistics.median(times["tandem"])
     print(
         f"tandem: median {tandem_median:.3f} s/step over {len(times['tandem'])} steps ({[round(t, 3) for t in times['tandem']]})"
