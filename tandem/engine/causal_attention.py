@@ -131,7 +131,7 @@ def causal_attention(
     batched products; the rest (GPUs, whose fused kernels are the fast path there; dropout)
     go to ``scaled_dot_product_attention``.
     """
-    n, heads, q_len, _ = q.shape
+    heads, q_len = q.shape[1], q.shape[2]
     kv_heads, k_len = k.shape[1], k.shape[2]
     if offsets is None and q_len != k_len:
         raise ValueError(f"{q_len} queries over {k_len} keys need QueryOffsets")
