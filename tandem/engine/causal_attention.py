@@ -27,12 +27,16 @@ import torch.nn.functional as F
 MAX_LENGTH = 256  # longer buckets go to the fused kernel (the masked half starts to cost)
 
 
+def _additive_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as a score bias: 0 where ``visible``, -inf where not (same shape)."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
+
+
 @functools.lru_cache(maxsize=64)
 def _causal_bias(group: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``[group * length, length]``: 0 where row ``(j, i)`` may see key ``t <= i``, -inf after."""
-    hidden = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
-    bias = torch.zeros(length, length, dtype=dtype, device=device).masked_fill(hidden, float("-inf"))
-    return bias.repeat(group, 1)
+    visible = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return _additive_bias(visible, dtype).repeat(group, 1)
 
 
 class QueryOffsets:
@@ -63,8 +67,7 @@ class QueryOffsets:
         :class:`_GroupedCausalAttention`'s score rows."""
         key = ("bias", kv_heads, group, q_len, k_len, dtype, device)
         if key not in self._masks:
-            visible = self.visible(q_len, k_len, device)  # [n, 1, L_q, L_k]
-            bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
+            bias = _additive_bias(self.visible(q_len, k_len, device), dtype)  # [n, 1, L_q, L_k]
             n = bias.shape[0]
             self._masks[key] = (
                 bias.unsqueeze(2)
