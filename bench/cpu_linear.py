@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from tandem.models.cpu_linear import active_backend, cpu_linear_backend, linear
+from tandem.kernels.cpu.linear import active_backend, cpu_linear_backend, linear
 
 SMALL_LAYER = [(512, 512), (256, 512), (256, 512), (512, 512), (1536, 512), (1536, 512), (512, 1536)]
 

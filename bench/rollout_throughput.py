@@ -26,8 +26,8 @@ import time
 
 import torch
 
+from tandem.kernels.cpu.linear import active_backend, linear
 from tandem.models import TinyModelConfig, load_model, load_tokenizer, save_tiny_model
-from tandem.models.cpu_linear import active_backend, linear
 from tandem.rollout import NativeEngineConfig, NativeRolloutEngine, RolloutRequest, SamplingParams
 
 SIZES = {

@@ -1,9 +1,12 @@
-"""Fixtures shared across test packages: a real local Ray cluster."""
+"""Fixtures shared across test packages: a real local Ray cluster, a tiny model with arithmetic prompts."""
 
 import os
 from pathlib import Path
 
 import pytest
+
+from tandem.models import save_tiny_model
+from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows, write_parquet
 
 ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -20,3 +23,32 @@ def ray_cluster():
     )
     yield ray
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skipped, with the reason, on machines without it."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (the gpu tier)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def rl_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rl")
+    task = ArithmeticTaskConfig(max_digits=2)
+    reward = root / "digit_share.py"
+    reward.write_text(  # a random tiny model never solves arithmetic: reward something it does by chance
+        "def compute_score(data_source, solution, ground_truth, extra_info):\n"
+        "    return sum(c.isdigit() for c in solution) / max(len(solution), 1)\n"
+    )
+    return {
+        "reward": str(reward),
+        "model": str(save_tiny_model(root / "model")),
+        "train": str(write_parquet(arithmetic_rows(64, task, seed=0), root / "train.parquet")),
+        "val": str(write_parquet(arithmetic_rows(12, task, seed=1, split="test"), root / "val.parquet")),
+    }

@@ -14,6 +14,7 @@ from tandem.algos.advantages import (
     AdvantageInput,
     AdvantageOutput,
     compute_advantage,
+    estimator_requirements,
     register_advantage_estimator,
 )
 from tandem.algos.aggregation import LOSS_AGG_MODES, LossNormalizer, aggregate_loss
@@ -64,6 +65,7 @@ __all__ = [
     "apply_kl_penalty",
     "build_kl_controller",
     "compute_advantage",
+    "estimator_requirements",
     "compute_entropy_term",
     "compute_kl_loss",
     "compute_policy_loss",

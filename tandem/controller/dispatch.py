@@ -109,7 +109,13 @@ def _require_batch(mode: str, position: Any, value: Any) -> Batch:
 
 
 def split_batches(mode: str, parts: int, args: tuple, kwargs: dict) -> tuple[list, list, int]:
-    """Pad every Batch argument to a multiple of ``parts`` and chunk it; returns per-part args/kwargs and the pad."""
+    """Pad every Batch argument to a multiple of ``parts`` and chunk it; returns per-part args/kwargs and the pad.
+
+    Positional arguments must be Batches. Keyword arguments that are not Batches (settings,
+    such as sampling parameters) go to every part unchanged.
+    """
+    settings = {k: v for k, v in kwargs.items() if not isinstance(v, Batch)}
+    kwargs = {k: v for k, v in kwargs.items() if isinstance(v, Batch)}
     sizes = {len(_require_batch(mode, p, v)) for p, v in [*enumerate(args), *kwargs.items()]}
     if len(sizes) > 1:
         raise DispatchError(f"{mode}: Batch arguments have different sizes {sorted(sizes)}")
@@ -125,7 +131,7 @@ def split_batches(mode: str, parts: int, args: tuple, kwargs: dict) -> tuple[lis
         padded, pad = value.pad_to_divisor(parts)
         chunked_kwargs[key] = padded.chunk(parts)
     per_args = [tuple(c[i] for c in chunked_args) for i in range(parts)]
-    per_kwargs = [{k: c[i] for k, c in chunked_kwargs.items()} for i in range(parts)]
+    per_kwargs = [{**settings, **{k: c[i] for k, c in chunked_kwargs.items()}} for i in range(parts)]
     return per_args, per_kwargs, pad
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from tandem.controller.dispatch import MeshRank
 from tandem.controller.errors import WorkerError
+from tandem.device import process_group_backend
 
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -91,11 +92,17 @@ class Worker:
     def local_rank(self) -> int:
         return self.dist_info.local_rank
 
-    def init_process_group(self, backend: str | None = None, timeout_s: float = 120.0) -> None:
-        """Join the group's torch.distributed process group (gloo on CPU, NCCL when CUDA is available)."""
+    def init_process_group(
+        self, backend: str | None = None, timeout_s: float = 120.0, device: torch.device | str = "cpu"
+    ) -> None:
+        """Join the group's torch.distributed process group.
+
+        The backend follows the device the collectives' tensors live on (NCCL for CUDA, gloo for
+        the CPU; :func:`tandem.device.process_group_backend`) unless ``backend`` names one.
+        """
         if dist.is_initialized():
             return
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = backend or process_group_backend(device)
         info = self.dist_info
         from datetime import timedelta
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.config.validation import check_choice, check_positive, check_range
+from tandem.device import check_device_setting
 from tandem.models.loading import DTYPES
 
 STRATEGIES = ("single", "ddp", "fsdp2")
+MIXED_PRECISION = ("none", "bf16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
@@ -37,8 +39,13 @@ class EngineConfig:
 
     Attributes:
         model_path: a local HF model directory (``save_pretrained`` layout).
+        device: ``auto`` (CUDA when a GPU is visible), ``cpu``, ``cuda`` (the GPU of this
+            process's local rank) or ``cuda:N``; see :mod:`tandem.device`.
         strategy: ``single`` process, ``ddp`` or ``fsdp2`` data parallel over the default process group.
         param_dtype: dtype of the parameters (``float32`` or ``bfloat16``); optimizer math stays in it.
+        mixed_precision: ``none``, or ``bf16``: the decoder computes in bf16 while parameters,
+            gradients' reduction and the optimizer stay in ``param_dtype`` (FSDP2's mixed
+            precision policy under ``fsdp2``, autocast otherwise). The output head is fp32 either way.
         use_packing: pack valid tokens into one row ("remove padding") instead of padded rows.
         max_tokens_per_micro_batch: token budget of a micro-batch (packing) — see ``micro_batch_size``.
         micro_batch_size: sequences per micro-batch when not packing (fixed-size, padded).
@@ -56,14 +63,17 @@ class EngineConfig:
             under ``softmax(logits / T)`` so they match the rollout's processed log-probs.
         lr / weight_decay / betas / eps: AdamW.
         grad_clip: max global grad norm (None: no clipping, the norm is still returned).
-        lr_schedule / warmup_steps / total_steps / min_lr_ratio: learning-rate schedule.
+        lr_schedule / warmup_steps / total_steps / min_lr_ratio: learning-rate schedule
+            (``total_steps`` 0: the trainer fills in its optimizer-step count).
         lora: LoRA adapter settings.
         seed: parameter-init / dropout seed.
     """
 
     model_path: str = ""
+    device: str = "auto"
     strategy: str = "single"
     param_dtype: str = "float32"
+    mixed_precision: str = "none"
     use_packing: bool = True
     max_tokens_per_micro_batch: int = 4096
     micro_batch_size: int = 8
@@ -86,7 +96,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         owner = "engine"
+        check_device_setting(owner, "device", self.device)
         check_choice(owner, "strategy", self.strategy, STRATEGIES)
+        check_choice(owner, "mixed_precision", self.mixed_precision, MIXED_PRECISION)
         check_choice(owner, "param_dtype", self.param_dtype, [d for d in DTYPES if d != "float16"])
         check_choice(owner, "lr_schedule", self.lr_schedule, LR_SCHEDULES)
         for name in (
@@ -104,7 +116,7 @@ class EngineConfig:
         check_range(owner, "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         if self.grad_clip is not None:
             check_positive(owner, "grad_clip", self.grad_clip)
-        if self.lr_schedule != "constant" and self.total_steps <= self.warmup_steps:
+        if self.lr_schedule != "constant" and 0 < self.total_steps <= self.warmup_steps:
             raise ValueError(
                 f"{owner}.total_steps={self.total_steps} must exceed warmup_steps={self.warmup_steps} "
                 f"for lr_schedule={self.lr_schedule!r}"

@@ -23,4 +23,9 @@ def lr_multiplier(step: int, config: EngineConfig) -> float:
 def build_scheduler(
     optimizer: torch.optim.Optimizer, config: EngineConfig
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    if config.lr_schedule != "constant" and config.total_steps <= config.warmup_steps:
+        raise ValueError(
+            f"engine.total_steps={config.total_steps} must exceed warmup_steps={config.warmup_steps} "
+            f"for lr_schedule={config.lr_schedule!r}"
+        )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, config))

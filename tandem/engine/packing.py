@@ -24,6 +24,9 @@ class Predictions:
     sources: torch.Tensor
     targets: torch.Tensor
 
+    def to(self, device: torch.device) -> Predictions:
+        return Predictions(self.sources.to(device), self.targets.to(device))
+
 
 def next_token_predictions(position_ids: torch.Tensor) -> Predictions:
     """Each token predicted from the one before it, except where a sequence starts (position 0)
@@ -65,6 +68,23 @@ class PackedSequences:
     def num_tokens(self) -> int:
         """``T``, the length of the packed row."""
         return int(self.input_ids.shape[1])
+
+    def to(self, device: torch.device) -> PackedSequences:
+        """The same packing with every tensor on ``device`` (packing runs on the CPU, the model anywhere)."""
+
+        def move(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.to(device)
+
+        return dataclasses.replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            position_ids=self.position_ids.to(device),
+            cu_seqlens=move(self.cu_seqlens),
+            flat_index=self.flat_index.to(device),
+            attention_plan=self.attention_plan.to(device),
+            token_index=move(self.token_index),
+            predictions=None if self.predictions is None else self.predictions.to(device),
+        )
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

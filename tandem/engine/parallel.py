@@ -3,10 +3,13 @@
 FSDP2 is applied bottom-up: each decoder layer is its own shard unit, then the root (embeddings,
 final norm, output head, LoRA adapters) — the order FSDP2 expects so each layer's parameters
 are gathered just before it runs and freed after. It runs on CPU with gloo and on GPU with NCCL.
+With ``mixed_precision="bf16"`` FSDP2 gathers parameters in bf16 for compute and reduces
+gradients in fp32 into fp32 shards, which the optimizer updates (the master weights).
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -25,18 +28,26 @@ def decoder_layers(module: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def wrap_data_parallel(module: nn.Module, strategy: str) -> nn.Module:
-    """``module`` as it should be called: itself, a DDP wrapper, or sharded in place by FSDP2."""
+def wrap_data_parallel(
+    module: nn.Module, strategy: str, device: torch.device, mixed_precision: str = "none"
+) -> nn.Module:
+    """``module`` as it should be called: itself, a DDP wrapper, or sharded in place by FSDP2.
+
+    ``module`` is already on ``device``; DDP is told its GPU, FSDP2 its mixed-precision policy.
+    """
     if strategy == "single":
         return module
     if strategy == "ddp":
-        return DistributedDataParallel(module)
-    from torch.distributed.fsdp import fully_shard
+        return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     layers = decoder_layers(module)
     if not layers:
         raise ValueError("FSDP2 found no decoder layers (a ModuleList named 'layers') to shard")
+    policy = MixedPrecisionPolicy()
+    if mixed_precision == "bf16":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(module)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(module, mp_policy=policy)
     return module

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.algos.aggregation import LossNormalizer
+from tandem.device import bind_device
 from tandem.engine.base import LossFn, StepResult, TokenOutputs
 from tandem.engine.checkpoint import load_engine_state, save_engine_state
 from tandem.engine.config import EngineConfig
@@ -23,8 +24,7 @@ from tandem.engine.parallel import data_parallel_size, wrap_data_parallel
 from tandem.engine.shared_prompts import pack_shared_prompts, prompt_groups
 from tandem.engine.token_model import TokenLogProbModel
 from tandem.engine.varlen_attention import VARLEN_ATTENTION
-from tandem.models.cpu_allocator import tune_cpu_allocator
-from tandem.models.cpu_linear import use_cpu_linears
+from tandem.kernels.cpu import enable_cpu_kernels
 from tandem.models.loading import load_model, resolve_dtype
 from tandem.protocol import Batch
 
@@ -42,23 +42,25 @@ class TorchTrainEngine:
         self._given_model = model
         self.module: TokenLogProbModel | None = None
         self.step_count = 0
+        self.device = torch.device("cpu")  # bound by initialize()
 
     # ------------------------------------------------------------------ set-up
     def initialize(self) -> None:
-        """Load (or take) the model, add LoRA, wrap for data parallelism, build optimizer and schedule."""
+        """Bind the device, load (or take) the model, add LoRA, wrap for data parallelism, build
+        optimizer and schedule."""
         config = self.config
         if config.strategy != "single" and not dist.is_initialized():
             raise RuntimeError(
                 f"engine.strategy={config.strategy!r} needs an initialised torch.distributed group"
             )
-        tune_cpu_allocator()  # recycle activation memory instead of faulting in new pages each step
+        self.device = bind_device(config.device)
         torch.manual_seed(config.seed)
         model = (
             self._given_model
             if self._given_model is not None
             else load_model(config.model_path, config.param_dtype)
         )
-        model = model.to(resolve_dtype(config.param_dtype))
+        model = model.to(device=self.device, dtype=resolve_dtype(config.param_dtype))
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -66,9 +68,9 @@ class TorchTrainEngine:
             model.set_attn_implementation(VARLEN_ATTENTION)
         if config.lora.rank:
             model = apply_lora(model, config.lora)
-        use_cpu_linears(model)  # oneDNN for fp32 on CPU (see tandem.models.cpu_linear)
+        enable_cpu_kernels(model, self.device)  # oneDNN linears and malloc settings, on the CPU only
         self.module = TokenLogProbModel(model, config.logprob_chunk_size, config.logprob_temperature)
-        self.wrapped = wrap_data_parallel(self.module, config.strategy)
+        self.wrapped = wrap_data_parallel(self.module, config.strategy, self.device, config.mixed_precision)
         self.dp_size = data_parallel_size(config.strategy)
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -94,7 +96,9 @@ class TorchTrainEngine:
     # ------------------------------------------------------------------ forward/backward
     def global_normalizer(self, mask: torch.Tensor) -> LossNormalizer:
         """Token and sequence counts of ``mask [B, L]`` summed over all data-parallel ranks."""
-        counts = torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())], dtype=torch.float64)
+        counts = torch.tensor(
+            [float(mask.sum()), float((mask.sum(-1) > 0).sum())], dtype=torch.float64, device=self.device
+        )
         if self.dp_size > 1:
             dist.all_reduce(counts)
         return LossNormalizer(num_tokens=float(counts[0]), num_seqs=float(counts[1]))
@@ -129,7 +133,7 @@ class TorchTrainEngine:
         # Every rank must run the same number of forwards: FSDP2 gathers parameters in each one.
         if self.dp_size == 1:
             return local
-        count = torch.tensor([local])
+        count = torch.tensor([local], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return int(count)
 
@@ -139,8 +143,8 @@ class TorchTrainEngine:
         """Run ``loss_fn`` on each micro-batch and accumulate gradients (or just compute outputs).
 
         ``batch`` needs ``input_ids`` and ``attention_mask`` (``[B, S]``); other fields are passed
-        through to ``loss_fn``. With ``forward_only`` no gradients are computed and the
-        outputs for the whole batch come back in the batch's order.
+        through to ``loss_fn``, on the engine's device. With ``forward_only`` no gradients are
+        computed and the outputs for the whole batch come back in the batch's order, on the CPU.
         """
         self._require_module()
         if "input_ids" not in batch or "attention_mask" not in batch:
@@ -166,6 +170,7 @@ class TorchTrainEngine:
                     continue
                 micro = batch[rows]
                 outputs = self._forward(micro)
+                micro = self._on_device(micro)
                 if forward_only:
                     collected.append(
                         (rows, TokenOutputs(outputs.log_probs.detach(), outputs.entropy.detach()))
@@ -183,20 +188,40 @@ class TorchTrainEngine:
         return result
 
     def _forward(self, micro: Batch) -> TokenOutputs:
+        """Log-probs and entropy ``[B, S]`` on the engine's device of a micro-batch (on the CPU).
+
+        Packing plans are built on the CPU and moved with the tokens in one step.
+        """
+        with self._autocast():
+            return self._forward_packed(micro) if self.config.use_packing else self._forward_padded(micro)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        # FSDP2 applies its own mixed-precision policy; the other strategies compute under autocast.
+        if self.config.mixed_precision == "bf16" and self.config.strategy != "fsdp2":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _forward_packed(self, micro: Batch) -> TokenOutputs:
         input_ids, attention_mask = micro["input_ids"], micro["attention_mask"]
-        if self.config.use_packing:
-            if self._shares_prompts(micro):
-                packed = pack_shared_prompts(input_ids, attention_mask, micro["prompts"].shape[1])
-            else:
-                packed = pack_sequences(input_ids, attention_mask)
-            packed = pad_to_multiple(packed, self.config.pad_tokens_to_multiple)
-            log_probs, entropy = self.wrapped(
-                input_ids=packed.input_ids,
-                position_ids=packed.position_ids,
-                attention_plan=packed.attention_plan,
-                predictions=packed.predictions,
-            )
-            return TokenOutputs(unpack(log_probs, packed), unpack(entropy, packed))
+        if self._shares_prompts(micro):
+            packed = pack_shared_prompts(input_ids, attention_mask, micro["prompts"].shape[1])
+        else:
+            packed = pack_sequences(input_ids, attention_mask)
+        packed = pad_to_multiple(packed, self.config.pad_tokens_to_multiple).to(self.device)
+        log_probs, entropy = self.wrapped(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            attention_plan=packed.attention_plan,
+            predictions=packed.predictions,
+        )
+        return TokenOutputs(unpack(log_probs, packed), unpack(entropy, packed))
+
+    def _on_device(self, batch: Batch) -> Batch:
+        return batch if self.device.type == "cpu" else batch.to(self.device)
+
+    def _forward_padded(self, micro: Batch) -> TokenOutputs:
+        micro = self._on_device(micro)
+        input_ids, attention_mask = micro["input_ids"], micro["attention_mask"]
         position_ids = (
             micro["position_ids"] if "position_ids" in micro else positions_from_mask(attention_mask)
         )
@@ -222,16 +247,17 @@ class TorchTrainEngine:
         (One token would have no prediction: its backward would skip the layers, and FSDP2's
         backward all-gathers on the other ranks would wait forever.)
         """
-        ids = batch["input_ids"][:1, :2]
+        ids = batch["input_ids"][:1, :2].to(self.device)
         if ids.shape[1] < 2:
             ids = ids.repeat(1, 2)
-        positions = torch.arange(2).unsqueeze(0)
-        log_probs, _ = self.wrapped(
-            input_ids=ids,
-            position_ids=positions,
-            attention_mask=None,
-            cu_seqlens=torch.tensor([0, 2], dtype=torch.int32),
-        )
+        positions = torch.arange(2, device=self.device).unsqueeze(0)
+        with self._autocast():
+            log_probs, _ = self.wrapped(
+                input_ids=ids,
+                position_ids=positions,
+                attention_mask=None,
+                cu_seqlens=torch.tensor([0, 2], dtype=torch.int32, device=self.device),
+            )
         if not forward_only:
             (log_probs.sum() * 0.0).backward()
 
@@ -331,6 +357,7 @@ class TorchTrainEngine:
 
 
 def _reassemble(collected: list[tuple[list[int], TokenOutputs]], shape: torch.Size) -> TokenOutputs:
+    """The micro-batches' outputs (any device) in the batch's row order, on the CPU."""
     log_probs = torch.zeros(shape, dtype=torch.float32)
     entropy = torch.zeros(shape, dtype=torch.float32)
     for rows, outputs in collected:

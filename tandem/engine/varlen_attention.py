@@ -22,6 +22,7 @@ argument).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,6 +61,15 @@ class AttentionPlan:
     buckets: tuple[tuple[int, int, int], ...]
     offsets: tuple[QueryOffsets | None, ...]
     select: torch.Tensor
+
+    def to(self, device: torch.device) -> AttentionPlan:
+        """The plan with its index tensors on ``device`` (plans are built on the CPU)."""
+        return dataclasses.replace(
+            self,
+            index=self.index.to(device),
+            query_index=self.query_index.to(device),
+            select=self.select.to(device),
+        )
 
 
 def bucket_length(length: int) -> int:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tandem.models.cpu_linear import linear
+from tandem.kernels.cpu.linear import linear
 
 
 def _chunk_log_probs(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = linear(hidden.float(), weight.float())  # [N, V]
+    with torch.autocast(hidden.device.type, enabled=False):  # the head stays fp32 under mixed precision
+        logits = linear(hidden.float(), weight.float())  # [N, V]
     if temperature != 1.0:
         logits = logits / temperature
     log_z = torch.logsumexp(logits, dim=-1)

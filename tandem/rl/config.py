@@ -10,22 +10,29 @@ Batch-size semantics (the same as verl's):
 * micro-batches — how a mini-batch is cut for gradient accumulation: a token budget
   (``actor.engine.max_tokens_per_micro_batch``, with packing) or a sequence count
   (``actor.engine.micro_batch_size``). They change memory, never the result.
-* ``trainer.n_workers`` — data-parallel workers; each gets an equal share of every
-  mini-batch, so ``ppo_mini_batch_size * n`` must divide by it.
+* workers — ``trainer.nnodes`` nodes of ``trainer.n_gpus_per_node`` GPU workers each (one
+  per GPU), or of ``trainer.n_workers`` CPU workers each; every worker gets an equal share of
+  every mini-batch, so ``ppo_mini_batch_size * n`` must divide by their number.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
-from tandem.algos import ADVANTAGE_ESTIMATORS, AdvantageConfig, KLConfig, PolicyLossConfig
+from tandem.algos import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageConfig,
+    KLConfig,
+    PolicyLossConfig,
+    estimator_requirements,
+)
 from tandem.algos.rollout_correction import RolloutCorrectionConfig
 from tandem.config.validation import check_choice, check_positive, check_range
+from tandem.controller.resource_pool import ResourcePool
+from tandem.device import check_device_setting
 from tandem.engine.config import EngineConfig
+from tandem.rollout.config import RolloutEngineConfig
 
-# Estimators that compare the n responses of a prompt with each other.
-GROUP_ESTIMATORS = ("grpo", "rloo", "opo", "grpo_passk", "reinforce_plus_plus_baseline", "gpg")
 BACKENDS = ("local", "ray")
 RESUME_MODES = ("auto", "disable")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
@@ -64,11 +71,15 @@ class ActorConfig:
     """The policy and its update (``actor.*``).
 
     Attributes:
-        engine: the training engine (model is ``model_path``; strategy follows ``trainer.n_workers``).
-        policy_loss: a registered policy loss (``tandem algos`` lists them).
-        loss_agg_mode: ``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean`` or ``seq-mean-token-sum-norm``.
-        clip_ratio_low / clip_ratio_high / clip_ratio_c: PPO clip range and dual-clip bound.
-        loss_options: further :class:`~tandem.algos.PolicyLossConfig` fields by name (``sapo_tau_pos``, ...).
+        engine: the training engine. Its ``model_path``, ``device``, ``seed`` and
+            ``logprob_temperature`` follow ``model_path``, ``trainer.device``, ``trainer.seed``
+            and ``rollout.temperature`` (setting them here to something else is an error), its
+            strategy follows ``trainer.n_workers``, and ``total_steps`` 0 means the run's
+            optimizer-step count (see :mod:`tandem.rl.derived`).
+        policy_loss: the policy loss (``actor.policy_loss.name``: a registered loss, ``tandem
+            algos`` lists them) and its settings: ``loss_agg_mode``, ``clip_ratio_low`` /
+            ``clip_ratio_high`` / ``clip_ratio_c``, and each loss's own knobs
+            (:class:`~tandem.algos.PolicyLossConfig`).
         ppo_mini_batch_size: prompts per optimizer step (0: the whole step's batch, one update).
         ppo_epochs: passes over the step's batch.
         shuffle_mini_batches: reshuffle sequences between epochs.
@@ -80,12 +91,7 @@ class ActorConfig:
     """
 
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(lr=1e-6))
-    policy_loss: str = "ppo"
-    loss_agg_mode: str = "token-mean"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float | None = 3.0
-    loss_options: dict[str, float] = field(default_factory=dict)
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     ppo_mini_batch_size: int = 0
     ppo_epochs: int = 1
     shuffle_mini_batches: bool = False
@@ -96,43 +102,19 @@ class ActorConfig:
         check_range("actor", "ppo_mini_batch_size", self.ppo_mini_batch_size, low=0)
         check_positive("actor", "ppo_epochs", self.ppo_epochs)
         check_range("actor", "entropy_coeff", self.entropy_coeff, low=0.0)
-        self.loss_config()  # validates the loss name and options now, naming the field
-
-    def loss_config(self) -> PolicyLossConfig:
-        """The :class:`PolicyLossConfig` these fields describe."""
-        known = {f.name for f in dataclasses.fields(PolicyLossConfig)} - {
-            "name",
-            "loss_agg_mode",
-            "clip_ratio_low",
-            "clip_ratio_high",
-            "clip_ratio_c",
-        }
-        unknown = sorted(set(self.loss_options) - known)
-        if unknown:
-            raise ValueError(f"actor.loss_options has unknown keys {unknown}; known: {sorted(known)}")
-        try:
-            return PolicyLossConfig(
-                name=self.policy_loss,
-                loss_agg_mode=self.loss_agg_mode,
-                clip_ratio_low=self.clip_ratio_low,
-                clip_ratio_high=self.clip_ratio_high,
-                clip_ratio_c=self.clip_ratio_c,
-                **self.loss_options,
-            )
-        except ValueError as error:  # PolicyLossConfig says "actor.name"; our field is actor.policy_loss
-            raise ValueError(str(error).replace("actor.name=", "actor.policy_loss=")) from None
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """Generation (``rollout.*``) with the native engine.
+    """Generation (``rollout.*``): what to sample, and which engine samples it.
 
     Attributes:
         n: responses per prompt.
         temperature / top_p / top_k: sampling (the trainer's log-probs use the same temperature).
         max_response_length: most new tokens per response.
-        max_num_seqs: requests decoded at once (KV-cache slots).
-        dtype: the rollout model's dtype (the output head is fp32 regardless).
+        engine: the rollout engine (``rollout.engine.name=native|vllm|hf``) and each engine's
+            own settings (``rollout.engine.native.max_num_seqs``, ...). Its longest sequence,
+            seed and device follow the data, ``trainer.seed`` and ``trainer.device``.
         val_temperature / val_n: validation sampling (temperature 0: greedy, so ``val_n`` is 1).
         free_cache_between_generations: free the KV cache after each generation and allocate it
             again before the next, so the actor's update has that memory (colocated training on
@@ -144,8 +126,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_response_length: int = 256
-    max_num_seqs: int = 256
-    dtype: str = "float32"
+    engine: RolloutEngineConfig = field(default_factory=RolloutEngineConfig)
     val_temperature: float = 0.0
     val_n: int = 1
     free_cache_between_generations: bool = False
@@ -156,8 +137,6 @@ class RolloutConfig:
         check_range("rollout", "top_p", self.top_p, 0.0, 1.0, low_inclusive=False)
         check_range("rollout", "top_k", self.top_k, low=0)
         check_positive("rollout", "max_response_length", self.max_response_length)
-        check_positive("rollout", "max_num_seqs", self.max_num_seqs)
-        check_choice("rollout", "dtype", self.dtype, ["float32", "bfloat16"])
         check_range("rollout", "val_temperature", self.val_temperature, low=0.0)
         check_positive("rollout", "val_n", self.val_n)
         if self.val_temperature == 0.0 and self.val_n != 1:
@@ -206,10 +185,10 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         check_choice("algorithm", "adv_estimator", self.adv_estimator, ADVANTAGE_ESTIMATORS.names())
-        if self.adv_estimator == "gae":
+        if "values" in estimator_requirements(self.adv_estimator):
             raise ValueError(
-                "algorithm.adv_estimator='gae' needs a critic, which this trainer does not run yet; "
-                "use a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax, ...)"
+                f"algorithm.adv_estimator={self.adv_estimator!r} needs a critic's values, and this trainer "
+                "runs no critic yet; use a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax, ...)"
             )
 
     def advantage_config(self) -> AdvantageConfig:
@@ -220,6 +199,16 @@ class AlgorithmConfig:
     @property
     def needs_reference(self) -> bool:
         return self.kl.use_kl_loss or self.kl.use_kl_in_reward
+
+    @property
+    def compares_groups(self) -> bool:
+        """The estimator compares the n responses of each prompt (it reads group ids)."""
+        return "group_ids" in estimator_requirements(self.adv_estimator)
+
+    @property
+    def needs_greedy_baseline(self) -> bool:
+        """The estimator reads a per-sample baseline reward: the greedy response's (ReMax)."""
+        return "reward_baselines" in estimator_requirements(self.adv_estimator)
 
 
 @dataclass(frozen=True)
@@ -266,8 +255,15 @@ class TrainerConfig:
     Attributes:
         total_steps: RL steps (0: ``total_epochs`` passes over the prompts).
         total_epochs: passes over the training prompts when ``total_steps`` is 0.
+        device: where every worker computes: ``auto`` (CUDA when the worker sees a GPU), ``cpu``
+            or ``cuda`` (each worker its own GPU; see :mod:`tandem.device`).
         backend: ``local`` (in-process for one worker, spawned processes for more) or ``ray``.
-        n_workers: data-parallel workers (each holds actor, rollout and reference).
+        n_workers: data-parallel workers per node on the CPU (each holds actor, rollout and reference).
+        nnodes: machines (more than one needs ``backend=ray``).
+        n_gpus_per_node: GPUs per node, one worker each (0: CPU workers, ``n_workers`` per node);
+            with the Ray backend each worker reserves one GPU and sees only it.
+        balance_batch: reorder each step's sequences so every worker gets nearly the same
+            number of tokens (:mod:`tandem.rl.balance`); changes no result.
         val_every / save_every: in steps (0: off); ``val_before_train`` evaluates at step 0.
         keep_last: checkpoints kept (older ones are deleted).
         resume: ``auto`` (latest checkpoint in ``output_dir`` if any), ``disable``, or a checkpoint path.
@@ -281,8 +277,12 @@ class TrainerConfig:
 
     total_steps: int = 0
     total_epochs: int = 1
+    device: str = "auto"
     backend: str = "local"
     n_workers: int = 1
+    nnodes: int = 1
+    n_gpus_per_node: int = 0
+    balance_batch: bool = True
     val_every: int = 0
     val_before_train: bool = True
     save_every: int = 0
@@ -299,8 +299,24 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         check_range("trainer", "total_steps", self.total_steps, low=0)
         check_positive("trainer", "total_epochs", self.total_epochs)
+        check_device_setting("trainer", "device", self.device)
         check_choice("trainer", "backend", self.backend, BACKENDS)
         check_positive("trainer", "n_workers", self.n_workers)
+        check_positive("trainer", "nnodes", self.nnodes)
+        check_range("trainer", "n_gpus_per_node", self.n_gpus_per_node, low=0)
+        if self.n_gpus_per_node and self.n_workers not in (1, self.n_gpus_per_node):
+            raise ValueError(
+                f"trainer.n_gpus_per_node={self.n_gpus_per_node} sets one worker per GPU; leave trainer.n_workers "
+                f"(={self.n_workers}) unset, it counts CPU workers"
+            )
+        if self.n_gpus_per_node and self.device == "cpu":
+            raise ValueError(
+                f"trainer.n_gpus_per_node={self.n_gpus_per_node} asks for GPUs but trainer.device='cpu'"
+            )
+        if self.nnodes > 1 and self.backend != "ray":
+            raise ValueError(
+                f"trainer.nnodes={self.nnodes} needs trainer.backend=ray (the local backend is one machine)"
+            )
         for name in ("val_every", "save_every"):
             check_range("trainer", name, getattr(self, name), low=0)
         check_positive("trainer", "keep_last", self.keep_last)
@@ -325,8 +341,8 @@ class TrainConfig:
             raise ValueError("model_path is required (a local HF model directory)")
         if not self.data.train_path:
             raise ValueError("data.train_path is required (a parquet file of prompts in verl's schema)")
-        n, workers = self.rollout.n, self.trainer.n_workers
-        if self.algorithm.adv_estimator in GROUP_ESTIMATORS and n < 2:
+        n, workers = self.rollout.n, self.world_size
+        if self.algorithm.compares_groups and n < 2:
             raise ValueError(
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} compares the responses of a prompt, "
                 f"so rollout.n must be at least 2 (got {n})"
@@ -341,7 +357,7 @@ class TrainConfig:
         if (mini * n) % workers:
             raise ValueError(
                 f"a mini-batch of actor.ppo_mini_batch_size * rollout.n = {mini * n} sequences must divide "
-                f"evenly over trainer.n_workers={workers}"
+                f"evenly over the {workers} workers (trainer.nnodes x trainer.n_gpus_per_node or trainer.n_workers)"
             )
         longest = self.data.max_prompt_length + self.rollout.max_response_length
         engine = self.actor.engine
@@ -352,6 +368,26 @@ class TrainConfig:
             )
         if self.algorithm.kl.use_kl_loss and self.algorithm.kl.kl_loss_coef == 0:
             raise ValueError("algorithm.kl.use_kl_loss is on but algorithm.kl.kl_loss_coef is 0")
+        from tandem.rl.derived import check_derived_fields  # derived.py builds on this module
+
+        check_derived_fields(self)
+
+    @property
+    def workers_per_node(self) -> int:
+        return self.trainer.n_gpus_per_node or self.trainer.n_workers
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel workers in all: ``nnodes * (n_gpus_per_node or n_workers)``."""
+        return self.trainer.nnodes * self.workers_per_node
+
+    def resource_pool(self) -> ResourcePool:
+        """The workers' placement: ``workers_per_node`` on each of ``nnodes`` nodes, one GPU each on GPUs."""
+        return ResourcePool(
+            (self.workers_per_node,) * self.trainer.nnodes,
+            gpus_per_process=1.0 if self.trainer.n_gpus_per_node else 0.0,
+            name="actor_rollout_ref",
+        )
 
     @property
     def mini_batch_prompts(self) -> int:

@@ -24,18 +24,21 @@ from tandem.algos import (
     compute_advantage,
     compute_rollout_correction,
 )
-from tandem.controller import ResourcePool, create_worker_group
+from tandem.controller import create_worker_group
 from tandem.models.loading import load_tokenizer
 from tandem.protocol import Batch, group_ids_from_uids
+from tandem.rl.balance import balanced_rank_order
 from tandem.rl.checkpoints import CheckpointManager
 from tandem.rl.config import TrainConfig
 from tandem.rl.data import RLDataset
+from tandem.rl.derived import derive_seed
 from tandem.rl.metrics import data_metrics, timed, timing_metrics
 from tandem.rl.report import write_report
 from tandem.rl.rewards import RewardManager
 from tandem.rl.sequences import concat_sequences, decode_responses, trim_padding
 from tandem.rl.trackers import build_trackers
 from tandem.rl.worker import ActorRolloutRefWorker, reduce_metric
+from tandem.rollout import SamplingParams
 from tandem.sft.sampler import EpochSampler
 
 
@@ -50,12 +53,7 @@ class RLResult:
     report: Path | None
 
 
-def sampling_seed(*parts: int) -> int:
-    """A per-request seed from integers (run seed, step, round, row): distinct and reproducible."""
-    value = 0
-    for part in parts:
-        value = (value * 1_000_003 + int(part)) % (2**61 - 1)
-    return value
+VALIDATION_SEED_TAG = 7_777_777  # derive_seed(run seed, this, row): validation sampling
 
 
 class RLTrainer:
@@ -96,10 +94,15 @@ class RLTrainer:
     def fit(self) -> RLResult:
         """Train for ``total_steps`` steps; returns the metrics history and output locations."""
         config, trainer = self.config, self.config.trainer
-        pool = ResourcePool((trainer.n_workers,))
+        pool = config.resource_pool()
         with create_worker_group(ActorRolloutRefWorker, pool, trainer.backend, args=(config,)) as workers:
             self.workers = workers
-            params = workers.init_model()[0]
+            optimizer_steps = (
+                self.total_steps
+                * self.config.actor.ppo_epochs
+                * (config.data.train_batch_size // config.mini_batch_prompts)
+            )
+            params = workers.init_model(optimizer_steps)[0]
             resumed = self._resume()
             self._print_plan(params)
             trackers = build_trackers(
@@ -144,6 +147,11 @@ class RLTrainer:
         timings: dict[str, float] = {}
         with timed(timings, "step"):
             batch, metrics = self.rollout_batch(timings)
+            if self.config.trainer.balance_batch and self.config.world_size > 1:
+                order = balanced_rank_order(
+                    batch["attention_mask"], self.config.rollout.n, self.config.world_size
+                )
+                batch = batch.reorder(order)
             if not self.config.old_log_probs_from_update:
                 with timed(timings, "old_log_prob"):
                     batch = batch.union(self.workers.compute_log_prob(batch))
@@ -153,15 +161,15 @@ class RLTrainer:
             with timed(timings, "adv"):
                 batch, adv_metrics = self.compute_advantages(batch)
             with timed(timings, "update_actor"):
-                per_worker = self.workers.update_actor(batch.assign(meta={"step": self.step}))
+                per_worker = self.workers.update_actor(batch, step=self.step)
             with timed(timings, "update_weights"):
                 self.workers.sync_rollout_weights(self.step)
         metrics.update(adv_metrics)
         metrics.update({name: reduce_metric(name, [m[name] for m in per_worker]) for name in per_worker[0]})
+        memory = self.workers.memory_metrics()  # per phase on GPUs (the largest rank); empty on the CPU
+        metrics.update({name: max(m[name] for m in memory) for name in memory[0]})
         metrics.update(data_metrics(batch, self.config.rollout.max_response_length))
-        metrics.update(
-            timing_metrics(timings, int(batch["attention_mask"].sum()), self.config.trainer.n_workers)
-        )
+        metrics.update(timing_metrics(timings, int(batch["attention_mask"].sum()), self.config.world_size))
         metrics["training/epoch"] = float(self.sampler.epoch)
         return metrics
 
@@ -182,12 +190,12 @@ class RLTrainer:
                 non_tensors={"uid": [f"{self.step}-{rounds}-{i}" for i in range(len(prompts))]}
             )
             baselines = None
-            if config.algorithm.adv_estimator == "remax":
+            if config.algorithm.needs_greedy_baseline:
                 with timed(timings, "gen_greedy"):
                     greedy = self.generate(prompts, [0] * len(prompts), temperature=0.0)
                     baselines = self.score(greedy)[0]["token_level_scores"].sum(-1).repeat_interleave(n)
             samples = prompts.repeat(n, interleave=True)
-            seeds = [sampling_seed(config.trainer.seed, self.step, rounds, i) for i in range(len(samples))]
+            seeds = [derive_seed(config.trainer.seed, self.step, rounds, i) for i in range(len(samples))]
             with timed(timings, "gen"):
                 generated = self.generate(samples, seeds, config.rollout.temperature)
             with timed(timings, "reward"):
@@ -213,17 +221,17 @@ class RLTrainer:
         """Responses for each row of ``prompts`` (one request per row), trimmed to the longest."""
         rollout = self.config.rollout
         greedy = temperature == 0.0
-        request = prompts.assign(
-            non_tensors={"seed": seeds},
-            meta={
-                "temperature": temperature,
-                "top_p": 1.0 if greedy else rollout.top_p,
-                "top_k": 0 if greedy else rollout.top_k,
-                "max_tokens": rollout.max_response_length,
-                "prompt_width": max(len(p) for p in prompts["prompt_ids"]),
-            },
+        sampling = SamplingParams(
+            temperature=temperature,
+            top_p=1.0 if greedy else rollout.top_p,
+            top_k=0 if greedy else rollout.top_k,
+            max_tokens=rollout.max_response_length,
         )
-        out = self.workers.generate_sequences(request)
+        out = self.workers.generate_sequences(
+            prompts.assign(non_tensors={"seed": seeds}),
+            sampling=sampling,
+            prompt_width=max(len(p) for p in prompts["prompt_ids"]),
+        )
         return trim_padding(Batch(dict(out.tensors.items()), out.non_tensors), self.tokenizer.pad_token_id)
 
     def score(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
@@ -285,7 +293,7 @@ class RLTrainer:
         if self.config.data.val_max_samples:
             count = min(count, self.config.data.val_max_samples)
         prompts = self.val_data.collate(list(range(count))).repeat(rollout.val_n, interleave=True)
-        seeds = [sampling_seed(self.config.trainer.seed, 7_777_777, i) for i in range(len(prompts))]
+        seeds = [derive_seed(self.config.trainer.seed, VALIDATION_SEED_TAG, i) for i in range(len(prompts))]
         scored, _ = self.score(self.generate(prompts, seeds, rollout.val_temperature))
         metrics: dict[str, float] = {}
         sources = scored["data_source"]
@@ -338,8 +346,9 @@ class RLTrainer:
         data, n = config.data, config.rollout.n
         dropped = self.train_data.filtered
         self.console.print(
-            f"[bold]RL[/] {config.algorithm.adv_estimator} + {config.actor.policy_loss} loss, "
-            f"policy {params / 1e6:.2f}M parameters, {config.trainer.n_workers} worker(s) on {config.trainer.backend}\n"
+            f"[bold]RL[/] {config.algorithm.adv_estimator} + {config.actor.policy_loss.name} loss, "
+            f"policy {params / 1e6:.2f}M parameters, {config.world_size} worker(s) on {config.trainer.backend} "
+            f"(device {config.trainer.device}), {config.rollout.engine.name} rollout engine\n"
             f"  {len(self.train_data)} training prompts ({dropped} over {data.max_prompt_length} tokens filtered), "
             f"{len(self.val_data) if self.val_data else 0} validation prompts\n"
             f"  {self.total_steps} steps of {data.train_batch_size} prompts x {n} responses; "

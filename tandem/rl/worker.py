@@ -1,32 +1,39 @@
 """``ActorRolloutRefWorker``: the actor, rollout and reference roles colocated in one process per rank.
 
-The "hybrid engine": each rank trains its shard of the batch with the torch engine (DDP/FSDP2
-across ranks), generates its shard with the native rollout engine, and syncs weights from the
-trainer into its own rollout engine by an in-process copy. The controller (:mod:`tandem.rl.trainer`)
-calls these methods; ``@register`` declares how batches are split over ranks and collected.
+The "hybrid engine": each rank binds its device (:mod:`tandem.device`), trains its shard of
+the batch with the torch engine (DDP/FSDP2 across ranks), generates its shard with the
+configured rollout engine (``rollout.engine.name``), and syncs weights from the trainer into
+its own rollout engine by an in-process copy. The controller (:mod:`tandem.rl.trainer`) calls
+these methods; ``@register`` declares how batches are split over ranks and collected.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from transformers.utils import logging as hf_logging
 
 from tandem.controller import Worker, register
-from tandem.engine import EngineConfig, TorchTrainEngine
+from tandem.device import bind_device, max_memory_allocated_gb, reset_peak_memory
+from tandem.engine import TorchTrainEngine
 from tandem.models.loading import check_vocab_compatible, load_model, load_tokenizer
 from tandem.protocol import Batch
 from tandem.rl.actor_loss import make_actor_loss
 from tandem.rl.config import TrainConfig
+from tandem.rl.derived import actor_engine_config, derive_seed, rollout_engine_config
 from tandem.rl.sequences import resize_columns, response_part, sequence_tensors
-from tandem.rollout import NativeEngineConfig, NativeRolloutEngine, RolloutRequest, SamplingParams
+from tandem.rollout import RolloutRequest, SamplingParams
+from tandem.rollout.factory import build_rollout_engine
 from tandem.rollout.weights import load_named_tensors
 
 SUMMED_METRICS = ("actor/pg_loss", "actor/kl_loss")  # micro-batch (and worker) shares of one loss: add up
 MAX_METRICS = ("rollout_corr/max_abs_log_prob_diff",)
+SHUFFLE_SEED_TAG = 101  # derive_seed(run seed, this, step, epoch): the mini-batch order of an epoch
 
 
 class ActorRolloutRefWorker(Worker):
@@ -37,87 +44,78 @@ class ActorRolloutRefWorker(Worker):
 
     # ------------------------------------------------------------------ set-up
     @register(dispatch="ONE_TO_ALL")
-    def init_model(self) -> int:
-        """Load the policy into the trainer and the rollout engine (and the reference); returns the parameter count."""
+    def init_model(self, optimizer_steps: int) -> int:
+        """Bind this rank's device, load the policy into the trainer and the rollout engine (and
+        the reference); returns the parameter count. ``optimizer_steps`` is the run's optimizer
+        step count (the learning-rate schedule's length unless ``actor.engine.total_steps`` is set)."""
         config = self.config
         hf_logging.disable_progress_bar()
+        self.device = bind_device(config.trainer.device, self.local_rank)
+        self._peaks: dict[str, float] = {}
         if self.world_size > 1:
-            self.init_process_group()
+            self.init_process_group(device=self.device)
         self.tokenizer = load_tokenizer(config.model_path)
-        self.engine = TorchTrainEngine(self._engine_config(config.actor.engine))
+        strategy = config.actor.engine.strategy
+        if self.world_size > 1 and strategy == "single":
+            strategy = "ddp"
+        engine_config = actor_engine_config(config, str(self.device), strategy, optimizer_steps)
+        self.engine = TorchTrainEngine(engine_config)
         self.engine.initialize()
         check_vocab_compatible(self.engine.causal_lm, self.tokenizer)
-        rollout = config.rollout
-        self.rollout = NativeRolloutEngine(
-            load_model(config.model_path, rollout.dtype),
-            self.tokenizer,
-            NativeEngineConfig(
-                max_num_seqs=rollout.max_num_seqs,
-                max_model_len=config.max_sequence_length,
-                dtype=rollout.dtype,
-                prefix_cache_entries=0,
-                seed=config.trainer.seed,
-            ),
+        self.rollout = build_rollout_engine(
+            rollout_engine_config(config, str(self.device)), config.model_path
         )
         self.reference: TorchTrainEngine | None = None
         if config.algorithm.needs_reference and not config.actor.engine.lora.rank:
             # A frozen copy computing log-probs only; each rank scores its own shard, so no DP wrapper.
-            self.reference = TorchTrainEngine(
-                dataclasses.replace(self._engine_config(config.actor.engine), strategy="single")
-            )
+            self.reference = TorchTrainEngine(dataclasses.replace(engine_config, strategy="single"))
             self.reference.initialize()
             self.reference.causal_lm.requires_grad_(False)
         return sum(p.numel() for p in self.engine.causal_lm.parameters())
 
-    def _engine_config(self, engine: EngineConfig) -> EngineConfig:
-        config = self.config
-        strategy = engine.strategy
-        if self.world_size > 1 and strategy == "single":
-            strategy = "ddp"
-        return dataclasses.replace(
-            engine,
-            model_path=config.model_path,
-            strategy=strategy,
-            logprob_temperature=config.rollout.temperature,
-            seed=config.trainer.seed,
-        )
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """Measure the peak GPU memory of one phase of the step (nothing is measured on the CPU)."""
+        reset_peak_memory(self.device)
+        yield
+        peak = max_memory_allocated_gb(self.device)
+        if peak is not None:
+            self._peaks[f"perf/max_memory_allocated_gb/{name}"] = peak
+
+    @register(dispatch="ONE_TO_ALL")
+    def memory_metrics(self) -> dict[str, float]:
+        """``perf/max_memory_allocated_gb/<phase>`` of each phase since the last call (empty on the CPU)."""
+        peaks, self._peaks = self._peaks, {}
+        return peaks
 
     # ------------------------------------------------------------------ generation
     @register(dispatch="DP_COMPUTE")
-    def generate_sequences(self, prompts: Batch) -> Batch:
-        """Complete each row's ``prompt_ids`` (sampling settings and widths in ``prompts.meta``).
+    def generate_sequences(self, prompts: Batch, *, sampling: SamplingParams, prompt_width: int) -> Batch:
+        """Complete each row's ``prompt_ids`` with ``sampling`` (each row's own ``seed``).
 
-        Needs non-tensor ``prompt_ids`` and ``seed``; meta ``temperature``, ``top_p``, ``top_k``,
-        ``max_tokens`` and ``prompt_width``. Returns the rows with the generation fields of
-        :func:`tandem.rl.sequences.sequence_tensors` (responses padded to ``max_tokens``) and
-        a ``finish_reason`` column.
+        Needs non-tensor ``prompt_ids`` and ``seed``. Returns the rows with the generation
+        fields of :func:`tandem.rl.sequences.sequence_tensors` (prompts left-padded to
+        ``prompt_width``, responses right-padded to ``sampling.max_tokens``) and a
+        ``finish_reason`` column.
         """
-        meta = prompts.meta
         requests = [
             RolloutRequest(
                 request_id=f"{self.rank}-{i}",
                 prompt_ids=tuple(ids),
-                params=SamplingParams(
-                    temperature=meta["temperature"],
-                    top_p=meta["top_p"],
-                    top_k=meta["top_k"],
-                    max_tokens=meta["max_tokens"],
-                    seed=int(seed),
-                ),
+                params=dataclasses.replace(sampling, seed=int(seed)),
             )
             for i, (ids, seed) in enumerate(zip(prompts["prompt_ids"], prompts["seed"], strict=True))
         ]
-        self.rollout.wake()
-        completions = self.rollout.generate_batch(requests)
-        if self.config.rollout.free_cache_between_generations:
-            self.rollout.sleep()  # the update gets the KV-cache memory; the next generation wakes it
+        with self._phase("gen"):
+            self.rollout.wake()
+            completions = self.rollout.generate_batch(requests)
+            if self.config.rollout.free_cache_between_generations:
+                self.rollout.sleep()  # the update gets the KV-cache memory; the next generation wakes it
         failed = [c for c in completions if c.finish_reason == "error"]
         if failed:
             raise RuntimeError(f"{len(failed)} rollout requests failed; first: {failed[0].error}")
         tensors = sequence_tensors(prompts["prompt_ids"], completions, self.tokenizer.pad_token_id)
-        tensors = resize_columns(
-            tensors, meta["prompt_width"], meta["max_tokens"], self.tokenizer.pad_token_id
-        )
+        tensors = resize_columns(tensors, prompt_width, sampling.max_tokens, self.tokenizer.pad_token_id)
         return prompts.assign(
             tensors=tensors, non_tensors={"finish_reason": [c.finish_reason for c in completions]}
         )
@@ -131,22 +129,24 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch="DP_COMPUTE")
     def compute_log_prob(self, batch: Batch) -> Batch:
         """``old_log_probs [B, R]`` of the responses under the current policy."""
-        outputs = self.engine.forward_backward(batch, None, forward_only=True).outputs
+        with self._phase("old_log_prob"):
+            outputs = self.engine.forward_backward(batch, None, forward_only=True).outputs
         return Batch({"old_log_probs": response_part(outputs.log_probs, batch["prompts"].shape[1])})
 
     @register(dispatch="DP_COMPUTE")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """``ref_log_probs [B, R]`` under the frozen reference (the base model when LoRA is on)."""
-        if self.reference is not None:
-            outputs = self.reference.forward_backward(batch, None, forward_only=True).outputs
-        else:
-            with self.engine.adapter_disabled():
-                outputs = self.engine.forward_backward(batch, None, forward_only=True).outputs
+        with self._phase("ref"):
+            if self.reference is not None:
+                outputs = self.reference.forward_backward(batch, None, forward_only=True).outputs
+            else:
+                with self.engine.adapter_disabled():
+                    outputs = self.engine.forward_backward(batch, None, forward_only=True).outputs
         return Batch({"ref_log_probs": response_part(outputs.log_probs, batch["prompts"].shape[1])})
 
     # ------------------------------------------------------------------ update
     @register(dispatch="DP_COMPUTE")
-    def update_actor(self, batch: Batch) -> dict[str, float]:
+    def update_actor(self, batch: Batch, *, step: int) -> dict[str, float]:
         """PPO-style update on this rank's shard: ``ppo_epochs`` passes over its mini-batches.
 
         Each mini-batch is one optimizer step; the loss divides by the mini-batch's global
@@ -156,32 +156,39 @@ class ActorRolloutRefWorker(Worker):
         config = self.config
         actor = config.actor
         local_mini = config.mini_batch_prompts * config.rollout.n // self.world_size
-        loss_config = actor.loss_config()
         collected: dict[str, list[float]] = defaultdict(list)
-        step = int(batch.meta.get("step", 0))
-        for epoch in range(actor.ppo_epochs):
-            order = batch
-            if actor.shuffle_mini_batches:
-                generator = torch.Generator().manual_seed(
-                    config.trainer.seed * 1_000_003 + step * 101 + epoch
-                )
-                order = batch.reorder(torch.randperm(len(batch), generator=generator))
-            for mini in order.split(local_mini):
-                normalizer = self.engine.global_normalizer(mini["response_mask"])
-                loss_fn = make_actor_loss(
-                    loss_config,
-                    normalizer,
-                    actor.entropy_coeff,
-                    config.algorithm.kl,
-                    config.old_log_probs_from_update,
-                )
-                result = self.engine.forward_backward(mini, loss_fn)
-                collected["actor/grad_norm"].append(self.engine.optimizer_step())
-                collected["actor/lr"].append(self.engine.lr)
-                self.engine.lr_step()
-                for name, values in result.metrics.items():
-                    collected[name].append(reduce_metric(name, values))
+        with self._phase("update_actor"):
+            for epoch in range(actor.ppo_epochs):
+                self._update_epoch(batch, step, epoch, local_mini, collected)
         return {name: reduce_metric(name, values, over_steps=True) for name, values in collected.items()}
+
+    def _update_epoch(
+        self, batch: Batch, step: int, epoch: int, local_mini: int, collected: dict[str, list[float]]
+    ) -> None:
+        """One pass over this rank's mini-batches, one optimizer step each; metrics go into ``collected``."""
+        config = self.config
+        actor = config.actor
+        order = batch
+        if actor.shuffle_mini_batches:
+            generator = torch.Generator().manual_seed(
+                derive_seed(config.trainer.seed, SHUFFLE_SEED_TAG, step, epoch)
+            )
+            order = batch.reorder(torch.randperm(len(batch), generator=generator))
+        for mini in order.split(local_mini):
+            normalizer = self.engine.global_normalizer(mini["response_mask"])
+            loss_fn = make_actor_loss(
+                actor.policy_loss,
+                normalizer,
+                actor.entropy_coeff,
+                config.algorithm.kl,
+                config.old_log_probs_from_update,
+            )
+            result = self.engine.forward_backward(mini, loss_fn)
+            collected["actor/grad_norm"].append(self.engine.optimizer_step())
+            collected["actor/lr"].append(self.engine.lr)
+            self.engine.lr_step()
+            for name, values in result.metrics.items():
+                collected[name].append(reduce_metric(name, values))
 
     # ------------------------------------------------------------------ checkpoints and export
     @register(dispatch="ONE_TO_ALL")
@@ -216,7 +223,7 @@ def reduce_metric(name: str, values: list[float], over_steps: bool = False) -> f
     """Combine one metric's values from the micro-batches (or workers) of one optimizer step:
     loss shares add up, maxima take the max, the rest average. Over optimizer steps every
     metric averages (maxima still take the max)."""
-    if name in MAX_METRICS:
+    if name in MAX_METRICS or name.startswith("perf/max_memory"):
         return max(values)
     if name in SUMMED_METRICS and not over_steps:
         return sum(values)

@@ -9,6 +9,7 @@ from concurrent.futures import Future
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from tandem.device import bind_device
 from tandem.models.loading import load_model, load_tokenizer
 from tandem.rollout.types import Completion, EngineMetrics, RolloutRequest, TokenCallback
 from tandem.rollout.weights import load_named_tensors
@@ -23,6 +24,7 @@ class HFRolloutEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer) -> None:
         self.model = model.eval()
+        self.device = next(model.parameters()).device
         self.tokenizer = tokenizer
         self.version = 0
         self.paused = False
@@ -37,8 +39,10 @@ class HFRolloutEngine:
         return self.model.get_output_embeddings().weight.shape[0]
 
     @staticmethod
-    def from_pretrained(path: str, dtype: str = "float32") -> HFRolloutEngine:
-        return HFRolloutEngine(load_model(path, dtype, attn_implementation="eager"), load_tokenizer(path))
+    def from_pretrained(path: str, dtype: str = "float32", device: str = "auto") -> HFRolloutEngine:
+        """The engine over the HF model in ``path``, placed on ``device`` (see :mod:`tandem.device`)."""
+        model = load_model(path, dtype, attn_implementation="eager").to(bind_device(device))
+        return HFRolloutEngine(model, load_tokenizer(path))
 
     def submit(self, request: RolloutRequest, *, on_token: TokenCallback | None = None) -> Future:
         """Generate now, on the calling thread; ``on_token`` sees the tokens once generation ends."""
@@ -83,8 +87,8 @@ class HFRolloutEngine:
             if params.top_p < 1:
                 warpers.append(TopPLogitsWarper(params.top_p))
         output = self.model.generate(
-            torch.tensor([request.prompt_ids]),
-            attention_mask=torch.ones(1, len(request.prompt_ids), dtype=torch.long),
+            torch.tensor([request.prompt_ids], device=self.device),
+            attention_mask=torch.ones(1, len(request.prompt_ids), dtype=torch.long, device=self.device),
             do_sample=not params.greedy,
             max_new_tokens=params.max_tokens,
             eos_token_id=stop_ids or None,

@@ -7,7 +7,7 @@ HF's own rotary embedding module, tandem's cached attention, o-projection, SwiGL
 residuals — as plain functional calls on the model's *own* parameters (nothing is copied,
 so weight updates by name apply as before). Every operation mirrors HF's in order and
 dtype, so the output equals HF's forward bit for bit (tested per family; with weights
-prepacked by :class:`~tandem.models.cpu_linear.PackedLinears` only the matmuls' summation
+prepacked by :class:`~tandem.kernels.cpu.linear.PackedLinears` only the matmuls' summation
 order differs); models outside what it covers (other families, sliding-window attention,
 non-SiLU MLPs) keep HF's forward.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.models.cpu_linear import CPULinear, PackedLinears
+from tandem.kernels.cpu.linear import CPULinear, PackedLinears
 from tandem.rollout.kv_cache import StepPlan, cached_attention, decode_step_attention
 
 PLAIN_LINEARS = (torch.nn.Linear, CPULinear)

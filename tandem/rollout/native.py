@@ -10,8 +10,10 @@ and are copied into the other requests' slots.
 For Llama, Qwen2 and Qwen3 the forward runs through :class:`~tandem.rollout.lean.LeanDecoder`
 (HF's computation without its per-layer Python overhead, bit-identical); other models use
 HF's own decoder with the cache plugged in as an attention implementation. fp32 linear
-layers run on oneDNN (:mod:`tandem.models.cpu_linear`, as in the trainer), with weights
-prepacked into oneDNN's blocked layout for the lean forward and the head.
+layers run on oneDNN on the CPU (:mod:`tandem.kernels.cpu.linear`, as in the trainer), with
+weights prepacked into oneDNN's blocked layout for the lean forward and the head. On a GPU
+the model, the KV cache and the sampler's tensors live on the engine's device
+(:mod:`tandem.device`) and PyTorch's own kernels run.
 
 The output head runs in fp32 (``hidden.float() @ W.float().T``), the same computation the
 trainer uses, and each token's log-probability comes from the distribution it was drawn
@@ -36,8 +38,9 @@ from dataclasses import dataclass
 import torch
 
 from tandem.config.validation import check_choice, check_positive
-from tandem.models.cpu_allocator import tune_cpu_allocator
-from tandem.models.cpu_linear import PackedLinears, use_cpu_linears
+from tandem.device import bind_device, check_device_setting, uses_cpu_kernels
+from tandem.kernels.cpu import enable_cpu_kernels
+from tandem.kernels.cpu.linear import PackedLinears
 from tandem.models.loading import load_model, load_tokenizer, resolve_dtype
 from tandem.rollout.kv_cache import KV_ATTENTION, PrefillSegment, SlotKVCache, StepPlan
 from tandem.rollout.lean import LeanDecoder, lean_unsupported_reason
@@ -59,6 +62,7 @@ class NativeEngineConfig:
         max_model_len: longest prompt + response in tokens.
         max_prefill_tokens: most prompt tokens admitted into one step.
         dtype: model and KV-cache dtype (the head is fp32 regardless).
+        device: ``auto``, ``cpu``, ``cuda`` (this process's local-rank GPU) or ``cuda:N``.
         prefix_cache_entries: prompts whose KV stays cached for reuse (0: only within a step).
         seed: seeds the random streams of requests that bring no seed of their own.
         lean_forward: run Llama/Qwen2/Qwen3 models through :class:`LeanDecoder` (the same
@@ -76,6 +80,7 @@ class NativeEngineConfig:
     max_model_len: int = 2048
     max_prefill_tokens: int = 8192
     dtype: str = "float32"
+    device: str = "auto"
     prefix_cache_entries: int = 64
     seed: int = 0
     lean_forward: bool = True
@@ -86,6 +91,7 @@ class NativeEngineConfig:
         for name in ("max_num_seqs", "max_model_len", "max_prefill_tokens"):
             check_positive("rollout", name, getattr(self, name))
         check_choice("rollout", "dtype", self.dtype, ["float32", "bfloat16", "float16"])
+        check_device_setting("rollout", "device", self.device)
 
 
 @dataclass
@@ -124,12 +130,14 @@ class NativeRolloutEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: NativeEngineConfig | None = None) -> None:
         self.config = config or NativeEngineConfig()
-        self.model = model.to(resolve_dtype(self.config.dtype)).eval()
-        tune_cpu_allocator()  # recycle activation memory instead of faulting in new pages each step
-        use_cpu_linears(self.model)  # the trainer's linear kernels (oneDNN for fp32 on CPU)
+        self.device = bind_device(self.config.device)
+        self.model = model.to(device=self.device, dtype=resolve_dtype(self.config.dtype)).eval()
+        enable_cpu_kernels(self.model, self.device)  # the trainer's linear kernels, on the CPU only
         self.model.set_attn_implementation(KV_ATTENTION)
         lean = self.config.lean_forward and lean_unsupported_reason(self.model) is None
-        self._packed = PackedLinears(self.model, enabled=self.config.prepack_weights)
+        self._packed = PackedLinears(
+            self.model, enabled=self.config.prepack_weights and uses_cpu_kernels(self.device)
+        )
         self._lean = LeanDecoder(self.model, self._packed) if lean else None
         self.tokenizer = tokenizer
         hf = self.model.config
@@ -145,7 +153,7 @@ class NativeRolloutEngine:
             self.config.max_model_len,
             head_dim,
             resolve_dtype(self.config.dtype),
-            next(self.model.parameters()).device,
+            self.device,
         )
         self.version = 0
         self.stats = EngineStats()
@@ -425,11 +433,11 @@ class NativeRolloutEngine:
                 self.cache,
                 tuple(seg for _, seg in segments),
                 cursor,
-                torch.tensor(decode_pos, dtype=torch.long),
+                torch.tensor(decode_pos, dtype=torch.long, device=self.device),
                 self._shared_prefixes(old) if old else None,
             )
-            input_ids = torch.tensor([tokens], dtype=torch.long)
-            position_ids = torch.tensor([prefill_pos + decode_pos], dtype=torch.long)
+            input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+            position_ids = torch.tensor([prefill_pos + decode_pos], dtype=torch.long, device=self.device)
             if self._lean is not None:
                 hidden = self._lean(input_ids[0], position_ids[0], plan)
             else:
@@ -470,6 +478,8 @@ class NativeRolloutEngine:
         if built_for != (self._batch_epoch, len(decoding)):
             keys = [(s.prefill_version, s.prompt) for s in decoding]
             shared = group_by_prefix(keys, [len(s.prompt) for s in decoding])
+            if shared is not None and self.device.type != "cpu":
+                shared = shared.to(self.device)
             self._sharing = ((self._batch_epoch, len(decoding)), shared)
         if shared is not None:
             self.stats.shared_prefix_steps += 1
@@ -502,13 +512,14 @@ class NativeRolloutEngine:
         # The fp32 head, as in the trainer.
         logits = self._packed.forward(self.model.get_output_embeddings(), hidden.float())  # [B, V]
         params = [s.request.params for s in batch]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        device = self.device
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         greedy = temperature == 0
         processed = processed_logits(logits, temperature, top_k, top_p)
-        seeds = torch.tensor([s.seed for s in batch], dtype=torch.int64)
-        steps = torch.tensor([len(s.completion.token_ids) for s in batch], dtype=torch.int64)
+        seeds = torch.tensor([s.seed for s in batch], dtype=torch.int64, device=device)
+        steps = torch.tensor([len(s.completion.token_ids) for s in batch], dtype=torch.int64, device=device)
         tokens = sample_tokens(processed, greedy, counter_uniforms(seeds, steps))
         picked = tokens.unsqueeze(-1)
         processed_lp = torch.log_softmax(processed, -1).gather(-1, picked).squeeze(-1).tolist()

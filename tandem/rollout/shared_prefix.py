@@ -83,6 +83,12 @@ class SharedPrefixes:
             torch.tensor(group_of), torch.tensor(rank_of),
         )  # fmt: skip
 
+    def to(self, device: torch.device) -> SharedPrefixes:
+        """The same grouping with its index tensors on ``device`` (built on the CPU)."""
+        return SharedPrefixes(
+            *(t.to(device) for t in (self.members, self.source, self.lengths, self.group_of, self.rank_of))
+        )
+
     @functools.cached_property
     def longest(self) -> int:
         return int(self.lengths.max())
@@ -97,9 +103,10 @@ class SharedPrefixes:
         """``(shared [G * kv_heads, 1, longest], own [D * kv_heads, 1, length - shortest])``: 0 where
         a position is attended, -inf where not. A group sees its prefix ``0..lengths[g]-1``; a
         token sees its own positions from its prefix's end to ``positions[i]``."""
-        shared = torch.arange(self.longest) < self.lengths.unsqueeze(-1)  # [G, longest]
+        device = self.lengths.device
+        shared = torch.arange(self.longest, device=device) < self.lengths.unsqueeze(-1)  # [G, longest]
         start = self.lengths[self.group_of].unsqueeze(-1)  # [D, 1]
-        absolute = torch.arange(self.shortest, length)
+        absolute = torch.arange(self.shortest, length, device=device)
         own = (absolute >= start) & (absolute <= positions.unsqueeze(-1))  # [D, length - shortest]
         return visibility_bias(shared, kv_heads, dtype), visibility_bias(own, kv_heads, dtype)
 

@@ -1,27 +1,6 @@
-"""A tiny model and arithmetic prompts shared by the RL tests, and a helper that builds small configs."""
+"""A helper that builds small RL configs over the ``rl_files`` fixture (tests/conftest.py)."""
 
-import pytest
-
-from tandem.models import save_tiny_model
 from tandem.rl import load_train_config
-from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows, write_parquet
-
-
-@pytest.fixture(scope="session")
-def rl_files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rl")
-    task = ArithmeticTaskConfig(max_digits=2)
-    reward = root / "digit_share.py"
-    reward.write_text(  # a random tiny model never solves arithmetic: reward something it does by chance
-        "def compute_score(data_source, solution, ground_truth, extra_info):\n"
-        "    return sum(c.isdigit() for c in solution) / max(len(solution), 1)\n"
-    )
-    return {
-        "reward": str(reward),
-        "model": str(save_tiny_model(root / "model")),
-        "train": str(write_parquet(arithmetic_rows(64, task, seed=0), root / "train.parquet")),
-        "val": str(write_parquet(arithmetic_rows(12, task, seed=1, split="test"), root / "val.parquet")),
-    }
 
 
 def small_config(files, output_dir, *overrides):

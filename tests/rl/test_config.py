@@ -22,10 +22,10 @@ def test_every_preset_composes_with_its_algorithm():
     assert sorted(presets()) == sorted(expected)
     for name, (estimator, loss) in expected.items():
         config = load_train_config([*BASE, f"preset={name}"])
-        assert (config.algorithm.adv_estimator, config.actor.policy_loss) == (estimator, loss)
+        assert (config.algorithm.adv_estimator, config.actor.policy_loss.name) == (estimator, loss)
     dapo = load_train_config([*BASE, "preset=dapo"])
     assert (
-        dapo.actor.clip_ratio_high == 0.28
+        dapo.actor.policy_loss.clip_ratio_high == 0.28
         and dapo.algorithm.filter_groups.enable
         and dapo.reward.overlong.enable
     )
@@ -34,9 +34,9 @@ def test_every_preset_composes_with_its_algorithm():
 
 def test_overrides_apply_and_bad_ones_name_the_key():
     config = load_train_config(
-        [*BASE, "rollout.n=4", "actor.policy_loss=gspo", "algorithm.kl.use_kl_loss=false"]
+        [*BASE, "rollout.n=4", "actor.policy_loss.name=gspo", "algorithm.kl.use_kl_loss=false"]
     )
-    assert config.rollout.n == 4 and config.actor.policy_loss == "gspo"
+    assert config.rollout.n == 4 and config.actor.policy_loss.name == "gspo"
     with pytest.raises(ValueError, match="rollout.nn"):
         load_train_config([*BASE, "rollout.nn=4"])
     with pytest.raises(ValueError, match="rollout.n=four"):
@@ -54,14 +54,28 @@ def test_overrides_apply_and_bad_ones_name_the_key():
         (["rollout.n=1"], "rollout.n must be at least 2"),
         (
             ["trainer.n_workers=3", "rollout.n=2", "data.train_batch_size=4"],
-            "must divide evenly over trainer.n_workers=3",
+            "must divide evenly over the 3 workers",
         ),
         (
             ["actor.engine.max_tokens_per_micro_batch=100"],
             "actor.engine.max_tokens_per_micro_batch=100 is below",
         ),
-        (["actor.policy_loss=nope"], "actor.policy_loss='nope' is not registered"),
-        (["+actor.loss_options.not_a_knob=1.0"], r"actor.loss_options has unknown keys \['not_a_knob'\]"),
+        (["actor.policy_loss.name=nope"], "actor.policy_loss.name='nope' is not registered"),
+        (["actor.policy_loss.not_a_knob=1.0"], "actor.policy_loss.not_a_knob"),
+        (["rollout.engine.name=sglang"], "rollout.engine.name='sglang' is not allowed"),
+        (["trainer.device=tpu"], "trainer.device='tpu' is not allowed"),
+        (
+            ["actor.engine.seed=5", "trainer.seed=1"],
+            r"actor.engine.seed=5 would be overwritten: it follows trainer.seed",
+        ),
+        (
+            ["actor.engine.device=cpu", "trainer.device=cuda"],
+            "actor.engine.device='cpu' would be overwritten",
+        ),
+        (
+            ["rollout.engine.native.max_model_len=99"],
+            r"rollout.engine.native.max_model_len=99 would be overwritten: it follows data.max_prompt_length",
+        ),
         (["algorithm.adv_estimator=gae"], "needs a critic"),
         (["rollout.val_n=4"], "rollout.val_n=4 needs rollout.val_temperature > 0"),
         (["trainer.loggers=[console,neptune]"], "trainer.loggers='neptune'"),
@@ -71,3 +85,29 @@ def test_overrides_apply_and_bad_ones_name_the_key():
 def test_impossible_combinations_are_rejected_naming_the_fields(overrides, message):
     with pytest.raises(ValueError, match=message):
         load_train_config([*BASE, *overrides])
+
+
+def test_engine_fields_follow_the_run_from_one_place():
+    from tandem.rl.derived import actor_engine_config, rollout_engine_config
+
+    config = load_train_config(
+        [*BASE, "trainer.seed=3", "rollout.temperature=0.7", "actor.engine.seed=3", "rollout.engine.name=hf"]
+    )
+    engine = actor_engine_config(config, "cpu", "single", optimizer_steps=12)
+    assert (
+        engine.model_path,
+        engine.seed,
+        engine.logprob_temperature,
+        engine.device,
+        engine.total_steps,
+    ) == (
+        "/m",
+        3,
+        0.7,
+        "cpu",
+        12,
+    )
+    rollout = rollout_engine_config(config, "cpu")
+    assert rollout.name == "hf" and rollout.hf.device == "cpu"
+    assert (rollout.native.max_model_len, rollout.native.seed) == (config.max_sequence_length, 3)
+    assert rollout.native.prefix_cache_entries == 0  # prompts are shared within a step, not across

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from tandem.kernels.cpu.linear import PackedLinears, onednn_available
 from tandem.models import TinyModelConfig, load_model, load_tokenizer, save_tiny_model
-from tandem.models.cpu_linear import PackedLinears, onednn_available
 from tandem.rollout import NativeEngineConfig, NativeRolloutEngine, RolloutRequest, SamplingParams
 from tandem.rollout.lean import LeanDecoder, RotaryTable, _rms_norm, _rotate, lean_unsupported_reason
 from tests.rollout.test_native_engine import random_prompts

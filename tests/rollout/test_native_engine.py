@@ -92,10 +92,14 @@ def test_greedy_100_concurrent_mixed_lengths_equal_hf(model_dir):
         engine.close()
 
 
-def trainer_log_probs(path: str, prompts, completions, temperature: float) -> list[torch.Tensor]:
-    """Per-response log-probs recomputed by the training engine (packed, fp32 head)."""
+def trainer_log_probs(
+    path: str, prompts, completions, temperature: float, device: str = "auto"
+) -> list[torch.Tensor]:
+    """Per-response log-probs recomputed by the training engine (packed, fp32 head) on ``device``."""
     trainer = TorchTrainEngine(
-        EngineConfig(model_path=path, logprob_temperature=temperature, max_tokens_per_micro_batch=8192)
+        EngineConfig(
+            model_path=path, logprob_temperature=temperature, max_tokens_per_micro_batch=8192, device=device
+        )
     )
     trainer.initialize()
     rows = [list(p) + c.token_ids for p, c in zip(prompts, completions, strict=True)]

@@ -7,6 +7,7 @@ from tandem.algos.advantages.base import (
     AdvantageInput,
     AdvantageOutput,
     compute_advantage,
+    estimator_requirements,
     register_advantage_estimator,
 )
 
@@ -16,5 +17,6 @@ __all__ = [
     "AdvantageInput",
     "AdvantageOutput",
     "compute_advantage",
+    "estimator_requirements",
     "register_advantage_estimator",
 ]

@@ -112,6 +112,13 @@ def register_advantage_estimator(
     return decorator
 
 
+def estimator_requirements(name: str) -> tuple[str, ...]:
+    """The optional :class:`AdvantageInput` fields the estimator ``name`` reads (``group_ids``,
+    ``reward_baselines``, ``values``): what a trainer must provide for it."""
+    ADVANTAGE_ESTIMATORS.get(name)  # an unknown name is an error naming the choices
+    return _REQUIREMENTS[name]
+
+
 def compute_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> AdvantageOutput:
     """Run the estimator ``config.estimator`` after checking it has the inputs it needs."""
     fn = ADVANTAGE_ESTIMATORS.get(config.estimator)

@@ -67,7 +67,7 @@ class PolicyLossInput:
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    """Settings of the policy losses (``actor.*`` in the trainer config).
+    """Settings of the policy losses (``actor.policy_loss.*`` in the trainer config).
 
     Attributes:
         name: registered loss name, see ``POLICY_LOSSES.names()``.
@@ -104,7 +104,7 @@ class PolicyLossConfig:
     dppo_ratio_cap: float = 20.0
 
     def __post_init__(self) -> None:
-        owner = "actor"
+        owner = "actor.policy_loss"
         if self.name not in POLICY_LOSSES:
             raise ValueError(
                 f"{owner}.name={self.name!r} is not registered; choose one of {POLICY_LOSSES.names()}"

@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.models import TinyModelConfig, build_tiny_model
-from tandem.models.cpu_linear import (
+from tandem.kernels.cpu.linear import (
     CPULinear,
     PackedLinears,
     active_backend,
@@ -16,6 +15,7 @@ from tandem.models.cpu_linear import (
     onednn_available,
     use_cpu_linears,
 )
+from tandem.models import TinyModelConfig, build_tiny_model
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")
 

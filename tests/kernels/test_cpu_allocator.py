@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from tandem.models import cpu_allocator
+from tandem.kernels.cpu import allocator as cpu_allocator
 
 # Allocates and frees 16 touched 8 MiB tensors per round and counts the page faults of five
 # rounds after two warm-up rounds. Each run is a fresh process: the settings are process-wide.
 CHURN = """
 import resource, torch
-from tandem.models.cpu_allocator import tune_cpu_allocator
+from tandem.kernels.cpu.allocator import tune_cpu_allocator
 applied = tune_cpu_allocator()
 def churn():
     blocks = [torch.ones(2 * 1024 * 1024) for _ in range(16)]

@@ -76,7 +76,13 @@ def prepack_eligible(weight: torch.Tensor) -> bool:
 
 
 def _takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return prepack_eligible(weight) and _plain_fp32_cpu(x) and x.numel() > 0
+    # Under CPU autocast F.linear computes in the autocast dtype; the oneDNN call would not.
+    return (
+        prepack_eligible(weight)
+        and _plain_fp32_cpu(x)
+        and x.numel() > 0
+        and not torch.is_autocast_enabled("cpu")
+    )
 
 
 def _onednn(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,99 @@
+"""The one place that decides where a rank computes: its device, its process-group backend,
+and whether the CPU kernels are switched on.
+
+Everything else asks this module instead of probing ``torch.cuda`` itself:
+
+* :func:`resolve_device` turns a setting (``auto``, ``cpu``, ``cuda``, ``cuda:N``) and the
+  rank's local rank into a ``torch.device``. ``auto`` means CUDA when a GPU is visible.
+  Each rank gets its own GPU: ``local_rank`` modulo the visible GPUs, so a launcher that
+  shows every GPU to every process (``torchrun``, the process backend) and Ray, which shows
+  each actor only the GPUs it assigned (``CUDA_VISIBLE_DEVICES``), both land on the right one.
+* :func:`bind_device` resolves and makes the device current for the process
+  (``torch.cuda.set_device``), so NCCL and every default-device allocation use it.
+* :func:`process_group_backend` follows the tensors: NCCL for CUDA, gloo for the CPU.
+  Never a mismatch (NCCL with CPU tensors fails at the first collective).
+* :func:`uses_cpu_kernels` is true only for the CPU: the CPU speed work
+  (:mod:`tandem.kernels.cpu`) is never switched on for a GPU run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DEVICE_SETTINGS = ("auto", "cpu", "cuda")
+
+
+def check_device_setting(owner: str, field: str, value: str) -> None:
+    """Raise ``ValueError`` naming ``owner.field`` unless ``value`` is auto, cpu, cuda or cuda:N."""
+    base, _, index = value.partition(":")
+    if base not in DEVICE_SETTINGS or (index and (base != "cuda" or not index.isdigit())):
+        raise ValueError(f"{owner}.{field}={value!r} is not allowed; choose auto, cpu, cuda or cuda:<index>")
+
+
+def cuda_device_count() -> int:
+    """GPUs this process can see (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_device(setting: str = "auto", local_rank: int = 0) -> torch.device:
+    """The device a rank computes on (see the module docstring); ``cuda`` without a GPU is an error."""
+    check_device_setting("device", "setting", setting)
+    if setting == "cpu":
+        return torch.device("cpu")
+    count = cuda_device_count()
+    if setting == "auto":
+        if count == 0:
+            return torch.device("cpu")
+        setting = "cuda"
+    if count == 0:
+        raise RuntimeError(f"device {setting!r} was asked for, but this process sees no CUDA GPU")
+    if setting == "cuda":
+        return torch.device("cuda", local_rank % count)
+    index = int(setting.partition(":")[2])
+    if index >= count:
+        raise RuntimeError(f"device {setting!r} was asked for, but this process sees {count} GPU(s)")
+    return torch.device("cuda", index)
+
+
+def local_rank_from_env() -> int:
+    """This process's rank on its node as a launcher sets it (``LOCAL_RANK``; 0 when unset)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def bind_device(setting: str = "auto", local_rank: int | None = None) -> torch.device:
+    """Resolve the rank's device and make it the process's current CUDA device when it is one.
+
+    ``local_rank`` defaults to the launcher's ``LOCAL_RANK``.
+    """
+    rank = local_rank_from_env() if local_rank is None else local_rank
+    device = resolve_device(setting, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def process_group_backend(device: torch.device | str) -> str:
+    """The torch.distributed backend for tensors on ``device``: ``nccl`` for CUDA, ``gloo`` otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def uses_cpu_kernels(device: torch.device | str) -> bool:
+    """Whether the CPU kernels package applies to a model computing on ``device``."""
+    return torch.device(device).type == "cpu"
+
+
+def max_memory_allocated_gb(device: torch.device | str) -> float | None:
+    """Peak memory allocated on a CUDA ``device`` since the last reset, in GB (None elsewhere)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 1e9
+
+
+def reset_peak_memory(device: torch.device | str) -> None:
+    """Start a new peak-memory window on a CUDA ``device`` (nothing elsewhere)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)

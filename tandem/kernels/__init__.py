@@ -1,0 +1,1 @@
+"""Device-specific kernels. Only :mod:`tandem.kernels.cpu` exists today; GPUs use PyTorch's own."""
