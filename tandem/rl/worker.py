@@ -122,7 +122,12 @@ class ActorRolloutRefWorker(Worker):
 
     @register(dispatch="ONE_TO_ALL")
     def sync_rollout_weights(self, version: int) -> int:
-        """Copy the trainer's weights into this rank's rollout engine; later tokens carry ``version``."""
+        """Copy the trainer's weights into this rank's rollout engine; later tokens carry ``version``.
+
+        An engine put to sleep after generation (``rollout.free_cache_between_generations``)
+        wakes first: vLLM loads weights only when awake.
+        """
+        self.rollout.wake()
         return self.rollout.update_weights(self.engine.iter_parameters(), version)
 
     # ------------------------------------------------------------------ log-probs

@@ -8,11 +8,13 @@ tandem's tokenizer decides EOS and stop strings exactly as in the native engine.
 - log-probs: vLLM's ``processed_logprobs`` mode (after temperature/top-k/top-p) or
   ``raw_logprobs``, fixed per engine (``VLLMEngineConfig.logprobs_mode``); a request asking
   for the other mode fails with a message.
-- weight updates: tensors are serialised into one payload and sent to the workers
-  (``collective_rpc`` into :class:`~tandem.rollout.vllm_worker.TandemWorkerExtension`),
-  loaded with vLLM's own ``load_weights``; the prefix cache is reset afterwards (and is off
-  by default). This copies through vLLM's RPC channel: fine for small models and CPU,
-  not the path for multi-GB GPU policies (vLLM's NCCL weight transfer is).
+- weight updates: full tensors, taken one at a time from the trainer (an FSDP2 engine gathers
+  each as it is taken), travel in buckets of at most ``weight_bucket_mb`` to vLLM's workers
+  (``collective_rpc`` into :class:`~tandem.rollout.vllm_worker.TandemWorkerExtension`), which
+  stage them and then load them all in place with vLLM's own ``reload_weights``; the prefix
+  cache is reset afterwards (and is off by default). This copies through vLLM's RPC channel,
+  so no message exceeds a bucket, but the workers hold one staged copy of the weights until
+  the load; vLLM's NCCL weight transfer is the path for multi-GB GPU policies.
 - pause/resume: vLLM's ``pause_generation(mode=keep|abort|wait)``; tokens record the
   weight version current when vLLM hands them over.
 """
@@ -24,7 +26,7 @@ import io
 import itertools
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -53,6 +55,7 @@ class VLLMEngineConfig:
         enable_prefix_caching: vLLM's prefix cache (reset on every weight update).
         enable_sleep_mode: allow :meth:`VLLMRolloutEngine.sleep` (CUDA only in vLLM).
         seed: vLLM's global seed (requests bring their own ``seed`` for exact replays).
+        weight_bucket_mb: most bytes (in MiB) of one weight-update message.
     """
 
     max_num_seqs: int = 256
@@ -64,16 +67,43 @@ class VLLMEngineConfig:
     enable_prefix_caching: bool = False
     enable_sleep_mode: bool = False
     seed: int = 0
+    weight_bucket_mb: int = 512
 
     def __post_init__(self) -> None:
         owner = "vllm"
-        for name in ("max_num_seqs", "max_model_len"):
+        for name in ("max_num_seqs", "max_model_len", "weight_bucket_mb"):
             check_positive(owner, name, getattr(self, name))
         check_range(
             owner, "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_inclusive=False
         )
         check_choice(owner, "dtype", self.dtype, ["float32", "bfloat16", "float16"])
         check_choice(owner, "logprobs_mode", self.logprobs_mode, list(VLLM_LOGPROBS_MODES))
+
+
+def weight_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], limit_bytes: int) -> Iterator[bytes]:
+    """``torch.save``-d ``{name: tensor}`` dicts of at most ``limit_bytes`` of tensor data each
+    (a larger tensor travels alone), taking one tensor at a time from ``named_tensors``.
+
+    Bytes, because vLLM's RPC serialiser passes them through intact.
+    """
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in named_tensors:
+        tensor = tensor.detach().to("cpu").contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit_bytes:
+            yield _serialise(bucket)
+            bucket, size = {}, 0
+        bucket[name] = tensor
+        size += nbytes
+    if bucket:
+        yield _serialise(bucket)
+
+
+def _serialise(named: dict[str, torch.Tensor]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(named, buffer)
+    return buffer.getvalue()
 
 
 class VLLMRolloutEngine:
@@ -253,10 +283,10 @@ class VLLMRolloutEngine:
             busy = bool(self._in_flight)
         if busy and not self._paused:
             raise RuntimeError("update_weights needs the engine paused (pause()) or idle")
-        buffer = io.BytesIO()  # one bytes payload: vLLM's RPC serialiser keeps bytes intact
-        torch.save({name: tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors}, buffer)
         try:
-            counts = self._call(self._llm.collective_rpc("tandem_load_weights", args=(buffer.getvalue(),)))
+            for bucket in weight_buckets(named_tensors, self.config.weight_bucket_mb * 2**20):
+                self._call(self._llm.collective_rpc("tandem_stage_weights", args=(bucket,)))
+            counts = self._call(self._llm.collective_rpc("tandem_load_staged_weights"))
         except Exception as error:
             raise ValueError(f"vLLM could not load these weights: {error}") from error
         self._call(self._llm.reset_prefix_cache())

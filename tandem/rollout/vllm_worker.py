@@ -11,12 +11,28 @@ import torch
 
 
 class TandemWorkerExtension:
-    """vLLM mixes this class into each worker; ``self`` is the worker."""
+    """vLLM mixes this class into each worker; ``self`` is the worker.
 
-    def tandem_load_weights(self, payload: bytes) -> int:
-        """Load a ``torch.save``-d ``{name: tensor}`` dict (HF names) into the running model; returns how many."""
+    A weight update arrives as buckets (:meth:`tandem_stage_weights`), then one call loads
+    everything staged (:meth:`tandem_load_staged_weights`).
+    """
+
+    def tandem_stage_weights(self, payload: bytes) -> int:
+        """Keep a ``torch.save``-d ``{name: tensor}`` bucket (HF names) for the next load; returns how many."""
         named = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        staged = self.__dict__.setdefault("_tandem_staged", {})
+        staged.update(named)
+        return len(named)
+
+    def tandem_load_staged_weights(self) -> int:
+        """Load every staged tensor into the running model in place; returns how many."""
+        staged = self.__dict__.pop("_tandem_staged", {})
         # reload_weights (not model.load_weights) restores layers whose weights vLLM repacked for
         # its kernels after the first load (e.g. CPU GEMMs), then processes them again.
-        self.model_runner.reload_weights(weights_iterator=iter(named.items()), is_checkpoint_format=True)
-        return len(named)
+        self.model_runner.reload_weights(weights_iterator=iter(staged.items()), is_checkpoint_format=True)
+        return len(staged)
+
+    def tandem_load_weights(self, payload: bytes) -> int:
+        """Stage one bucket and load it at once (a whole update in one message)."""
+        self.tandem_stage_weights(payload)
+        return self.tandem_load_staged_weights()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -16,18 +17,17 @@ STARTUP_TIMEOUT_S = 30.0
 def build_engine(model_path: str, engine: str = "native", **engine_options):
     """A rollout engine over the HF model directory ``model_path`` and its tokenizer.
 
-    ``engine``: ``native`` (``engine_options`` go to :class:`NativeEngineConfig`) or ``vllm``
-    (they go to :class:`VLLMEngineConfig`).
+    ``engine`` names it (``native``, ``vllm`` or ``hf``); ``engine_options`` are fields of that
+    engine's config class (:class:`NativeEngineConfig`, :class:`VLLMEngineConfig`,
+    :class:`HFEngineConfig`), the others keep that class's defaults. Built by the rollout
+    package's one factory.
     """
-    if engine == "native":
-        from tandem.rollout import NativeEngineConfig, NativeRolloutEngine
+    from tandem.rollout.config import RolloutEngineConfig
+    from tandem.rollout.factory import build_rollout_engine
 
-        return NativeRolloutEngine.from_pretrained(model_path, NativeEngineConfig(**engine_options))
-    if engine == "vllm":
-        from tandem.rollout.vllm_engine import VLLMEngineConfig, VLLMRolloutEngine
-
-        return VLLMRolloutEngine(model_path, VLLMEngineConfig(**engine_options))
-    raise ValueError(f"serve.engine={engine!r} is not allowed; choose one of ['native', 'vllm']")
+    config = RolloutEngineConfig(name=engine)
+    options = type(config.selected)(**engine_options)
+    return build_rollout_engine(dataclasses.replace(config, **{engine: options}), model_path)
 
 
 def serve(engine, tokenizer, config: ServerConfig, log_level: str = "info") -> None:

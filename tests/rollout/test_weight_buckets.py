@@ -1,0 +1,27 @@
+"""Weight updates for vLLM travel in bounded buckets: every tensor arrives once, bit-exact."""
+
+import io
+
+import torch
+
+from tandem.rollout.vllm_engine import weight_buckets
+
+
+def _load(payload: bytes) -> dict[str, torch.Tensor]:
+    return torch.load(io.BytesIO(payload), weights_only=True)
+
+
+def test_buckets_hold_each_tensor_once_within_the_limit():
+    gen = torch.Generator().manual_seed(0)
+    named = [(f"layer{i}.weight", torch.randn(64, 32, generator=gen)) for i in range(10)]  # 8 KiB each
+    named.append(("big.weight", torch.randn(256, 256, generator=gen)))  # 256 KiB: over the limit, alone
+    named.append(("tail.bias", torch.randn(7, generator=gen).to(torch.bfloat16)))
+    buckets = [_load(b) for b in weight_buckets(iter(named), limit_bytes=20 * 1024)]
+    received = {name: tensor for bucket in buckets for name, tensor in bucket.items()}
+    assert list(received) == [name for name, _ in named]
+    for name, tensor in named:
+        assert torch.equal(received[name], tensor) and received[name].dtype == tensor.dtype, name
+    for bucket in buckets:
+        sizes = [t.numel() * t.element_size() for t in bucket.values()]
+        assert len(sizes) == 1 or sum(sizes) <= 20 * 1024
+    assert [list(b) for b in buckets if "big.weight" in b] == [["big.weight"]]
