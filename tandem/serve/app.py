@@ -231,7 +231,7 @@ def create_app(engine, tokenizer, config: ServerConfig | None = None) -> FastAPI
                 tensors = await asyncio.to_thread(lambda: list(read_hf_weights(body.path)))
             except FileNotFoundError as error:
                 raise APIError(400, str(error), "path") from error
-            was_paused = engine.metrics().paused
+            was_paused = (await asyncio.to_thread(engine.metrics)).paused
             if not was_paused:
                 await asyncio.to_thread(engine.pause, "keep")
             try:
