@@ -70,7 +70,8 @@ def create_app(engine, tokenizer, config: ServerConfig | None = None) -> FastAPI
 
     app.add_middleware(BodySizeLimit, limit=config.max_request_bytes)
     # outermost, so refused bodies (413) count too; labels are the schema's paths, never the client's
-    app.add_middleware(RouteCounter, counters=http, route_templates=lambda: [*app.openapi()["paths"]])
+    served_paths: list[str] = []  # filled once every route is registered, below
+    app.add_middleware(RouteCounter, counters=http, route_templates=served_paths)
 
     api_key = None if config.api_key is None else config.api_key.encode()
 
@@ -277,4 +278,5 @@ def create_app(engine, tokenizer, config: ServerConfig | None = None) -> FastAPI
     started_at = int(time.time())
     app.include_router(v1)
     app.include_router(admin)
+    served_paths.extend(app.openapi()["paths"])
     return app

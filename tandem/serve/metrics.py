@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Sequence
 
 from starlette.routing import compile_path
 
@@ -83,13 +83,13 @@ def render_metrics(engine: EngineMetrics, http: HTTPCounters, model: str) -> str
 class RouteCounter:
     """An ASGI wrapper counting every HTTP response in ``counters`` by route template and status.
 
-    ``route_templates()`` lists the served paths (``/v1/completions``; ``{param}`` segments
-    allowed), read once at the first request, when every route is registered. A request
+    ``route_templates`` lists the served paths (``/v1/completions``; ``{param}`` segments
+    allowed); it is read at the first request, so it may be filled after the app is wrapped. A request
     matching none counts as :data:`UNMATCHED_ROUTE`; a response never started (the app
     raised) counts as 500.
     """
 
-    def __init__(self, app, counters: HTTPCounters, route_templates: Callable[[], Iterable[str]]) -> None:
+    def __init__(self, app, counters: HTTPCounters, route_templates: Sequence[str]) -> None:
         self.app = app
         self.counters = counters
         self.route_templates = route_templates
@@ -114,5 +114,5 @@ class RouteCounter:
 
     def route_of(self, path: str) -> str:
         if self.patterns is None:
-            self.patterns = [(compile_path(t)[0], t) for t in self.route_templates()]
+            self.patterns = [(compile_path(t)[0], t) for t in self.route_templates]
         return next((template for pattern, template in self.patterns if pattern.match(path)), UNMATCHED_ROUTE)
