@@ -83,7 +83,10 @@ def run_serve(args: argparse.Namespace, console: Console) -> None:
         port=args.port,
         model_name=args.served_model_name or Path(args.model_path).name or "tandem",
         api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
+        allow_unauthenticated=args.allow_unauthenticated,
         request_timeout_s=args.request_timeout,
+        stream_send_timeout_s=args.stream_send_timeout,
+        max_sequences_per_request=args.max_sequences_per_request,
     )
     options = {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs}
     if args.engine == "vllm":
@@ -148,6 +151,23 @@ def main(argv: list[str] | None = None) -> int:
     server.add_argument("--max-num-seqs", type=int, default=256, help="most requests generating at once")
     server.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds before a request is aborted"
+    )
+    server.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="allow a non-loopback --host without --api-key (anyone reaching the port can generate)",
+    )
+    server.add_argument(
+        "--stream-send-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a stream may wait for a client that stopped reading before it is aborted",
+    )
+    server.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=256,
+        help="most sequences (n x prompts) one request may start",
     )
     server.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="vllm engine only")
     args = parser.parse_args(argv)

@@ -107,9 +107,20 @@ def sample_tokens(processed: torch.Tensor, greedy: torch.Tensor, uniforms: torch
     a softmax, a cumulative sum and a search over the vocabulary (Gumbel-max would need a
     random number per vocabulary entry: ~8x slower at a 150k vocabulary on CPU).
     Shapes: ``processed [B, V]``, ``greedy [B]`` bool, ``uniforms [B]`` float64 in (0, 1) -> ``[B]`` int64.
+
+    Raises ``ValueError`` naming the rows whose probabilities are not finite (NaN or inf:
+    e.g. logits divided by a temperature so small they overflow) instead of letting the
+    search run off the end of the vocabulary; greedy rows are exempt (argmax needs no CDF).
     """
     cdf = torch.softmax(processed, dim=-1).double().cumsum(dim=-1)  # [B, V]
     total = cdf[:, -1:]
+    broken = ~torch.isfinite(total.squeeze(-1)) & ~greedy
+    if bool(broken.any()):
+        rows = broken.nonzero().squeeze(-1).tolist()
+        raise ValueError(
+            f"sampling probabilities are not finite (NaN or inf) in batch rows {rows}: a temperature "
+            "too small for float32 logits, or non-finite logits"
+        )
     target = torch.minimum(uniforms.unsqueeze(-1) * total, torch.nextafter(total, torch.zeros_like(total)))
     sampled = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     return torch.where(greedy, torch.argmax(processed, dim=-1), sampled)

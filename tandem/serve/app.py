@@ -4,6 +4,10 @@ Routes: ``/v1/completions``, ``/v1/chat/completions`` (streaming or not), ``/v1/
 ``/health``, ``/metrics``, and ``/admin/*`` (pause, resume, update weights from a directory,
 weight version, sleep, wake, reset the prefix cache). With ``api_key`` set, ``/v1/*`` and
 ``/admin/*`` need the bearer token; ``/health`` and ``/metrics`` stay open for probes.
+
+The event loop only routes: CPU-bound work (chat templates, tokenizing, assembling a whole
+response) and engine calls that take the engine's lock (submit, abort, metrics) run on worker
+threads, so one heavy request never delays ``/health`` or the others.
 """
 
 from __future__ import annotations
@@ -15,17 +19,17 @@ import time
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.rollout.types import RolloutRequest
 from tandem.rollout.weights import read_hf_weights
 from tandem.serve.config import ServerConfig
 from tandem.serve.errors import APIError
-from tandem.serve.generation import ChoiceRun, DoneEvent, TokenEvent
+from tandem.serve.generation import ChoiceRun, TokenEvent
 from tandem.serve.limits import BodySizeLimit
-from tandem.serve.metrics import HTTPCounters, render_metrics
-from tandem.serve.prompts import chat_prompt, completion_prompts, sampling_params
+from tandem.serve.metrics import HTTPCounters, RouteCounter, render_metrics
+from tandem.serve.prompts import chat_prompt, sampling_params, split_prompts, tokenize_prompts
 from tandem.serve.responses import ChoiceState, ResponseBuilder
 from tandem.serve.schemas import (
     ChatCompletionRequest,
@@ -35,6 +39,7 @@ from tandem.serve.schemas import (
     UpdateWeightsRequest,
     unsupported_fields,
 )
+from tandem.serve.streams import StallGuardedStream
 from tandem.serve.text import IncrementalText
 
 
@@ -64,19 +69,21 @@ def create_app(engine, tokenizer, config: ServerConfig | None = None) -> FastAPI
         return APIError(error.status_code, str(error.detail)).response()
 
     app.add_middleware(BodySizeLimit, limit=config.max_request_bytes)
+    # outermost, so refused bodies (413) count too; labels are the schema's paths, never the client's
+    served_paths: list[str] = []  # filled once every route is registered, below
+    app.add_middleware(RouteCounter, counters=http, route_templates=served_paths)
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        response = await call_next(request)
-        http.record(request.url.path, response.status_code)
-        return response
+    api_key = None if config.api_key is None else config.api_key.encode()
 
     def authorize(request: Request) -> None:
-        if config.api_key is None:
+        if api_key is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), config.api_key):
+        # bytes, not str: compare_digest refuses non-ASCII str (a client's header would be a 500);
+        # headers arrive latin-1 decoded, so this gets the client's raw bytes back
+        sent = token.strip().encode("latin-1", "replace")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(sent, api_key):
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
@@ -99,6 +106,16 @@ def create_app(engine, tokenizer, config: ServerConfig | None = None) -> FastAPI
                 400, f"n={body.n} exceeds this server's limit of {config.max_n} (server.max_n)", "n"
             )
 
+    def check_fan_out(body: SamplingFields, num_prompts: int) -> None:
+        sequences = body.n * num_prompts
+        if sequences > config.max_sequences_per_request:
+            raise APIError(
+                400,
+                f"n={body.n} x {num_prompts} prompt(s) = {sequences} sequences exceeds this server's limit "
+                f"of {config.max_sequences_per_request} per request (server.max_sequences_per_request)",
+                "n",
+            )
+
     async def generate(body, kind: str, prompts: list[list[int]], default_max_tokens, request: Request):
         builder = ResponseBuilder(kind, config.model_name, tokenizer, bool(body.logprobs))
         requests, choices = [], []
@@ -108,18 +125,25 @@ def create_app(engine, tokenizer, config: ServerConfig | None = None) -> FastAPI
                 params = sampling_params(body, len(prompt), context, default_max_tokens, vocab_size, sample)
                 requests.append(RolloutRequest(f"{builder.id}-{index}", tuple(prompt), params))
                 choices.append(ChoiceState(index, prompt, IncrementalText(tokenizer, params.stop)))
-        run = ChoiceRun(engine, requests, config.request_timeout_s, request.is_disconnected).start()
-        events = run.events()
+        run = ChoiceRun(engine, requests, config.request_timeout_s, request.is_disconnected, body.stream)
+        events = (await run.start()).events()
         if not body.stream:
-            async for event in events:
-                if isinstance(event, DoneEvent):
+            done = [event async for event in events]
+            if len(done) < len(choices):  # the client went away; nobody reads an answer
+                return JSONResponse(APIError(499, "the client disconnected").body(), status_code=499)
+
+            def assemble() -> dict:  # decoding every choice's text is CPU work: off the loop
+                for event in done:
                     choice = choices[event.choice]
                     choice.absorb(event.completion)
                     choice.finish(event.completion.finish_reason)
-            return JSONResponse(builder.response(choices, prompts, engine.version))
+                return builder.response(choices, prompts, engine.version)
+
+            return JSONResponse(await asyncio.to_thread(assemble))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
+        return StallGuardedStream(
             stream_events(builder, choices, prompts, events, include_usage),
+            send_timeout_s=config.stream_send_timeout_s,
             media_type="text/event-stream",
         )
 
@@ -153,13 +177,17 @@ def create_app(engine, tokenizer, config: ServerConfig | None = None) -> FastAPI
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_request(body)
-        prompts = completion_prompts(body, tokenizer, config.max_prompts)
+        given = split_prompts(body, config.max_prompts)
+        check_fan_out(body, len(given))
+        prompts = await asyncio.to_thread(tokenize_prompts, given, tokenizer)
         return await generate(body, "completion", prompts, config.default_completion_tokens, request)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_request(body)
-        return await generate(body, "chat", [chat_prompt(body, tokenizer)], None, request)
+        check_fan_out(body, 1)
+        prompt = await asyncio.to_thread(chat_prompt, body, tokenizer)
+        return await generate(body, "chat", [prompt], None, request)
 
     @v1.get("/models")
     async def models():
@@ -204,7 +232,7 @@ def create_app(engine, tokenizer, config: ServerConfig | None = None) -> FastAPI
                 tensors = await asyncio.to_thread(lambda: list(read_hf_weights(body.path)))
             except FileNotFoundError as error:
                 raise APIError(400, str(error), "path") from error
-            was_paused = engine.metrics().paused
+            was_paused = (await asyncio.to_thread(engine.metrics)).paused
             if not was_paused:
                 await asyncio.to_thread(engine.pause, "keep")
             try:
@@ -241,12 +269,14 @@ def create_app(engine, tokenizer, config: ServerConfig | None = None) -> FastAPI
 
     @app.get("/metrics")
     async def metrics():
+        snapshot = await asyncio.to_thread(engine.metrics)  # takes the engine's lock: a step may hold it
         return PlainTextResponse(
-            render_metrics(engine.metrics(), http, config.model_name),
+            render_metrics(snapshot, http, config.model_name),
             media_type="text/plain; version=0.0.4",
         )
 
     started_at = int(time.time())
     app.include_router(v1)
     app.include_router(admin)
+    served_paths.extend(app.openapi()["paths"])
     return app

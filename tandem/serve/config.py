@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from tandem.config.validation import check_positive, check_range
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` only accepts connections from this machine (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a hostname: it may resolve to any interface
+        return False
 
 
 @dataclass(frozen=True)
@@ -13,14 +24,21 @@ class ServerConfig:
 
     Attributes:
         host: interface to bind; ``127.0.0.1`` (loopback only) unless you mean to expose it.
+            A non-loopback host needs ``api_key`` unless ``allow_unauthenticated`` is set.
         port: TCP port (0: any free port, reported once bound).
         model_name: the id under which ``/v1/models`` lists the model and requests must name it.
         api_key: when set, ``/v1/*`` and ``/admin/*`` need ``Authorization: Bearer <api_key>``.
+        allow_unauthenticated: allow a non-loopback ``host`` without ``api_key`` (anyone who
+            can reach the port may then generate and swap weights).
         request_timeout_s: a generation request still unfinished after this many seconds is
             aborted and answered with 408.
+        stream_send_timeout_s: a stream whose client has not taken a chunk for this many
+            seconds (it stopped reading) is cut and its requests aborted.
         max_request_bytes: larger request bodies are refused with 413.
         max_n: most choices (``n``) per request.
         max_prompts: most prompts in one ``/v1/completions`` batch.
+        max_sequences_per_request: most engine sequences one request may start
+            (``n`` × number of prompts).
         default_completion_tokens: ``max_tokens`` of a completion request that sets none.
     """
 
@@ -28,19 +46,24 @@ class ServerConfig:
     port: int = 8000
     model_name: str = "tandem"
     api_key: str | None = None
+    allow_unauthenticated: bool = False
     request_timeout_s: float = 600.0
+    stream_send_timeout_s: float = 30.0
     max_request_bytes: int = 4 * 1024 * 1024
     max_n: int = 64
     max_prompts: int = 256
+    max_sequences_per_request: int = 256
     default_completion_tokens: int = 16
 
     def __post_init__(self) -> None:
         check_range("server", "port", self.port, 0, 65535)
         for name in (
             "request_timeout_s",
+            "stream_send_timeout_s",
             "max_request_bytes",
             "max_n",
             "max_prompts",
+            "max_sequences_per_request",
             "default_completion_tokens",
         ):
             check_positive("server", name, getattr(self, name))
@@ -48,3 +71,9 @@ class ServerConfig:
             raise ValueError("server.model_name must not be empty")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("server.api_key must not be blank (leave it unset to disable auth)")
+        if self.api_key is None and not self.allow_unauthenticated and not is_loopback(self.host):
+            raise ValueError(
+                f"server.host={self.host!r} is reachable from other machines but server.api_key is "
+                "unset: set --api-key (or TANDEM_API_KEY), or pass --allow-unauthenticated to serve "
+                "without auth on purpose"
+            )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from tandem.rollout.types import Completion, RolloutRequest
 from tandem.serve.errors import APIError
 
-DISCONNECT_POLL_S = 1.0
+DISCONNECT_POLL_S = 0.25  # how often a running request checks that its client is still there
 
 
 @dataclass
@@ -38,9 +38,13 @@ class ChoiceRun:
 
     :meth:`start` submits them all and raises :class:`APIError` (400) at once when the engine
     rejects one (a bad prompt), so even a streaming response can still answer 4xx.
-    :meth:`events` then yields their events as they happen, raising 408 when the deadline
-    passes and 500 when generation itself failed. Unfinished requests are aborted on any exit
-    of :meth:`events` (error, timeout, disconnect, or the consumer closing the iterator).
+    :meth:`events` then yields their events as they happen (:class:`TokenEvent` only when
+    ``stream``), raising 408 when the deadline passes and 500 when generation itself failed.
+    Every ``DISCONNECT_POLL_S`` it asks ``disconnected()`` whether the client went away, even
+    while tokens keep coming. Unfinished requests are aborted on any exit of :meth:`events`
+    (error, timeout, disconnect, or the consumer closing the iterator). Engine calls (submit,
+    abort) run on a worker thread: the engine's lock is held for a whole step, and the event
+    loop must keep answering other requests meanwhile.
     """
 
     def __init__(
@@ -49,16 +53,18 @@ class ChoiceRun:
         requests: list[RolloutRequest],
         timeout_s: float,
         disconnected: Callable[[], Awaitable[bool]] | None = None,
+        stream: bool = True,
     ) -> None:
         self.engine = engine
         self.requests = requests
         self.timeout_s = timeout_s
         self.disconnected = disconnected
+        self.stream = stream
         self.pending = set(range(len(requests)))
         self.queue: asyncio.Queue = asyncio.Queue()
         self.deadline = time.monotonic() + timeout_s
 
-    def start(self) -> ChoiceRun:
+    async def start(self) -> ChoiceRun:
         loop = asyncio.get_running_loop()
 
         def listener(choice: int):
@@ -69,30 +75,44 @@ class ChoiceRun:
         def on_done(choice: int):
             return lambda future: loop.call_soon_threadsafe(self.queue.put_nowait, (choice, future))
 
-        futures = []
-        for choice, request in enumerate(self.requests):
-            future = self.engine.submit(request, on_token=listener(choice))
-            future.add_done_callback(on_done(choice))
-            futures.append(future)
-        rejected = next((f for f in futures if f.done() and f.exception() is not None), None)
+        def submit_all():
+            futures = []
+            for choice, request in enumerate(self.requests):
+                future = self.engine.submit(request, on_token=listener(choice) if self.stream else None)
+                future.add_done_callback(on_done(choice))
+                futures.append(future)
+            rejected = next((f for f in futures if f.done() and f.exception() is not None), None)
+            if rejected is not None:
+                self.abort_pending()
+            return rejected
+
+        submitting = loop.run_in_executor(None, submit_all)
+        try:
+            rejected = await asyncio.shield(submitting)
+        except asyncio.CancelledError:  # nobody will consume these: abort them once submitted
+            submitting.add_done_callback(lambda _: loop.run_in_executor(None, self.abort_pending))
+            raise
         if rejected is not None:
-            self.abort_pending()
             _completion(rejected)  # raises the 400
         return self
 
     async def events(self) -> AsyncIterator[TokenEvent | DoneEvent]:
+        next_poll = time.monotonic() + DISCONNECT_POLL_S
         try:
             while self.pending:
-                remaining = self.deadline - time.monotonic()
+                now = time.monotonic()
+                remaining = self.deadline - now
                 if remaining <= 0:
                     raise APIError(
                         408, f"the request did not finish within {self.timeout_s:g} s and was aborted"
                     )
+                if self.disconnected is not None and now >= next_poll:
+                    next_poll = now + DISCONNECT_POLL_S
+                    if await self.disconnected():
+                        return
                 try:
                     item = await asyncio.wait_for(self.queue.get(), timeout=min(remaining, DISCONNECT_POLL_S))
                 except asyncio.TimeoutError:
-                    if self.disconnected is not None and await self.disconnected():
-                        return
                     continue
                 if isinstance(item, TokenEvent):
                     yield item
@@ -101,10 +121,12 @@ class ChoiceRun:
                 self.pending.discard(choice)
                 yield DoneEvent(choice, _completion(future))
         finally:
-            self.abort_pending()
+            if self.pending:
+                # shielded: a cancelled consumer still gets its requests aborted
+                await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, self.abort_pending))
 
     def abort_pending(self) -> None:
-        for choice in self.pending:
+        for choice in list(self.pending):
             self.engine.abort(self.requests[choice].request_id)
 
 

@@ -6,9 +6,11 @@ from tandem.rollout.types import SamplingParams
 from tandem.serve.errors import APIError
 from tandem.serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
+GREEDY_BELOW_TEMPERATURE = 1e-5  # smaller temperatures sample greedily (documented in docs/serve.md)
 
-def completion_prompts(body: CompletionRequest, tokenizer, max_prompts: int) -> list[list[int]]:
-    """The token ids of each prompt of a completion request (text is tokenized without special tokens)."""
+
+def split_prompts(body: CompletionRequest, max_prompts: int) -> list[str | list[int]]:
+    """The prompts of a completion request as given (text or token ids), before any tokenizing."""
     prompt = body.prompt
     if isinstance(prompt, str):
         prompts: list = [prompt]
@@ -20,6 +22,11 @@ def completion_prompts(body: CompletionRequest, tokenizer, max_prompts: int) -> 
         raise APIError(400, "prompt is empty", "prompt")
     if len(prompts) > max_prompts:
         raise APIError(400, f"{len(prompts)} prompts in one request; at most {max_prompts}", "prompt")
+    return prompts
+
+
+def tokenize_prompts(prompts: list[str | list[int]], tokenizer) -> list[list[int]]:
+    """The token ids of each prompt (text is tokenized without special tokens); CPU-bound, run off the event loop."""
     ids = [tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p) for p in prompts]
     if any(not p for p in ids):
         raise APIError(400, "a prompt is empty", "prompt")
@@ -27,7 +34,11 @@ def completion_prompts(body: CompletionRequest, tokenizer, max_prompts: int) -> 
 
 
 def chat_prompt(body: ChatCompletionRequest, tokenizer) -> list[int]:
-    """The chat template applied to the messages (with ``tools`` and ``chat_template_kwargs``)."""
+    """The model's chat template applied to the messages (with ``tools`` and ``chat_template_kwargs``).
+
+    CPU-bound (Jinja rendering, tokenizing): run it off the event loop. The request must have
+    passed :func:`~tandem.serve.schemas.unsupported_fields`, which refuses a client template.
+    """
     if getattr(tokenizer, "chat_template", None) is None:
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages")
     if body.continue_final_message and body.messages[-1].role != "assistant":
@@ -60,7 +71,9 @@ def sampling_params(
     """Engine sampling parameters for one choice; 400 when they cannot fit the context.
 
     ``default_max_tokens=None`` means "the rest of the context". With ``seed`` and ``n > 1``,
-    choice ``i`` draws from a stream derived from ``(seed, i)`` so the choices differ.
+    choice ``i`` draws from a stream derived from ``(seed, i)`` so the choices differ. A
+    temperature below :data:`GREEDY_BELOW_TEMPERATURE` is greedy (dividing logits by it would
+    overflow to inf and NaN probabilities); a ``top_k`` of the vocabulary size or more is off.
     """
     requested = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
@@ -91,8 +104,8 @@ def sampling_params(
         seed = (seed * 1_000_003 + choice) % (2**62)
     try:
         return SamplingParams(
-            temperature=body.temperature,
-            top_k=max(body.top_k, 0),
+            temperature=0.0 if body.temperature < GREEDY_BELOW_TEMPERATURE else body.temperature,
+            top_k=body.top_k if 0 < body.top_k < vocab_size else 0,
             top_p=body.top_p,
             max_tokens=max_tokens,
             stop_token_ids=stop_ids,

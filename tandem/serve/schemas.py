@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MAX_SEED = 2**63 - 1  # seeds travel as int64 through the engines
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -22,7 +24,7 @@ class SamplingFields(BaseModel):
     ``logprobs_mode`` (``processed``: under the distribution sampled from; ``raw``).
     """
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -34,7 +36,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     ignore_eos: bool = False
     logprobs_mode: Literal["processed", "raw"] = "processed"
     presence_penalty: float = 0.0
@@ -81,7 +83,9 @@ class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``: messages rendered with the model's chat template.
 
     ``tools`` and ``chat_template_kwargs`` are passed to the template; tool calls come back
-    as plain text in ``message.content`` (an agent loop parses them).
+    as plain text in ``message.content`` (an agent loop parses them). A client's own template
+    (``chat_template``, top level or in ``chat_template_kwargs``) is refused: rendering
+    arbitrary Jinja costs the server unbounded CPU.
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -90,6 +94,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # accepted only to refuse it by name
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     response_format: dict[str, Any] | None = None
@@ -104,6 +109,9 @@ class UpdateWeightsRequest(BaseModel):
 
     path: str
     version: int | None = None
+
+
+CLIENT_TEMPLATE = "a client-supplied chat template is not accepted; the model's own template is used"
 
 
 def unsupported_fields(body: SamplingFields) -> list[tuple[str, str]]:
@@ -129,6 +137,11 @@ def unsupported_fields(body: SamplingFields) -> list[tuple[str, str]]:
             problems.append(
                 ("top_logprobs", "only the sampled token's log-probability is returned (top_logprobs = 0)")
             )
+        if body.chat_template is not None:
+            problems.append(("chat_template", f"chat_template: {CLIENT_TEMPLATE}"))
+        if body.chat_template_kwargs and "chat_template" in body.chat_template_kwargs:
+            field = "chat_template_kwargs.chat_template"
+            problems.append((field, f"{field}: {CLIENT_TEMPLATE}"))
         if body.response_format and body.response_format.get("type") not in (None, "text"):
             problems.append(("response_format", "only text responses are supported"))
     return problems

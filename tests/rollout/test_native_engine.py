@@ -468,6 +468,24 @@ def test_sampling_at_the_edges_of_the_unit_interval_keeps_to_kept_tokens():
     assert sample_tokens(processed, greedy, uniforms).tolist() == [1, 2, 2]
 
 
+def test_non_finite_probabilities_raise_instead_of_an_out_of_range_token():
+    """A temperature that overflows the logits (1e-40 is below fp32's normal range) gives NaN
+    probabilities; the sampler names the row rather than returning token id V."""
+    from tandem.rollout.sampling import sample_tokens
+
+    logits = torch.linspace(-5.0, 5.0, 103).repeat(3, 1)  # [3, V=103]
+    temperature = torch.tensor([1e-40, 1.0, 1e-40])
+    processed = processed_logits(logits, temperature, torch.zeros(3, dtype=torch.long), torch.ones(3))
+    uniforms = torch.full((3,), 0.5, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"not finite .* rows \[0, 2\]"):
+        sample_tokens(processed, torch.zeros(3, dtype=torch.bool), uniforms)
+    finite = processed_logits(
+        logits, torch.tensor([0.0, 1.0, 1e-5]), torch.zeros(3, dtype=torch.long), torch.ones(3)
+    )
+    tokens = sample_tokens(finite, torch.tensor([True, False, False]), uniforms).tolist()
+    assert tokens[0] == tokens[2] == 102 and 0 <= tokens[1] < 103  # 1e-5 is still finite: all but greedy
+
+
 def test_row_keys_in_python_equal_the_tensor_path():
     """Small batches key their rows with Python ints; the vectorised int64 path is the reference."""
     from tandem.rollout.sampling import SMALL_BATCH_KEYS, _splitmix64, row_keys

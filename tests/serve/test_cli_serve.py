@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from tandem.serve import ServerConfig
 from tests.serve.conftest import http
 
 openai = pytest.importorskip("openai")
@@ -68,3 +69,24 @@ def test_tandem_serve_reports_a_missing_model(tmp_path):
         [sys.executable, "-m", "tandem", "serve", str(tmp_path / "nothing")], capture_output=True, text=True
     )
     assert result.returncode == 2 and "config.json" in result.stderr
+
+
+def test_tandem_serve_refuses_a_reachable_host_without_a_key(model_dir):
+    env = {key: value for key, value in os.environ.items() if key != "TANDEM_API_KEY"}
+    command = [sys.executable, "-m", "tandem", "serve", model_dir, "--host", "0.0.0.0", "--port", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2
+    assert "server.host='0.0.0.0'" in result.stderr and "--allow-unauthenticated" in result.stderr
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_loopback_hosts_need_no_key(host):
+    assert ServerConfig(host=host).api_key is None
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "my-server.example"])
+def test_reachable_hosts_need_a_key_or_an_explicit_opt_out(host):
+    with pytest.raises(ValueError, match="server.api_key is unset"):
+        ServerConfig(host=host)
+    assert ServerConfig(host=host, api_key="k").api_key == "k"
+    assert ServerConfig(host=host, allow_unauthenticated=True).allow_unauthenticated
