@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tandem import __version__
+from tandem.errors import USER_ERRORS
 
 
 def _first_line(fn: object) -> str:
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     try:
         _run(args, console)
-    except (ValueError, FileNotFoundError) as error:  # bad configuration or data: a message, not a traceback
+    except USER_ERRORS as error:  # bad configuration or data, a diverged run: a message, not a traceback
         print(f"tandem {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0

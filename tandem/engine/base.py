@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from tandem.engine.divergence import ModelHealth
 from tandem.protocol import Batch
 
 
@@ -62,11 +63,15 @@ class TrainEngine(Protocol):
 
     def zero_grad(self) -> None: ...
 
-    def optimizer_step(self) -> float: ...
+    last_step_skipped: bool  # the last optimizer_step left the weights alone (non-finite loss or norm)
+
+    def optimizer_step(self, skip: bool = False) -> float: ...
 
     def lr_step(self) -> float: ...
 
     def iter_parameters(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def health(self, probe: Batch | None = None) -> ModelHealth: ...
 
     def to(
         self, device: str | torch.device, model: bool = True, optimizer: bool = True, grads: bool = True

@@ -16,6 +16,7 @@ from tandem.device import bind_device
 from tandem.engine.base import LossFn, StepResult, TokenOutputs
 from tandem.engine.checkpoint import load_engine_state, save_engine_state
 from tandem.engine.config import EngineConfig
+from tandem.engine.divergence import ModelHealth
 from tandem.engine.lora import apply_lora, iter_merged_lora_parameters
 from tandem.engine.lr_schedule import build_scheduler
 from tandem.engine.micro_batch import token_budget_micro_batches
@@ -42,6 +43,7 @@ class TorchTrainEngine:
         self._given_model = model
         self.module: TokenLogProbModel | None = None
         self.step_count = 0
+        self.last_step_skipped = False
         self.device = torch.device("cpu")  # bound by initialize()
 
     # ------------------------------------------------------------------ set-up
@@ -281,16 +283,20 @@ class TorchTrainEngine:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def optimizer_step(self) -> float:
+    def optimizer_step(self, skip: bool = False) -> float:
         """Clip gradients to ``grad_clip`` and step; returns the pre-clip global grad norm.
 
-        A non-finite norm skips the update (and zeroes the gradients) instead of corrupting the weights.
+        The update is skipped (gradients zeroed, weights and optimizer state untouched) when the
+        norm is not finite or any data-parallel rank passes ``skip`` (its loss was not finite).
+        The norm is global and ``skip`` is agreed over the ranks, so all ranks skip together;
+        ``last_step_skipped`` says whether this one was.
         """
         params = [p for p in self._require_module().parameters() if p.requires_grad]
         max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        if math.isfinite(norm):
+        self.last_step_skipped = bool(self._agree_on_count(int(skip))) or not math.isfinite(norm)
+        if not self.last_step_skipped:
             self.optimizer.step()
         self.zero_grad()
         self.step_count += 1
@@ -306,6 +312,23 @@ class TorchTrainEngine:
         return float(self.optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------------ weights, devices, checkpoints
+    def health(self, probe: Batch | None = None) -> ModelHealth:
+        """Whether this rank's parameters are finite, their largest magnitude, and whether the
+        log-probs of ``probe`` (a batch of one or a few rows) are finite. Under FSDP2 every rank
+        must call it (the probe forward gathers parameters)."""
+        with torch.no_grad():
+            local = [
+                p.to_local() if hasattr(p, "to_local") else p for p in self._require_module().parameters()
+            ]
+            # max |w| per tensor, NaN and inf propagating, then one host sync for the lot
+            maxima = [torch.linalg.vector_norm(t, ord=math.inf).float() for t in local if t.numel()]
+            largest = float(torch.stack(maxima).max()) if maxima else 0.0
+        finite_log_probs = True
+        if probe is not None:
+            log_probs = self.forward_backward(probe, None, forward_only=True).outputs.log_probs
+            finite_log_probs = bool(torch.isfinite(log_probs).all())
+        return ModelHealth(math.isfinite(largest), largest, finite_log_probs)
+
     def iter_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(HF name, full tensor)`` one at a time, for weight sync (LoRA merged into its base weights).
 
@@ -342,10 +365,21 @@ class TorchTrainEngine:
         """Restore everything :meth:`save` wrote; training then continues exactly as it would have."""
         extra = load_engine_state(path, self._require_module(), self.optimizer)
         self.scheduler.load_state_dict(extra["scheduler"])
+        self._apply_configured_lr()
         self.step_count = extra["step_count"]
         torch.set_rng_state(extra["cpu_rng"])
         if torch.cuda.is_available() and extra.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(extra["cuda_rng"])
+
+    def _apply_configured_lr(self) -> None:
+        """The checkpoint brought its own base learning rate; this run's ``config.lr`` wins, so a
+        run resumed with a lower rate (after divergence, say) uses it. Unchanged rates stay bit-exact."""
+        for index, group in enumerate(self.optimizer.param_groups):
+            saved = self.scheduler.base_lrs[index]
+            if saved != self.config.lr:
+                group["lr"] = self.config.lr * self.scheduler.lr_lambdas[index](self.scheduler.last_epoch)
+                group["initial_lr"] = self.config.lr
+                self.scheduler.base_lrs[index] = self.config.lr
 
     def _extra_state(self) -> dict[str, Any]:
         return {

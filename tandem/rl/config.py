@@ -266,6 +266,9 @@ class TrainerConfig:
             number of tokens (:mod:`tandem.rl.balance`); changes no result.
         val_every / save_every: in steps (0: off); ``val_before_train`` evaluates at step 0.
         keep_last: checkpoints kept (older ones are deleted).
+        max_skipped_updates_in_a_row: the run stops (naming the step) after this many optimizer
+            steps in a row skipped for a non-finite loss or gradient norm; single ones are skipped
+            and counted in ``actor/skipped_updates``.
         resume: ``auto`` (latest checkpoint in ``output_dir`` if any), ``disable``, or a checkpoint path.
         output_dir: checkpoints, metrics, the report and the exported model.
         loggers: any of ``console``, ``jsonl``, ``tensorboard``, ``wandb``, ``mlflow``.
@@ -287,6 +290,7 @@ class TrainerConfig:
     val_before_train: bool = True
     save_every: int = 0
     keep_last: int = 2
+    max_skipped_updates_in_a_row: int = 5
     resume: str = "auto"
     output_dir: str = "outputs/rl"
     loggers: tuple[str, ...] = ("console", "jsonl")
@@ -320,6 +324,7 @@ class TrainerConfig:
         for name in ("val_every", "save_every"):
             check_range("trainer", name, getattr(self, name), low=0)
         check_positive("trainer", "keep_last", self.keep_last)
+        check_positive("trainer", "max_skipped_updates_in_a_row", self.max_skipped_updates_in_a_row)
         for logger in self.loggers:
             check_choice("trainer", "loggers", logger, LOGGERS)
 

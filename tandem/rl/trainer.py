@@ -25,6 +25,7 @@ from tandem.algos import (
     compute_rollout_correction,
 )
 from tandem.controller import create_worker_group
+from tandem.engine.divergence import check_health, check_skipped_in_a_row
 from tandem.models.loading import load_tokenizer
 from tandem.protocol import Batch, group_ids_from_uids
 from tandem.rl.balance import balanced_rank_order
@@ -39,6 +40,7 @@ from tandem.rl.sequences import concat_sequences, decode_responses, trim_padding
 from tandem.rl.trackers import build_trackers
 from tandem.rl.worker import ActorRolloutRefWorker, reduce_metric
 from tandem.rollout import SamplingParams
+from tandem.run_dir import OutputDirLock, check_output_dir
 from tandem.sft.sampler import EpochSampler
 
 
@@ -62,6 +64,7 @@ class RLTrainer:
     def __init__(self, config: TrainConfig, console: Console | None = None) -> None:
         self.config = config
         self.console = console or Console()
+        self.output_dir = check_output_dir(config.trainer.output_dir, "trainer.output_dir")
         data = config.data
         self.tokenizer = load_tokenizer(config.model_path)
         self.train_data = RLDataset.load(
@@ -85,14 +88,20 @@ class RLTrainer:
         self.total_steps = config.trainer.total_steps or steps_per_epoch * config.trainer.total_epochs
         self.sampler = EpochSampler(len(self.train_data), config.trainer.seed, data.shuffle)
         self.kl_controller = build_kl_controller(config.algorithm.kl)
-        self.output_dir = Path(config.trainer.output_dir)
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", config.trainer.keep_last)
         self.step = 0
         self.history: list[dict[str, float]] = []
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> RLResult:
-        """Train for ``total_steps`` steps; returns the metrics history and output locations."""
+        """Train for ``total_steps`` steps; returns the metrics history and output locations.
+
+        The run holds ``trainer.output_dir`` for its duration: a second run there is refused.
+        """
+        with OutputDirLock(self.output_dir, "trainer.output_dir"):
+            return self._fit()
+
+    def _fit(self) -> RLResult:
         config, trainer = self.config, self.config.trainer
         pool = config.resource_pool()
         with create_worker_group(ActorRolloutRefWorker, pool, trainer.backend, args=(config,)) as workers:
@@ -162,10 +171,13 @@ class RLTrainer:
                 batch, adv_metrics = self.compute_advantages(batch)
             with timed(timings, "update_actor"):
                 per_worker = self.workers.update_actor(batch, step=self.step)
+            metrics.update(
+                {name: reduce_metric(name, [m[name] for m in per_worker]) for name in per_worker[0]}
+            )
+            metrics["actor/max_abs_weight"] = self.check_divergence(metrics)
             with timed(timings, "update_weights"):
                 self.workers.sync_rollout_weights(self.step)
         metrics.update(adv_metrics)
-        metrics.update({name: reduce_metric(name, [m[name] for m in per_worker]) for name in per_worker[0]})
         memory = self.workers.memory_metrics()  # per phase on GPUs (the largest rank); empty on the CPU
         metrics.update({name: max(m[name] for m in memory) for name in memory[0]})
         metrics.update(data_metrics(batch, self.config.rollout.max_response_length))
@@ -284,6 +296,19 @@ class RLTrainer:
         if weights is not None:
             tensors["rollout_is_weights"] = weights
         return batch.assign(tensors=tensors), metrics
+
+    def check_divergence(self, update_metrics: dict[str, float]) -> float:
+        """Stop (:class:`DivergenceError`, naming the step) when too many optimizer steps in a row
+        were skipped or the updated actor's weights or log-probs are not finite, before the
+        weights reach the rollout engine or a checkpoint. Returns the largest weight magnitude."""
+        trainer = self.config.trainer
+        check_skipped_in_a_row(
+            int(update_metrics["actor/skipped_updates_in_a_row"]), trainer.max_skipped_updates_in_a_row,
+            "trainer.max_skipped_updates_in_a_row", self.step,
+        )  # fmt: skip
+        latest = self.checkpoints.latest()
+        hint = f"The last checkpoint is {latest}" if latest else "No checkpoint was saved yet"
+        return check_health(self.workers.actor_health(), self.step, hint)
 
     def validate(self) -> dict[str, float]:
         """Accuracy on the validation prompts per data source: ``val-core/<source>/acc/mean@<n>``."""

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections import defaultdict
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from transformers.utils import logging as hf_logging
@@ -21,6 +21,7 @@ from transformers.utils import logging as hf_logging
 from tandem.controller import Worker, register
 from tandem.device import bind_device, max_memory_allocated_gb, reset_peak_memory
 from tandem.engine import TorchTrainEngine
+from tandem.engine.divergence import ModelHealth, SkippedUpdates
 from tandem.models.loading import check_vocab_compatible, load_model, load_tokenizer
 from tandem.protocol import Batch
 from tandem.rl.actor_loss import make_actor_loss
@@ -30,6 +31,7 @@ from tandem.rl.sequences import resize_columns, response_part, sequence_tensors
 from tandem.rollout import RolloutRequest, SamplingParams
 from tandem.rollout.factory import build_rollout_engine
 from tandem.rollout.weights import load_named_tensors
+from tandem.run_dir import atomic_directory
 
 SUMMED_METRICS = ("actor/pg_loss", "actor/kl_loss")  # micro-batch (and worker) shares of one loss: add up
 MAX_METRICS = ("rollout_corr/max_abs_log_prob_diff",)
@@ -62,6 +64,10 @@ class ActorRolloutRefWorker(Worker):
         self.engine = TorchTrainEngine(engine_config)
         self.engine.initialize()
         check_vocab_compatible(self.engine.causal_lm, self.tokenizer)
+        self.skipped = SkippedUpdates(
+            config.trainer.max_skipped_updates_in_a_row, "trainer.max_skipped_updates_in_a_row"
+        )
+        self._probe: Batch | None = None
         self.rollout = build_rollout_engine(
             rollout_engine_config(config, str(self.device)), config.model_path
         )
@@ -162,10 +168,21 @@ class ActorRolloutRefWorker(Worker):
         actor = config.actor
         local_mini = config.mini_batch_prompts * config.rollout.n // self.world_size
         collected: dict[str, list[float]] = defaultdict(list)
+        skipped_before = self.skipped.total
         with self._phase("update_actor"):
             for epoch in range(actor.ppo_epochs):
                 self._update_epoch(batch, step, epoch, local_mini, collected)
-        return {name: reduce_metric(name, values, over_steps=True) for name, values in collected.items()}
+        self._probe = batch[:1]
+        metrics = {name: reduce_metric(name, values, over_steps=True) for name, values in collected.items()}
+        metrics["actor/skipped_updates"] = float(self.skipped.total - skipped_before)
+        metrics["actor/skipped_updates_in_a_row"] = float(self.skipped.in_a_row)
+        return metrics
+
+    @register(dispatch="ONE_TO_ALL")
+    def actor_health(self) -> ModelHealth:
+        """The actor's weights (this rank's shards) and the log-probs of the last update's first
+        sequence: finite or not (:mod:`tandem.engine.divergence`)."""
+        return self.engine.health(self._probe)
 
     def _update_epoch(
         self, batch: Batch, step: int, epoch: int, local_mini: int, collected: dict[str, list[float]]
@@ -189,7 +206,10 @@ class ActorRolloutRefWorker(Worker):
                 config.old_log_probs_from_update,
             )
             result = self.engine.forward_backward(mini, loss_fn)
-            collected["actor/grad_norm"].append(self.engine.optimizer_step())
+            collected["actor/grad_norm"].append(
+                self.engine.optimizer_step(skip=not math.isfinite(result.loss))
+            )
+            self.skipped.record(self.engine.last_step_skipped)
             collected["actor/lr"].append(self.engine.lr)
             self.engine.lr_step()
             for name, values in result.metrics.items():
@@ -215,9 +235,9 @@ class ActorRolloutRefWorker(Worker):
             return
         model = load_model(self.config.model_path, self.config.actor.engine.param_dtype)
         load_named_tensors(model, named)
-        target = Path(path)
-        model.save_pretrained(target)
-        self.tokenizer.save_pretrained(target)
+        with atomic_directory(path) as staging:
+            model.save_pretrained(staging)
+            self.tokenizer.save_pretrained(staging)
 
     @register(dispatch="ONE_TO_ALL")
     def shutdown_engines(self) -> None:

@@ -21,6 +21,8 @@ class SFTTrainerConfig:
         output_dir: checkpoints under ``checkpoints/``, the final HF model under ``hf_model/``.
         resume: continue from the latest checkpoint in ``output_dir`` when there is one.
         seed: data order.
+        max_skipped_updates_in_a_row: the run stops (naming the step) after this many optimizer
+            steps in a row skipped for a non-finite loss or gradient norm.
     """
 
     global_batch_size: int = 16
@@ -32,9 +34,11 @@ class SFTTrainerConfig:
     output_dir: str = "outputs/sft"
     resume: bool = False
     seed: int = 0
+    max_skipped_updates_in_a_row: int = 5
 
     def __post_init__(self) -> None:
         check_positive("trainer", "global_batch_size", self.global_batch_size)
+        check_positive("trainer", "max_skipped_updates_in_a_row", self.max_skipped_updates_in_a_row)
         check_positive("trainer", "epochs", self.epochs)
         check_positive("trainer", "log_every", self.log_every)
         for name in ("total_steps", "eval_every", "save_every"):

@@ -5,13 +5,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import time
 from pathlib import Path
 
 from rich.console import Console
 
 from tandem.engine import TorchTrainEngine
+from tandem.engine.divergence import SkippedUpdates, check_health
 from tandem.models.loading import check_vocab_compatible, load_tokenizer
+from tandem.protocol import Batch
+from tandem.run_dir import OutputDirLock, atomic_directory, check_output_dir
 from tandem.sft.config import SFTConfig
 from tandem.sft.data import SFTDataset
 from tandem.sft.loss import sft_loss
@@ -35,6 +39,7 @@ class SFTTrainer:
     def __init__(self, config: SFTConfig, console: Console | None = None) -> None:
         self.config = config
         self.console = console or Console()
+        self.output_dir = check_output_dir(config.trainer.output_dir, "trainer.output_dir")
         model_path = config.engine.model_path or config.model_path
         self.engine_config = dataclasses.replace(config.engine, model_path=model_path)
         self.tokenizer = load_tokenizer(model_path)
@@ -44,17 +49,26 @@ class SFTTrainer:
             if config.data.val_path
             else None
         )
-        self.output_dir = Path(config.trainer.output_dir)
         steps_per_epoch = -(-len(self.train) // config.trainer.global_batch_size)
         self.total_steps = config.trainer.total_steps or steps_per_epoch * config.trainer.epochs
         if self.engine_config.lr_schedule != "constant" and self.engine_config.total_steps == 0:
             self.engine_config = dataclasses.replace(self.engine_config, total_steps=self.total_steps)
         self.engine = TorchTrainEngine(self.engine_config)
         self.sampler = EpochSampler(len(self.train), config.trainer.seed)
+        self.skipped = SkippedUpdates(
+            config.trainer.max_skipped_updates_in_a_row, "trainer.max_skipped_updates_in_a_row"
+        )
         self.step = 0
 
     def fit(self) -> SFTResult:
-        """Train for ``total_steps``; returns the losses and the exported model directory."""
+        """Train for ``total_steps``; returns the losses and the exported model directory.
+
+        The run holds ``trainer.output_dir`` for its duration: a second run there is refused.
+        """
+        with OutputDirLock(self.output_dir, "trainer.output_dir"):
+            return self._fit()
+
+    def _fit(self) -> SFTResult:
         trainer = self.config.trainer
         self.engine.initialize()
         check_vocab_compatible(self.engine.causal_lm, self.tokenizer)
@@ -73,9 +87,10 @@ class SFTTrainer:
             )
             normalizer = self.engine.global_normalizer(batch["loss_mask"])
             result = self.engine.forward_backward(batch, functools.partial(sft_loss, normalizer=normalizer))
-            grad_norm = self.engine.optimizer_step()
+            grad_norm = self.engine.optimizer_step(skip=not math.isfinite(result.loss))
             self.engine.lr_step()
             self.step += 1
+            self._check_divergence(batch[:1])
             tokens += int(batch["attention_mask"].sum())
             train_losses.append(result.loss)
             if self.step % trainer.log_every == 0 or self.step == self.total_steps:
@@ -95,6 +110,17 @@ class SFTTrainer:
         self.save_checkpoint()
         return SFTResult(train_losses, eval_losses, self.export())
 
+    def _check_divergence(self, probe: Batch) -> None:
+        """Count a skipped step; stop (naming the step) after too many in a row, or when the
+        weights or ``probe``'s log-probs are no longer finite, before anything is saved."""
+        self.skipped.record(self.engine.last_step_skipped)
+        if self.engine.last_step_skipped:
+            self.console.print(f"[yellow]step {self.step}: loss or gradient norm not finite; update skipped")
+        self.skipped.check(self.step)
+        latest = self._latest_checkpoint()
+        hint = f"The last checkpoint is {latest}" if latest else "No checkpoint was saved yet"
+        check_health([self.engine.health(probe)], self.step, hint)
+
     def evaluate(self) -> float:
         """Mean assistant-token NLL over the whole validation set."""
         assert self.val is not None
@@ -111,15 +137,18 @@ class SFTTrainer:
         (path / STATE_FILE).write_text(json.dumps({"step": self.step, "sampler": self.sampler.state()}))
         return path
 
-    def _resume(self) -> None:
+    def _latest_checkpoint(self) -> Path | None:
         checkpoints = sorted(
             (p for p in (self.output_dir / "checkpoints").glob("step_*") if (p / STATE_FILE).exists()),
             key=lambda p: int(p.name.split("_")[1]),
         )
-        if not checkpoints:
+        return checkpoints[-1] if checkpoints else None
+
+    def _resume(self) -> None:
+        latest = self._latest_checkpoint()
+        if latest is None:
             self.console.print(f"no checkpoint in {self.output_dir}; starting fresh")
             return
-        latest = checkpoints[-1]
         self.engine.load(str(latest))
         state = json.loads((latest / STATE_FILE).read_text())
         self.step = state["step"]
@@ -132,6 +161,7 @@ class SFTTrainer:
         model = self.engine.causal_lm
         if self.engine_config.lora.rank:
             model = model.merge_and_unload()
-        model.save_pretrained(target)
-        self.tokenizer.save_pretrained(target)
+        with atomic_directory(target) as staging:
+            model.save_pretrained(staging)
+            self.tokenizer.save_pretrained(staging)
         return target

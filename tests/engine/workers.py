@@ -41,6 +41,29 @@ class EngineWorker(Worker):
         self.engine.optimizer_step()
         return result.num_micro_batches
 
+    @register(dispatch="DP_COMPUTE")
+    def step_asking_to_skip(self, batch: Batch) -> Batch:
+        """One optimizer step where this rank asks to skip when its shard's ``skip`` column is set;
+        returns per row whether the step was skipped and whether this rank's parameters moved."""
+        local = self._local_parameters
+        before = local()
+        normalizer = self.engine.global_normalizer(batch["loss_mask"])
+        self.engine.forward_backward(batch, functools.partial(sft_loss, normalizer=normalizer))
+        self.engine.optimizer_step(skip=bool(batch["skip"].any()))
+        moved = any(not torch.equal(a, b) for a, b in zip(before, local(), strict=True))
+        size = len(batch)
+        return Batch(
+            {
+                "skipped": torch.full((size,), self.engine.last_step_skipped),
+                "moved": torch.full((size,), moved),
+            }
+        )
+
+    def _local_parameters(self) -> list[torch.Tensor]:
+        """Copies of this rank's parameters (its shards under FSDP2)."""
+        params = self.engine.causal_lm.parameters()
+        return [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in params]
+
     @register(
         dispatch="ONE_TO_ALL"
     )  # under FSDP2 gathering full tensors is a collective: every rank calls it

@@ -1,0 +1,15 @@
+"""Errors a user sees as one message rather than a traceback (``tandem`` prints them and exits 2).
+
+Kept free of heavy imports so the command line can name them without loading torch.
+"""
+
+
+class DivergenceError(RuntimeError):
+    """Training produced non-finite values; nothing from the failing step was saved."""
+
+
+class OutputDirInUseError(RuntimeError):
+    """Another run holds the output directory."""
+
+
+USER_ERRORS = (ValueError, FileNotFoundError, DivergenceError, OutputDirInUseError)
