@@ -4,13 +4,14 @@ import functools
 
 import torch
 
+from tandem.checkpoint_engine.roles import SendsWeights
 from tandem.controller import Worker, register
 from tandem.engine import EngineConfig, TorchTrainEngine
 from tandem.protocol import Batch
 from tandem.sft.loss import sft_loss
 
 
-class EngineWorker(Worker):
+class EngineWorker(SendsWeights, Worker):
     def __init__(self, config: EngineConfig) -> None:
         if config.strategy != "single":
             self.init_process_group("gloo")

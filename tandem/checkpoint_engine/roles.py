@@ -1,0 +1,76 @@
+"""The checkpoint engine across worker groups: a trainer-side mixin and the controller's two calls.
+
+A trainer worker class that holds ``self.engine`` (a training engine) mixes in
+:class:`SendsWeights`; rollout replicas are :class:`tandem.rl.rollout_worker.RolloutReplicaWorker`.
+The controller wires them once with :func:`connect_weight_sync` and moves each new version
+with :func:`sync_weights`. The worker groups' own call channels (Ray or local processes)
+carry the sender's address; the buckets go through the chosen backend.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tandem.checkpoint_engine.config import CheckpointEngineConfig
+from tandem.checkpoint_engine.sync import SenderAddress, SyncStats, WeightSender
+from tandem.controller import register
+
+
+class SendsWeights:
+    """Trainer-group methods: rank 0 sends; every rank walks ``iter_parameters`` (FSDP2 gathers in step)."""
+
+    engine: Any
+    rank: int
+    _weight_sender: WeightSender | None = None
+
+    @register(dispatch="ONE_TO_ALL")
+    def start_weight_sender(self, config: CheckpointEngineConfig, receivers: int) -> SenderAddress | None:
+        """Rank 0 opens the control plane for ``receivers`` replicas and returns its address."""
+        if self.rank == 0:
+            self._weight_sender = WeightSender(config, receivers, self.engine.device)
+            return self._weight_sender.address
+        return None
+
+    @register(dispatch="ONE_TO_ALL", blocking=False)
+    def connect_weight_sender(self) -> None:
+        if self._weight_sender is not None:
+            self._weight_sender.connect()
+
+    @register(dispatch="ONE_TO_ALL", blocking=False)
+    def send_weights(self, version: int) -> SyncStats | None:
+        """Send the current weights as ``version`` (rank 0's stats; other ranks return None)."""
+        tensors = self.engine.iter_parameters()
+        if self._weight_sender is None:
+            for _ in tensors:  # take part in each gather
+                pass
+            return None
+        return self._weight_sender.send(tensors, version)
+
+    @register(dispatch="ONE_TO_ALL")
+    def close_weight_sender(self) -> None:
+        if self._weight_sender is not None:
+            self._weight_sender.close()
+            self._weight_sender = None
+
+
+def connect_weight_sync(trainer: Any, rollout: Any, config: CheckpointEngineConfig) -> SenderAddress:
+    """Open the sender on trainer rank 0 and join every replica of ``rollout`` to it."""
+    address = trainer.start_weight_sender(config, rollout.world_size)[0]
+    joined = [trainer.connect_weight_sender(), rollout.connect_weights(config, address)]
+    for pending in joined:
+        pending.result(timeout=config.timeout_s)
+    return address
+
+
+def sync_weights(trainer: Any, rollout: Any, version: int, pause: str = "keep") -> SyncStats:
+    """Move the trainer's current weights to every replica as ``version``; the sender's stats."""
+    sent = trainer.send_weights(version)
+    received = rollout.receive_weights(version, pause)
+    while not (sent.done() and received.done()):  # a failure on either side surfaces at once
+        for pending in (sent, received):
+            if pending.done():
+                pending.result()
+        time.sleep(0.001)
+    received.result()
+    return sent.result()[0]

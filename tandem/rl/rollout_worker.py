@@ -1,0 +1,78 @@
+"""``RolloutReplicaWorker``: a rollout engine in a process of its own, fed weights by the checkpoint engine.
+
+Disaggregated placement puts generation on replicas apart from the trainer; each replica is
+one rank of this group, receiving every weight version from trainer rank 0 through
+:mod:`tandem.checkpoint_engine` and applying it between pause and resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from tandem.checkpoint_engine import CheckpointEngineConfig, SenderAddress, WeightReceiver
+from tandem.controller import Worker, register
+from tandem.device import bind_device
+from tandem.rollout import RolloutRequest, SamplingParams
+from tandem.rollout.config import RolloutEngineConfig
+from tandem.rollout.factory import build_rollout_engine
+
+
+class RolloutReplicaWorker(Worker):
+    """One rollout replica (see the module docstring). ``device``: ``auto``, ``cpu`` or ``cuda``."""
+
+    def __init__(self, engine: RolloutEngineConfig, model_path: str, device: str = "auto") -> None:
+        hf_logging.disable_progress_bar()
+        self.device = bind_device(device, self.local_rank)
+        engine = dataclasses.replace(
+            engine,
+            native=dataclasses.replace(engine.native, device=str(self.device)),
+            hf=dataclasses.replace(engine.hf, device=str(self.device)),
+        )
+        self.engine = build_rollout_engine(engine, model_path)
+        self.receiver: WeightReceiver | None = None
+
+    @register(dispatch="ONE_TO_ALL", blocking=False)
+    def connect_weights(self, config: CheckpointEngineConfig, address: SenderAddress) -> None:
+        """Join the trainer's weight sender at ``address`` as receiver ``rank + 1`` (non-blocking:
+        with the broadcast backend the sender joins at the same time)."""
+        self.receiver = WeightReceiver(config, address, self.rank + 1, self.device)
+
+    @register(dispatch="ONE_TO_ALL", blocking=False)
+    def receive_weights(self, version: int, pause: str = "keep") -> int:
+        """Apply weight ``version`` from the sender: ``pause(pause)``, load bucket by bucket, resume.
+
+        ``keep``: requests in flight continue under the new weights (their later tokens carry
+        ``version``); ``abort``: they end now. Returns the number of tensors loaded.
+        """
+        if self.receiver is None:
+            raise RuntimeError("connect_weights() first")
+        self.engine.pause(pause)
+        try:
+            return self.engine.update_weights(self.receiver.receive(version), version)
+        finally:
+            self.engine.resume()
+
+    @register(dispatch="ONE_TO_ALL")
+    def generate_greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """Greedy completions of ``prompts`` (token ids), for checks of what the weights say."""
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        requests = [RolloutRequest(f"greedy-{i}", tuple(p), params) for i, p in enumerate(prompts)]
+        return [list(c.token_ids) for c in self.engine.generate_batch(requests)]
+
+    @register(dispatch="ONE_TO_ALL")
+    def weight_version(self) -> int:
+        return self.engine.version
+
+    @register(dispatch="ONE_TO_ALL")
+    def model_weights(self) -> dict[str, torch.Tensor]:
+        """Copies of the engine's weights by name, on the CPU (native and hf engines)."""
+        return {name: p.detach().cpu().clone() for name, p in self.engine.model.state_dict().items()}
+
+    @register(dispatch="ONE_TO_ALL")
+    def shutdown(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+        self.engine.close()
