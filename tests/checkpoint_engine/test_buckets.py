@@ -1,11 +1,16 @@
 """Buckets: every dtype and shape comes back bit-exact from its place in a flat buffer."""
 
+import json
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 
 import pytest
 import torch
 
-from tandem.checkpoint_engine import CheckpointEngineConfig, WeightReceiver, WeightSender
+from tandem.checkpoint_engine import CheckpointEngineConfig, SenderAddress, WeightReceiver, WeightSender
 from tandem.checkpoint_engine.buckets import ALIGN, BucketMeta, group_tensors, layout, pack, unpack
 
 
@@ -92,3 +97,29 @@ def test_naive_and_files_without_a_directory_are_refused_with_the_key():
         CheckpointEngineConfig(backend="files")
     with pytest.raises(ValueError, match="naive copies into a rollout engine in the same process"):
         WeightSender(CheckpointEngineConfig(), receivers=1, device=torch.device("cpu"))
+
+
+def test_a_sender_that_exits_under_a_waiting_receiver_is_a_connection_error(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import json, sys, torch
+        from tandem.checkpoint_engine import CheckpointEngineConfig, WeightSender
+        sender = WeightSender(CheckpointEngineConfig(backend="files", directory={str(tmp_path)!r}), 1, torch.device("cpu"))
+        print(json.dumps([sender.address.host, sender.address.port]), flush=True)
+        sys.stdin.readline()  # exits when the test says so, without sending anything
+        """
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    host, port = json.loads(process.stdout.readline())
+    config = CheckpointEngineConfig(backend="files", directory=str(tmp_path), timeout_s=30)
+    receiver = WeightReceiver(config, SenderAddress(host, port, "files", 1, "gloo"), 1, torch.device("cpu"))
+    threading.Timer(0.5, lambda: process.stdin.close()).start()
+    started = time.monotonic()
+    with pytest.raises(
+        ConnectionError, match=rf"lost the control plane at {host}:{port} while waiting for the sender"
+    ):
+        list(receiver.receive(1))
+    assert time.monotonic() - started < 15
+    process.wait(timeout=30)
