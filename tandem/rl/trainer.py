@@ -259,6 +259,8 @@ class RLTrainer:
         token_scores[torch.arange(len(batch)), (lengths - 1).clamp(min=0)] = result.scores
         if result.errors:
             self.console.print(f"[yellow]reward: {len(result.errors)} failed ({result.errors[0]}); scored 0")
+        if result.notes:
+            self.console.print(f"[yellow]reward: {len(result.notes)} fields left out ({result.notes[0]})")
         return batch.assign(
             tensors={"token_level_scores": token_scores, "acc": result.accuracy}
         ), result.metrics

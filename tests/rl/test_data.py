@@ -94,6 +94,11 @@ def test_dataset_tokenises_with_the_chat_template_and_filters_overlong(tmp_path)
     ("corrupt", "message"),
     [
         (lambda r: r.pop("reward_model"), "row 2: missing field 'reward_model'"),
+        (
+            lambda r: r.update(reward_model=None),
+            "row 2: field 'reward_model' is null; it must be a dict with 'ground_truth'",
+        ),
+        (lambda r: r.update(prompt=None), "row 2: field 'prompt' is null; it must be a non-empty list"),
         (lambda r: r.update(prompt="just a string"), "row 2: field 'prompt' must be a non-empty list"),
         (lambda r: r.update(prompt=[{"role": "user"}]), "row 2: field 'prompt' message 0 needs string"),
         (lambda r: r.update(data_source=7), "row 2: field 'data_source' must be a string"),

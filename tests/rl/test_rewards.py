@@ -97,3 +97,79 @@ def test_math_scorer_uses_symbolic_equivalence_when_math_verify_is_installed():
     math = SCORERS.get("math")
     assert math("so $\\boxed{0.5}$", "\\frac{1}{2}", {}) == 1.0  # a string comparison would say no
     assert math("so $\\boxed{0.6}$", "\\frac{1}{2}", {}) == 0.0
+
+
+REAL_AND_NOT = """
+import math
+import numpy as np
+import torch
+
+RETURNS = {
+    "np32": np.float32(0.5), "np64": np.float64(0.25), "npint": np.int64(1), "npbool": np.bool_(True),
+    "array0d": np.array(0.75), "tensor0d": torch.tensor(0.5), "tensor1": torch.tensor([0.125]),
+    "bf16": torch.tensor(0.5, dtype=torch.bfloat16), "int": 1, "bool": False,
+    "nan": float("nan"), "inf": math.inf, "npnan": np.float32("nan"), "str": "0.5", "none": None,
+    "complex": 1 + 2j, "vector": np.array([0.5, 0.5]),
+    "dict_ok": {"score": np.float32(1.0), "acc": torch.tensor(0.0), "steps": np.int64(3)},
+    "dict_bad_field": {"score": 0.5, "note": "abc", "acc": "yes", "steps": float("nan")},
+    "dict_bad_score": {"score": "x"},
+    "dict_no_score": {"acc": 1.0},
+}
+
+
+def score(data_source, solution, ground_truth, extra_info):
+    return RETURNS[solution]
+"""
+
+EXPECTED = {  # solution -> (score, acc, counted as a reward error)
+    "np32": (0.5, 0.5, False), "np64": (0.25, 0.25, False), "npint": (1.0, 1.0, False),
+    "npbool": (1.0, 1.0, False), "array0d": (0.75, 0.75, False), "tensor0d": (0.5, 0.5, False),
+    "tensor1": (0.125, 0.125, False), "bf16": (0.5, 0.5, False), "int": (1.0, 1.0, False),
+    "bool": (0.0, 0.0, False), "nan": (0.0, 0.0, True), "inf": (0.0, 0.0, True), "npnan": (0.0, 0.0, True),
+    "str": (0.0, 0.0, True), "none": (0.0, 0.0, True), "complex": (0.0, 0.0, True), "vector": (0.0, 0.0, True),
+    "dict_ok": (1.0, 0.0, False), "dict_bad_field": (0.5, 0.5, False), "dict_bad_score": (0.0, 0.0, True),
+    "dict_no_score": (0.0, 0.0, True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("num_workers", [1, 4])
+def test_every_real_number_type_scores_and_everything_else_is_a_counted_error(tmp_path, num_workers):
+    source = tmp_path / "returns.py"
+    source.write_text(REAL_AND_NOT)
+    config = RewardConfig(custom_path=str(source), custom_name="score", num_workers=num_workers)
+    solutions = list(EXPECTED)
+    count = len(solutions)
+    result = RewardManager(config).score(
+        ["src"] * count, solutions, [""] * count, [{}] * count, torch.ones(count), 8
+    )
+    assert result.scores.tolist() == [EXPECTED[s][0] for s in solutions]
+    assert result.accuracy.tolist() == [EXPECTED[s][1] for s in solutions]
+    failed = [s for s in solutions if EXPECTED[s][2]]
+    assert result.metrics["reward/errors"] == len(failed) == len(result.errors)
+    assert [int(e.split()[1]) for e in result.errors] == [
+        solutions.index(s) for s in failed
+    ]  # "item <i> (src): ..."
+    assert any("returned nan" in e for e in result.errors)
+    assert any("dict without 'score'" in e for e in result.errors)
+    # the bad dict's extra fields are left out and counted; its score stands
+    assert result.metrics["reward/invalid_fields"] == 3 and len(result.notes) == 3
+    assert any("field 'note' is str 'abc'" in n for n in result.notes)
+    assert result.metrics["reward/extra/steps/mean"] == 3.0
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("def score(a, b, c, d):\n    return (1\n", r"line \d: SyntaxError: "),
+        (
+            "import os\nimport not_a_module_anywhere\n",
+            r"line 2: ModuleNotFoundError: No module named 'not_a_module_anywhere'",
+        ),
+        ("x = 1\ny = 1 / 0\n", r"line 2: ZeroDivisionError: division by zero"),
+    ],
+)
+def test_a_reward_file_that_fails_to_load_names_the_file_and_line(tmp_path, text, message):
+    source = tmp_path / "broken.py"
+    source.write_text(text)
+    with pytest.raises(ValueError, match=rf"reward.custom_path='{source}': {message}"):
+        RewardManager(RewardConfig(custom_path=str(source), custom_name="score"))

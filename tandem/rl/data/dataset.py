@@ -27,13 +27,22 @@ class PromptSample:
     raw_prompt: list
 
 
+REQUIRED = {  # what each required field must hold, for the messages
+    "data_source": "it must be a string naming the reward scorer",
+    "prompt": "it must be a non-empty list of chat messages",
+    "reward_model": "it must be a dict with 'ground_truth'",
+}
+
+
 def validate_row(row: Any, where: str) -> None:
     """Raise ``ValueError`` naming ``where`` and the field when ``row`` does not follow verl's schema."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a row must be a mapping of fields, got {type(row).__name__}")
     for name in ("data_source", "prompt", "reward_model"):
-        if name not in row or row[name] is None:
+        if name not in row:
             raise ValueError(f"{where}: missing field {name!r} (has {sorted(row)})")
+        if row[name] is None:
+            raise ValueError(f"{where}: field {name!r} is null; {REQUIRED[name]}")
     if not isinstance(row["data_source"], str):
         raise ValueError(
             f"{where}: field 'data_source' must be a string, got {type(row['data_source']).__name__}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +20,20 @@ def load_reward_function(path: str, name: str) -> Callable:
     if spec is None or spec.loader is None:
         raise ValueError(f"reward.custom_path={path!r} cannot be imported as a Python module")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as error:
+        raise ValueError(
+            f"reward.custom_path={path!r}: line {error.lineno}: SyntaxError: {error.msg}"
+        ) from None
+    except Exception as error:  # a failing import or top-level statement in the user's file
+        lines = [
+            frame.lineno
+            for frame in traceback.extract_tb(error.__traceback__)
+            if Path(frame.filename) == file
+        ]
+        where = f"line {lines[-1]}" if lines else "while loading"
+        raise ValueError(f"reward.custom_path={path!r}: {where}: {type(error).__name__}: {error}") from error
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"reward.custom_path={path!r} defines no function {name!r} (reward.custom_name)")

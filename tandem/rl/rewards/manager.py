@@ -1,9 +1,11 @@
 """``RewardManager``: score decoded responses by ``data_source``, in parallel, never failing the run.
 
 Each response is scored by the user's function (``reward.custom_path``) or the built-in scorer
-registered for its ``data_source``. A scorer that raises or runs past ``reward.timeout_s``
-scores 0 and is counted (``reward/errors``, ``reward/timeouts``); the first few messages are
-kept for the log. DAPO's overlong penalty is added on top when enabled.
+registered for its ``data_source``. A scorer that raises, runs past ``reward.timeout_s`` or
+returns something other than a finite real number (:mod:`.values`) scores 0 and is counted
+(``reward/errors``, ``reward/timeouts``), with a message naming the item. A dict result's
+extra fields that are not numbers are left out of the metrics and counted
+(``reward/invalid_fields``). DAPO's overlong penalty is added on top when enabled.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from tandem.rl.config import RewardConfig
 from tandem.rl.rewards.custom import load_reward_function
 from tandem.rl.rewards.parallel import CallResult, run_with_timeouts
 from tandem.rl.rewards.scorers import SCORERS
+from tandem.rl.rewards.values import describe, real_number
 
 
 @dataclass
@@ -28,6 +31,9 @@ class RewardResult:
     accuracy: torch.Tensor
     metrics: dict[str, float]
     errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(
+        default_factory=list
+    )  # dict fields left out (not numbers); the items still count
 
 
 class RewardManager:
@@ -62,12 +68,13 @@ class RewardManager:
         """Score each response; ``response_lengths [B]`` feeds the overlong penalty."""
         items = list(zip(data_sources, solutions, ground_truths, extra_infos, strict=True))
         results = run_with_timeouts(self._score_one, items, self.config.num_workers, self.config.timeout_s)
-        values, accuracies, extras, errors = _unpack(results)
+        values, accuracies, extras, errors, notes = _unpack(results, data_sources)
         scores = torch.tensor(values, dtype=torch.float32)
         accuracy = torch.tensor(accuracies, dtype=torch.float32)
         metrics = {
             "reward/errors": float(len(errors)),
             "reward/timeouts": float(sum(r.timeout for r in results)),
+            "reward/invalid_fields": float(len(notes)),
         }
         overlong = self.config.overlong
         if overlong.enable:
@@ -78,36 +85,46 @@ class RewardManager:
             metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
         for name, column in extras.items():
             metrics[f"reward/extra/{name}/mean"] = sum(column) / len(column)
-        return RewardResult(scores, accuracy, metrics, errors)
+        return RewardResult(scores, accuracy, metrics, errors, notes)
 
 
-def _unpack(results: list[CallResult]) -> tuple[list[float], list[float], dict[str, list[float]], list[str]]:
-    """Scores and accuracies (0 for failures; ``acc`` defaults to the score), the other numeric
-    fields of dict results, and error messages."""
+def _unpack(
+    results: list[CallResult], data_sources: Sequence[str]
+) -> tuple[list[float], list[float], dict[str, list[float]], list[str], list[str]]:
+    """Scores and accuracies (0 for failures; ``acc`` defaults to the score), the numeric extra
+    fields of dict results, error messages (items scored 0) and notes on fields left out."""
     values: list[float] = []
     accuracies: list[float] = []
     extras: dict[str, list[float]] = defaultdict(list)
     errors: list[str] = []
-    for result in results:
-        value, error = result.value, result.error
-        accuracy = None
+    notes: list[str] = []
+    for index, (result, source) in enumerate(zip(results, data_sources, strict=True)):
+        where = f"item {index} ({source})"
+        value, error, accuracy = result.value, result.error, None
         if error is None and isinstance(value, dict):
+            if "score" not in value:
+                error = f"returned a dict without 'score' (keys {sorted(map(str, value))[:6]})"
             for key, item in value.items():
-                if (
-                    key not in ("score", "acc")
-                    and isinstance(item, (int, float))
-                    and not isinstance(item, bool)
-                ):
-                    extras[key].append(float(item))
-            accuracy = value.get("acc")
+                if key in ("score", "acc"):
+                    continue
+                number = real_number(item)
+                if number is None:
+                    notes.append(f"{where}: field {key!r} is {describe(item)}, not a finite number; left out")
+                else:
+                    extras[str(key)].append(number)
+            if "acc" in value:
+                accuracy = real_number(value["acc"])
+                if accuracy is None:
+                    notes.append(f"{where}: field 'acc' is {describe(value['acc'])}; the score stands in")
             value = value.get("score")
-        if error is None and not isinstance(value, (int, float, bool)):
-            error = f"reward function returned {type(value).__name__}, not a number"
+        score = real_number(value) if error is None else None
+        if error is None and score is None:
+            error = f"returned {describe(value)}, not a finite real number"
         if error is not None:
-            errors.append(error)
+            errors.append(f"{where}: {error}")
             values.append(0.0)
             accuracies.append(0.0)
         else:
-            values.append(float(value))
-            accuracies.append(float(value if accuracy is None else accuracy))
-    return values, accuracies, dict(extras), errors
+            values.append(score)
+            accuracies.append(score if accuracy is None else accuracy)
+    return values, accuracies, dict(extras), errors, notes
