@@ -48,9 +48,11 @@ def run_train(overrides: list[str], console: Console) -> None:
 
 
 def prepare_data(args: argparse.Namespace, console: Console) -> None:
-    """Write a verl-schema parquet file from a built-in task or a local gsm8k/MATH file."""
-    from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows, gsm8k_rows, math_rows, write_parquet
+    """Write a verl-schema parquet or JSONL file from a built-in task or a local gsm8k/MATH file."""
+    from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows, gsm8k_rows, math_rows, write_rows
+    from tandem.rl.data.io import check_row_file
 
+    check_row_file(args.out, "--out")  # before any work
     if args.task == "arithmetic":
         task = ArithmeticTaskConfig(
             min_digits=args.min_digits,
@@ -65,7 +67,7 @@ def prepare_data(args: argparse.Namespace, console: Console) -> None:
                 f"--source PATH (a local {args.task} parquet or JSONL file) is required for {args.task}"
             )
         rows = (gsm8k_rows if args.task == "gsm8k" else math_rows)(args.source, split=args.split)
-    path = write_parquet(rows, args.out)
+    path = write_rows(rows, args.out)
     console.print(f"wrote {len(rows)} rows to {path}")
 
 
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         "prepare-data", help="write prompts in verl's parquet schema (arithmetic, gsm8k, math)"
     )
     data.add_argument("task", choices=["arithmetic", "gsm8k", "math"])
-    data.add_argument("--out", required=True, help="the parquet file to write")
+    data.add_argument("--out", required=True, help="the file to write: .parquet or .jsonl")
     data.add_argument("--source", help="gsm8k/math: the local parquet or JSONL file to convert")
     data.add_argument("--count", type=int, default=10_000, help="arithmetic: number of problems")
     data.add_argument("--min-digits", type=int, default=1)

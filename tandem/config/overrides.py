@@ -8,6 +8,8 @@ from typing import TypeVar
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from tandem.config.keys import check_override_keys
+
 T = TypeVar("T")
 
 
@@ -20,6 +22,8 @@ def config_from_overrides(schema: type[T], overrides: Sequence[str], yaml_path: 
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like key=value (e.g. trainer.total_steps=100)")
+    check_override_keys(schema, overrides)
+    overrides = [item.lstrip("+") for item in overrides]  # adding a key the schema has is setting it
     try:
         merged = OmegaConf.structured(schema)
         make_writable(merged)  # frozen dataclasses come back read-only; overrides must apply

@@ -18,6 +18,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from tandem.config.keys import check_override_keys
 from tandem.config.overrides import make_writable
 from tandem.rl.config import TrainConfig
 
@@ -49,6 +50,7 @@ def load_train_config(overrides: Sequence[str] = (), preset: str = "grpo") -> Tr
             rest.append(item)
     if preset not in presets():
         raise ValueError(f"preset={preset!r} is not a preset; choose one of {presets()}")
+    check_override_keys(TrainConfig, rest)
     ConfigStore.instance().store(name=SCHEMA_NAME, node=_writable_schema())
     GlobalHydra.instance().clear()
     try:

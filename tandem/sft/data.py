@@ -63,6 +63,9 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     raise ValueError(f"data file {path} must end in .parquet or .jsonl")
 
 
+ROLES = ("system", "user", "assistant", "tool")
+
+
 def template_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> list[int]:
     """Token ids of ``messages`` rendered with the tokenizer's chat template."""
     ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
@@ -82,8 +85,20 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], where: str) -> t
             raise ValueError(
                 f"{where}: message {turn} needs string 'role' and 'content' fields, got {message!r}"
             )
+        if message["role"] not in ROLES:
+            raise ValueError(
+                f"{where}: message {turn} has role {message['role']!r}; roles are {', '.join(ROLES)}"
+            )
+        if not message["content"].strip():
+            raise ValueError(f"{where}: message {turn} ({message['role']}) has empty content")
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"{where}: no assistant message, so nothing to learn")
+    first = next(turn for turn, m in enumerate(messages) if m["role"] != "system")
+    if messages[first]["role"] == "assistant":
+        raise ValueError(
+            f"{where}: message {first} is the assistant's, before any user message; "
+            "a conversation must open (after any system message) with the user"
+        )
     input_ids = template_ids(tokenizer, messages, add_generation_prompt=False)
     loss_mask = [0] * len(input_ids)
     for turn, message in enumerate(messages):

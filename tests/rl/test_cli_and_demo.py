@@ -10,10 +10,23 @@ from tandem.rl.demo import ACCURACY_KEY, DemoSettings, run_demo
 from tandem.rl.trackers import read_jsonl
 
 
+def test_prepare_data_refuses_a_format_it_cannot_write_before_doing_work(tmp_path, capsys):
+    assert main(["prepare-data", "arithmetic", "--out", str(tmp_path / "x.csv")]) == 2
+    assert "--out " in capsys.readouterr().err and not (tmp_path / "x.csv").exists()
+
+
 def test_prepare_data_then_train_from_the_command_line(rl_files, tmp_path):
     data = tmp_path / "add.parquet"
     assert main(["prepare-data", "arithmetic", "--out", str(data), "--count", "40", "--max-digits", "3"]) == 0
     assert len(RLDataset.load(data, build_char_tokenizer(), 64)) == 40
+    as_jsonl = tmp_path / "add.jsonl"  # the same rows as JSON lines, by the name's extension
+    assert (
+        main(["prepare-data", "arithmetic", "--out", str(as_jsonl), "--count", "40", "--max-digits", "3"])
+        == 0
+    )
+    assert as_jsonl.read_text().startswith("{")
+    from_jsonl = RLDataset.load(as_jsonl, build_char_tokenizer(), 64)
+    assert from_jsonl.samples == RLDataset.load(data, build_char_tokenizer(), 64).samples
     overrides = [
         "preset=dr_grpo",
         f"model_path={rl_files['model']}",

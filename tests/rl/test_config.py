@@ -45,6 +45,21 @@ def test_overrides_apply_and_bad_ones_name_the_key():
         load_train_config([*BASE, "preset=nope"])
     with pytest.raises(ValueError, match="must look like key=value"):
         load_train_config([*BASE, "rollout.n"])
+    for bad, message in [
+        (
+            "+trainer.bogus=1",
+            r"trainer.bogus is not a setting: trainer \(TrainerConfig\) has no field 'bogus'",
+        ),
+        ("trainer.bogus=1", r"trainer.bogus is not a setting"),
+        ("rollout.engine.nativ.dtype=x", r"has no field 'nativ'; did you mean rollout.engine.native\?"),
+        (
+            "actor.policy_loss=gspo",
+            r"actor.policy_loss is a group of settings.*e.g. actor.policy_loss.name=gspo",
+        ),
+        ("trainer.seed.x=1", r"trainer.seed is a single value, not a group"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            load_train_config([*BASE, bad])
 
 
 @pytest.mark.parametrize(

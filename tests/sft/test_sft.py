@@ -121,6 +121,15 @@ def test_parquet_input_and_bad_rows_are_named(tmp_path):
     bad = [{"messages": [{"role": "user", "content": "hi"}]}]
     with pytest.raises(ValueError, match=r"row 0: no assistant message"):
         SFTDataset.load(write_jsonl(tmp_path / "c.jsonl", bad), tokenizer, SFTDataConfig())
+    for messages, message in [
+        ([{"role": "bot", "content": "hi"}], r"row 0: message 0 has role 'bot'; roles are system, user, assistant"),
+        ([{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "  "}], r"message 1 \(assistant\) has empty content"),
+        ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "2"}], r"row 0: message 1 is the assistant's, before any user"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            SFTDataset.load(
+                write_jsonl(tmp_path / "f.jsonl", [{"messages": messages}]), tokenizer, SFTDataConfig()
+            )
     with pytest.raises(ValueError, match=r"row 0: \d+ tokens exceed data.max_length=10"):
         SFTDataset.load(write_jsonl(tmp_path / "d.jsonl", rows), tokenizer, SFTDataConfig(max_length=10))
     dropped = SFTDataset.load(
@@ -144,9 +153,16 @@ def test_overrides_build_typed_configs_and_reject_bad_keys(model_dir):
         and config.engine.lr == 0.5
         and config.trainer.total_steps == 7
     )
-    with pytest.raises(ValueError, match="bad configuration.*nonsense"):
+    for key in ("trainer.nonsense=1", "+trainer.nonsense=1"):  # Hydra's "add a key" form too
+        with pytest.raises(
+            ValueError, match=r"trainer.nonsense is not a setting: trainer \(SFTTrainerConfig\)"
+        ):
+            config_from_overrides(SFTConfig, [f"model_path={model_dir}", "data.train_path=t.jsonl", key])
+    with pytest.raises(
+        ValueError, match=r"engine.lora is a group of settings, not one value; set its fields"
+    ):
         config_from_overrides(
-            SFTConfig, [f"model_path={model_dir}", "data.train_path=t.jsonl", "trainer.nonsense=1"]
+            SFTConfig, [f"model_path={model_dir}", "data.train_path=t.jsonl", "engine.lora=8"]
         )
     with pytest.raises(ValueError, match="engine.strategy='zero3'"):
         config_from_overrides(
