@@ -50,7 +50,9 @@ class ControlPlane:
         self._published.extend(keys)
 
     def forget(self, keep_version: int) -> None:
-        """Delete the keys of versions before ``keep_version`` (the store would grow every sync otherwise)."""
+        """Delete the keys of versions before ``keep_version`` (the store would grow every sync otherwise).
+
+        Only versions every receiver is past may go: see :meth:`WeightSender.send`."""
         stale = [k for k in self._published if int(k.split("/", 1)[0]) < keep_version]
         for key in stale:
             self.store.delete_key(key)

@@ -95,7 +95,9 @@ class WeightSender:
         if self.transport is None:
             raise RuntimeError("WeightSender.connect() first")
         transport, control = self.transport, self.control
-        control.forget(keep_version=version)
+        # A replica may not have read the previous version's closing meta yet; by now every one
+        # has read all of the version before it (it took part in, or acknowledged, the last send).
+        control.forget(keep_version=version - 1)
         started, total = time.perf_counter(), 0
         in_flight: list[BucketMeta | None] = [None] * SLOTS
         index = 0
