@@ -1,8 +1,15 @@
 """A tiny model served on loopback, shared by the server tests."""
 
+import contextlib
 import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 
@@ -62,3 +69,39 @@ def http(url: str, body: dict | bytes | None = None, headers: dict | None = None
         return status, json.loads(payload)
     except json.JSONDecodeError:
         return status, payload
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_process(model_dir: str, port: int, *flags: str, env: dict) -> Iterator[subprocess.Popen]:
+    """A real ``tandem serve model_dir --port port *flags`` process, yielded once ``/health`` answers
+    200; terminated on exit, then its output (stdout and stderr) is in ``process.output``.
+
+    The output goes to a file, not a pipe: a full pipe would stall a chatty server mid-test."""
+    command = [sys.executable, "-m", "tandem", "serve", model_dir, "--port", str(port), *flags]
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+        def output() -> str:
+            log.seek(0)
+            return log.read()
+
+        deadline = time.monotonic() + 120
+        try:
+            while True:
+                assert process.poll() is None, output()
+                with contextlib.suppress(OSError):
+                    if http(f"http://127.0.0.1:{port}/health")[0] == 200:
+                        break
+                assert time.monotonic() < deadline, "the server did not come up"
+                time.sleep(0.2)
+            yield process
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+            process.output = output()

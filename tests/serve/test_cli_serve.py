@@ -1,52 +1,22 @@
 """``tandem serve MODEL_PATH`` as a real process: health, a chat completion with auth, clean errors."""
 
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
 from tandem.serve import ServerConfig
-from tests.serve.conftest import http
+from tests.serve.conftest import free_port, http, serve_process
 
 openai = pytest.importorskip("openai")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_tandem_serve_process(model_dir):
     port = free_port()
     env = {**os.environ, "TANDEM_API_KEY": "k"}
-    command = [
-        sys.executable,
-        "-m",
-        "tandem",
-        "serve",
-        model_dir,
-        "--port",
-        str(port),
-        "--max-model-len",
-        "128",
-    ]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                if http(url + "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+    url = f"http://127.0.0.1:{port}"
+    with serve_process(model_dir, port, "--max-model-len", "128", env=env) as process:
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
         name = os.path.basename(model_dir)
         assert [m.id for m in client.models.list().data] == [name]
@@ -58,10 +28,7 @@ def test_tandem_serve_process(model_dir):
             "length",
         )
         assert http(url + "/v1/models")[0] == 401
-    finally:
-        process.terminate()
-        output = process.communicate(timeout=30)[0]
-    assert f"http://127.0.0.1:{port}/v1" in output
+    assert f"http://127.0.0.1:{port}/v1" in process.output
 
 
 def test_tandem_serve_reports_a_missing_model(tmp_path):

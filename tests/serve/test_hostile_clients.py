@@ -13,14 +13,12 @@ import json
 import os
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
-from tests.serve.test_cli_serve import free_port
+from tests.serve.conftest import free_port, serve_process
 
 KEY = "k"
 MAX_MODEL_LEN = 2048
@@ -34,43 +32,18 @@ NESTED_LOOPS = "{% for i in range(30000) %}{% for j in range(30000) %}{% endfor 
 @pytest.fixture(scope="module")
 def port(model_dir):
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "tandem",
-        "serve",
-        model_dir,
-        "--port",
-        str(port),
-        "--served-model-name",
-        "tiny",
-        "--api-key",
-        KEY,
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--max-num-seqs",
-        str(MAX_SEQUENCES),
-        "--max-sequences-per-request",
-        str(MAX_SEQUENCES),
-        "--stream-send-timeout",
-        "0.5",
-    ]
+    flags = [
+        "--served-model-name", "tiny",
+        "--api-key", KEY,
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--max-num-seqs", str(MAX_SEQUENCES),
+        "--max-sequences-per-request", str(MAX_SEQUENCES),
+        "--stream-send-timeout", "0.5",
+    ]  # fmt: skip
     env = {key: value for key, value in os.environ.items() if key != "TANDEM_API_KEY"}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    try:
-        while True:
-            assert process.poll() is None, process.stderr.read()
-            with contextlib.suppress(OSError):
-                if call("GET", port, "/health")[0] == 200:
-                    break
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+    with serve_process(model_dir, port, *flags, env=env):
         call("POST", port, "/v1/completions", {"model": "tiny", "prompt": "warm", "max_tokens": 2})
         yield port
-    finally:
-        process.terminate()
-        process.communicate(timeout=30)
 
 
 def call(method: str, port: int, path: str, body=None, headers=None, timeout: float = 30.0):
