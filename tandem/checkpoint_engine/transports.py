@@ -50,7 +50,7 @@ class BroadcastSender:
         self.works: list = [None] * SLOTS
 
     def buffer(self, slot: int, nbytes: int) -> torch.Tensor:
-        self.reclaim(slot, None)
+        """Slot ``slot``'s buffer; the sender reclaimed the slot (its broadcast finished) before asking."""
         self.buffers[slot] = _grown(self.buffers[slot], nbytes, self.device)
         return self.buffers[slot]
 

@@ -11,8 +11,9 @@ sequence, and the trainers stop before such weights are synced, saved or exporte
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from tandem.errors import DivergenceError
 
@@ -38,10 +39,12 @@ class ModelHealth:
         return self.finite_weights and self.finite_log_probs and math.isfinite(self.max_abs_weight)
 
 
-def check_health(reports: Sequence[ModelHealth], step: int, resume_hint: str) -> float:
+def check_health(
+    reports: Sequence[ModelHealth], step: int, last_checkpoint: Callable[[], Path | None]
+) -> float:
     """The largest weight magnitude over ranks; raises :class:`DivergenceError` naming ``step``
-    when any rank's weights or probe log-probs are not finite. ``resume_hint`` says where a
-    user can go back to (the last checkpoint)."""
+    when any rank's weights or probe log-probs are not finite. ``last_checkpoint`` (asked only
+    then) says where a user can go back to."""
     largest = max(r.max_abs_weight for r in reports)
     if all(r.ok for r in reports):
         return largest
@@ -50,9 +53,11 @@ def check_health(reports: Sequence[ModelHealth], step: int, resume_hint: str) ->
         if not all(r.finite_weights for r in reports)
         else f"the model's log-probs are not finite (largest |weight| {largest:.3g})"
     )
+    latest = last_checkpoint()
+    where = f"The last checkpoint is {latest}" if latest else "No checkpoint was saved yet"
     raise DivergenceError(
         f"step {step}: after the update {what}: training diverged, and this step's weights are not "
-        f"synced, saved or exported. {resume_hint}; resume with a lower learning rate"
+        f"synced, saved or exported. {where}; resume with a lower learning rate"
     )
 
 

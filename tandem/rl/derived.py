@@ -84,12 +84,7 @@ def rollout_engine_config(config: TrainConfig, device: str) -> RolloutEngineConf
         "rollout.engine.native", rollout.native, {"max_model_len": longest, "seed": seed}
     )
     vllm = _replace_derived("rollout.engine.vllm", rollout.vllm, {"max_model_len": longest, "seed": seed})
-    return dataclasses.replace(
-        rollout,
-        native=dataclasses.replace(native, device=device),
-        vllm=vllm,
-        hf=dataclasses.replace(rollout.hf, device=device),
-    )
+    return dataclasses.replace(rollout, native=native, vllm=vllm).on_device(device)
 
 
 def check_derived_fields(config: TrainConfig) -> None:

@@ -7,8 +7,6 @@ one rank of this group, receiving every weight version from trainer rank 0 throu
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from transformers.utils import logging as hf_logging
 
@@ -26,12 +24,7 @@ class RolloutReplicaWorker(Worker):
     def __init__(self, engine: RolloutEngineConfig, model_path: str, device: str = "auto") -> None:
         hf_logging.disable_progress_bar()
         self.device = bind_device(device, self.local_rank)
-        engine = dataclasses.replace(
-            engine,
-            native=dataclasses.replace(engine.native, device=str(self.device)),
-            hf=dataclasses.replace(engine.hf, device=str(self.device)),
-        )
-        self.engine = build_rollout_engine(engine, model_path)
+        self.engine = build_rollout_engine(engine.on_device(str(self.device)), model_path)
         self.receiver: WeightReceiver | None = None
 
     @register(dispatch="ONE_TO_ALL", blocking=False)

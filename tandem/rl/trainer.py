@@ -308,9 +308,7 @@ class RLTrainer:
             int(update_metrics["actor/skipped_updates_in_a_row"]), trainer.max_skipped_updates_in_a_row,
             "trainer.max_skipped_updates_in_a_row", self.step,
         )  # fmt: skip
-        latest = self.checkpoints.latest()
-        hint = f"The last checkpoint is {latest}" if latest else "No checkpoint was saved yet"
-        return check_health(self.workers.actor_health(), self.step, hint)
+        return check_health(self.workers.actor_health(), self.step, self.checkpoints.latest)
 
     def validate(self) -> dict[str, float]:
         """Accuracy on the validation prompts per data source: ``val-core/<source>/acc/mean@<n>``."""

@@ -10,6 +10,7 @@ refuses a user value it would otherwise overwrite.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from tandem.config.validation import check_choice
@@ -66,3 +67,12 @@ class RolloutEngineConfig:
     def selected(self) -> NativeEngineConfig | VLLMEngineConfig | HFEngineConfig:
         """The chosen engine's own config."""
         return getattr(self, self.name)
+
+    def on_device(self, device: str) -> RolloutEngineConfig:
+        """This config with the engines that take a device (native, hf) placed on ``device``;
+        vLLM places itself."""
+        return dataclasses.replace(
+            self,
+            native=dataclasses.replace(self.native, device=device),
+            hf=dataclasses.replace(self.hf, device=device),
+        )

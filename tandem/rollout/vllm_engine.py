@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.checkpoint_engine.buckets import group_tensors
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.models.loading import load_tokenizer
 from tandem.rollout.native import PAUSE_MODES
@@ -82,22 +83,13 @@ class VLLMEngineConfig:
 
 def weight_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], limit_bytes: int) -> Iterator[bytes]:
     """``torch.save``-d ``{name: tensor}`` dicts of at most ``limit_bytes`` of tensor data each
-    (a larger tensor travels alone), taking one tensor at a time from ``named_tensors``.
+    (a larger tensor travels alone), taking one tensor at a time from ``named_tensors``
+    (grouped as the checkpoint engine groups its buckets).
 
     Bytes, because vLLM's RPC serialiser passes them through intact.
     """
-    bucket: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, tensor in named_tensors:
-        tensor = tensor.detach().to("cpu").contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > limit_bytes:
-            yield _serialise(bucket)
-            bucket, size = {}, 0
-        bucket[name] = tensor
-        size += nbytes
-    if bucket:
-        yield _serialise(bucket)
+    for group in group_tensors(named_tensors, limit_bytes):
+        yield _serialise({name: tensor.detach().to("cpu").contiguous() for name, tensor in group})
 
 
 def _serialise(named: dict[str, torch.Tensor]) -> bytes:

@@ -117,9 +117,7 @@ class SFTTrainer:
         if self.engine.last_step_skipped:
             self.console.print(f"[yellow]step {self.step}: loss or gradient norm not finite; update skipped")
         self.skipped.check(self.step)
-        latest = self._latest_checkpoint()
-        hint = f"The last checkpoint is {latest}" if latest else "No checkpoint was saved yet"
-        check_health([self.engine.health(probe)], self.step, hint)
+        check_health([self.engine.health(probe)], self.step, self._latest_checkpoint)
 
     def evaluate(self) -> float:
         """Mean assistant-token NLL over the whole validation set."""
