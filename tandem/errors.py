@@ -12,4 +12,8 @@ class OutputDirInUseError(RuntimeError):
     """Another run holds the output directory."""
 
 
-USER_ERRORS = (ValueError, FileNotFoundError, DivergenceError, OutputDirInUseError)
+class RolloutReplicaError(RuntimeError):
+    """A rollout replica of an asynchronous pipeline died, hung or failed; the message names it."""
+
+
+USER_ERRORS = (ValueError, FileNotFoundError, DivergenceError, OutputDirInUseError, RolloutReplicaError)

@@ -15,6 +15,8 @@ from typing import Any
 from tandem.checkpoint_engine.config import CheckpointEngineConfig
 from tandem.checkpoint_engine.sync import SenderAddress, SyncStats, WeightSender
 from tandem.controller import register
+from tandem.controller.errors import WorkerDiedError, WorkerError
+from tandem.errors import RolloutReplicaError
 
 
 class SendsWeights:
@@ -64,13 +66,26 @@ def connect_weight_sync(trainer: Any, rollout: Any, config: CheckpointEngineConf
 
 
 def sync_weights(trainer: Any, rollout: Any, version: int, pause: str = "keep") -> SyncStats:
-    """Move the trainer's current weights to every replica as ``version``; the sender's stats."""
+    """Move the trainer's current weights to every replica as ``version``; the sender's stats.
+
+    A replica that fails or dies meanwhile raises :class:`RolloutReplicaError` naming it.
+    """
     sent = trainer.send_weights(version)
     received = rollout.receive_weights(version, pause)
     while not (sent.done() and received.done()):  # a failure on either side surfaces at once
-        for pending in (sent, received):
-            if pending.done():
-                pending.result()
+        if sent.done():
+            sent.result()
+        if received.done():
+            _replicas_result(received, version)
         time.sleep(0.001)
-    received.result()
+    _replicas_result(received, version)
     return sent.result()[0]
+
+
+def _replicas_result(received: Any, version: int) -> None:
+    try:
+        received.result()
+    except (WorkerError, WorkerDiedError) as error:
+        raise RolloutReplicaError(
+            f"rollout replica {error.rank} failed to receive weight version {version}: {error}"
+        ) from error

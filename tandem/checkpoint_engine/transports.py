@@ -23,6 +23,8 @@ from tandem.checkpoint_engine.buckets import BucketMeta
 SLOTS = 2  # a bucket is packed while the previous one is in flight
 
 
+SLOT_PREFIX = "tandem-weights"  # slot and bucket files: <prefix>-<sender pid>-<random>-...
+
 def _grown(buffer: torch.Tensor | None, nbytes: int, device: torch.device) -> torch.Tensor:
     if buffer is not None and buffer.numel() >= nbytes:
         return buffer
@@ -104,7 +106,7 @@ class SharedMemorySender:
                 "backend=files"
             )
         self.bucket_bytes = bucket_bytes
-        self.prefix = f"tandem-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.prefix = f"{SLOT_PREFIX}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.maps: list[torch.Tensor | None] = [None] * SLOTS
         self.paths: list[Path | None] = [None] * SLOTS
         self._files = 0
@@ -164,7 +166,7 @@ class FileSender:
     def __init__(self, directory: str) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.prefix = f"tandem-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.prefix = f"{SLOT_PREFIX}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.buffers: list[torch.Tensor | None] = [None] * SLOTS
         self.written: set[Path] = set()
 

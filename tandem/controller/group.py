@@ -129,6 +129,11 @@ class WorkerGroup:
         self.worker_cls = worker_cls
         self._meshes: dict[str, list[MeshRank]] = {}
         for name, spec in registered_methods(worker_cls).items():
+            if hasattr(WorkerGroup, name):
+                raise ValueError(
+                    f"{worker_cls.__name__}.{name} is registered, but WorkerGroup.{name} is the group's own; "
+                    "rename the worker method"
+                )
             setattr(self, name, BoundMethod(self, name, spec))
         self.roles = dict(roles or {})
         for role, role_cls in self.roles.items():

@@ -31,6 +31,7 @@ from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.controller.resource_pool import ResourcePool
 from tandem.device import check_device_setting
 from tandem.engine.config import EngineConfig
+from tandem.pipeline.config import PipelineConfig
 from tandem.rollout.config import RolloutEngineConfig
 
 BACKENDS = ("local", "ray")
@@ -340,6 +341,7 @@ class TrainConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -373,9 +375,33 @@ class TrainConfig:
             )
         if self.algorithm.kl.use_kl_loss and self.algorithm.kl.kl_loss_coef == 0:
             raise ValueError("algorithm.kl.use_kl_loss is on but algorithm.kl.kl_loss_coef is 0")
+        self._check_pipeline()
         from tandem.rl.derived import check_derived_fields  # derived.py builds on this module
 
         check_derived_fields(self)
+
+    def _check_pipeline(self) -> None:
+        """What the asynchronous pipelines do not support (yet), named by key."""
+        pipeline = self.pipeline
+        if not pipeline.disaggregated:
+            return
+        mode = f"pipeline.mode={pipeline.mode}"
+        if self.algorithm.filter_groups.enable:
+            raise ValueError(f"{mode} does not support algorithm.filter_groups.enable (dynamic sampling) yet")
+        if self.algorithm.needs_greedy_baseline:
+            raise ValueError(
+                f"{mode} does not support algorithm.adv_estimator={self.algorithm.adv_estimator} "
+                "(a greedy baseline per prompt) yet"
+            )
+        if self.rollout.free_cache_between_generations:
+            raise ValueError(f"{mode} generates continuously; rollout.free_cache_between_generations must be off")
+        lag = pipeline.trigger_parameter_sync_step - 1
+        if pipeline.mode == "fully_async" and pipeline.staleness_threshold < lag:
+            raise ValueError(
+                f"pipeline.staleness_threshold={pipeline.staleness_threshold} is below pipeline."
+                f"trigger_parameter_sync_step - 1 = {lag}: between syncs the trainer would wait for samples "
+                "that the threshold forbids the rollout to start"
+            )
 
     @property
     def workers_per_node(self) -> int:
@@ -403,7 +429,8 @@ class TrainConfig:
         """True when the step is purely on-policy, so the update's forward gives the old log-probs."""
         correction = self.algorithm.rollout_correction
         return (
-            not self.actor.recompute_old_log_probs
+            not self.pipeline.disaggregated  # replicas lag the trainer: old log-probs are recomputed
+            and not self.actor.recompute_old_log_probs
             and self.actor.ppo_epochs == 1
             and self.mini_batch_prompts == self.data.train_batch_size
             and not self.algorithm.kl.use_kl_in_reward

@@ -2,7 +2,10 @@
 
 Disaggregated placement puts generation on replicas apart from the trainer; each replica is
 one rank of this group, receiving every weight version from trainer rank 0 through
-:mod:`tandem.checkpoint_engine` and applying it between pause and resume.
+:mod:`tandem.checkpoint_engine` and applying it between pause and resume. In the asynchronous
+pipelines (:mod:`tandem.pipeline`) a replica generates prompt groups on its engine's own
+thread while its calls return at once; finished groups go into the shared-memory sample store
+and only their metadata travels back (``start_groups`` / ``collect``).
 """
 
 from __future__ import annotations
@@ -13,19 +16,36 @@ from transformers.utils import logging as hf_logging
 from tandem.checkpoint_engine import CheckpointEngineConfig, SenderAddress, WeightReceiver
 from tandem.controller import Worker, register
 from tandem.device import bind_device
+from tandem.pipeline.groups import GroupRequest, GroupTracker
+from tandem.pipeline.sample_queue import GroupMeta
+from tandem.pipeline.sample_store import SampleWriter
 from tandem.rollout import RolloutRequest, SamplingParams
 from tandem.rollout.config import RolloutEngineConfig
 from tandem.rollout.factory import build_rollout_engine
 
 
 class RolloutReplicaWorker(Worker):
-    """One rollout replica (see the module docstring). ``device``: ``auto``, ``cpu`` or ``cuda``."""
+    """One rollout replica (see the module docstring).
 
-    def __init__(self, engine: RolloutEngineConfig, model_path: str, device: str = "auto") -> None:
+    ``device``: ``auto``, ``cpu`` or ``cuda``; ``threads``: CPU threads (0: PyTorch's default);
+    ``sample_dir``: the memory-backed directory of the sample store.
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngineConfig,
+        model_path: str,
+        device: str = "auto",
+        threads: int = 0,
+        sample_dir: str = "/dev/shm",
+    ) -> None:
         hf_logging.disable_progress_bar()
         self.device = bind_device(device, self.local_rank)
+        if threads and self.device.type == "cpu":
+            torch.set_num_threads(threads)
         self.engine = build_rollout_engine(engine.on_device(str(self.device)), model_path)
         self.receiver: WeightReceiver | None = None
+        self.groups = GroupTracker(self.rank, SampleWriter(sample_dir))
 
     @register(dispatch="ONE_TO_ALL", blocking=False)
     def connect_weights(self, config: CheckpointEngineConfig, address: SenderAddress) -> None:
@@ -49,6 +69,29 @@ class RolloutReplicaWorker(Worker):
             self.engine.resume()
 
     @register(dispatch="ONE_TO_ALL")
+    def start_groups(self, groups: list[GroupRequest]) -> int:
+        """Start generating ``groups`` on the engine's thread; returns the groups now in flight."""
+        self.groups.start(self.engine, groups)
+        return self.groups.in_flight
+
+    @register(dispatch="ONE_TO_ALL")
+    def collect(self, wait_s: float = 0.0) -> tuple[list[GroupMeta], float]:
+        """The groups finished since the last call (their tensors stored), and this replica's idle
+        seconds so far; waits up to ``wait_s`` for a group to finish."""
+        return self.groups.collect(wait_s), self.groups.idle_seconds()
+
+    @register(dispatch="ONE_TO_ALL")
+    def abort_all(self) -> int:
+        """Abort every group in flight (shutdown); returns how many."""
+        return self.groups.abort_all(self.engine)
+
+    @register(dispatch="ONE_TO_ALL")
+    def generate(self, requests: list[RolloutRequest]) -> list:
+        """Completions of ``requests``, in order (validation), alongside any groups in flight."""
+        futures = [self.engine.submit(r) for r in requests]
+        return [f.result() for f in futures]
+
+    @register(dispatch="ONE_TO_ALL")
     def generate_greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         """Greedy completions of ``prompts`` (token ids), for checks of what the weights say."""
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -65,7 +108,9 @@ class RolloutReplicaWorker(Worker):
         return {name: p.detach().cpu().clone() for name, p in self.engine.model.state_dict().items()}
 
     @register(dispatch="ONE_TO_ALL")
-    def shutdown(self) -> None:
+    def close_engine(self) -> None:
+        """Close the weight receiver and the engine, and delete this replica's stored samples."""
         if self.receiver is not None:
             self.receiver.close()
         self.engine.close()
+        self.groups.writer.discard_all()

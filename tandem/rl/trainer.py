@@ -1,8 +1,13 @@
-"""``RLTrainer``: the synchronous, colocated RL loop — it reads like the algorithm.
+"""``RLTrainer``: the RL loop — it reads like the algorithm.
 
 Each step: sample prompts -> generate ``n`` responses -> score them -> old (and reference)
 log-probs -> advantages on the controller -> actor update in mini-batches -> sync the new
 weights into the rollout engines -> log -> validate / checkpoint on schedule.
+
+With ``pipeline.mode=sync`` the workers generate and train in turn (colocated). The
+asynchronous modes take generation out of the step: rollout replicas produce prompt groups
+while the trainer trains (:class:`tandem.pipeline.runner.AsyncRollout`), and the step takes
+its batch from them and hands back each new weight version.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from tandem.algos import (
 from tandem.controller import create_worker_group
 from tandem.engine.divergence import check_health, check_skipped_in_a_row
 from tandem.models.loading import load_tokenizer
+from tandem.pipeline.runner import AsyncRollout
 from tandem.protocol import Batch, group_ids_from_uids
 from tandem.rl.balance import balanced_rank_order
 from tandem.rl.checkpoints import CheckpointManager
@@ -91,6 +97,7 @@ class RLTrainer:
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", config.trainer.keep_last)
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self.async_rollout: AsyncRollout | None = None
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> RLResult:
@@ -120,6 +127,11 @@ class RLTrainer:
             )  # fmt: skip
             validation: dict[str, float] = {}
             try:
+                if config.pipeline.disaggregated:
+                    self.async_rollout = AsyncRollout(
+                        config, workers, self.train_data, self.sampler, self.tokenizer
+                    )
+                    self.async_rollout.start(self.step)
                 if self.val_data is not None and trainer.val_before_train and self.step == 0:
                     validation = self.validate()
                     self._log(trackers, validation)
@@ -135,6 +147,8 @@ class RLTrainer:
                     if (trainer.save_every and self.step % trainer.save_every == 0) or last:
                         self.save_checkpoint()
             finally:
+                if self.async_rollout is not None:
+                    self.async_rollout.close()
                 for tracker in trackers:
                     tracker.close()
             hf_dir = None
@@ -155,7 +169,14 @@ class RLTrainer:
         self.step += 1
         timings: dict[str, float] = {}
         with timed(timings, "step"):
-            batch, metrics = self.rollout_batch(timings)
+            if self.async_rollout is not None:
+                with timed(timings, "gen"):  # the trainer's wait for finished prompt groups
+                    generated, metrics = self.async_rollout.next_batch(self.step)
+                with timed(timings, "reward"):
+                    batch, reward_metrics = self.score(generated)
+                metrics.update(reward_metrics)
+            else:
+                batch, metrics = self.rollout_batch(timings)
             if self.config.trainer.balance_batch and self.config.world_size > 1:
                 order = balanced_rank_order(
                     batch["attention_mask"], self.config.rollout.n, self.config.world_size
@@ -176,7 +197,10 @@ class RLTrainer:
             )
             metrics["actor/max_abs_weight"] = self.check_divergence(metrics)
             with timed(timings, "update_weights"):
-                self.workers.sync_rollout_weights(self.step)
+                if self.async_rollout is not None:
+                    metrics.update(self.async_rollout.after_update(self.step))
+                else:
+                    self.workers.sync_rollout_weights(self.step)
         metrics.update(adv_metrics)
         memory = self.workers.memory_metrics()  # per phase on GPUs (the largest rank); empty on the CPU
         metrics.update({name: max(m[name] for m in memory) for name in memory[0]})
@@ -239,6 +263,8 @@ class RLTrainer:
             top_k=0 if greedy else rollout.top_k,
             max_tokens=rollout.max_response_length,
         )
+        if self.async_rollout is not None:
+            return self.async_rollout.generate(prompts, seeds, sampling, self.step)
         out = self.workers.generate_sequences(
             prompts.assign(non_tensors={"seed": seeds}),
             sampling=sampling,
@@ -373,13 +399,27 @@ class RLTrainer:
         self.console.print(
             f"[bold]RL[/] {config.algorithm.adv_estimator} + {config.actor.policy_loss.name} loss, "
             f"policy {params / 1e6:.2f}M parameters, {config.world_size} worker(s) on {config.trainer.backend} "
-            f"(device {config.trainer.device}), {config.rollout.engine.name} rollout engine\n"
+            f"(device {config.trainer.device}), {config.rollout.engine.name} rollout engine"
+            f"{_pipeline_plan(config)}\n"
             f"  {len(self.train_data)} training prompts ({dropped} over {data.max_prompt_length} tokens filtered), "
             f"{len(self.val_data) if self.val_data else 0} validation prompts\n"
             f"  {self.total_steps} steps of {data.train_batch_size} prompts x {n} responses; "
             f"{data.train_batch_size // config.mini_batch_prompts} optimizer step(s) x {config.actor.ppo_epochs} epoch(s) "
             f"per step; starting at step {self.step}"
         )
+
+
+def _pipeline_plan(config: TrainConfig) -> str:
+    pipeline = config.pipeline
+    if not pipeline.disaggregated:
+        return ", colocated (pipeline.mode=sync)"
+    plan = f", {pipeline.rollout_replicas} rollout replica(s), pipeline.mode={pipeline.mode}"
+    if pipeline.mode == "fully_async":
+        plan += (
+            f" (staleness_threshold {pipeline.staleness_threshold}, partial_rollout "
+            f"{pipeline.partial_rollout}, sync every {pipeline.trigger_parameter_sync_step} step(s))"
+        )
+    return plan + f", weights by {pipeline.checkpoint_engine.backend}"
 
 
 def _groups_with_reward_spread(batch: Batch, n: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 from transformers.utils import logging as hf_logging
 
+from tandem.checkpoint_engine.roles import SendsWeights
 from tandem.controller import Worker, register
 from tandem.device import bind_device, max_memory_allocated_gb, reset_peak_memory
 from tandem.engine import TorchTrainEngine
@@ -38,8 +39,13 @@ MAX_METRICS = ("rollout_corr/max_abs_log_prob_diff",)
 SHUFFLE_SEED_TAG = 101  # derive_seed(run seed, this, step, epoch): the mini-batch order of an epoch
 
 
-class ActorRolloutRefWorker(Worker):
-    """One rank of the colocated actor + rollout + reference group (see the module docstring)."""
+class ActorRolloutRefWorker(SendsWeights, Worker):
+    """One rank of the colocated actor + rollout + reference group (see the module docstring).
+
+    With an asynchronous pipeline (``pipeline.mode`` other than ``sync``) the rollout lives on
+    replicas of its own: this worker builds no rollout engine and sends its weights through
+    the checkpoint engine (:class:`SendsWeights`).
+    """
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
@@ -53,6 +59,8 @@ class ActorRolloutRefWorker(Worker):
         config = self.config
         hf_logging.disable_progress_bar()
         self.device = bind_device(config.trainer.device, self.local_rank)
+        if config.pipeline.trainer_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.pipeline.trainer_threads)
         self._peaks: dict[str, float] = {}
         if self.world_size > 1:
             self.init_process_group(device=self.device)
@@ -68,9 +76,11 @@ class ActorRolloutRefWorker(Worker):
             config.trainer.max_skipped_updates_in_a_row, "trainer.max_skipped_updates_in_a_row"
         )
         self._probe: Batch | None = None
-        self.rollout = build_rollout_engine(
-            rollout_engine_config(config, str(self.device)), config.model_path
-        )
+        self.rollout = None
+        if not config.pipeline.disaggregated:
+            self.rollout = build_rollout_engine(
+                rollout_engine_config(config, str(self.device)), config.model_path
+            )
         self.reference: TorchTrainEngine | None = None
         if config.algorithm.needs_reference and not config.actor.engine.lora.rank:
             # A frozen copy computing log-probs only; each rank scores its own shard, so no DP wrapper.
@@ -225,7 +235,8 @@ class ActorRolloutRefWorker(Worker):
     def load_checkpoint(self, path: str, version: int) -> None:
         """Restore the actor from ``path`` and push its weights to the rollout engine as ``version``."""
         self.engine.load(path)
-        self.rollout.update_weights(self.engine.iter_parameters(), version)
+        if self.rollout is not None:  # replicas get the weights from the pipeline
+            self.rollout.update_weights(self.engine.iter_parameters(), version)
 
     @register(dispatch="ONE_TO_ALL")
     def export_hf(self, path: str) -> None:
@@ -241,7 +252,8 @@ class ActorRolloutRefWorker(Worker):
 
     @register(dispatch="ONE_TO_ALL")
     def shutdown_engines(self) -> None:
-        self.rollout.close()
+        if self.rollout is not None:
+            self.rollout.close()
 
 
 def reduce_metric(name: str, values: list[float], over_steps: bool = False) -> float:

@@ -90,5 +90,5 @@ def test_replicas_hold_the_trainers_weights_after_each_sync(
         assert greedy[0] == greedy[1] == _fresh_engine_greedy(tiny_model_dir, expected, tmp_path)
         assert greedy[0] != before  # the weights moved enough to change what the model says
         trainer.close_weight_sender()
-        replicas.shutdown()
+        replicas.close_engine()
     assert _bucket_files(sync) == files_before  # the sender removed its buckets and slot files

@@ -1,0 +1,69 @@
+"""``PipelineConfig``: how generation and training overlap (``pipeline.*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.checkpoint_engine import CheckpointEngineConfig
+from tandem.config.validation import check_choice, check_positive, check_range
+
+MODES = ("sync", "one_step_off", "fully_async")
+
+
+def _shared_memory() -> CheckpointEngineConfig:
+    return CheckpointEngineConfig(backend="shared_memory", bucket_mb=64)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The RL pipeline (see docs/pipelines.md).
+
+    Attributes:
+        mode: ``sync`` (colocated: generate, then train, in the same workers), ``one_step_off``
+            (rollout replicas generate batch k+1 with weights k-1 while the trainer trains on
+            batch k) or ``fully_async`` (replicas generate continuously; the trainer takes
+            prompt groups as they finish).
+        staleness_threshold: ``fully_async``: the most weight versions a trained sample may lag
+            the trainer (its oldest token's version against the trainer's). The rollout stops
+            starting prompt groups that could only be trained later than that, and groups that
+            still end up older are dropped and counted (``pipeline/dropped_stale``).
+        partial_rollout: ``fully_async``: a weight update interrupts requests in flight, which go
+            on under the new weights (each token keeps the version it was sampled under); off:
+            the update waits for the running requests to finish first.
+        trigger_parameter_sync_step: ``fully_async``: trainer steps between weight syncs.
+        rollout_replicas: rollout engines, one process each, apart from the trainer's workers.
+        trainer_threads / rollout_threads: CPU threads for each trainer worker / rollout replica
+            (0: PyTorch's default). On a CPU machine give each side its share of the cores.
+        checkpoint_engine: how weights reach the replicas (``pipeline.checkpoint_engine.backend``
+            and its settings; see docs/checkpoint_engine.md).
+        replica_timeout_s: a replica that does not answer a call for this long is reported as hung.
+    """
+
+    mode: str = "sync"
+    staleness_threshold: int = 1
+    partial_rollout: bool = True
+    trigger_parameter_sync_step: int = 1
+    rollout_replicas: int = 1
+    trainer_threads: int = 0
+    rollout_threads: int = 0
+    checkpoint_engine: CheckpointEngineConfig = field(default_factory=_shared_memory)
+    replica_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        check_choice("pipeline", "mode", self.mode, MODES)
+        check_range("pipeline", "staleness_threshold", self.staleness_threshold, low=0)
+        check_positive("pipeline", "trigger_parameter_sync_step", self.trigger_parameter_sync_step)
+        check_positive("pipeline", "rollout_replicas", self.rollout_replicas)
+        check_range("pipeline", "trainer_threads", self.trainer_threads, low=0)
+        check_range("pipeline", "rollout_threads", self.rollout_threads, low=0)
+        check_positive("pipeline", "replica_timeout_s", self.replica_timeout_s)
+        if self.mode != "sync" and self.checkpoint_engine.backend == "naive":
+            raise ValueError(
+                f"pipeline.mode={self.mode} puts the rollout in other processes; pipeline.checkpoint_engine.backend "
+                "must be broadcast, shared_memory or files (naive is an in-process copy)"
+            )
+
+    @property
+    def disaggregated(self) -> bool:
+        """Rollout replicas run apart from the trainer (every mode but ``sync``)."""
+        return self.mode != "sync"

@@ -1,0 +1,132 @@
+"""``RolloutFleet``: the controller's side of the rollout replicas in an asynchronous pipeline.
+
+One driver thread per replica hands it the prompt groups assigned to it (``start_groups``,
+which returns at once: the replica's engine generates on its own thread) and polls it for
+finished groups (``collect``), whose metadata goes into the :class:`SampleQueue`. A replica
+that dies, raises or does not answer within ``timeout_s`` stops its driver; the error, naming
+the replica, is raised by the next :meth:`check` — the trainer's wait calls it every poll,
+so a dead replica surfaces within a second rather than as a hang.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from tandem.errors import RolloutReplicaError
+from tandem.pipeline.groups import GroupRequest
+from tandem.pipeline.sample_queue import SampleQueue
+from tandem.rollout import RolloutRequest
+from tandem.rollout.types import Completion
+
+COLLECT_WAIT_S = 0.1  # a replica's collect call waits this long for a group to finish
+
+
+class RolloutFleet:
+    """Drives the replicas of ``group`` (a worker group of ``RolloutReplicaWorker``); see the module docstring."""
+
+    def __init__(self, group: Any, queue: SampleQueue, timeout_s: float) -> None:
+        self.group = group
+        self.queue = queue
+        self.timeout_s = timeout_s
+        self.size = group.world_size
+        self._todo: list[deque[GroupRequest]] = [deque() for _ in range(self.size)]
+        self._outstanding = [0] * self.size  # assigned and not yet reported finished
+        self._idle = [0.0] * self.size
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.error: RolloutReplicaError | None = None
+        self._threads = [
+            threading.Thread(target=self._drive, args=(rank,), name=f"tandem-fleet-{rank}", daemon=True)
+            for rank in range(self.size)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------------------------ controller calls
+    def submit(self, groups: list[GroupRequest]) -> None:
+        """Assign each group to the replica with the fewest groups outstanding."""
+        with self._lock:
+            for group in groups:
+                rank = min(range(self.size), key=lambda r: self._outstanding[r])
+                self._outstanding[rank] += 1
+                self._todo[rank].append(group)
+
+    @property
+    def outstanding(self) -> int:
+        """Groups assigned to replicas and not yet in the queue."""
+        with self._lock:
+            return sum(self._outstanding)
+
+    def idle_seconds(self) -> list[float]:
+        """Each replica's seconds with nothing to generate, since it started."""
+        with self._lock:
+            return list(self._idle)
+
+    def check(self) -> None:
+        """Raise the first replica failure (see the module docstring)."""
+        if self.error is not None:
+            raise self.error
+
+    def generate(self, requests: list[RolloutRequest]) -> list[Completion]:
+        """Completions of ``requests`` in order, spread over the replicas (validation)."""
+        shares = [requests[rank :: self.size] for rank in range(self.size)]
+        handles = [self._submit(rank, "generate", shares[rank]) for rank in range(self.size)]
+        results = [self._result(rank, handle, None) for rank, handle in enumerate(handles)]
+        ordered: list[Completion] = [None] * len(requests)  # type: ignore[list-item]
+        for rank, completions in enumerate(results):
+            ordered[rank :: self.size] = completions
+        return ordered
+
+    def close(self) -> None:
+        """Stop the drivers, abort what the replicas still generate, drop what is queued."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=self.timeout_s)
+        if self.error is None:
+            for rank in range(self.size):
+                try:
+                    self._result(rank, self._submit(rank, "abort_all"), self.timeout_s)
+                except RolloutReplicaError:
+                    pass  # it is going away anyway
+        self.queue.drain()
+
+    # ------------------------------------------------------------------ the drivers
+    def _drive(self, rank: int) -> None:
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    todo = list(self._todo[rank])
+                    self._todo[rank].clear()
+                if todo:
+                    self._call(rank, "start_groups", todo)
+                groups, idle = self._call(rank, "collect", COLLECT_WAIT_S)
+                with self._lock:
+                    self._outstanding[rank] -= len(groups)
+                    self._idle[rank] = idle
+                self.queue.put(groups)
+        except RolloutReplicaError as error:
+            self.error = error
+
+    def _submit(self, rank: int, method: str, *args: Any) -> Any:
+        try:
+            return self.group.backend.submit(rank, method, args, {})
+        except Exception as error:
+            raise RolloutReplicaError(f"rollout replica {rank} cannot take {method}: {error}") from error
+
+    def _result(self, rank: int, handle: Any, timeout: float | None) -> Any:
+        started = time.monotonic()
+        try:
+            return self.group.backend.result(rank, handle, timeout)
+        except TimeoutError:
+            raise RolloutReplicaError(
+                f"rollout replica {rank} did not answer within {time.monotonic() - started:.0f} s "
+                "(pipeline.replica_timeout_s); it is hung or overloaded"
+            ) from None
+        except Exception as error:
+            raise RolloutReplicaError(f"rollout replica {rank} failed: {error}") from error
+
+    def _call(self, rank: int, method: str, *args: Any) -> Any:
+        return self._result(rank, self._submit(rank, method, *args), self.timeout_s)

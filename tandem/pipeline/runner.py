@@ -1,0 +1,256 @@
+"""``AsyncRollout``: generation on rollout replicas apart from the trainer, overlapped with training.
+
+The RL trainer asks it for each step's batch (:meth:`AsyncRollout.next_batch`) and tells it
+when the trainer has a new weight version (:meth:`AsyncRollout.after_update`). What runs in
+between depends on ``pipeline.mode``:
+
+* ``one_step_off`` — batch ``k+1`` is generated with weights ``k-1`` while batch ``k`` trains.
+  When batch ``k`` has been taken the replicas are idle: they receive weights ``k-1`` and
+  start batch ``k+1``; then the trainer trains on batch ``k``. Staleness is exactly 0 or 1.
+* ``fully_async`` — the replicas generate continuously. A prompt group may start only while
+  it can still be trained within ``staleness_threshold`` versions of the weights it starts
+  under (counting groups already handed out); every ``trigger_parameter_sync_step`` trainer
+  steps the new weights go to the replicas, interrupting requests in flight when
+  ``partial_rollout`` is on (their later tokens carry the new version). Groups that still
+  end up too stale are dropped and counted.
+
+Prompts come from the trainer's sampler in order; seeds from ``trainer.seed`` and the group's
+serial number. The controller only sees metadata: the tensors stay in the replicas'
+shared-memory files until :func:`assemble_batch` pulls them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import torch
+
+from tandem.checkpoint_engine.roles import connect_weight_sync, sync_weights
+from tandem.checkpoint_engine.transports import SLOT_PREFIX
+from tandem.controller import create_worker_group
+from tandem.controller.local import InProcessBackend
+from tandem.controller.resource_pool import ResourcePool
+from tandem.pipeline.fleet import RolloutFleet
+from tandem.pipeline.groups import GroupRequest
+from tandem.pipeline.sample_queue import GroupMeta, SampleQueue, wait_until
+from tandem.pipeline.sample_store import discard_files_of, read_fields, release
+from tandem.protocol import Batch
+from tandem.rl.derived import derive_seed, rollout_engine_config
+from tandem.rl.sequences import sequence_tensors, trim_padding
+from tandem.rollout import RolloutRequest, SamplingParams
+from tandem.rollout.types import Completion
+
+GROUP_SEED_TAG = 202  # derive_seed(run seed, this, group serial, response): an async group's seeds
+
+
+class AsyncRollout:
+    """See the module docstring. ``trainer`` is the trainer worker group (it sends the weights)."""
+
+    def __init__(self, config: Any, trainer: Any, dataset: Any, sampler: Any, tokenizer: Any) -> None:
+        self.config = config
+        self.pipeline = config.pipeline
+        self.trainer = trainer
+        self.dataset = dataset
+        self.sampler = sampler
+        self.pad_id = tokenizer.pad_token_id
+        self.groups_per_step = config.data.train_batch_size
+        fully_async = self.pipeline.mode == "fully_async"
+        self.queue = SampleQueue(self.pipeline.staleness_threshold if fully_async else None)
+        self.rollout_version = 0
+        self._serial = 0  # prompt groups handed out since start
+        self._last_idle = 0.0
+        self._last_dropped = 0
+        self.replicas: Any = None
+        self._sample_dir = self._weights_dir = "/dev/shm"
+        self.fleet: RolloutFleet | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, trainer_version: int) -> None:
+        """Spawn the replicas, join them to the trainer's weight sender, bring them to
+        ``trainer_version`` (a resumed run) and hand out the first prompt groups."""
+        config, pipeline = self.config, self.pipeline
+        backend = "ray" if config.trainer.backend == "ray" else "process"
+        engine = rollout_engine_config(config, config.trainer.device)
+        weights = pipeline.checkpoint_engine
+        self._sample_dir = (weights.directory if weights.backend == "shared_memory" else "") or "/dev/shm"
+        self._weights_dir = weights.directory or "/dev/shm"
+        pool = ResourcePool(
+            (pipeline.rollout_replicas,),
+            gpus_per_process=1.0 if config.trainer.n_gpus_per_node else 0.0,
+            name="rollout",
+        )
+        self.replicas = create_worker_group(
+            _replica_class(), pool, backend,
+            args=(engine, config.model_path, config.trainer.device, pipeline.rollout_threads, self._sample_dir),
+        )  # fmt: skip
+        connect_weight_sync(self.trainer, self.replicas, pipeline.checkpoint_engine)
+        if trainer_version > 0:
+            self._send(trainer_version, "abort")
+        self.fleet = RolloutFleet(self.replicas, self.queue, pipeline.replica_timeout_s)
+        self._hand_out(self._allowance())
+
+    def close(self) -> None:
+        """Abort what is in flight, drop what is queued, stop the replicas and delete their stored
+        samples (idempotent). After a replica failure the survivors are stopped without ceremony:
+        a weight sync may still wait for the dead replica, so its files are deleted by name."""
+        failed = self.fleet is not None and self.fleet.error is not None
+        if self.fleet is not None:
+            self.fleet.close()
+            self.fleet = None
+        if self.replicas is None:
+            return
+        replica_pids = getattr(self.replicas.backend, "pids", [])
+        try:
+            if not failed:
+                self.trainer.close_weight_sender()
+                self.replicas.close_engine()
+        finally:
+            self.replicas.shutdown()
+            self.replicas = None
+            for pid in replica_pids:
+                discard_files_of(pid, self._sample_dir)
+            if failed:
+                for pid in _local_pids(self.trainer):
+                    discard_files_of(pid, self._weights_dir, SLOT_PREFIX)
+
+    # ------------------------------------------------------------------ the trainer's calls
+    def next_batch(self, step: int) -> tuple[Batch, dict[str, float]]:
+        """The prompt groups step ``step`` trains on (generation fields, as the sync loop makes
+        them, plus ``weight_version``), and the step's ``pipeline/*`` metrics."""
+        assert self.fleet is not None, "start() first"
+        trainer_version = step - 1
+        started = time.monotonic()
+        groups = self.queue.take(self.groups_per_step, trainer_version, self.fleet.check)
+        waited = time.monotonic() - started
+        metrics = {"pipeline/trainer_idle_s": waited, "pipeline/queue_depth": float(len(self.queue))}
+        if self.pipeline.mode == "one_step_off":
+            if self.rollout_version < trainer_version:
+                wait_until(lambda: self.fleet.outstanding == 0, self.fleet.check)  # all handed out is done
+                metrics.update(self._send(trainer_version, "keep"))
+            self._hand_out(self.groups_per_step)
+        batch = assemble_batch(groups, self.dataset, self.config.rollout.n, self.pad_id)
+        metrics.update(self._step_metrics(batch, trainer_version))
+        return batch, metrics
+
+    def after_update(self, version: int) -> dict[str, float]:
+        """The trainer now has weights ``version``: sync them on schedule (fully async) and hand out
+        the prompt groups that the staleness bound now allows. Returns the sync's metrics."""
+        metrics: dict[str, float] = {}
+        if self.pipeline.mode != "fully_async":
+            return metrics
+        if version % self.pipeline.trigger_parameter_sync_step == 0:
+            metrics = self._send(version, "keep" if self.pipeline.partial_rollout else "wait")
+        self._hand_out(self._allowance() - self._serial)
+        return metrics
+
+    def generate(self, prompts: Batch, seeds: list[int], sampling: SamplingParams, version: int) -> Batch:
+        """Responses of each row of ``prompts`` under weights ``version`` (validation): the replicas
+        are brought up to ``version`` first, letting their running requests finish on the old ones."""
+        assert self.fleet is not None, "start() first"
+        if self.rollout_version < version:
+            self._send(version, "wait")
+        requests = [
+            RolloutRequest(f"val-{version}-{i}", tuple(ids), dataclasses.replace(sampling, seed=int(seed)))
+            for i, (ids, seed) in enumerate(zip(prompts["prompt_ids"], seeds, strict=True))
+        ]
+        completions = self.fleet.generate(requests)
+        tensors = sequence_tensors(prompts["prompt_ids"], completions, self.pad_id)
+        batch = prompts.assign(tensors=tensors, non_tensors={"finish_reason": [c.finish_reason for c in completions]})
+        return trim_padding(batch, self.pad_id)
+
+    # ------------------------------------------------------------------ internals
+    def _allowance(self) -> int:
+        """Prompt groups that may have been handed out by now (see the module docstring)."""
+        if self.pipeline.mode == "one_step_off":
+            return self.groups_per_step
+        ahead = self.rollout_version + self.pipeline.staleness_threshold + 1
+        return ahead * self.groups_per_step + self.queue.dropped_stale
+
+    def _hand_out(self, count: int) -> None:
+        if count <= 0:
+            return
+        assert self.fleet is not None
+        rollout = self.config.rollout
+        params = SamplingParams(
+            temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+            max_tokens=rollout.max_response_length,
+        )  # fmt: skip
+        requests = []
+        for index in self.sampler.take(count):
+            serial = self._serial
+            self._serial += 1
+            seeds = tuple(derive_seed(self.config.trainer.seed, GROUP_SEED_TAG, serial, i) for i in range(rollout.n))
+            prompt = tuple(self.dataset.samples[index].prompt_ids)
+            requests.append(GroupRequest(f"g{serial}", index, prompt, seeds, params))
+        self.fleet.submit(requests)
+
+    def _send(self, version: int, pause: str) -> dict[str, float]:
+        """Sync weights ``version`` to every replica (``pause``: what their running requests do)."""
+        started = time.monotonic()
+        stats = sync_weights(self.trainer, self.replicas, version, pause)
+        self.rollout_version = version
+        return {"pipeline/weight_sync_s": time.monotonic() - started, "pipeline/weight_sync_gbps": stats.gb_per_s}
+
+    def _step_metrics(self, batch: Batch, trainer_version: int) -> dict[str, float]:
+        assert self.fleet is not None
+        mask = batch["response_mask"].bool()
+        versions = batch["weight_version"]
+        oldest = torch.where(mask, versions, torch.iinfo(versions.dtype).max).min(-1).values
+        newest = torch.where(mask, versions, -1).max(-1).values
+        staleness = (trainer_version - oldest).float()
+        idle = sum(self.fleet.idle_seconds()) / self.fleet.size
+        metrics = {
+            "pipeline/staleness/mean": float(staleness.mean()),
+            "pipeline/staleness/max": float(staleness.max()),
+            "pipeline/partial_samples": float((newest > oldest).sum()),
+            "pipeline/rollout_idle_s": idle - self._last_idle,
+            "pipeline/dropped_stale": float(self.queue.dropped_stale - self._last_dropped),
+            "pipeline/rollout_version": float(self.rollout_version),
+        }
+        self._last_idle, self._last_dropped = idle, self.queue.dropped_stale
+        return metrics
+
+
+def assemble_batch(groups: list[GroupMeta], dataset: Any, n: int, pad_id: int) -> Batch:
+    """The training rows of ``groups`` (``n`` responses each): their prompts from ``dataset`` and
+    their responses pulled from the sample store (whose files are released)."""
+    prompts = dataset.collate([g.index for g in groups]).repeat(n, interleave=True)
+    completions: list[Completion] = []
+    for group in groups:
+        fields = read_fields(group.ref)
+        ends = fields["lengths"].cumsum(0).tolist()
+        starts = [0, *ends[:-1]]
+        for i, (start, end) in enumerate(zip(starts, ends, strict=True)):
+            completions.append(
+                Completion(
+                    f"{group.uid}/{i}",
+                    (),
+                    fields["token_ids"][start:end].tolist(),
+                    fields["log_probs"][start:end].tolist(),
+                    fields["versions"][start:end].tolist(),
+                    group.finish_reasons[i],  # type: ignore[arg-type]
+                )
+            )
+        release(group.ref)
+    tensors = sequence_tensors(prompts["prompt_ids"], completions, pad_id)
+    uids = [g.uid for g in groups for _ in range(n)]
+    batch = prompts.assign(
+        tensors=tensors, non_tensors={"uid": uids, "finish_reason": [c.finish_reason for c in completions]}
+    )
+    return trim_padding(batch, pad_id)
+
+
+def _local_pids(group: Any) -> list[int]:
+    """The processes on this host that run ``group``'s workers (none known for Ray)."""
+    if isinstance(group.backend, InProcessBackend):
+        return [os.getpid()]
+    return list(getattr(group.backend, "pids", []))
+
+
+def _replica_class() -> type:
+    from tandem.rl.rollout_worker import RolloutReplicaWorker  # the rl package imports this module
+
+    return RolloutReplicaWorker

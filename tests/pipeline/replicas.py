@@ -1,0 +1,26 @@
+"""A rollout replica with randomised delays (importable by the spawned replica processes)."""
+
+import random
+import time
+
+from tandem.controller import register
+from tandem.rl.rollout_worker import RolloutReplicaWorker
+
+
+class DelayedReplica(RolloutReplicaWorker):
+    """Holds finished groups back at random and answers late: groups arrive out of order and
+    some much later than others (a long tail)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.random = random.Random(self.rank)
+        self.held: list = []
+
+    @register(dispatch="ONE_TO_ALL")
+    def collect(self, wait_s: float = 0.0):
+        groups, idle = super().collect(wait_s)
+        time.sleep(self.random.uniform(0.0, 0.15))
+        pool, self.held, ready = self.held + groups, [], []
+        for group in pool:  # each poll reports a finished group with probability 1/2
+            (ready if self.random.random() < 0.5 else self.held).append(group)
+        return ready, idle

@@ -1,0 +1,130 @@
+"""The asynchronous pipelines end to end on CPU: staleness bounds, token versions, kills, resume."""
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from tandem.errors import RolloutReplicaError
+from tandem.pipeline import runner
+from tandem.rl import RLTrainer
+from tests.pipeline.replicas import DelayedReplica
+from tests.rl.conftest import small_config
+
+TWO_CORES = ("pipeline.trainer_threads=1", "pipeline.rollout_threads=1")
+
+
+class RecordingTrainer(RLTrainer):
+    """Keeps each trained batch's per-token weight versions and response mask."""
+
+    def compute_advantages(self, batch):
+        self.trained = getattr(self, "trained", [])
+        self.trained.append((self.step, batch["weight_version"].clone(), batch["response_mask"].bool().clone()))
+        return super().compute_advantages(batch)
+
+
+def _token_staleness(trained):
+    """Per step: (lowest, highest) staleness over the trained tokens."""
+    out = {}
+    for step, versions, mask in trained:
+        lag = (step - 1) - versions[mask]
+        out[step] = (int(lag.min()), int(lag.max()))
+    return out
+
+
+def test_fully_async_never_trains_a_token_older_than_the_threshold(rl_files, tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "_replica_class", lambda: DelayedReplica)  # out-of-order, late groups
+    config = small_config(
+        rl_files, tmp_path, "pipeline.mode=fully_async", "pipeline.staleness_threshold=1",
+        "pipeline.rollout_replicas=2", "trainer.total_steps=8", *TWO_CORES,
+    )  # fmt: skip
+    trainer = RecordingTrainer(config)
+    result = trainer.fit()
+    assert [s for s, _, _ in trainer.trained] == list(range(1, 9))
+    for step, versions, mask in trainer.trained:
+        assert versions.shape == mask.shape  # every response token has its version recorded
+        assert (versions[mask] >= 0).all() and (versions[mask] <= step - 1).all()
+    lags = _token_staleness(trainer.trained)
+    assert all(0 <= low and high <= 1 for low, high in lags.values()), lags
+    logged = [h for h in result.history if "pipeline/staleness/max" in h]
+    assert len(logged) == 8 and max(h["pipeline/staleness/max"] for h in logged) <= 1
+    for name in ("pipeline/queue_depth", "pipeline/trainer_idle_s", "pipeline/rollout_idle_s",
+                 "pipeline/dropped_stale", "pipeline/weight_sync_s", "pipeline/weight_sync_gbps"):  # fmt: skip
+        assert name in logged[-1], name
+    assert not multiprocessing.active_children()  # the replicas are gone
+
+
+def test_one_step_off_trains_batch_k_on_weights_k_minus_2(rl_files, tmp_path):
+    config = small_config(
+        rl_files, tmp_path, "pipeline.mode=one_step_off", "trainer.total_steps=5",
+        "trainer.val_before_train=false", "data.val_path=", *TWO_CORES,
+    )  # fmt: skip
+    trainer = RecordingTrainer(config)
+    trainer.fit()
+    lags = _token_staleness(trainer.trained)
+    assert lags == {1: (0, 0), 2: (1, 1), 3: (1, 1), 4: (1, 1), 5: (1, 1)}
+
+
+def _shared_memory_files():
+    return {name for name in os.listdir("/dev/shm") if name.startswith("tandem-")}
+
+
+def test_a_killed_replica_stops_the_run_naming_it(rl_files, tmp_path):
+    files_before = _shared_memory_files()
+    config = small_config(
+        rl_files, tmp_path, "pipeline.mode=fully_async", "trainer.total_steps=10000",
+        "trainer.val_before_train=false", "data.val_path=", *TWO_CORES,
+    )  # fmt: skip
+    trainer = RLTrainer(config)
+    outcome = {}
+
+    def run():
+        try:
+            trainer.fit()
+        except BaseException as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while trainer.step < 2 and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.05)
+    assert trainer.step >= 2, outcome
+    pid = trainer.async_rollout.replicas.backend.pids[0]
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the run did not stop after its replica was killed"
+    assert time.monotonic() - killed < 30
+    error = outcome["error"]
+    assert isinstance(error, RolloutReplicaError) and "rollout replica 0" in str(error)
+    assert not multiprocessing.active_children()
+    assert _shared_memory_files() == files_before  # weight slots and stored samples are deleted
+
+
+def test_an_async_run_resumes_from_its_checkpoint(rl_files, tmp_path):
+    overrides = ("pipeline.mode=fully_async", "trainer.save_every=1", "data.val_path=", *TWO_CORES)
+    first = RLTrainer(small_config(rl_files, tmp_path, "trainer.total_steps=2", *overrides)).fit()
+    assert [h["step"] for h in first.history] == [1, 2]
+    resumed = RecordingTrainer(small_config(rl_files, tmp_path, "trainer.total_steps=4", *overrides))
+    result = resumed.fit()
+    assert [h["step"] for h in result.history] == [3, 4]
+    # the replicas start from the checkpoint's weights (version 2): step 3 trains fresh samples
+    assert _token_staleness(resumed.trained)[3] == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["pipeline.checkpoint_engine.backend=naive"], "pipeline.checkpoint_engine.backend"),
+        (["pipeline.trigger_parameter_sync_step=3", "pipeline.staleness_threshold=1"], "staleness_threshold=1"),
+        (["algorithm.filter_groups.enable=true"], "filter_groups"),
+        (["pipeline.mode=sometimes"], "pipeline.mode"),
+    ],
+)
+def test_unsupported_pipeline_settings_are_named(rl_files, tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        small_config(rl_files, tmp_path, "pipeline.mode=fully_async", *overrides)
