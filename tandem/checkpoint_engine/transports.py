@@ -25,6 +25,7 @@ SLOTS = 2  # a bucket is packed while the previous one is in flight
 
 SLOT_PREFIX = "tandem-weights"  # slot and bucket files: <prefix>-<sender pid>-<random>-...
 
+
 def _grown(buffer: torch.Tensor | None, nbytes: int, device: torch.device) -> torch.Tensor:
     if buffer is not None and buffer.numel() >= nbytes:
         return buffer

@@ -10,6 +10,7 @@ so a dead replica surfaces within a second rather than as a hang.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -87,10 +88,8 @@ class RolloutFleet:
             thread.join(timeout=self.timeout_s)
         if self.error is None:
             for rank in range(self.size):
-                try:
+                with contextlib.suppress(RolloutReplicaError):  # it is going away anyway
                     self._result(rank, self._submit(rank, "abort_all"), self.timeout_s)
-                except RolloutReplicaError:
-                    pass  # it is going away anyway
         self.queue.drain()
 
     # ------------------------------------------------------------------ the drivers

@@ -158,7 +158,9 @@ class AsyncRollout:
         ]
         completions = self.fleet.generate(requests)
         tensors = sequence_tensors(prompts["prompt_ids"], completions, self.pad_id)
-        batch = prompts.assign(tensors=tensors, non_tensors={"finish_reason": [c.finish_reason for c in completions]})
+        batch = prompts.assign(
+            tensors=tensors, non_tensors={"finish_reason": [c.finish_reason for c in completions]}
+        )
         return trim_padding(batch, self.pad_id)
 
     # ------------------------------------------------------------------ internals
@@ -182,7 +184,9 @@ class AsyncRollout:
         for index in self.sampler.take(count):
             serial = self._serial
             self._serial += 1
-            seeds = tuple(derive_seed(self.config.trainer.seed, GROUP_SEED_TAG, serial, i) for i in range(rollout.n))
+            seeds = tuple(
+                derive_seed(self.config.trainer.seed, GROUP_SEED_TAG, serial, i) for i in range(rollout.n)
+            )
             prompt = tuple(self.dataset.samples[index].prompt_ids)
             requests.append(GroupRequest(f"g{serial}", index, prompt, seeds, params))
         self.fleet.submit(requests)
@@ -192,7 +196,10 @@ class AsyncRollout:
         started = time.monotonic()
         stats = sync_weights(self.trainer, self.replicas, version, pause)
         self.rollout_version = version
-        return {"pipeline/weight_sync_s": time.monotonic() - started, "pipeline/weight_sync_gbps": stats.gb_per_s}
+        return {
+            "pipeline/weight_sync_s": time.monotonic() - started,
+            "pipeline/weight_sync_gbps": stats.gb_per_s,
+        }
 
     def _step_metrics(self, batch: Batch, trainer_version: int) -> dict[str, float]:
         assert self.fleet is not None

@@ -394,7 +394,9 @@ class TrainConfig:
                 "(a greedy baseline per prompt) yet"
             )
         if self.rollout.free_cache_between_generations:
-            raise ValueError(f"{mode} generates continuously; rollout.free_cache_between_generations must be off")
+            raise ValueError(
+                f"{mode} generates continuously; rollout.free_cache_between_generations must be off"
+            )
         lag = pipeline.trigger_parameter_sync_step - 1
         if pipeline.mode == "fully_async" and pipeline.staleness_threshold < lag:
             raise ValueError(

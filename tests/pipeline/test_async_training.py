@@ -22,7 +22,9 @@ class RecordingTrainer(RLTrainer):
 
     def compute_advantages(self, batch):
         self.trained = getattr(self, "trained", [])
-        self.trained.append((self.step, batch["weight_version"].clone(), batch["response_mask"].bool().clone()))
+        self.trained.append(
+            (self.step, batch["weight_version"].clone(), batch["response_mask"].bool().clone())
+        )
         return super().compute_advantages(batch)
 
 
@@ -48,7 +50,7 @@ def test_fully_async_never_trains_a_token_older_than_the_threshold(rl_files, tmp
         assert versions.shape == mask.shape  # every response token has its version recorded
         assert (versions[mask] >= 0).all() and (versions[mask] <= step - 1).all()
     lags = _token_staleness(trainer.trained)
-    assert all(0 <= low and high <= 1 for low, high in lags.values()), lags
+    assert all(low >= 0 and high <= 1 for low, high in lags.values()), lags
     logged = [h for h in result.history if "pipeline/staleness/max" in h]
     assert len(logged) == 8 and max(h["pipeline/staleness/max"] for h in logged) <= 1
     for name in ("pipeline/queue_depth", "pipeline/trainer_idle_s", "pipeline/rollout_idle_s",
@@ -120,7 +122,10 @@ def test_an_async_run_resumes_from_its_checkpoint(rl_files, tmp_path):
     ("overrides", "message"),
     [
         (["pipeline.checkpoint_engine.backend=naive"], "pipeline.checkpoint_engine.backend"),
-        (["pipeline.trigger_parameter_sync_step=3", "pipeline.staleness_threshold=1"], "staleness_threshold=1"),
+        (
+            ["pipeline.trigger_parameter_sync_step=3", "pipeline.staleness_threshold=1"],
+            "staleness_threshold=1",
+        ),
         (["algorithm.filter_groups.enable=true"], "filter_groups"),
         (["pipeline.mode=sometimes"], "pipeline.mode"),
     ],
