@@ -113,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the main demo: SFT on a flawed teacher, then GRPO, on 2-digit addition (~2-3 min on 2 CPUs)",
     )
     demo.add_argument("--output-dir", default="outputs/demo")
+    demo.add_argument(
+        "--pipeline",
+        choices=["sync", "one_step_off", "fully_async"],
+        default="sync",
+        help="GRPO's pipeline: colocated (sync) or a rollout process beside the trainer, one thread each",
+    )
     train = commands.add_parser(
         "train", help="RL training: tandem train preset=grpo model_path=... data.train_path=..."
     )
@@ -187,7 +193,7 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     if args.command == "demo":
         from tandem.rl.demo import DemoSettings, run_demo
 
-        run_demo(DemoSettings(output_dir=args.output_dir), console)
+        run_demo(DemoSettings(output_dir=args.output_dir, pipeline=args.pipeline), console)
     elif args.command == "train":
         run_train(args.overrides, console)
     elif args.command == "serve":

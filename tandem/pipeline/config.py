@@ -8,6 +8,7 @@ from tandem.checkpoint_engine import CheckpointEngineConfig
 from tandem.config.validation import check_choice, check_positive, check_range
 
 MODES = ("sync", "one_step_off", "fully_async")
+OLD_LOG_PROBS = ("recompute", "rollout")
 
 
 def _shared_memory() -> CheckpointEngineConfig:
@@ -37,6 +38,12 @@ class PipelineConfig:
         checkpoint_engine: how weights reach the replicas (``pipeline.checkpoint_engine.backend``
             and its settings; see docs/checkpoint_engine.md).
         replica_timeout_s: a replica that does not answer a call for this long is reported as hung.
+        old_log_probs: where PPO's old log-probs come from in the asynchronous modes:
+            ``recompute`` (a forward with the trainer's current weights, which then act as the
+            proximal policy; ``algorithm.rollout_correction.*`` weighs the samples against the
+            rollout's log-probs) or ``rollout`` (the log-probs the rollout sampled with: the
+            behaviour policy itself, one trainer forward fewer per step; needs rollout.top_p=1
+            and rollout.top_k=0, since truncated sampling changes them).
     """
 
     mode: str = "sync"
@@ -48,6 +55,7 @@ class PipelineConfig:
     rollout_threads: int = 0
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=_shared_memory)
     replica_timeout_s: float = 30.0
+    old_log_probs: str = "recompute"
 
     def __post_init__(self) -> None:
         check_choice("pipeline", "mode", self.mode, MODES)
@@ -57,6 +65,7 @@ class PipelineConfig:
         check_range("pipeline", "trainer_threads", self.trainer_threads, low=0)
         check_range("pipeline", "rollout_threads", self.rollout_threads, low=0)
         check_positive("pipeline", "replica_timeout_s", self.replica_timeout_s)
+        check_choice("pipeline", "old_log_probs", self.old_log_probs, OLD_LOG_PROBS)
         if self.mode != "sync" and self.checkpoint_engine.backend == "naive":
             raise ValueError(
                 f"pipeline.mode={self.mode} puts the rollout in other processes; pipeline.checkpoint_engine.backend "

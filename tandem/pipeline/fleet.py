@@ -6,6 +6,10 @@ finished groups (``collect``), whose metadata goes into the :class:`SampleQueue`
 that dies, raises or does not answer within ``timeout_s`` stops its driver; the error, naming
 the replica, is raised by the next :meth:`check` — the trainer's wait calls it every poll,
 so a dead replica surfaces within a second rather than as a hang.
+
+A replica runs one call at a time, so a long call (a weight sync, validation) would hold up
+the drivers' polls behind it; the controller brackets such calls with :meth:`hold`, during
+which the drivers send nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import contextlib
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 from tandem.errors import RolloutReplicaError
@@ -22,7 +27,7 @@ from tandem.pipeline.sample_queue import SampleQueue
 from tandem.rollout import RolloutRequest
 from tandem.rollout.types import Completion
 
-COLLECT_WAIT_S = 0.1  # a replica's collect call waits this long for a group to finish
+COLLECT_WAIT_S = 0.02  # a replica's collect call waits this long for a group to finish (new work waits too)
 
 
 class RolloutFleet:
@@ -38,6 +43,8 @@ class RolloutFleet:
         self._idle = [0.0] * self.size
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._holding = False
+        self._calls = threading.Condition()  # drivers send under it; hold() waits on it
         self.error: RolloutReplicaError | None = None
         self._threads = [
             threading.Thread(target=self._drive, args=(rank,), name=f"tandem-fleet-{rank}", daemon=True)
@@ -66,6 +73,19 @@ class RolloutFleet:
         with self._lock:
             return list(self._idle)
 
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """No driver call is sent inside this block (calls already sent finish first, as they are
+        queued ahead of the block's own)."""
+        with self._calls:
+            self._holding = True
+        try:
+            yield
+        finally:
+            with self._calls:
+                self._holding = False
+                self._calls.notify_all()
+
     def check(self) -> None:
         """Raise the first replica failure (see the module docstring)."""
         if self.error is not None:
@@ -74,8 +94,9 @@ class RolloutFleet:
     def generate(self, requests: list[RolloutRequest]) -> list[Completion]:
         """Completions of ``requests`` in order, spread over the replicas (validation)."""
         shares = [requests[rank :: self.size] for rank in range(self.size)]
-        handles = [self._submit(rank, "generate", shares[rank]) for rank in range(self.size)]
-        results = [self._result(rank, handle, None) for rank, handle in enumerate(handles)]
+        with self.hold():
+            handles = [self._submit(rank, "generate", shares[rank]) for rank in range(self.size)]
+            results = [self._result(rank, handle, None) for rank, handle in enumerate(handles)]
         ordered: list[Completion] = [None] * len(requests)  # type: ignore[list-item]
         for rank, completions in enumerate(results):
             ordered[rank :: self.size] = completions
@@ -128,4 +149,9 @@ class RolloutFleet:
             raise RolloutReplicaError(f"rollout replica {rank} failed: {error}") from error
 
     def _call(self, rank: int, method: str, *args: Any) -> Any:
-        return self._result(rank, self._submit(rank, method, *args), self.timeout_s)
+        """A driver's call: sent only while not held, answered within ``timeout_s``."""
+        with self._calls:
+            while self._holding and not self._stop.is_set():
+                self._calls.wait(timeout=0.1)
+            handle = self._submit(rank, method, *args)
+        return self._result(rank, handle, self.timeout_s)

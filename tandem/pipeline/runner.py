@@ -21,6 +21,7 @@ shared-memory files until :func:`assemble_batch` pulls them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -60,6 +61,7 @@ class AsyncRollout:
         fully_async = self.pipeline.mode == "fully_async"
         self.queue = SampleQueue(self.pipeline.staleness_threshold if fully_async else None)
         self.rollout_version = 0
+        self._start_version = 0  # the trainer's version when the pipeline started (a resumed run's step)
         self._serial = 0  # prompt groups handed out since start
         self._last_idle = 0.0
         self._last_dropped = 0
@@ -87,6 +89,7 @@ class AsyncRollout:
             args=(engine, config.model_path, config.trainer.device, pipeline.rollout_threads, self._sample_dir),
         )  # fmt: skip
         connect_weight_sync(self.trainer, self.replicas, pipeline.checkpoint_engine)
+        self._start_version = trainer_version
         if trainer_version > 0:
             self._send(trainer_version, "abort")
         self.fleet = RolloutFleet(self.replicas, self.queue, pipeline.replica_timeout_s)
@@ -168,7 +171,7 @@ class AsyncRollout:
         """Prompt groups that may have been handed out by now (see the module docstring)."""
         if self.pipeline.mode == "one_step_off":
             return self.groups_per_step
-        ahead = self.rollout_version + self.pipeline.staleness_threshold + 1
+        ahead = self.rollout_version - self._start_version + self.pipeline.staleness_threshold + 1
         return ahead * self.groups_per_step + self.queue.dropped_stale
 
     def _hand_out(self, count: int) -> None:
@@ -194,7 +197,8 @@ class AsyncRollout:
     def _send(self, version: int, pause: str) -> dict[str, float]:
         """Sync weights ``version`` to every replica (``pause``: what their running requests do)."""
         started = time.monotonic()
-        stats = sync_weights(self.trainer, self.replicas, version, pause)
+        with self.fleet.hold() if self.fleet is not None else contextlib.nullcontext():
+            stats = sync_weights(self.trainer, self.replicas, version, pause)
         self.rollout_version = version
         return {
             "pipeline/weight_sync_s": time.monotonic() - started,

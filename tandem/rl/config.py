@@ -397,6 +397,11 @@ class TrainConfig:
             raise ValueError(
                 f"{mode} generates continuously; rollout.free_cache_between_generations must be off"
             )
+        if pipeline.old_log_probs == "rollout" and (self.rollout.top_p < 1.0 or self.rollout.top_k):
+            raise ValueError(
+                f"pipeline.old_log_probs=rollout needs untruncated sampling (rollout.top_p=1, rollout.top_k=0; got "
+                f"{self.rollout.top_p}, {self.rollout.top_k}): truncation changes the rollout's log-probs"
+            )
         lag = pipeline.trigger_parameter_sync_step - 1
         if pipeline.mode == "fully_async" and pipeline.staleness_threshold < lag:
             raise ValueError(
@@ -440,6 +445,11 @@ class TrainConfig:
             and correction.rejection == "none"
             and correction.veto_threshold is None
         )
+
+    @property
+    def old_log_probs_from_rollout(self) -> bool:
+        """True when an asynchronous pipeline takes PPO's old log-probs from the rollout (``pipeline.old_log_probs``)."""
+        return self.pipeline.disaggregated and self.pipeline.old_log_probs == "rollout"
 
     @property
     def max_sequence_length(self) -> int:

@@ -46,6 +46,9 @@ class DemoSettings:
     """Sizes of the demo (the defaults are what the README's numbers were measured with).
 
     ``teacher_error_rate``: share of SFT demonstrations whose answer is one too high.
+    ``pipeline``: GRPO's ``pipeline.mode``; the asynchronous ones run the rollout in a process
+    of its own, and the trainer and the rollout get one CPU thread each.
+    ``sft_model_dir``: start GRPO from this finished warm-up instead of running step 1.
     ``overrides``: extra ``key=value`` settings for the GRPO run.
     """
 
@@ -62,6 +65,8 @@ class DemoSettings:
     val_every: int = 10
     teacher_error_rate: float = 0.8
     seed: int = 0
+    pipeline: str = "sync"
+    sft_model_dir: str = ""
     overrides: tuple[str, ...] = ()
 
 
@@ -92,18 +97,10 @@ def _write_data(root: Path, settings: DemoSettings) -> dict[str, Path]:
     }
 
 
-def run_demo(settings: DemoSettings | None = None, console: Console | None = None) -> RLResult:
-    """Build, warm up with SFT, train with GRPO, and print held-out accuracy before and after."""
-    settings = settings or DemoSettings()
-    console = console or Console()
-    hf_logging.disable_progress_bar()
-    root = Path(settings.output_dir)
-    started = time.monotonic()
-    console.rule("tandem demo: 2-digit addition, SFT on a flawed teacher, then GRPO")
-    base = save_tiny_model(root / "base_model", MODEL)
-    paths = _write_data(root, settings)
-    console.print(f"model and tokenizer in {base}; data in {paths['train'].parent}")
-
+def _warm_up(
+    settings: DemoSettings, base: Path, paths: dict[str, Path], root: Path, console: Console
+) -> Path:
+    """Step 1: SFT on the flawed teacher's demonstrations; returns the fine-tuned model directory."""
     console.rule(
         f"1. SFT warm-up ({settings.sft_steps} steps) on a teacher that answers one too high "
         f"{settings.teacher_error_rate:.0%} of the time"
@@ -120,14 +117,33 @@ def run_demo(settings: DemoSettings | None = None, console: Console | None = Non
         ),
         console,
     ).fit()  # fmt: skip
+    return sft.hf_model_dir
 
+
+def run_demo(settings: DemoSettings | None = None, console: Console | None = None) -> RLResult:
+    """Build, warm up with SFT, train with GRPO, and print held-out accuracy before and after."""
+    settings = settings or DemoSettings()
+    console = console or Console()
+    hf_logging.disable_progress_bar()
+    root = Path(settings.output_dir)
+    started = time.monotonic()
+    console.rule("tandem demo: 2-digit addition, SFT on a flawed teacher, then GRPO")
+    base = save_tiny_model(root / "base_model", MODEL)
+    paths = _write_data(root, settings)
+    console.print(f"model and tokenizer in {base}; data in {paths['train'].parent}")
+
+    sft_model = settings.sft_model_dir or str(_warm_up(settings, base, paths, root, console))
     console.rule(
-        f"2. GRPO ({settings.rl_steps} steps of {settings.prompts_per_step} prompts x {settings.responses_per_prompt})"
+        f"2. GRPO ({settings.rl_steps} steps of {settings.prompts_per_step} prompts x {settings.responses_per_prompt}"
+        f", pipeline {settings.pipeline})"
     )
+    pipeline = [f"pipeline.mode={settings.pipeline}"]
+    if settings.pipeline != "sync":
+        pipeline += ["pipeline.trainer_threads=1", "pipeline.rollout_threads=1"]
     config = load_train_config(
         [
             "preset=grpo",
-            f"model_path={sft.hf_model_dir}",
+            f"model_path={sft_model}",
             f"data.train_path={paths['train']}",
             f"data.val_path={paths['val']}",
             f"data.train_batch_size={settings.prompts_per_step}",
@@ -145,6 +161,7 @@ def run_demo(settings: DemoSettings | None = None, console: Console | None = Non
             "trainer.resume=disable",
             f"trainer.seed={settings.seed}",
             "trainer.experiment=demo-grpo-arithmetic",
+            *pipeline,
             *settings.overrides,
         ]
     )

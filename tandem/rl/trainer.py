@@ -182,7 +182,9 @@ class RLTrainer:
                     batch["attention_mask"], self.config.rollout.n, self.config.world_size
                 )
                 batch = batch.reorder(order)
-            if not self.config.old_log_probs_from_update:
+            if self.config.old_log_probs_from_rollout:
+                batch = batch.assign(tensors={"old_log_probs": batch["rollout_log_probs"]})
+            elif not self.config.old_log_probs_from_update:
                 with timed(timings, "old_log_prob"):
                     batch = batch.union(self.workers.compute_log_prob(batch))
             if self.config.algorithm.needs_reference:

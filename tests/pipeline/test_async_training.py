@@ -1,5 +1,6 @@
 """The asynchronous pipelines end to end on CPU: staleness bounds, token versions, kills, resume."""
 
+import math
 import multiprocessing
 import os
 import signal
@@ -7,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from tandem.errors import RolloutReplicaError
 from tandem.pipeline import runner
@@ -18,13 +20,14 @@ TWO_CORES = ("pipeline.trainer_threads=1", "pipeline.rollout_threads=1")
 
 
 class RecordingTrainer(RLTrainer):
-    """Keeps each trained batch's per-token weight versions and response mask."""
+    """Keeps each trained batch's per-token weight versions and response mask (and the last batch)."""
 
     def compute_advantages(self, batch):
         self.trained = getattr(self, "trained", [])
         self.trained.append(
             (self.step, batch["weight_version"].clone(), batch["response_mask"].bool().clone())
         )
+        self.last_batch = batch
         return super().compute_advantages(batch)
 
 
@@ -57,6 +60,19 @@ def test_fully_async_never_trains_a_token_older_than_the_threshold(rl_files, tmp
                  "pipeline/dropped_stale", "pipeline/weight_sync_s", "pipeline/weight_sync_gbps"):  # fmt: skip
         assert name in logged[-1], name
     assert not multiprocessing.active_children()  # the replicas are gone
+
+
+def test_old_log_probs_can_come_from_the_rollout(rl_files, tmp_path):
+    config = small_config(
+        rl_files, tmp_path, "pipeline.mode=fully_async", "pipeline.old_log_probs=rollout",
+        "data.val_path=", "trainer.total_steps=3", *TWO_CORES,
+    )  # fmt: skip
+    trainer = RecordingTrainer(config)
+    result = trainer.fit()
+    batch = trainer.last_batch
+    assert torch.equal(batch["old_log_probs"], batch["rollout_log_probs"])  # the behaviour policy's own
+    assert not any("timing_s/old_log_prob" in h for h in result.history)  # no recompute forward
+    assert all(math.isfinite(h["actor/pg_loss"]) for h in result.history)
 
 
 def test_one_step_off_trains_batch_k_on_weights_k_minus_2(rl_files, tmp_path):
@@ -128,6 +144,7 @@ def test_an_async_run_resumes_from_its_checkpoint(rl_files, tmp_path):
         ),
         (["algorithm.filter_groups.enable=true"], "filter_groups"),
         (["pipeline.mode=sometimes"], "pipeline.mode"),
+        (["pipeline.old_log_probs=rollout", "rollout.top_p=0.9"], "rollout.top_p=1"),
     ],
 )
 def test_unsupported_pipeline_settings_are_named(rl_files, tmp_path, overrides, message):
