@@ -41,10 +41,10 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 @dataclass(frozen=True)
 class RLDataConfig:
-    """Prompts (``data.*``): parquet files in verl's schema (see :mod:`tandem.rl.data`).
+    """Prompts (``data.*``): parquet or JSONL files in verl's schema (see :mod:`tandem.rl.data`).
 
     Attributes:
-        train_path / val_path: parquet files (``val_path`` empty: no validation).
+        train_path / val_path: parquet or JSONL files (``val_path`` empty: no validation).
         train_batch_size: prompts per step.
         max_prompt_length: longest tokenised prompt (chat template applied).
         overlong_prompts: ``filter`` (drop them, counted and reported) or ``error``.

@@ -66,6 +66,21 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
 ROLES = ("system", "user", "assistant", "tool")
 
 
+def check_message(message: Any, where: str) -> None:
+    """A chat message is a dict with a known string ``role`` and non-empty string ``content``;
+    ``where`` names it in the error (file, row and turn)."""
+    if (
+        not isinstance(message, dict)
+        or not isinstance(message.get("role"), str)
+        or not isinstance(message.get("content"), str)
+    ):
+        raise ValueError(f"{where} needs string 'role' and 'content' fields, got {message!r}")
+    if message["role"] not in ROLES:
+        raise ValueError(f"{where} has role {message['role']!r}; roles are {', '.join(ROLES)}")
+    if not message["content"].strip():
+        raise ValueError(f"{where} ({message['role']}) has empty content")
+
+
 def template_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> list[int]:
     """Token ids of ``messages`` rendered with the tokenizer's chat template."""
     ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
@@ -77,20 +92,7 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], where: str) -> t
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: messages must be a non-empty list, got {type(messages).__name__}")
     for turn, message in enumerate(messages):
-        if (
-            not isinstance(message, dict)
-            or not isinstance(message.get("role"), str)
-            or not isinstance(message.get("content"), str)
-        ):
-            raise ValueError(
-                f"{where}: message {turn} needs string 'role' and 'content' fields, got {message!r}"
-            )
-        if message["role"] not in ROLES:
-            raise ValueError(
-                f"{where}: message {turn} has role {message['role']!r}; roles are {', '.join(ROLES)}"
-            )
-        if not message["content"].strip():
-            raise ValueError(f"{where}: message {turn} ({message['role']}) has empty content")
+        check_message(message, f"{where}: message {turn}")
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"{where}: no assistant message, so nothing to learn")
     first = next(turn for turn, m in enumerate(messages) if m["role"] != "system")

@@ -75,6 +75,19 @@ def test_old_log_probs_can_come_from_the_rollout(rl_files, tmp_path):
     assert all(math.isfinite(h["actor/pg_loss"]) for h in result.history)
 
 
+def test_two_fsdp2_trainer_ranks_feed_a_replica(rl_files, tmp_path):
+    config = small_config(
+        rl_files, tmp_path, "pipeline.mode=fully_async", "trainer.n_workers=2", "actor.engine.strategy=fsdp2",
+        "data.val_path=", "trainer.total_steps=3", *TWO_CORES,
+    )  # fmt: skip
+    trainer = RecordingTrainer(config)
+    result = trainer.fit()
+    assert [h["step"] for h in result.history] == [1, 2, 3]
+    assert all(high <= 1 for _, high in _token_staleness(trainer.trained).values())
+    assert all(h["pipeline/weight_sync_gbps"] > 0 for h in result.history)  # rank 0 gathered and sent
+    assert not multiprocessing.active_children()
+
+
 def test_one_step_off_trains_batch_k_on_weights_k_minus_2(rl_files, tmp_path):
     config = small_config(
         rl_files, tmp_path, "pipeline.mode=one_step_off", "trainer.total_steps=5",

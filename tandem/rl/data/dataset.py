@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.protocol import Batch
-from tandem.sft.data import read_rows, template_ids
+from tandem.sft.data import check_message, read_rows, template_ids
 
 
 @dataclass(frozen=True)
@@ -53,14 +53,7 @@ def validate_row(row: Any, where: str) -> None:
             f"{where}: field 'prompt' must be a non-empty list of chat messages, got {type(prompt).__name__}"
         )
     for turn, message in enumerate(prompt):
-        if not (
-            isinstance(message, dict)
-            and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str)
-        ):
-            raise ValueError(
-                f"{where}: field 'prompt' message {turn} needs string 'role' and 'content', got {message!r}"
-            )
+        check_message(message, f"{where}: field 'prompt' message {turn}")
     reward_model = row["reward_model"]
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
         raise ValueError(
