@@ -101,8 +101,14 @@ def test_dataset_tokenises_with_the_chat_template_and_filters_overlong(tmp_path)
         (lambda r: r.update(prompt=None), "row 2: field 'prompt' is null; it must be a non-empty list"),
         (lambda r: r.update(prompt="just a string"), "row 2: field 'prompt' must be a non-empty list"),
         (lambda r: r.update(prompt=[{"role": "user"}]), "row 2: field 'prompt' message 0 needs string"),
-        (lambda r: r.update(prompt=[{"role": "human", "content": "1+1="}]), "message 0 has role 'human'; roles are"),
-        (lambda r: r.update(prompt=[{"role": "user", "content": " "}]), r"message 0 \(user\) has empty content"),
+        (
+            lambda r: r.update(prompt=[{"role": "human", "content": "1+1="}]),
+            "message 0 has role 'human'; roles are",
+        ),
+        (
+            lambda r: r.update(prompt=[{"role": "user", "content": " "}]),
+            r"message 0 \(user\) has empty content",
+        ),
         (lambda r: r.update(data_source=7), "row 2: field 'data_source' must be a string"),
         (
             lambda r: r.update(reward_model={"style": "rule"}),
