@@ -140,13 +140,15 @@ class Worker:
         """Run ``method`` (a dotted path such as ``"actor.update"`` for colocated roles).
 
         Any exception is re-raised as :class:`WorkerError` carrying this rank and the traceback,
-        so every backend reports worker failures the same way.
+        so every backend reports worker failures the same way. The call is a range named
+        ``method`` in profiler traces (:mod:`tandem.controller.profiling`).
         """
         target: Any = self
         try:
             for part in method.split("."):
                 target = getattr(target, part)
-            return target(*args, **kwargs)
+            with torch.profiler.record_function(method):  # a named range in profiler traces
+                return target(*args, **kwargs)
         except Exception:
             raise WorkerError(self.rank, method, traceback.format_exc()) from None
 

@@ -277,6 +277,9 @@ class TrainerConfig:
         seed: data order, sampling seeds and initialisation.
         report: write ``report.html`` with the curves at the end.
         export_hf: save the final policy as a plain HF model directory.
+        profile_steps: steps to record with the PyTorch profiler: every trainer worker writes a
+            Chrome trace per step, ``<profile_dir>/step_<N>/rank<R>.json`` (see docs/rl.md).
+        profile_dir: where the traces go (empty: ``<output_dir>/profile``).
     """
 
     total_steps: int = 0
@@ -300,9 +303,16 @@ class TrainerConfig:
     seed: int = 0
     report: bool = True
     export_hf: bool = True
+    profile_steps: tuple[int, ...] = ()
+    profile_dir: str = ""
 
     def __post_init__(self) -> None:
         check_range("trainer", "total_steps", self.total_steps, low=0)
+        for step in self.profile_steps:
+            if not isinstance(step, int) or step < 1:
+                raise ValueError(
+                    f"trainer.profile_steps must hold step numbers >= 1, got {list(self.profile_steps)}"
+                )
         check_positive("trainer", "total_epochs", self.total_epochs)
         check_device_setting("trainer", "device", self.device)
         check_choice("trainer", "backend", self.backend, BACKENDS)

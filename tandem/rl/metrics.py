@@ -13,10 +13,12 @@ from tandem.protocol import Batch
 
 @contextlib.contextmanager
 def timed(timings: dict[str, float], name: str) -> Iterator[None]:
-    """Add the block's wall time in seconds to ``timings[name]``."""
+    """Add the block's wall time in seconds to ``timings[name]`` (and name the block ``step/<name>``
+    in profiler traces of this process)."""
     start = time.perf_counter()
     try:
-        yield
+        with torch.profiler.record_function(f"step/{name}"):
+            yield
     finally:
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 

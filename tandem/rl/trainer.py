@@ -12,9 +12,11 @@ its batch from them and hands back each new weight version.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,7 +138,8 @@ class RLTrainer:
                     validation = self.validate()
                     self._log(trackers, validation)
                 while self.step < self.total_steps:
-                    metrics = self.train_step()
+                    with self._profiled(self.step + 1):
+                        metrics = self.train_step()
                     last = self.step == self.total_steps
                     if self.val_data is not None and (
                         (trainer.val_every and self.step % trainer.val_every == 0) or last
@@ -385,6 +388,22 @@ class RLTrainer:
         self.kl_controller.value = state["kl_coef"]
         self.console.print(f"resumed from {path} (step {self.step})")
         return True
+
+    @contextlib.contextmanager
+    def _profiled(self, step: int) -> Iterator[None]:
+        """Record step ``step`` with the PyTorch profiler on every trainer worker when it is one of
+        ``trainer.profile_steps`` (one Chrome trace per rank)."""
+        trainer = self.config.trainer
+        if step not in trainer.profile_steps:
+            yield
+            return
+        directory = Path(trainer.profile_dir or self.output_dir / "profile") / f"step_{step}"
+        self.workers.start_profile(str(directory))
+        try:
+            yield
+        finally:
+            paths = self.workers.stop_profile()
+            self.console.print(f"profile of step {step}: {', '.join(paths)}")
 
     def _log(self, trackers: list, metrics: dict[str, float]) -> None:
         bad = sorted(k for k, v in metrics.items() if not math.isfinite(v))

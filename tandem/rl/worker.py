@@ -20,6 +20,7 @@ from transformers.utils import logging as hf_logging
 
 from tandem.checkpoint_engine.roles import SendsWeights
 from tandem.controller import Worker, register
+from tandem.controller.profiling import ProfilesCalls
 from tandem.device import bind_device, max_memory_allocated_gb, reset_peak_memory
 from tandem.engine import TorchTrainEngine
 from tandem.engine.divergence import ModelHealth, SkippedUpdates
@@ -39,7 +40,7 @@ MAX_METRICS = ("rollout_corr/max_abs_log_prob_diff",)
 SHUFFLE_SEED_TAG = 101  # derive_seed(run seed, this, step, epoch): the mini-batch order of an epoch
 
 
-class ActorRolloutRefWorker(SendsWeights, Worker):
+class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
     """One rank of the colocated actor + rollout + reference group (see the module docstring).
 
     With an asynchronous pipeline (``pipeline.mode`` other than ``sync``) the rollout lives on
