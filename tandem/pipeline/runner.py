@@ -95,11 +95,12 @@ class AsyncRollout:
         self.fleet = RolloutFleet(self.replicas, self.queue, pipeline.replica_timeout_s)
         self._hand_out(self._allowance())
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         """Abort what is in flight, drop what is queued, stop the replicas and delete their stored
-        samples (idempotent). After a replica failure the survivors are stopped without ceremony:
-        a weight sync may still wait for the dead replica, so its files are deleted by name."""
-        failed = self.fleet is not None and self.fleet.error is not None
+        samples (idempotent). After a failure (``failed``, or one a replica driver saw) the replicas
+        are stopped without ceremony: the trainer may still be inside a weight sync that waits for a
+        dead replica, so no call goes to it, and the files are deleted by name."""
+        failed = failed or (self.fleet is not None and self.fleet.error is not None)
         if self.fleet is not None:
             self.fleet.close()
             self.fleet = None

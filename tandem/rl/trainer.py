@@ -128,6 +128,7 @@ class RLTrainer:
                 trainer.project, trainer.experiment, _flatten(dataclasses.asdict(config)), self.console,
             )  # fmt: skip
             validation: dict[str, float] = {}
+            failed = True  # until the loop ends normally: the pipeline then closes without ceremony
             try:
                 if config.pipeline.disaggregated:
                     self.async_rollout = AsyncRollout(
@@ -149,9 +150,10 @@ class RLTrainer:
                     self._log(trackers, metrics)
                     if (trainer.save_every and self.step % trainer.save_every == 0) or last:
                         self.save_checkpoint()
+                failed = False
             finally:
                 if self.async_rollout is not None:
-                    self.async_rollout.close()
+                    self.async_rollout.close(failed)
                 for tracker in trackers:
                     tracker.close()
             hf_dir = None

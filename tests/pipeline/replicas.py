@@ -1,6 +1,8 @@
-"""A rollout replica with randomised delays (importable by the spawned replica processes)."""
+"""Rollout replicas that misbehave on purpose (importable by the spawned replica processes)."""
 
+import os
 import random
+import signal
 import time
 
 from tandem.controller import register
@@ -24,3 +26,13 @@ class DelayedReplica(RolloutReplicaWorker):
         for group in pool:  # each poll reports a finished group with probability 1/2
             (ready if self.random.random() < 0.5 else self.held).append(group)
         return ready, idle
+
+
+class DyingReplica(RolloutReplicaWorker):
+    """Kills its own process when weight version 2 arrives: a replica lost in the middle of a sync."""
+
+    @register(dispatch="ONE_TO_ALL", blocking=False)
+    def receive_weights(self, version: int, pause: str = "keep") -> int:
+        if version == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().receive_weights(version, pause)

@@ -13,7 +13,7 @@ import torch
 from tandem.errors import RolloutReplicaError
 from tandem.pipeline import runner
 from tandem.rl import RLTrainer
-from tests.pipeline.replicas import DelayedReplica
+from tests.pipeline.replicas import DelayedReplica, DyingReplica
 from tests.rl.conftest import small_config
 
 TWO_CORES = ("pipeline.trainer_threads=1", "pipeline.rollout_threads=1")
@@ -31,6 +31,12 @@ class RecordingTrainer(RLTrainer):
         return super().compute_advantages(batch)
 
 
+def _train(rl_files, tmp_path, *overrides):
+    """A recorded run of ``small_config`` with the overrides, each side on one thread."""
+    trainer = RecordingTrainer(small_config(rl_files, tmp_path, *overrides, *TWO_CORES))
+    return trainer, trainer.fit()
+
+
 def _token_staleness(trained):
     """Per step: (lowest, highest) staleness over the trained tokens."""
     out = {}
@@ -42,12 +48,10 @@ def _token_staleness(trained):
 
 def test_fully_async_never_trains_a_token_older_than_the_threshold(rl_files, tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "_replica_class", lambda: DelayedReplica)  # out-of-order, late groups
-    config = small_config(
+    trainer, result = _train(
         rl_files, tmp_path, "pipeline.mode=fully_async", "pipeline.staleness_threshold=1",
-        "pipeline.rollout_replicas=2", "trainer.total_steps=8", *TWO_CORES,
+        "pipeline.rollout_replicas=2", "trainer.total_steps=8",
     )  # fmt: skip
-    trainer = RecordingTrainer(config)
-    result = trainer.fit()
     assert [s for s, _, _ in trainer.trained] == list(range(1, 9))
     for step, versions, mask in trainer.trained:
         assert versions.shape == mask.shape  # every response token has its version recorded
@@ -63,12 +67,10 @@ def test_fully_async_never_trains_a_token_older_than_the_threshold(rl_files, tmp
 
 
 def test_old_log_probs_can_come_from_the_rollout(rl_files, tmp_path):
-    config = small_config(
+    trainer, result = _train(
         rl_files, tmp_path, "pipeline.mode=fully_async", "pipeline.old_log_probs=rollout",
-        "data.val_path=", "trainer.total_steps=3", *TWO_CORES,
+        "data.val_path=", "trainer.total_steps=3",
     )  # fmt: skip
-    trainer = RecordingTrainer(config)
-    result = trainer.fit()
     batch = trainer.last_batch
     assert torch.equal(batch["old_log_probs"], batch["rollout_log_probs"])  # the behaviour policy's own
     assert not any("timing_s/old_log_prob" in h for h in result.history)  # no recompute forward
@@ -76,12 +78,10 @@ def test_old_log_probs_can_come_from_the_rollout(rl_files, tmp_path):
 
 
 def test_two_fsdp2_trainer_ranks_feed_a_replica(rl_files, tmp_path):
-    config = small_config(
+    trainer, result = _train(
         rl_files, tmp_path, "pipeline.mode=fully_async", "trainer.n_workers=2", "actor.engine.strategy=fsdp2",
-        "data.val_path=", "trainer.total_steps=3", *TWO_CORES,
+        "data.val_path=", "trainer.total_steps=3",
     )  # fmt: skip
-    trainer = RecordingTrainer(config)
-    result = trainer.fit()
     assert [h["step"] for h in result.history] == [1, 2, 3]
     assert all(high <= 1 for _, high in _token_staleness(trainer.trained).values())
     assert all(h["pipeline/weight_sync_gbps"] > 0 for h in result.history)  # rank 0 gathered and sent
@@ -89,27 +89,20 @@ def test_two_fsdp2_trainer_ranks_feed_a_replica(rl_files, tmp_path):
 
 
 def test_one_step_off_trains_batch_k_on_weights_k_minus_2(rl_files, tmp_path):
-    config = small_config(
+    trainer, result = _train(
         rl_files, tmp_path, "pipeline.mode=one_step_off", "trainer.total_steps=5",
-        "trainer.val_before_train=false", "data.val_path=", *TWO_CORES,
+        "trainer.val_before_train=false", "data.val_path=",
     )  # fmt: skip
-    trainer = RecordingTrainer(config)
-    trainer.fit()
     lags = _token_staleness(trainer.trained)
     assert lags == {1: (0, 0), 2: (1, 1), 3: (1, 1), 4: (1, 1), 5: (1, 1)}
 
 
-def _shared_memory_files():
-    return {name for name in os.listdir("/dev/shm") if name.startswith("tandem-")}
+def _shared_memory_files(pids):
+    """The weight-slot and sample files of processes ``pids`` still in /dev/shm."""
+    return [name for name in os.listdir("/dev/shm") if any(f"-{pid}-" in name for pid in pids)]
 
 
-def test_a_killed_replica_stops_the_run_naming_it(rl_files, tmp_path):
-    files_before = _shared_memory_files()
-    config = small_config(
-        rl_files, tmp_path, "pipeline.mode=fully_async", "trainer.total_steps=10000",
-        "trainer.val_before_train=false", "data.val_path=", *TWO_CORES,
-    )  # fmt: skip
-    trainer = RLTrainer(config)
+def _run_in_thread(trainer):
     outcome = {}
 
     def run():
@@ -120,6 +113,27 @@ def test_a_killed_replica_stops_the_run_naming_it(rl_files, tmp_path):
 
     thread = threading.Thread(target=run)
     thread.start()
+    return thread, outcome
+
+
+def _assert_stopped_naming_replica_0(thread, outcome):
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the run did not stop after its replica died"
+    error = outcome["error"]
+    assert isinstance(error, RolloutReplicaError) and "rollout replica 0" in str(error), error
+    assert not multiprocessing.active_children()
+
+
+def _async_config(rl_files, tmp_path):
+    return small_config(
+        rl_files, tmp_path, "pipeline.mode=fully_async", "trainer.total_steps=10000",
+        "trainer.val_before_train=false", "data.val_path=", *TWO_CORES,
+    )  # fmt: skip
+
+
+def test_a_killed_replica_stops_the_run_naming_it(rl_files, tmp_path):
+    trainer = RLTrainer(_async_config(rl_files, tmp_path))
+    thread, outcome = _run_in_thread(trainer)
     deadline = time.monotonic() + 120
     while trainer.step < 2 and time.monotonic() < deadline and thread.is_alive():
         time.sleep(0.05)
@@ -127,13 +141,17 @@ def test_a_killed_replica_stops_the_run_naming_it(rl_files, tmp_path):
     pid = trainer.async_rollout.replicas.backend.pids[0]
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
-    thread.join(timeout=60)
-    assert not thread.is_alive(), "the run did not stop after its replica was killed"
+    _assert_stopped_naming_replica_0(thread, outcome)
     assert time.monotonic() - killed < 30
-    error = outcome["error"]
-    assert isinstance(error, RolloutReplicaError) and "rollout replica 0" in str(error)
-    assert not multiprocessing.active_children()
-    assert _shared_memory_files() == files_before  # weight slots and stored samples are deleted
+    assert not _shared_memory_files([os.getpid(), pid])  # weight slots and stored samples are deleted
+
+
+def test_a_replica_lost_during_a_weight_sync_stops_the_run_naming_it(rl_files, tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "_replica_class", lambda: DyingReplica)  # dies as version 2 arrives
+    thread, outcome = _run_in_thread(RLTrainer(_async_config(rl_files, tmp_path)))
+    _assert_stopped_naming_replica_0(thread, outcome)  # not after the sync's 300 s timeout
+    assert "weight version 2" in str(outcome["error"])
+    assert not _shared_memory_files([os.getpid()])
 
 
 def test_an_async_run_resumes_from_its_checkpoint(rl_files, tmp_path):
