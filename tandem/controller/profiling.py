@@ -5,7 +5,7 @@ The controller brackets the work it wants to see with ``start_profile(directory)
 trace (open it in ``chrome://tracing`` or https://ui.perfetto.dev). Each worker call shows as
 a range named after its method (``update_actor``, ``compute_log_prob``, ...: see
 :meth:`tandem.controller.worker.Worker._tandem_execute`), with the operators it ran inside.
-CUDA kernels are recorded too on a rank whose device is a GPU.
+On a rank that has initialised CUDA the profiler records CUDA activity too (not yet run on a GPU).
 """
 
 from __future__ import annotations

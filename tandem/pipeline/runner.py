@@ -21,7 +21,6 @@ shared-memory files until :func:`assemble_batch` pulls them.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
@@ -89,10 +88,10 @@ class AsyncRollout:
             args=(engine, config.model_path, config.trainer.device, pipeline.rollout_threads, self._sample_dir),
         )  # fmt: skip
         connect_weight_sync(self.trainer, self.replicas, pipeline.checkpoint_engine)
+        self.fleet = RolloutFleet(self.replicas, self.queue, pipeline.replica_timeout_s)
         self._start_version = trainer_version
         if trainer_version > 0:
             self._send(trainer_version, "abort")
-        self.fleet = RolloutFleet(self.replicas, self.queue, pipeline.replica_timeout_s)
         self._hand_out(self._allowance())
 
     def close(self, failed: bool = False) -> None:
@@ -180,10 +179,7 @@ class AsyncRollout:
             return
         assert self.fleet is not None
         rollout = self.config.rollout
-        params = SamplingParams(
-            temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-            max_tokens=rollout.max_response_length,
-        )  # fmt: skip
+        params = rollout.sampling(rollout.temperature)
         requests = []
         for index in self.sampler.take(count):
             serial = self._serial
@@ -197,8 +193,9 @@ class AsyncRollout:
 
     def _send(self, version: int, pause: str) -> dict[str, float]:
         """Sync weights ``version`` to every replica (``pause``: what their running requests do)."""
+        assert self.fleet is not None
         started = time.monotonic()
-        with self.fleet.hold() if self.fleet is not None else contextlib.nullcontext():
+        with self.fleet.hold():
             stats = sync_weights(self.trainer, self.replicas, version, pause)
         self.rollout_version = version
         return {
@@ -228,7 +225,8 @@ class AsyncRollout:
 
 def assemble_batch(groups: list[GroupMeta], dataset: Any, n: int, pad_id: int) -> Batch:
     """The training rows of ``groups`` (``n`` responses each): their prompts from ``dataset`` and
-    their responses pulled from the sample store (whose files are released)."""
+    their responses pulled from the sample store (whose files are released). Each response is
+    a view of the mapped file until it is copied once, into the padded batch."""
     prompts = dataset.collate([g.index for g in groups]).repeat(n, interleave=True)
     completions: list[Completion] = []
     for group in groups:
@@ -240,9 +238,9 @@ def assemble_batch(groups: list[GroupMeta], dataset: Any, n: int, pad_id: int) -
                 Completion(
                     f"{group.uid}/{i}",
                     (),
-                    fields["token_ids"][start:end].tolist(),
-                    fields["log_probs"][start:end].tolist(),
-                    fields["versions"][start:end].tolist(),
+                    fields["token_ids"][start:end],  # type: ignore[arg-type]
+                    fields["log_probs"][start:end],  # type: ignore[arg-type]
+                    fields["versions"][start:end],  # type: ignore[arg-type]
                     group.finish_reasons[i],  # type: ignore[arg-type]
                 )
             )

@@ -33,6 +33,7 @@ from tandem.device import check_device_setting
 from tandem.engine.config import EngineConfig
 from tandem.pipeline.config import PipelineConfig
 from tandem.rollout.config import RolloutEngineConfig
+from tandem.rollout.types import SamplingParams
 
 BACKENDS = ("local", "ray")
 RESUME_MODES = ("auto", "disable")
@@ -144,6 +145,16 @@ class RolloutConfig:
             raise ValueError(
                 f"rollout.val_n={self.val_n} needs rollout.val_temperature > 0 (greedy is deterministic)"
             )
+
+    def sampling(self, temperature: float) -> SamplingParams:
+        """How one response is sampled at ``temperature`` (0: greedy, so top-p/top-k are off)."""
+        greedy = temperature == 0.0
+        return SamplingParams(
+            temperature=temperature,
+            top_p=1.0 if greedy else self.top_p,
+            top_k=0 if greedy else self.top_k,
+            max_tokens=self.max_response_length,
+        )
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,11 @@ def _left_pad(rows: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[t
 def sequence_tensors(
     prompt_ids: Sequence[Sequence[int]], completions: Sequence[Completion], pad_id: int
 ) -> dict[str, torch.Tensor]:
-    """The protocol's generation fields for ``completions`` of ``prompt_ids`` (see the module docstring)."""
+    """The protocol's generation fields for ``completions`` of ``prompt_ids`` (see the module docstring).
+
+    A completion's ``token_ids``, ``log_probs`` and ``weight_versions`` may be lists or 1-D
+    tensors (views of the sample store, :func:`tandem.pipeline.runner.assemble_batch`).
+    """
     width = max(len(p) for p in prompt_ids)
     length = max(1, max(len(c.token_ids) for c in completions))
     prompts, prompt_mask = _left_pad(prompt_ids, width, pad_id)
@@ -38,13 +42,13 @@ def sequence_tensors(
     response_mask = torch.zeros((batch, length), dtype=torch.long)
     log_probs = torch.zeros((batch, length), dtype=torch.float32)
     versions = torch.zeros((batch, length), dtype=torch.long)
-    for i, completion in enumerate(completions):
+    for i, completion in enumerate(completions):  # fields are lists, or 1-D tensors (copied once)
         n = len(completion.token_ids)
         if n:
-            responses[i, :n] = torch.tensor(completion.token_ids, dtype=torch.long)
+            responses[i, :n] = torch.as_tensor(completion.token_ids)
             response_mask[i, :n] = 1
-            log_probs[i, :n] = torch.tensor(completion.log_probs, dtype=torch.float32)
-            versions[i, :n] = torch.tensor(completion.weight_versions, dtype=torch.long)
+            log_probs[i, :n] = torch.as_tensor(completion.log_probs, dtype=torch.float32)
+            versions[i, :n] = torch.as_tensor(completion.weight_versions)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     return {
         "prompts": prompts,

@@ -34,6 +34,7 @@ from tandem.algos import (
 from tandem.controller import create_worker_group
 from tandem.engine.divergence import check_health, check_skipped_in_a_row
 from tandem.models.loading import load_tokenizer
+from tandem.pipeline.colocated import ColocatedRollout
 from tandem.pipeline.runner import AsyncRollout
 from tandem.protocol import Batch, group_ids_from_uids
 from tandem.rl.balance import balanced_rank_order
@@ -47,7 +48,6 @@ from tandem.rl.rewards import RewardManager
 from tandem.rl.sequences import concat_sequences, decode_responses, trim_padding
 from tandem.rl.trackers import build_trackers
 from tandem.rl.worker import ActorRolloutRefWorker, reduce_metric
-from tandem.rollout import SamplingParams
 from tandem.run_dir import OutputDirLock, check_output_dir
 from tandem.sft.sampler import EpochSampler
 
@@ -99,7 +99,7 @@ class RLTrainer:
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", config.trainer.keep_last)
         self.step = 0
         self.history: list[dict[str, float]] = []
-        self.async_rollout: AsyncRollout | None = None
+        self.rollout: ColocatedRollout | AsyncRollout | None = None  # built with the workers
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> RLResult:
@@ -130,11 +130,12 @@ class RLTrainer:
             validation: dict[str, float] = {}
             failed = True  # until the loop ends normally: the pipeline then closes without ceremony
             try:
-                if config.pipeline.disaggregated:
-                    self.async_rollout = AsyncRollout(
-                        config, workers, self.train_data, self.sampler, self.tokenizer
-                    )
-                    self.async_rollout.start(self.step)
+                self.rollout = (
+                    AsyncRollout(config, workers, self.train_data, self.sampler, self.tokenizer)
+                    if config.pipeline.disaggregated
+                    else ColocatedRollout(workers, self.tokenizer.pad_token_id)
+                )
+                self.rollout.start(self.step)
                 if self.val_data is not None and trainer.val_before_train and self.step == 0:
                     validation = self.validate()
                     self._log(trackers, validation)
@@ -152,8 +153,8 @@ class RLTrainer:
                         self.save_checkpoint()
                 failed = False
             finally:
-                if self.async_rollout is not None:
-                    self.async_rollout.close(failed)
+                if self.rollout is not None:
+                    self.rollout.close(failed)
                 for tracker in trackers:
                     tracker.close()
             hf_dir = None
@@ -174,9 +175,9 @@ class RLTrainer:
         self.step += 1
         timings: dict[str, float] = {}
         with timed(timings, "step"):
-            if self.async_rollout is not None:
+            if isinstance(self.rollout, AsyncRollout):  # the batch streams in from the replicas
                 with timed(timings, "gen"):  # the trainer's wait for finished prompt groups
-                    generated, metrics = self.async_rollout.next_batch(self.step)
+                    generated, metrics = self.rollout.next_batch(self.step)
                 with timed(timings, "reward"):
                     batch, reward_metrics = self.score(generated)
                 metrics.update(reward_metrics)
@@ -204,10 +205,7 @@ class RLTrainer:
             )
             metrics["actor/max_abs_weight"] = self.check_divergence(metrics)
             with timed(timings, "update_weights"):
-                if self.async_rollout is not None:
-                    metrics.update(self.async_rollout.after_update(self.step))
-                else:
-                    self.workers.sync_rollout_weights(self.step)
+                metrics.update(self.rollout.after_update(self.step))
         metrics.update(adv_metrics)
         memory = self.workers.memory_metrics()  # per phase on GPUs (the largest rank); empty on the CPU
         metrics.update({name: max(m[name] for m in memory) for name in memory[0]})
@@ -262,22 +260,7 @@ class RLTrainer:
 
     def generate(self, prompts: Batch, seeds: list[int], temperature: float) -> Batch:
         """Responses for each row of ``prompts`` (one request per row), trimmed to the longest."""
-        rollout = self.config.rollout
-        greedy = temperature == 0.0
-        sampling = SamplingParams(
-            temperature=temperature,
-            top_p=1.0 if greedy else rollout.top_p,
-            top_k=0 if greedy else rollout.top_k,
-            max_tokens=rollout.max_response_length,
-        )
-        if self.async_rollout is not None:
-            return self.async_rollout.generate(prompts, seeds, sampling, self.step)
-        out = self.workers.generate_sequences(
-            prompts.assign(non_tensors={"seed": seeds}),
-            sampling=sampling,
-            prompt_width=max(len(p) for p in prompts["prompt_ids"]),
-        )
-        return trim_padding(Batch(dict(out.tensors.items()), out.non_tensors), self.tokenizer.pad_token_id)
+        return self.rollout.generate(prompts, seeds, self.config.rollout.sampling(temperature), self.step)
 
     def score(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """``token_level_scores`` (the score on each response's last token) and ``acc [B]``."""

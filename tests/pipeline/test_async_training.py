@@ -88,6 +88,16 @@ def test_two_fsdp2_trainer_ranks_feed_a_replica(rl_files, tmp_path):
     assert not multiprocessing.active_children()
 
 
+def test_fully_async_on_ray_actors(rl_files, tmp_path, ray_cluster):
+    trainer, result = _train(
+        rl_files, tmp_path, "pipeline.mode=fully_async", "trainer.backend=ray", "data.val_path=",
+        "trainer.total_steps=3",
+    )  # fmt: skip
+    assert [h["step"] for h in result.history] == [1, 2, 3]
+    assert all(high <= 1 for _, high in _token_staleness(trainer.trained).values())
+    assert all(h["pipeline/weight_sync_gbps"] > 0 for h in result.history)
+
+
 def test_one_step_off_trains_batch_k_on_weights_k_minus_2(rl_files, tmp_path):
     trainer, result = _train(
         rl_files, tmp_path, "pipeline.mode=one_step_off", "trainer.total_steps=5",
@@ -138,7 +148,7 @@ def test_a_killed_replica_stops_the_run_naming_it(rl_files, tmp_path):
     while trainer.step < 2 and time.monotonic() < deadline and thread.is_alive():
         time.sleep(0.05)
     assert trainer.step >= 2, outcome
-    pid = trainer.async_rollout.replicas.backend.pids[0]
+    pid = trainer.rollout.replicas.backend.pids[0]
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     _assert_stopped_naming_replica_0(thread, outcome)
