@@ -1,4 +1,4 @@
-"""The ``tandem`` command line: ``demo``, ``train``, ``sft``, ``serve``, ``prepare-data`` and ``algos``."""
+"""The ``tandem`` command line: ``demo``, ``train``, ``sft``, ``serve``, ``report``, ``prepare-data`` and ``algos``."""
 
 from __future__ import annotations
 
@@ -104,6 +104,28 @@ def run_serve(args: argparse.Namespace, console: Console) -> None:
     serve(engine, tokenizer, config)
 
 
+def make_report(args: argparse.Namespace, console: Console) -> None:
+    """``tandem report RUN_DIR [RUN_DIR ...]``: one run's report, or several runs overlaid."""
+    from tandem.report import write_report
+
+    if args.out:
+        target = Path(args.out)
+    elif len(args.run_dirs) == 1:
+        target = Path(args.run_dirs[0]) / "report.html"
+    else:
+        target = Path("report.html")
+    path = write_report(args.run_dirs, target, args.title)
+    console.print(f"report: {path}")
+    if args.screenshot:
+        from tandem.report.browser import check_page
+
+        check = check_page(path, "window.tandemReportReady === true")
+        Path(args.screenshot).write_bytes(check.screenshot)
+        console.print(f"screenshot: {args.screenshot}")
+        for error in check.errors:
+            console.print(f"[red]page error: {error}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="RL post-training for language models.")
     parser.add_argument("--version", action="version", version=f"tandem {__version__}")
@@ -139,6 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--split", default="train")
     commands.add_parser("algos", help="list every registered algorithm")
+    report = commands.add_parser(
+        "report", help="draw a run's report, or overlay several runs: tandem report RUN_DIR [RUN_DIR ...]"
+    )
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's trainer.output_dir")
+    report.add_argument(
+        "--out", help="the HTML file to write (default: RUN_DIR/report.html for one run, ./report.html for several)"
+    )
+    report.add_argument("--title", help="the page title (default: the experiment name, or the compared names)")
+    report.add_argument(
+        "--screenshot", metavar="PNG", help="also save a full-page screenshot (needs Chromium installed)"
+    )
     sft = commands.add_parser(
         "sft", help="supervised fine-tuning on chat data: tandem sft model_path=... data.train_path=..."
     )
@@ -200,6 +233,8 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         run_serve(args, console)
     elif args.command == "prepare-data":
         prepare_data(args, console)
+    elif args.command == "report":
+        make_report(args, console)
     elif args.command == "sft":
         from tandem.config.overrides import config_from_overrides
         from tandem.sft import SFTConfig, SFTTrainer

@@ -286,7 +286,11 @@ class TrainerConfig:
         loggers: any of ``console``, ``jsonl``, ``tensorboard``, ``wandb``, ``mlflow``.
         project / experiment: names for wandb/MLflow.
         seed: data order, sampling seeds and initialisation.
-        report: write ``report.html`` with the curves at the end.
+        report: write ``report.html`` (docs/report.md): redrawn during training and at the end,
+            beside ``run.json`` (what produced the run) and ``status.json`` (where it is).
+            Needs the ``jsonl`` logger, whose ``metrics.jsonl`` it draws.
+        report_every: redraw the report every this many steps (and after each validation); 0:
+            only at the end.
         export_hf: save the final policy as a plain HF model directory.
         profile_steps: steps to record with the PyTorch profiler: every trainer worker writes a
             Chrome trace per step, ``<profile_dir>/step_<N>/rank<R>.json`` (see docs/rl.md).
@@ -313,12 +317,14 @@ class TrainerConfig:
     experiment: str = "run"
     seed: int = 0
     report: bool = True
+    report_every: int = 10
     export_hf: bool = True
     profile_steps: tuple[int, ...] = ()
     profile_dir: str = ""
 
     def __post_init__(self) -> None:
         check_range("trainer", "total_steps", self.total_steps, low=0)
+        check_range("trainer", "report_every", self.report_every, low=0)
         for step in self.profile_steps:
             if not isinstance(step, int) or step < 1:
                 raise ValueError(

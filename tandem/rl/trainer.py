@@ -37,13 +37,14 @@ from tandem.models.loading import load_tokenizer
 from tandem.pipeline.colocated import ColocatedRollout
 from tandem.pipeline.runner import AsyncRollout
 from tandem.protocol import Batch, group_ids_from_uids
+from tandem.report import RunInfo
+from tandem.report.tracker import ReportTracker
 from tandem.rl.balance import balanced_rank_order
 from tandem.rl.checkpoints import CheckpointManager
 from tandem.rl.config import TrainConfig
 from tandem.rl.data import RLDataset
 from tandem.rl.derived import derive_seed
 from tandem.rl.metrics import data_metrics, timed, timing_metrics
-from tandem.rl.report import write_report
 from tandem.rl.rewards import RewardManager
 from tandem.rl.sequences import concat_sequences, decode_responses, trim_padding
 from tandem.rl.trackers import build_trackers
@@ -99,6 +100,16 @@ class RLTrainer:
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", config.trainer.keep_last)
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self.run_info = RunInfo(
+            self.output_dir,
+            command="tandem train",
+            experiment=config.trainer.experiment,
+            project=config.trainer.project,
+            config=dataclasses.asdict(config),
+            model_path=config.model_path,
+            data_files={"train": data.train_path, "val": data.val_path},
+            total_steps=self.total_steps,
+        )
         self.rollout: ColocatedRollout | AsyncRollout | None = None  # built with the workers
 
     # ------------------------------------------------------------------ the loop
@@ -127,6 +138,11 @@ class RLTrainer:
                 trainer.loggers, self.output_dir, self.total_steps, self.step, resumed,
                 trainer.project, trainer.experiment, _flatten(dataclasses.asdict(config)), self.console,
             )  # fmt: skip
+            report = None
+            if trainer.report and "jsonl" in trainer.loggers:
+                report = ReportTracker(self.output_dir, trainer.report_every)
+                trackers.append(report)  # after the JSONL tracker, whose file it draws
+            self.run_info.start(self.step)
             validation: dict[str, float] = {}
             failed = True  # until the loop ends normally: the pipeline then closes without ceremony
             try:
@@ -152,9 +168,14 @@ class RLTrainer:
                     if (trainer.save_every and self.step % trainer.save_every == 0) or last:
                         self.save_checkpoint()
                 failed = False
+            except BaseException as error:
+                self.run_info.finish(self.step, error)
+                raise
             finally:
                 if self.rollout is not None:
                     self.rollout.close(failed)
+                if not failed:
+                    self.run_info.finish(self.step)
                 for tracker in trackers:
                     tracker.close()
             hf_dir = None
@@ -162,13 +183,9 @@ class RLTrainer:
                 hf_dir = self.output_dir / "hf_model"
                 workers.export_hf(str(hf_dir))
             workers.shutdown_engines()
-        report = None
-        if trainer.report and "jsonl" in trainer.loggers:
-            report = write_report(
-                self.output_dir / "metrics.jsonl", self.output_dir / "report.html", trainer.experiment
-            )
-            self.console.print(f"report: {report}")
-        return RLResult(self.history, validation, self.output_dir, hf_dir, report)
+        if report is not None:
+            self.console.print(f"report: {report.path}")
+        return RLResult(self.history, validation, self.output_dir, hf_dir, report and report.path)
 
     def train_step(self) -> dict[str, float]:
         """One RL step; returns its metrics."""
@@ -397,6 +414,7 @@ class RLTrainer:
         self.history.append({"step": self.step, **metrics})
         for tracker in trackers:
             tracker.log(metrics, self.step)
+        self.run_info.progress(self.step)
 
     def _print_plan(self, params: int) -> None:
         config = self.config

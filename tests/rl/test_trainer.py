@@ -61,7 +61,7 @@ def test_grpo_run_updates_the_policy_and_logs_finite_metrics(rl_files, tmp_path)
     assert len(changed) == len(list(before.parameters()))
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
-    assert "<svg" in result.report.read_text()
+    assert "Plotly.newPlot" in result.report.read_text()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert (tmp_path / "checkpoints" / "latest").read_text() == "global_step_2"
 
@@ -79,6 +79,9 @@ def test_resume_reproduces_the_uninterrupted_run_and_reruns_are_identical(rl_fil
     assert [h["step"] for h in resumed.history] == [3, 4]
     assert _without_timings(resumed.history) == _without_timings(full.history[3:])
     assert [r["step"] for r in read_jsonl(tmp_path / "part" / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+    run = json.loads((tmp_path / "part" / "run.json").read_text())  # the first start kept, the resume added
+    assert run["started_at"] <= run["resumed_at"][0]["time"] and run["resumed_at"][0]["step"] == 2
+    assert json.loads((tmp_path / "part" / "status.json").read_text())["status"] == "finished"
 
 
 KILL_SCRIPT = """

@@ -1,0 +1,127 @@
+"""A run's own record beside its metrics: ``run.json`` says what produced it, ``status.json``
+where it is.
+
+``run.json`` (written when the run starts): experiment and project names, the command, the
+resolved config, the model and data files, package versions, the machine, and when it started
+(a resumed run keeps the first start and adds to ``resumed_at``). ``status.json`` (rewritten
+after every step, atomically): ``running`` / ``finished`` / ``failed``, the step, the total,
+the last update, an ETA, and the error that stopped a failed run. The report reads both; a
+user can watch ``status.json`` (or the report, which refreshes itself) during a long run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+
+from tandem.report.machine import machine_facts, package_versions
+
+RUN_FILE = "run.json"
+STATUS_FILE = "status.json"
+
+
+def now_iso() -> str:
+    """The current UTC time as ISO 8601 (seconds)."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_json_atomically(path: Path, value: dict) -> None:
+    """Write ``value`` to ``path`` so a reader sees the old file or the new one, never half of one."""
+    staging = path.with_name(path.name + ".tmp")
+    staging.write_text(json.dumps(value, indent=1, default=str))
+    os.replace(staging, path)
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in ``path``, or ``{}`` when the file is missing or unreadable."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class RunInfo:
+    """Writes ``run.json`` and ``status.json`` into ``output_dir`` for one run (see the module docstring).
+
+    Args:
+        output_dir: the run's output directory.
+        command: what was run (``tandem train``).
+        experiment / project: the names the report's legend and title use.
+        config: the resolved config as a nested dict.
+        model_path: the model the run started from.
+        data_files: role -> path (``{"train": ..., "val": ...}``).
+        total_steps: the planned number of steps.
+    """
+
+    def __init__(
+        self,
+        output_dir: Path,
+        command: str,
+        experiment: str,
+        project: str,
+        config: dict,
+        model_path: str,
+        data_files: dict[str, str | None],
+        total_steps: int,
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        self.total_steps = total_steps
+        self.info = {
+            "experiment": experiment,
+            "project": project,
+            "command": command,
+            "model_path": model_path,
+            "data_files": {role: path for role, path in data_files.items() if path},
+            "total_steps": total_steps,
+            "versions": package_versions(),
+            "machine": machine_facts(),
+            "config": config,
+        }
+        self._clock_start = time.monotonic()
+        self._start_step = 0
+        self._started_at = ""
+
+    def start(self, step: int) -> None:
+        """Record the start (or a resume at ``step``) and mark the run as running."""
+        previous = read_json(self.output_dir / RUN_FILE) if step > 0 else {}
+        self._started_at = previous.get("started_at") or now_iso()
+        self.info["started_at"] = self._started_at
+        if previous:
+            self.info["resumed_at"] = [*previous.get("resumed_at", []), {"step": step, "time": now_iso()}]
+        self._clock_start, self._start_step = time.monotonic(), step
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomically(self.output_dir / RUN_FILE, self.info)
+        self._write_status("running", step)
+
+    def progress(self, step: int) -> None:
+        """After each logged step: the step and an ETA from the pace since this process started."""
+        self._write_status("running", step)
+
+    def finish(self, step: int, error: BaseException | None = None) -> None:
+        """The run ended, normally (``error`` None) or by ``error``."""
+        extra = {"ended_at": now_iso()}
+        if error is not None:
+            extra["error"] = f"{type(error).__name__}: {error}"
+        self._write_status("failed" if error is not None else "finished", step, extra)
+
+    def _write_status(self, status: str, step: int, extra: dict | None = None) -> None:
+        elapsed = time.monotonic() - self._clock_start
+        done = step - self._start_step
+        eta = elapsed / done * (self.total_steps - step) if done > 0 and status == "running" else None
+        write_json_atomically(
+            self.output_dir / STATUS_FILE,
+            {
+                "status": status,
+                "step": step,
+                "total_steps": self.total_steps,
+                "started_at": self._started_at,
+                "updated_at": now_iso(),
+                "elapsed_s": round(elapsed, 1),
+                "eta_s": None if eta is None else round(eta, 1),
+                **(extra or {}),
+            },
+        )
