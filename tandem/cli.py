@@ -119,7 +119,7 @@ def make_report(args: argparse.Namespace, console: Console) -> None:
     if args.screenshot:
         from tandem.report.browser import check_page
 
-        check = check_page(path, "window.tandemReportReady === true")
+        check = check_page(path, "window.tandemReportReady === true", height=args.screenshot_height)
         Path(args.screenshot).write_bytes(check.screenshot)
         console.print(f"screenshot: {args.screenshot}")
         for error in check.errors:
@@ -166,9 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's trainer.output_dir")
     report.add_argument(
-        "--out", help="the HTML file to write (default: RUN_DIR/report.html for one run, ./report.html for several)"
+        "--out",
+        help="the HTML file to write (default: RUN_DIR/report.html for one run, ./report.html for several)",
     )
-    report.add_argument("--title", help="the page title (default: the experiment name, or the compared names)")
+    report.add_argument(
+        "--title", help="the page title (default: the experiment name, or the compared names)"
+    )
     report.add_argument(
         "--screenshot", metavar="PNG", help="also save a full-page screenshot (needs Chromium installed)"
     )

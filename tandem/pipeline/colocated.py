@@ -39,5 +39,11 @@ class ColocatedRollout:
         self.workers.sync_rollout_weights(version)
         return {}
 
+    def start_profile(self, directory: str) -> None:
+        """Nothing more to profile: the engines run inside the (profiled) trainer workers."""
+
+    def stop_profile(self) -> list[str]:
+        return []
+
     def close(self, failed: bool = False) -> None:
         """Nothing to stop: the engines close with the workers."""

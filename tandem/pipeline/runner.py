@@ -120,6 +120,18 @@ class AsyncRollout:
                     discard_files_of(pid, self._weights_dir, SLOT_PREFIX)
 
     # ------------------------------------------------------------------ the trainer's calls
+    def start_profile(self, directory: str) -> None:
+        """Record the replicas with the PyTorch profiler until :meth:`stop_profile`; each writes
+        ``<directory>/replica<N>.json`` (its calls and its engine's generation, as it overlaps
+        the trainer's step)."""
+        with self.fleet.hold():
+            self.replicas.start_profile(directory)
+
+    def stop_profile(self) -> list[str]:
+        """Stop the replicas' recording; returns the trace paths."""
+        with self.fleet.hold():
+            return self.replicas.stop_profile()
+
     def next_batch(self, step: int) -> tuple[Batch, dict[str, float]]:
         """The prompt groups step ``step`` trains on (generation fields, as the sync loop makes
         them, plus ``weight_version``), and the step's ``pipeline/*`` metrics."""

@@ -53,9 +53,17 @@ class _DevTools:
         read_commands, self._commands = os.pipe()  # browser reads fd 3
         self._answers, write_answers = os.pipe()  # browser writes fd 4
         self.process = subprocess.Popen(
-            [browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-             "--disable-extensions", "--remote-debugging-pipe", f"--user-data-dir={profile_dir}",
-             "about:blank"],  # fmt: skip
+            [
+                browser,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--no-first-run",
+                "--disable-extensions",
+                "--remote-debugging-pipe",
+                f"--user-data-dir={profile_dir}",
+                "about:blank",
+            ],  # fmt: skip
             pass_fds=(read_commands, write_answers, 3, 4),  # 3 and 4 stay open after _place_pipe_ends
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -126,13 +134,14 @@ def check_page(
     ready_expression: str = "true",
     probes: tuple[str, ...] = (),
     width: int = 1400,
+    height: int = 0,
     timeout: float = 60.0,
     browser: str | None = None,
 ) -> PageCheck:
     """Load ``page`` (a file path) in headless Chromium, wait for the load event and for
     ``ready_expression`` (JavaScript) to be true, evaluate each of ``probes`` in turn (JavaScript
     expressions; their JSON values are returned, promises awaited), and return the errors seen
-    and a full-page screenshot. Raises ``FileNotFoundError`` when no browser is installed."""
+    and a screenshot: the whole page, or its top ``height`` pixels when ``height`` is set. Raises ``FileNotFoundError`` when no browser is installed."""
     browser = browser or find_browser()
     if browser is None:
         raise FileNotFoundError(
@@ -151,7 +160,7 @@ def check_page(
                 tools.send(f"{domain}.enable")
             tools.send(
                 "Emulation.setDeviceMetricsOverride",
-                {"width": width, "height": 900, "deviceScaleFactor": 1, "mobile": False},
+                {"width": width, "height": height or 900, "deviceScaleFactor": 1, "mobile": False},
             )
             tools.events.clear()
             tools.send("Page.navigate", {"url": Path(page).resolve().as_uri()})
@@ -170,11 +179,15 @@ def check_page(
                 if "exceptionDetails" in answer:
                     raise RuntimeError(f"probe {probe!r} failed: {answer['exceptionDetails'].get('text')}")
                 result.values.append(answer.get("result", {}).get("value"))
-            shot = tools.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True})
+            shot = tools.send(
+                "Page.captureScreenshot", {"format": "png", "captureBeyondViewport": not height}
+            )
             result.screenshot = base64.b64decode(shot["data"])
             result.errors = _errors(tools.events)
             result.requests = [
-                e["params"]["request"]["url"] for e in tools.events if e.get("method") == "Network.requestWillBeSent"
+                e["params"]["request"]["url"]
+                for e in tools.events
+                if e.get("method") == "Network.requestWillBeSent"
             ]
         finally:
             tools.close()
@@ -187,9 +200,14 @@ def _errors(events: list[dict]) -> list[str]:
         method, params = event.get("method"), event.get("params", {})
         if method == "Runtime.exceptionThrown":
             details = params.get("exceptionDetails", {})
-            errors.append(f"exception: {details.get('exception', {}).get('description') or details.get('text')}")
+            errors.append(
+                f"exception: {details.get('exception', {}).get('description') or details.get('text')}"
+            )
         elif method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
-            errors.append("console.error: " + " ".join(str(a.get("value", a.get("description"))) for a in params["args"]))
+            errors.append(
+                "console.error: "
+                + " ".join(str(a.get("value", a.get("description"))) for a in params["args"])
+            )
         elif method == "Log.entryAdded" and params.get("entry", {}).get("level") == "error":
             entry = params["entry"]
             errors.append(f"{entry.get('source')}: {entry.get('text')} {entry.get('url', '')}".strip())

@@ -59,9 +59,14 @@ def _line_traces(panel: Panel, runs: list[RunData], metrics: list[str]) -> list[
                 traces.append(_raw_companion(steps, values, color))
             traces.append(
                 {
-                    "type": "scatter", "mode": mode, "x": steps, "y": values,
-                    "name": _label(run, metric, len(runs)), "legendgroup": run.name,
-                    "line": {"color": color, "dash": dash, "width": 2}, "marker": {"size": 5},
+                    "type": "scatter",
+                    "mode": mode,
+                    "x": steps,
+                    "y": values,
+                    "name": _label(run, metric, len(runs)),
+                    "legendgroup": run.name,
+                    "line": {"color": color, "dash": dash, "width": 2},
+                    "marker": {"size": 5},
                     "meta": {"smooth": panel.smooth},
                     "hovertemplate": "%{y:.4~g}",
                 }  # fmt: skip
@@ -86,21 +91,47 @@ def _band_traces(panel: Panel, runs: list[RunData], bases: list[str]) -> list[di
             low, high = series(run, f"{base}/min"), series(run, f"{base}/max")
             if low[0] and high[0]:
                 traces.append(
-                    {"type": "scatter", "mode": "lines", "x": low[0], "y": low[1], "line": {"width": 0},
-                     "name": f"{label}/min", "legendgroup": label, "showlegend": False,
-                     "hovertemplate": "min %{y:.4~g}"}  # fmt: skip
+                    {
+                        "type": "scatter",
+                        "mode": "lines",
+                        "x": low[0],
+                        "y": low[1],
+                        "line": {"width": 0},
+                        "name": f"{label}/min",
+                        "legendgroup": label,
+                        "showlegend": False,
+                        "hovertemplate": "min %{y:.4~g}",
+                    }  # fmt: skip
                 )
                 traces.append(
-                    {"type": "scatter", "mode": "lines", "x": high[0], "y": high[1], "line": {"width": 0},
-                     "fill": "tonexty", "fillcolor": _rgba(color, 0.15), "name": f"{label}/max",
-                     "legendgroup": label, "showlegend": False, "hovertemplate": "max %{y:.4~g}"}  # fmt: skip
+                    {
+                        "type": "scatter",
+                        "mode": "lines",
+                        "x": high[0],
+                        "y": high[1],
+                        "line": {"width": 0},
+                        "fill": "tonexty",
+                        "fillcolor": _rgba(color, 0.15),
+                        "name": f"{label}/max",
+                        "legendgroup": label,
+                        "showlegend": False,
+                        "hovertemplate": "max %{y:.4~g}",
+                    }  # fmt: skip
                 )
             steps, values = series(run, f"{base}/mean")
             traces.append(
-                {"type": "scatter", "mode": "lines+markers" if len(steps) < FEW_POINTS else "lines",
-                 "x": steps, "y": values, "name": f"{label} (mean)", "legendgroup": label,
-                 "line": {"color": color, "dash": dash, "width": 2}, "marker": {"size": 5},
-                 "meta": {"smooth": False}, "hovertemplate": "mean %{y:.4~g}"}  # fmt: skip
+                {
+                    "type": "scatter",
+                    "mode": "lines+markers" if len(steps) < FEW_POINTS else "lines",
+                    "x": steps,
+                    "y": values,
+                    "name": f"{label} (mean)",
+                    "legendgroup": label,
+                    "line": {"color": color, "dash": dash, "width": 2},
+                    "marker": {"size": 5},
+                    "meta": {"smooth": False},
+                    "hovertemplate": "mean %{y:.4~g}",
+                }  # fmt: skip
             )
     return traces
 
@@ -110,14 +141,27 @@ def _stack_traces(run: RunData, phases: list[str]) -> list[dict]:
     for m, phase in enumerate(phases):
         steps, values = series(run, phase)
         traces.append(
-            {"type": "bar", "x": steps, "y": values, "name": phase.removeprefix("timing_s/"),
-             "marker": {"color": COLORS[m % len(COLORS)]}, "hovertemplate": "%{y:.3~g} s"}  # fmt: skip
+            {
+                "type": "bar",
+                "x": steps,
+                "y": values,
+                "name": phase.removeprefix("timing_s/"),
+                "marker": {"color": COLORS[m % len(COLORS)]},
+                "hovertemplate": "%{y:.3~g} s",
+            }  # fmt: skip
         )
     steps, values = series(run, STEP_TIME)
     if steps:
         traces.append(
-            {"type": "scatter", "mode": "lines", "x": steps, "y": values, "name": "whole step",
-             "line": {"color": "#222", "width": 1.5}, "hovertemplate": "%{y:.3~g} s"}  # fmt: skip
+            {
+                "type": "scatter",
+                "mode": "lines",
+                "x": steps,
+                "y": values,
+                "name": "whole step",
+                "line": {"color": "#222", "width": 1.5},
+                "hovertemplate": "%{y:.3~g} s",
+            }  # fmt: skip
         )
     return traces
 
@@ -129,7 +173,12 @@ def _y_axis(panel: Panel, traces: list[dict]) -> dict:
         log = bool(positive) and min(values) >= 0 and max(positive) / min(positive) >= LOG_SPAN
     else:
         log = panel.log_y and bool(positive)
-    axis = {"automargin": True, "gridcolor": "#e5e5e5", "zerolinecolor": "#bbb", "type": "log" if log else "linear"}
+    axis = {
+        "automargin": True,
+        "gridcolor": "#e5e5e5",
+        "zerolinecolor": "#bbb",
+        "type": "log" if log else "linear",
+    }
     axis.update({"exponentformat": "power"} if log else {"tickformat": "~g", "exponentformat": "e"})
     return axis
 
@@ -167,8 +216,16 @@ def figure(panel: Panel, runs: list[RunData], metrics: list[str], title: str | N
     }
     if panel.note:
         layout["annotations"] = [
-            {"text": panel.note, "xref": "paper", "yref": "paper", "x": 0, "y": 1.16, "showarrow": False,
-             "xanchor": "left", "font": {"size": 10, "color": "#666"}}  # fmt: skip
+            {
+                "text": panel.note,
+                "xref": "paper",
+                "yref": "paper",
+                "x": 0,
+                "y": 1.16,
+                "showarrow": False,
+                "xanchor": "left",
+                "font": {"size": 10, "color": "#666"},
+            }  # fmt: skip
         ]
     return {"data": traces, "layout": layout}
 

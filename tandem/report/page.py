@@ -140,7 +140,9 @@ def _figures(runs: list[RunData]) -> list[tuple[str, list[dict]]]:
 
 def render(runs: list[RunData], title: str | None = None) -> str:
     """The whole report page for ``runs`` as an HTML string."""
-    title = title or (runs[0].name if len(runs) == 1 else f"Comparing {len(runs)} runs: " + ", ".join(r.name for r in runs))
+    title = title or (
+        runs[0].name if len(runs) == 1 else f"Comparing {len(runs)} runs: " + ", ".join(r.name for r in runs)
+    )
     live = any(run.status.get("status") == "running" for run in runs)
     parts = [f"<h1>{html.escape(title)}</h1>"]
     if len(runs) > 1:

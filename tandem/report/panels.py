@@ -82,7 +82,9 @@ SECTIONS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             Panel("Entropy", ("actor/entropy",)),
             Panel("Policy loss", ("actor/pg_loss",)),
             Panel("Clip fraction", ("actor/pg_clipfrac*",)),
-            Panel("KL: policy vs old policy, and the KL loss to the reference", ("actor/ppo_kl", "actor/kl_*")),
+            Panel(
+                "KL: policy vs old policy, and the KL loss to the reference", ("actor/ppo_kl", "actor/kl_*")
+            ),
             Panel("Gradient norm", ("actor/grad_norm",)),
             Panel("Learning rate", ("actor/lr",), smooth=False),
             Panel("Largest |weight|", ("actor/max_abs_weight",), smooth=False),
@@ -130,7 +132,11 @@ SECTIONS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
     (
         "Pipeline",
         (
-            Panel("Staleness of trained samples (weight versions behind)", ("pipeline/staleness/*",), smooth=False),
+            Panel(
+                "Staleness of trained samples (weight versions behind)",
+                ("pipeline/staleness/*",),
+                smooth=False,
+            ),
             Panel("Sample queue depth (prompt groups)", ("pipeline/queue_depth",), smooth=False),
             Panel("Idle time per step (s)", ("pipeline/*idle_s",), smooth=False),
             Panel("Weight sync time (s)", ("pipeline/weight_sync_s",), smooth=False),
@@ -166,7 +172,11 @@ def plan(names: set[str]) -> list[tuple[str, list[tuple[Panel, list[str]]]]]:
                 continue
             drawn.append((panel, metrics))
             for metric in metrics:
-                taken |= {metric, f"{metric}/mean", f"{metric}/min", f"{metric}/max"} if panel.kind == "band" else {metric}
+                taken |= (
+                    {metric, f"{metric}/mean", f"{metric}/min", f"{metric}/max"}
+                    if panel.kind == "band"
+                    else {metric}
+                )
         if drawn:
             sections.append((title, drawn))
     groups: dict[str, list[str]] = {}
@@ -175,6 +185,12 @@ def plan(names: set[str]) -> list[tuple[str, list[tuple[Panel, list[str]]]]]:
         groups.setdefault(prefix, []).append(name)
     if groups:
         sections.append(
-            ("Other metrics", [(Panel(prefix, tuple(members), smooth=False), members) for prefix, members in groups.items()])
+            (
+                "Other metrics",
+                [
+                    (Panel(prefix, tuple(members), smooth=False), members)
+                    for prefix, members in groups.items()
+                ],
+            )
         )
     return sections

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-
 from pathlib import Path
 
 from tandem.report import write_report

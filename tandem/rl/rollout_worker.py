@@ -15,6 +15,7 @@ from transformers.utils import logging as hf_logging
 
 from tandem.checkpoint_engine import CheckpointEngineConfig, SenderAddress, WeightReceiver
 from tandem.controller import Worker, register
+from tandem.controller.profiling import ProfilesCalls
 from tandem.device import bind_device
 from tandem.pipeline.groups import GroupRequest, GroupTracker
 from tandem.pipeline.sample_queue import GroupMeta
@@ -24,12 +25,14 @@ from tandem.rollout.config import RolloutEngineConfig
 from tandem.rollout.factory import build_rollout_engine
 
 
-class RolloutReplicaWorker(Worker):
-    """One rollout replica (see the module docstring).
+class RolloutReplicaWorker(ProfilesCalls, Worker):
+    """One rollout replica (see the module docstring); profiled as ``replica<rank>.json``.
 
     ``device``: ``auto``, ``cpu`` or ``cuda``; ``threads``: CPU threads (0: PyTorch's default);
     ``sample_dir``: the memory-backed directory of the sample store.
     """
+
+    profile_name = "replica"
 
     def __init__(
         self,

@@ -393,18 +393,19 @@ class RLTrainer:
 
     @contextlib.contextmanager
     def _profiled(self, step: int) -> Iterator[None]:
-        """Record step ``step`` with the PyTorch profiler on every trainer worker when it is one of
-        ``trainer.profile_steps`` (one Chrome trace per rank)."""
+        """Record step ``step`` with the PyTorch profiler on every trainer worker and rollout
+        replica when it is one of ``trainer.profile_steps`` (one Chrome trace per process)."""
         trainer = self.config.trainer
         if step not in trainer.profile_steps:
             yield
             return
         directory = Path(trainer.profile_dir or self.output_dir / "profile") / f"step_{step}"
         self.workers.start_profile(str(directory))
+        self.rollout.start_profile(str(directory))
         try:
             yield
         finally:
-            paths = self.workers.stop_profile()
+            paths = self.workers.stop_profile() + self.rollout.stop_profile()
             self.console.print(f"profile of step {step}: {', '.join(paths)}")
 
     def _log(self, trackers: list, metrics: dict[str, float]) -> None:

@@ -41,7 +41,9 @@ def test_report_loads_in_chromium_without_errors_and_is_screenshotted(report_run
     page = write_report([report_runs["fast"], report_runs["slow"]], tmp_path / "compare.html")
     figures = figures_of(page.read_text())
     smooth_chart = next(i for i, f in enumerate(figures) if f["layout"]["title"]["text"] == "Entropy")
-    smooth_trace = next(t for t, trace in enumerate(figures[smooth_chart]["data"]) if trace.get("meta", {}).get("smooth"))
+    smooth_trace = next(
+        t for t, trace in enumerate(figures[smooth_chart]["data"]) if trace.get("meta", {}).get("smooth")
+    )
     slide = (
         "(() => { const s = document.getElementById('smoothing'); s.value = '0.6';"
         " s.dispatchEvent(new Event('input')); return true; })()"
@@ -76,5 +78,10 @@ def test_report_screenshot_from_the_command_line(report_runs, tmp_path, browser,
     from tandem.cli import main
 
     shot = tmp_path / "shot.png"
-    assert main(["report", str(report_runs["fast"]), "--out", str(tmp_path / "r.html"), "--screenshot", str(shot)]) == 0
+    assert (
+        main(
+            ["report", str(report_runs["fast"]), "--out", str(tmp_path / "r.html"), "--screenshot", str(shot)]
+        )
+        == 0
+    )
     assert shot.read_bytes()[:4] == b"\x89PNG" and "page error" not in capsys.readouterr().out

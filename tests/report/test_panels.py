@@ -22,11 +22,16 @@ def test_each_metric_goes_to_exactly_one_panel_and_unknown_ones_to_other_metrics
         "training/epoch", "timing_s/step", "timing_s/gen",
     }  # fmt: skip
     panels = drawn(names)
-    assert panels["Mismatch KL between rollout and trainer log-probs"] == ["rollout_corr/k3_kl", "rollout_corr/kl"]
+    assert panels["Mismatch KL between rollout and trainer log-probs"] == [
+        "rollout_corr/k3_kl",
+        "rollout_corr/kl",
+    ]
     assert panels["Importance weights and masking"] == ["rollout_corr/is_ess"]  # kl taken by the panel above
     assert panels["Training score per response (mean, min–max band)"] == ["critic/score"]
     assert panels["Seconds per step by phase"] == ["timing_s/gen"]
-    assert panels["my_reward/part"] == ["my_reward/part/a", "my_reward/part/b"] and panels["loose"] == ["loose"]
+    assert panels["my_reward/part"] == ["my_reward/part/a", "my_reward/part/b"] and panels["loose"] == [
+        "loose"
+    ]
     every = [m for metrics in panels.values() for m in metrics]
     assert len(every) == len(set(every))
     assert "training/epoch" not in every and "timing_s/step" not in every

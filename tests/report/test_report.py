@@ -30,7 +30,14 @@ def test_every_logged_metric_is_drawn_and_the_issue_s_groups_are_there(report_ru
     logged = {k for r in read_jsonl(report_runs["fast"] / "metrics.jsonl") for k in r} - {"step"}
     for metric in sorted(logged - NEVER_DRAWN - {STEP_TIME}):
         base = metric.rsplit("/", 1)[0]
-        drawn = {metric, f"|{metric}|", metric.removeprefix("timing_s/"), f"{base} (mean)", f"{base}/min", f"{base}/max"}
+        drawn = {
+            metric,
+            f"|{metric}|",
+            metric.removeprefix("timing_s/"),
+            f"{base} (mean)",
+            f"{base}/min",
+            f"{base}/max",
+        }
         assert drawn & names, f"{metric} is not drawn"
     assert "whole step" in names  # timing_s/step: the line over the stacked phases
     for title in (
@@ -63,7 +70,9 @@ def test_report_is_one_file_with_no_network_references(report_runs, tmp_path):
     assert list(tmp_path.iterdir()) == [tmp_path / "report.html"]
 
 
-def test_header_names_config_model_data_versions_machine_times_and_final_metrics(report_runs, rl_files, tmp_path):
+def test_header_names_config_model_data_versions_machine_times_and_final_metrics(
+    report_runs, rl_files, tmp_path
+):
     page = html.unescape(write_report([report_runs["fast"]], tmp_path / "r.html").read_text())
     run = load_run(report_runs["fast"])
     assert run.name == "lr_1e-3" and run.status["status"] == "finished" and run.status["step"] == 4
@@ -133,7 +142,10 @@ def test_a_failed_run_says_so_in_its_status_and_report(rl_files, tmp_path, monke
         (lambda d: None, "does not exist"),
         (lambda d: d.mkdir(), "has no metrics.jsonl"),
         (lambda d: (d.mkdir(), (d / "metrics.jsonl").write_text("")), "has no records yet"),
-        (lambda d: (d.mkdir(), (d / "metrics.jsonl").write_text('{"step": 1}\n{oops\n')), "line 2 is not JSON"),
+        (
+            lambda d: (d.mkdir(), (d / "metrics.jsonl").write_text('{"step": 1}\n{oops\n')),
+            "line 2 is not JSON",
+        ),
     ],
     ids=["missing", "not-a-run", "empty", "malformed"],
 )

@@ -35,6 +35,22 @@ def test_two_workers_write_one_trace_each(rl_files, tmp_path):
         assert "update_actor" in _event_names(profile / "step_1" / f"rank{rank}.json")
 
 
+def test_rollout_replicas_of_an_async_run_write_their_own_traces(rl_files, tmp_path):
+    config = small_config(
+        rl_files, tmp_path, "pipeline.mode=fully_async", "trainer.total_steps=3", "trainer.profile_steps=[2]",
+        "data.val_path=", "pipeline.trainer_threads=1", "pipeline.rollout_threads=1",
+    )  # fmt: skip
+    RLTrainer(config).fit()
+    step = tmp_path / "profile" / "step_2"
+    assert sorted(p.name for p in step.iterdir()) == ["rank0.json", "replica0.json"]
+    events = [e for e in json.loads((step / "replica0.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+    call_threads = {e["tid"] for e in events if e["name"] == "collect"}  # the controller's calls, named
+    assert call_threads
+    engine_ops = {e["name"] for e in events if e["tid"] not in call_threads}
+    assert "aten::rms_norm" in engine_ops  # the engine's forwards, recorded on its own thread
+    assert "update_actor" in _event_names(step / "rank0.json")
+
+
 def test_profiler_misuse_and_bad_steps_are_named(rl_files, tmp_path):
     worker = ProfilesCalls()
     worker.rank = 3
