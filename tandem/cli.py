@@ -175,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument(
         "--screenshot", metavar="PNG", help="also save a full-page screenshot (needs Chromium installed)"
     )
+    report.add_argument(
+        "--screenshot-height",
+        type=int,
+        default=0,
+        help="capture only the top N pixels (default: the whole page)",
+    )
     sft = commands.add_parser(
         "sft", help="supervised fine-tuning on chat data: tandem sft model_path=... data.train_path=..."
     )

@@ -2,7 +2,8 @@
 
 The controller brackets the work it wants to see with ``start_profile(directory)`` and
 ``stop_profile()`` on a group; every rank then writes ``<directory>/<profile_name><N>.json``
-(``rank<N>`` for trainer workers, ``replica<N>`` for rollout replicas), a Chrome trace (open it in ``chrome://tracing`` or https://ui.perfetto.dev). Each worker call shows as
+(``rank<N>`` for trainer workers, ``replica<N>`` for rollout replicas), a Chrome trace (open
+it in ``chrome://tracing`` or https://ui.perfetto.dev). Each worker call shows as
 a range named after its method (``update_actor``, ``compute_log_prob``, ...: see
 :meth:`tandem.controller.worker.Worker._tandem_execute`), with the operators it ran inside.
 Every thread of the process is recorded (a replica's engine generates on a thread of its own).

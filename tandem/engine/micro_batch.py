@@ -57,13 +57,16 @@ def token_budget_micro_batches(
     max_tokens: int,
     min_parts: int = 1,
     groups: Sequence[tuple[Sequence[int], int]] | None = None,
+    split_groups: bool = True,
 ) -> list[list[int]]:
     """Split sequences into the fewest balanced micro-batches (at least ``min_parts``) of at most ``max_tokens`` each.
 
     ``groups`` (optional) lists ``(rows, shared)``: rows whose first ``shared`` tokens are
     one packed copy (a shared prompt, :mod:`tandem.engine.shared_prompts`). A group costs
     ``shared + sum(lengths[row] - shared)`` tokens and stays in one micro-batch unless that
-    exceeds the budget, when its rows are placed one by one. Every row must be in one group.
+    exceeds the budget, when its rows are placed one by one (``split_groups``) or, for groups
+    whose loss needs them together (a preference pair), an error names them. Every row must be
+    in one group.
 
     Raises ``ValueError`` naming the sequence when one alone is longer than the budget.
     Empty micro-batches can appear only when ``min_parts`` exceeds the number of sequences.
@@ -76,7 +79,7 @@ def token_budget_micro_batches(
                 f"sequence {index} has {length} tokens, more than the micro-batch token budget of {max_tokens}; "
                 "raise the budget or truncate the data"
             )
-    units = _placement_units(lengths, max_tokens, groups)
+    units = _placement_units(lengths, max_tokens, groups, split_groups)
     weights = [cost for _, cost in units]
     parts = max(min_parts, math.ceil(sum(weights) / max_tokens), 1)
     while True:
@@ -87,7 +90,10 @@ def token_budget_micro_batches(
 
 
 def _placement_units(
-    lengths: Sequence[int], max_tokens: int, groups: Sequence[tuple[Sequence[int], int]] | None
+    lengths: Sequence[int],
+    max_tokens: int,
+    groups: Sequence[tuple[Sequence[int], int]] | None,
+    split_groups: bool = True,
 ) -> list[tuple[list[int], int]]:
     """``(rows, tokens)`` placed together: each group within the budget, else single rows."""
     if groups is None:
@@ -97,6 +103,11 @@ def _placement_units(
         cost = shared + sum(lengths[row] - shared for row in rows)
         if cost <= max_tokens:
             units.append((list(rows), cost))
+        elif not split_groups:
+            raise ValueError(
+                f"sequences {list(rows)} must share a micro-batch but need {cost} tokens, more than the "
+                f"micro-batch token budget of {max_tokens}; raise the budget or shorten the data"
+            )
         else:
             units.extend(([row], lengths[row]) for row in rows)
     if sorted(row for rows, _ in units for row in rows) != list(range(len(lengths))):

@@ -109,22 +109,34 @@ class TorchTrainEngine:
         """Row index lists of the micro-batches for this rank (same count on every data-parallel rank)."""
         attention_mask = batch["attention_mask"]
         lengths = attention_mask.sum(-1).tolist()
+        units = _units(batch[UNIT_FIELD]) if UNIT_FIELD in batch else None
         if self.config.use_packing:
             groups = None
+            shared = [0] * len(lengths)
             if self._shares_prompts(batch):  # keep each prompt's rows together, counting the prompt once
                 width = batch["prompts"].shape[1]
-                prompt_lengths = attention_mask[:, :width].sum(-1).tolist()
+                shared = attention_mask[:, :width].sum(-1).tolist()
                 groups = [
-                    (rows, prompt_lengths[rows[0]])
+                    (rows, shared[rows[0]])
                     for rows in prompt_groups(batch["input_ids"], attention_mask, width)
                 ]
-            budget = self.config.max_tokens_per_micro_batch
-            parts = token_budget_micro_batches(lengths, budget, groups=groups)
+            if (
+                units is not None
+            ):  # rows that must share a micro-batch (their prompt, if shared, counted once)
+                groups = [(rows, min(shared[row] for row in rows)) for rows in units]
+            budget, split = self.config.max_tokens_per_micro_batch, units is None
+            parts = token_budget_micro_batches(lengths, budget, groups=groups, split_groups=split)
             count = self._agree_on_count(len(parts))
             if count != len(parts):
-                parts = token_budget_micro_batches(lengths, budget, min_parts=count, groups=groups)
+                parts = token_budget_micro_batches(
+                    lengths, budget, min_parts=count, groups=groups, split_groups=split
+                )
             return parts
         size = self.config.micro_batch_size
+        if units is not None:
+            parts = _whole_units_per_chunk(units, size)
+            parts += [[] for _ in range(self._agree_on_count(len(parts)) - len(parts))]
+            return parts
         count = self._agree_on_count(math.ceil(len(lengths) / size))
         return [list(range(start, min(start + size, len(lengths)))) for start in range(0, count * size, size)]
 
@@ -408,3 +420,25 @@ def _fused_adamw_applies(params: list[torch.Tensor]) -> bool:
     return bool(params) and all(
         type(p) is nn.Parameter and p.device.type == "cpu" and p.dtype.is_floating_point for p in params
     )
+
+
+UNIT_FIELD = "micro_batch_unit"  # [B] ids: rows with one id are never split across micro-batches
+
+
+def _units(ids: torch.Tensor) -> list[list[int]]:
+    """Row indices grouped by equal ``ids`` (groups in order of first appearance)."""
+    units: dict[int, list[int]] = {}
+    for row, unit in enumerate(ids.tolist()):
+        units.setdefault(unit, []).append(row)
+    return list(units.values())
+
+
+def _whole_units_per_chunk(units: list[list[int]], size: int) -> list[list[int]]:
+    """Fixed-size micro-batches of up to ``size`` rows made of whole units (a unit larger than
+    ``size`` gets a micro-batch of its own)."""
+    parts: list[list[int]] = [[]]
+    for unit in units:
+        if parts[-1] and len(parts[-1]) + len(unit) > size:
+            parts.append([])
+        parts[-1].extend(unit)
+    return [sorted(part) for part in parts if part]

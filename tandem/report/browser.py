@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import select
 import shutil
 import subprocess
 import tempfile
@@ -63,7 +64,7 @@ class _DevTools:
                 "--remote-debugging-pipe",
                 f"--user-data-dir={profile_dir}",
                 "about:blank",
-            ],  # fmt: skip
+            ],
             pass_fds=(read_commands, write_answers, 3, 4),  # 3 and 4 stay open after _place_pipe_ends
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -102,8 +103,6 @@ class _DevTools:
         return True
 
     def _read(self, deadline: float) -> dict:
-        import select
-
         while b"\0" not in self._buffer:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self._answers], [], [], left)[0]:

@@ -89,7 +89,8 @@ def _run_header(run: RunData) -> str:
     facts = [
         ("status", _status_line(run)),
         ("directory", str(run.directory)),
-        ("command", info.get("command", "?")),
+        ("trainer", info.get("trainer", "?")),
+        ("command line", info.get("command_line", "?")),
         ("model", info.get("model_path", "?")),
         *((f"data ({role})", path) for role, path in info.get("data_files", {}).items()),
         ("started", status.get("started_at") or info.get("started_at", "?")),

@@ -1,9 +1,9 @@
 """A run's own record beside its metrics: ``run.json`` says what produced it, ``status.json``
 where it is.
 
-``run.json`` (written when the run starts): experiment and project names, the command, the
-resolved config, the model and data files, package versions, the machine, and when it started
-(a resumed run keeps the first start and adds to ``resumed_at``). ``status.json`` (rewritten
+``run.json`` (written when the run starts): experiment and project names, the trainer and the
+command line, the resolved config, the model and data files, package versions, the machine,
+and when it started (a resumed run keeps the first start and adds to ``resumed_at``). ``status.json`` (rewritten
 after every step, atomically): ``running`` / ``finished`` / ``failed``, the step, the total,
 the last update, an ETA, and the error that stopped a failed run. The report reads both; a
 user can watch ``status.json`` (or the report, which refreshes itself) during a long run.
@@ -14,6 +14,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +28,14 @@ STATUS_FILE = "status.json"
 def now_iso() -> str:
     """The current UTC time as ISO 8601 (seconds)."""
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def invocation() -> str:
+    """The command line that started this process (``python -m tandem`` for the module form)."""
+    program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    if program == "__main__.py":
+        program = f"python -m {os.path.basename(os.path.dirname(sys.argv[0]))}"
+    return " ".join([program, *(shlex.quote(arg) for arg in sys.argv[1:])])
 
 
 def write_json_atomically(path: Path, value: dict) -> None:
@@ -49,7 +59,8 @@ class RunInfo:
 
     Args:
         output_dir: the run's output directory.
-        command: what was run (``tandem train``).
+        trainer: what trained, in words (``RL: grpo advantages, vanilla policy loss``); the
+            process's command line is recorded beside it.
         experiment / project: the names the report's legend and title use.
         config: the resolved config as a nested dict.
         model_path: the model the run started from.
@@ -60,7 +71,7 @@ class RunInfo:
     def __init__(
         self,
         output_dir: Path,
-        command: str,
+        trainer: str,
         experiment: str,
         project: str,
         config: dict,
@@ -73,7 +84,8 @@ class RunInfo:
         self.info = {
             "experiment": experiment,
             "project": project,
-            "command": command,
+            "trainer": trainer,
+            "command_line": invocation(),
             "model_path": model_path,
             "data_files": {role: path for role, path in data_files.items() if path},
             "total_steps": total_steps,

@@ -102,7 +102,7 @@ class RLTrainer:
         self.history: list[dict[str, float]] = []
         self.run_info = RunInfo(
             self.output_dir,
-            command="tandem train",
+            trainer=f"RL: {config.algorithm.adv_estimator} advantages, {config.actor.policy_loss.name} policy loss",
             experiment=config.trainer.experiment,
             project=config.trainer.project,
             config=dataclasses.asdict(config),
