@@ -1,4 +1,4 @@
-"""The ``tandem`` command line: ``demo``, ``train``, ``sft``, ``serve``, ``report``, ``prepare-data`` and ``algos``."""
+"""The ``tandem`` command line: ``demo``, ``train``, ``sft``, ``dpo``, ``serve``, ``report``, ``prepare-data`` and ``algos``."""
 
 from __future__ import annotations
 
@@ -188,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     sft.add_argument(
         "overrides", nargs="*", help="key=value settings, e.g. trainer.total_steps=200 engine.lr=1e-4"
     )
+    dpo = commands.add_parser(
+        "dpo",
+        help="preference optimization on chosen/rejected pairs: tandem dpo model_path=... data.train_path=...",
+    )
+    dpo.add_argument("--config", help="a YAML file of overrides, applied before the command-line ones")
+    dpo.add_argument("overrides", nargs="*", help="key=value settings, e.g. loss.name=ipo loss.beta=0.1")
     server = commands.add_parser("serve", help="an OpenAI-compatible HTTP server: tandem serve MODEL_PATH")
     server.add_argument("model_path", help="an HF model directory (config, weights, tokenizer)")
     server.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
@@ -249,6 +255,16 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         from tandem.sft import SFTConfig, SFTTrainer
 
         result = SFTTrainer(config_from_overrides(SFTConfig, args.overrides, args.config), console).fit()
+        console.print(f"model written to {result.hf_model_dir}")
+    elif args.command == "dpo":
+        from tandem.config.overrides import config_from_overrides
+        from tandem.dpo import DPOConfig, DPOTrainer
+
+        result = DPOTrainer(config_from_overrides(DPOConfig, args.overrides, args.config), console).fit()
+        if result.validation:
+            console.print(
+                "final validation: " + ", ".join(f"{k} {v:.4f}" for k, v in result.validation.items())
+            )
         console.print(f"model written to {result.hf_model_dir}")
     else:
         print_registries(console)

@@ -35,7 +35,7 @@ from tandem.registry import Registry
 
 @dataclass(frozen=True)
 class PreferenceLossConfig:
-    """``dpo.*`` loss settings.
+    """``loss.*``: the preference loss (``tandem dpo``).
 
     Attributes:
         name: a registered preference loss (``sigmoid``, ``ipo``, ``hinge``, ``robust``, ``simpo``).
@@ -54,13 +54,11 @@ class PreferenceLossConfig:
     def __post_init__(self) -> None:
         if self.name not in PREFERENCE_LOSSES:
             raise ValueError(
-                f"dpo.loss.name={self.name!r} is not a preference loss; registered: {PREFERENCE_LOSSES.names()}"
+                f"loss.name={self.name!r} is not a preference loss; registered: {PREFERENCE_LOSSES.names()}"
             )
-        check_positive("dpo.loss", "beta", self.beta)
-        check_range(
-            "dpo.loss", "label_smoothing", self.label_smoothing, low=0.0, high=0.5, high_inclusive=False
-        )
-        check_range("dpo.loss", "rpo_alpha", self.rpo_alpha, low=0.0)
+        check_positive("loss", "beta", self.beta)
+        check_range("loss", "label_smoothing", self.label_smoothing, low=0.0, high=0.5, high_inclusive=False)
+        check_range("loss", "rpo_alpha", self.rpo_alpha, low=0.0)
 
     @property
     def needs_reference(self) -> bool:

@@ -34,7 +34,10 @@ class SFTResult:
 
 
 class SFTTrainer:
-    """Supervised fine-tuning of a causal LM on chat data with the torch engine."""
+    """Supervised fine-tuning of a causal LM on chat data with the torch engine.
+
+    :class:`tandem.dpo.DPOTrainer` builds on it: the engine, checkpoints, resume, divergence
+    checks and export are shared; the data and the step differ."""
 
     def __init__(self, config: SFTConfig, console: Console | None = None) -> None:
         self.config = config
@@ -43,12 +46,7 @@ class SFTTrainer:
         model_path = config.engine.model_path or config.model_path
         self.engine_config = dataclasses.replace(config.engine, model_path=model_path)
         self.tokenizer = load_tokenizer(model_path)
-        self.train = SFTDataset.load(config.data.train_path, self.tokenizer, config.data)
-        self.val = (
-            SFTDataset.load(config.data.val_path, self.tokenizer, config.data)
-            if config.data.val_path
-            else None
-        )
+        self.train, self.val = self.load_data()
         steps_per_epoch = -(-len(self.train) // config.trainer.global_batch_size)
         self.total_steps = config.trainer.total_steps or steps_per_epoch * config.trainer.epochs
         if self.engine_config.lr_schedule != "constant" and self.engine_config.total_steps == 0:
@@ -59,6 +57,12 @@ class SFTTrainer:
             config.trainer.max_skipped_updates_in_a_row, "trainer.max_skipped_updates_in_a_row"
         )
         self.step = 0
+
+    def load_data(self) -> tuple[SFTDataset, SFTDataset | None]:
+        """The training and (when ``data.val_path`` is set) validation sets."""
+        data = self.config.data
+        val = SFTDataset.load(data.val_path, self.tokenizer, data) if data.val_path else None
+        return SFTDataset.load(data.train_path, self.tokenizer, data), val
 
     def fit(self) -> SFTResult:
         """Train for ``total_steps``; returns the losses and the exported model directory.

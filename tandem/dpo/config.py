@@ -1,0 +1,74 @@
+"""``DPOConfig``: ``tandem dpo``'s settings — data, engine, loss, reference and loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.algos.preference import PreferenceLossConfig
+from tandem.config.validation import check_range
+from tandem.dpo.data import PreferenceDataConfig
+from tandem.engine.config import EngineConfig
+from tandem.sft.config import SFTTrainerConfig
+
+REFERENCES = ("precompute", "model")
+
+
+@dataclass(frozen=True)
+class DPOTrainerConfig(SFTTrainerConfig):
+    """The loop (``trainer.*``): the SFT loop's settings (``global_batch_size`` counts pairs) plus
+    the run's names and its report.
+
+    Attributes:
+        experiment / project: the names in ``run.json`` and the report.
+        report: keep ``report.html`` (docs/report.md) beside ``metrics.jsonl``.
+        report_every: redraw it every this many steps (0: only at the end).
+    """
+
+    output_dir: str = "outputs/dpo"
+    experiment: str = "dpo"
+    project: str = "tandem"
+    report: bool = True
+    report_every: int = 10
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("trainer", "report_every", self.report_every, low=0)
+
+
+@dataclass(frozen=True)
+class DPOConfig:
+    """Everything ``tandem dpo`` reads.
+
+    Attributes:
+        model_path: the policy to start from (fills ``engine.model_path`` when that is empty).
+        data: the preference pairs (:class:`PreferenceDataConfig`).
+        engine: the training engine; packing keeps each pair in one micro-batch and scores its
+            prompt once for both responses.
+        loss: the preference loss (:class:`PreferenceLossConfig`).
+        reference: ``precompute`` (score every pair under the starting model once, before
+            training; kept in ``<output_dir>/reference_logps.pt`` for resume) or ``model`` (a
+            frozen reference scores each step's pairs). With LoRA the reference is the base model
+            (the adapter switched off), in both cases without a second copy.
+        ref_model_path: the reference model when it is not the starting policy (empty: ``model_path``).
+        trainer: the loop (:class:`DPOTrainerConfig`).
+    """
+
+    model_path: str = ""
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(lr=1e-6))
+    loss: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
+    reference: str = "precompute"
+    ref_model_path: str = ""
+    trainer: DPOTrainerConfig = field(default_factory=DPOTrainerConfig)
+
+    def __post_init__(self) -> None:
+        if not (self.model_path or self.engine.model_path):
+            raise ValueError("model_path is required (a local HF model directory)")
+        if not self.data.train_path:
+            raise ValueError("data.train_path is required (a .parquet or .jsonl file of preference pairs)")
+        if self.reference not in REFERENCES:
+            raise ValueError(f"reference={self.reference!r} is not allowed; choose one of {list(REFERENCES)}")
+        if self.ref_model_path and self.engine.lora.rank:
+            raise ValueError(
+                "ref_model_path is set, but with LoRA the reference is the base model; leave it empty"
+            )

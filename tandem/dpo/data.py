@@ -1,0 +1,205 @@
+"""Preference data: ``prompt`` (chat messages), ``chosen`` and ``rejected`` responses, from
+parquet or JSONL, tokenised with the model's chat template.
+
+A row's ``prompt`` is a list of messages (or a string: one user message); ``chosen`` and
+``rejected`` are each an assistant message, a list of messages that continue the prompt, or
+a string (one assistant message). A response's tokens are what rendering the prompt plus the
+response adds after ``apply_chat_template(prompt, add_generation_prompt=True)`` — the turn's
+closing tokens included, as in SFT — and all of them are scored.
+
+Bad pairs (a missing field, an empty response, chosen identical to rejected, a template that
+does not extend the prompt) are an error naming the file, row and field, or with
+``data.invalid_pairs=drop`` are skipped and counted; pairs longer than ``data.max_length``
+likewise with ``data.overlong_pairs``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.config.validation import check_choice, check_positive
+from tandem.protocol import Batch
+from tandem.sft.data import check_message, read_rows, template_ids
+
+POLICIES = ("error", "drop")
+
+
+@dataclass(frozen=True)
+class PreferenceDataConfig:
+    """Where the pairs are and what to do with bad or long ones (``data.*``).
+
+    Attributes:
+        train_path / val_path: parquet or JSONL files of pairs.
+        prompt_key / chosen_key / rejected_key: the columns.
+        max_length: most tokens of prompt + the longer response.
+        overlong_pairs: ``drop`` (skip, counted) or ``error`` (name the row).
+        invalid_pairs: ``error`` (name the row and what is wrong) or ``drop`` (skip, counted).
+    """
+
+    train_path: str = ""
+    val_path: str | None = None
+    prompt_key: str = "prompt"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    max_length: int = 1024
+    overlong_pairs: str = "drop"
+    invalid_pairs: str = "error"
+
+    def __post_init__(self) -> None:
+        check_positive("data", "max_length", self.max_length)
+        check_choice("data", "overlong_pairs", self.overlong_pairs, POLICIES)
+        check_choice("data", "invalid_pairs", self.invalid_pairs, POLICIES)
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """One tokenised pair: the prompt (with the generation prompt) and each response's tokens."""
+
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+
+    @property
+    def length(self) -> int:
+        """Tokens of the prompt plus the longer response (what ``data.max_length`` bounds)."""
+        return len(self.prompt) + max(len(self.chosen), len(self.rejected))
+
+
+class InvalidPair(ValueError):
+    """A row that is not a usable preference pair; the message names the row and the field."""
+
+
+def _messages(value: Any, default_role: str, where: str) -> list[dict]:
+    if isinstance(value, str):
+        value = [{"role": default_role, "content": value}]
+    elif isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise InvalidPair(
+            f"{where} must be a string, a message or a non-empty list of messages, got {value!r}"
+        )
+    for turn, message in enumerate(value):
+        try:
+            check_message(message, f"{where} message {turn}")
+        except ValueError as error:
+            raise InvalidPair(str(error)) from None
+    return list(value)
+
+
+def _response_ids(
+    tokenizer: Any, prompt: list[dict], prompt_ids: list[int], response: list[dict], where: str
+) -> list[int]:
+    if response[0]["role"] != "assistant":
+        raise InvalidPair(f"{where} must start with an assistant message, got role {response[0]['role']!r}")
+    full = template_ids(tokenizer, prompt + response, add_generation_prompt=False)
+    if full[: len(prompt_ids)] != prompt_ids:
+        raise InvalidPair(
+            f"{where}: the chat template does not render the response as a continuation of the prompt"
+        )
+    ids = full[len(prompt_ids) :]
+    if not ids:
+        raise InvalidPair(f"{where} renders to no tokens")
+    return ids
+
+
+def tokenize_pair(tokenizer: Any, row: dict, config: PreferenceDataConfig, where: str) -> PreferencePair:
+    """The pair in ``row``; raises :class:`InvalidPair` naming ``where`` and the field."""
+    keys = (config.prompt_key, config.chosen_key, config.rejected_key)
+    missing = [key for key in keys if row.get(key) is None]
+    if missing:
+        raise InvalidPair(f"{where}: missing field {missing[0]!r} (has {sorted(row)})")
+    prompt = _messages(row[config.prompt_key], "user", f"{where}: {config.prompt_key}")
+    if prompt[-1]["role"] == "assistant":
+        raise InvalidPair(
+            f"{where}: {config.prompt_key} ends with an assistant message; the responses continue it"
+        )
+    chosen = _messages(row[config.chosen_key], "assistant", f"{where}: {config.chosen_key}")
+    rejected = _messages(row[config.rejected_key], "assistant", f"{where}: {config.rejected_key}")
+    if chosen == rejected:
+        raise InvalidPair(
+            f"{where}: {config.chosen_key} and {config.rejected_key} are identical, so there is no preference"
+        )
+    prompt_ids = template_ids(tokenizer, prompt, add_generation_prompt=True)
+    return PreferencePair(
+        prompt_ids,
+        _response_ids(tokenizer, prompt, prompt_ids, chosen, f"{where}: {config.chosen_key}"),
+        _response_ids(tokenizer, prompt, prompt_ids, rejected, f"{where}: {config.rejected_key}"),
+    )
+
+
+@dataclass
+class PreferenceDataset:
+    """Tokenised pairs, with counts of the rows skipped as invalid or too long."""
+
+    pairs: list[PreferencePair]
+    invalid: int = 0
+    overlong: int = 0
+    rows: list[int] = field(default_factory=list)  # each pair's row number in the file
+
+    @staticmethod
+    def load(path: str | Path, tokenizer: Any, config: PreferenceDataConfig) -> PreferenceDataset:
+        dataset = PreferenceDataset([])
+        for index, row in enumerate(read_rows(path)):
+            where = f"{path}: row {index}"
+            try:
+                pair = tokenize_pair(tokenizer, row, config, where)
+            except InvalidPair:
+                if config.invalid_pairs == "error":
+                    raise
+                dataset.invalid += 1
+                continue
+            if pair.length > config.max_length:
+                if config.overlong_pairs == "error":
+                    raise ValueError(
+                        f"{where}: {pair.length} tokens (prompt + longer response) exceed "
+                        f"data.max_length={config.max_length} (set data.overlong_pairs=drop to skip such pairs)"
+                    )
+                dataset.overlong += 1
+                continue
+            dataset.pairs.append(pair)
+            dataset.rows.append(index)
+        if not dataset.pairs:
+            raise ValueError(
+                f"{path}: no usable pairs ({dataset.invalid} invalid, {dataset.overlong} over data.max_length dropped)"
+            )
+        return dataset
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def collate(self, indices: list[int], pad_id: int) -> Batch:
+        """The pairs ``indices`` as ``2P`` rows, chosen then rejected for each pair, in the RL
+        layout: the prompt left-padded in ``prompts [2P, Lp]``, the response right-padded after
+        it, ``input_ids`` / ``attention_mask`` ``[2P, Lp + Lr]``, ``loss_mask`` on the response
+        tokens, ``pair [2P]`` (the pair's dataset index), ``chosen [2P]`` (1 for chosen), and
+        ``micro_batch_unit [2P]`` (the pair's two rows never go to different micro-batches)."""
+        pairs = [self.pairs[i] for i in indices]
+        width = max(len(p.prompt) for p in pairs)
+        response_width = max(max(len(p.chosen), len(p.rejected)) for p in pairs)
+        rows = 2 * len(pairs)
+        input_ids = torch.full((rows, width + response_width), pad_id, dtype=torch.long)
+        attention = torch.zeros_like(input_ids)
+        loss_mask = torch.zeros_like(input_ids)
+        for number, pair in enumerate(pairs):
+            for offset, response in enumerate((pair.chosen, pair.rejected)):
+                row = 2 * number + offset
+                input_ids[row, width - len(pair.prompt) : width] = torch.tensor(pair.prompt)
+                input_ids[row, width : width + len(response)] = torch.tensor(response)
+                attention[row, width - len(pair.prompt) : width + len(response)] = 1
+                loss_mask[row, width : width + len(response)] = 1
+        pair_index = torch.tensor(indices, dtype=torch.long).repeat_interleave(2)
+        return Batch(
+            {
+                "input_ids": input_ids,
+                "attention_mask": attention,
+                "loss_mask": loss_mask,
+                "prompts": input_ids[:, :width].clone(),
+                "pair": pair_index,
+                "chosen": torch.tensor([1, 0] * len(pairs), dtype=torch.long),
+                "micro_batch_unit": torch.arange(len(pairs)).repeat_interleave(2),
+            }
+        )

@@ -1,0 +1,271 @@
+"""``DPOTrainer``: offline preference optimization with the torch engine.
+
+Each step takes ``trainer.global_batch_size`` pairs, runs chosen and rejected through the
+engine together (one micro-batch per pair at least; with packing the pair's prompt is scored
+once for both responses), computes the preference loss from the summed response log-probs
+against the reference's, and takes one optimizer step. Reference log-probs are scored once
+before training (``reference=precompute``, saved for resume) or each step by a frozen model
+(``reference=model``); with LoRA the reference is the base model with the adapter off.
+
+It is the SFT trainer with another data set and step: the engine, checkpoints, exact resume,
+divergence checks and HF export are shared. It logs TRL's metric names (``loss``,
+``rewards/{chosen,rejected,accuracies,margins}``, ``logps/{chosen,rejected}``, ``grad_norm``,
+``learning_rate``, and ``eval_*`` for the validation pairs) to ``metrics.jsonl``, and keeps
+``run.json``, ``status.json`` and ``report.html`` beside it (docs/report.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from tandem.dpo.config import DPOConfig
+from tandem.dpo.data import PreferenceDataset
+from tandem.dpo.loss import pair_metrics, preference_loss
+from tandem.engine import TorchTrainEngine
+from tandem.models.loading import check_vocab_compatible
+from tandem.protocol import Batch
+from tandem.report import RunInfo
+from tandem.report.tracker import ReportTracker
+from tandem.rl.trackers import JsonlTracker
+from tandem.run_dir import OutputDirLock
+from tandem.sft.trainer import SFTTrainer
+
+REFERENCE_FILE = "reference_logps.pt"
+
+
+@dataclasses.dataclass
+class DPOResult:
+    """Every logged step's metrics, the last validation metrics, and where the outputs went."""
+
+    history: list[dict[str, float]]
+    validation: dict[str, float]
+    output_dir: Path
+    hf_model_dir: Path
+    report: Path | None
+
+
+class DPOTrainer(SFTTrainer):
+    """Runs :class:`DPOConfig` end to end (see the module docstring)."""
+
+    config: DPOConfig
+    train: PreferenceDataset
+    val: PreferenceDataset | None
+
+    def __init__(self, config: DPOConfig, console: Console | None = None) -> None:
+        super().__init__(config, console)  # type: ignore[arg-type]
+        self.history: list[dict[str, float]] = []
+        self.reference_engine: TorchTrainEngine | None = None
+        self.reference: dict[str, torch.Tensor] = {}  # split -> [pairs, 2] (chosen, rejected)
+        self.run_info = RunInfo(
+            self.output_dir,
+            trainer=f"DPO: {config.loss.name} loss, beta {config.loss.beta}, reference {config.reference}",
+            experiment=config.trainer.experiment,
+            project=config.trainer.project,
+            config=dataclasses.asdict(config),
+            model_path=self.engine_config.model_path,
+            data_files={"train": config.data.train_path, "val": config.data.val_path},
+            total_steps=self.total_steps,
+        )
+
+    def load_data(self) -> tuple[PreferenceDataset, PreferenceDataset | None]:
+        data = self.config.data
+        val = PreferenceDataset.load(data.val_path, self.tokenizer, data) if data.val_path else None
+        return PreferenceDataset.load(data.train_path, self.tokenizer, data), val
+
+    def fit(self) -> DPOResult:  # type: ignore[override]
+        """Train for ``total_steps``; the run holds ``trainer.output_dir`` meanwhile."""
+        with OutputDirLock(self.output_dir, "trainer.output_dir"):
+            return self._fit()
+
+    def _fit(self) -> DPOResult:  # type: ignore[override]
+        trainer = self.config.trainer
+        self.engine.initialize()
+        check_vocab_compatible(self.engine.causal_lm, self.tokenizer)
+        if trainer.resume:
+            self._resume()
+        self._print_plan()
+        if self.config.loss.needs_reference and self.config.reference == "precompute":
+            self._precompute_reference()
+        trackers: list = [JsonlTracker(self.output_dir / "metrics.jsonl", self.step if self.step else None)]
+        report = ReportTracker(self.output_dir, trainer.report_every) if trainer.report else None
+        if report is not None:
+            trackers.append(report)
+        self.run_info.start(self.step)
+        validation: dict[str, float] = {}
+        try:
+            while self.step < self.total_steps:
+                metrics = self.train_step()
+                last = self.step == self.total_steps
+                if self.val is not None and (
+                    (trainer.eval_every and self.step % trainer.eval_every == 0) or last
+                ):
+                    validation = self.evaluate_pairs()
+                    metrics.update(validation)
+                self._log(trackers, metrics)
+                if (trainer.save_every and self.step % trainer.save_every == 0) or last:
+                    self.save_checkpoint()
+        except BaseException as error:
+            self.run_info.finish(self.step, error)
+            raise
+        else:
+            self.run_info.finish(self.step)
+        finally:
+            for tracker in trackers:
+                tracker.close()
+        hf_dir = self.export()
+        if report is not None:
+            self.console.print(f"report: {report.path}")
+        return DPOResult(self.history, validation, self.output_dir, hf_dir, report and report.path)
+
+    # ------------------------------------------------------------------ the step
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step on ``global_batch_size`` pairs; returns its metrics."""
+        started = time.perf_counter()
+        indices = self.sampler.take(self.config.trainer.global_batch_size)
+        batch = self._with_reference(self.train.collate(indices, self.tokenizer.pad_token_id), "train")
+        result, chosen_tokens = self._run(batch, forward_only=False)
+        grad_norm = self.engine.optimizer_step(skip=not math.isfinite(result.loss))
+        learning_rate = self.engine.lr
+        self.engine.lr_step()
+        self.step += 1
+        self._check_divergence(batch[:2])
+        seconds = time.perf_counter() - started
+        tokens = int(batch["attention_mask"].sum())
+        return {
+            "loss": result.loss,
+            **pair_metrics(result.metrics, chosen_tokens),
+            "grad_norm": grad_norm,
+            "learning_rate": learning_rate,
+            "timing_s/step": seconds,
+            "perf/throughput": tokens / seconds,
+            "epoch": float(self.sampler.epoch),
+        }
+
+    def evaluate_pairs(self) -> dict[str, float]:
+        """The validation pairs' loss and metrics (``eval_*``), in batches of ``global_batch_size``."""
+        assert self.val is not None
+        size = self.config.trainer.global_batch_size
+        losses, sums = 0.0, {}
+        chosen_total = 0.0
+        for start in range(0, len(self.val), size):
+            indices = list(range(start, min(start + size, len(self.val))))
+            batch = self._with_reference(self.val.collate(indices, self.tokenizer.pad_token_id), "val")
+            result, chosen_tokens = self._run(batch, forward_only=True, total_pairs=len(self.val))
+            losses += result.loss
+            chosen_total += chosen_tokens
+            for name, values in result.metrics.items():
+                sums.setdefault(name, []).extend(values)
+        return {"eval_loss": losses, **{f"eval_{k}": v for k, v in pair_metrics(sums, chosen_total).items()}}
+
+    def _run(self, batch: Batch, forward_only: bool, total_pairs: int | None = None):
+        chosen_tokens = float((batch["loss_mask"] * batch["chosen"][:, None]).sum())
+        loss_fn = functools.partial(
+            preference_loss,
+            config=self.config.loss,
+            total_pairs=total_pairs or len(batch) // 2,
+            chosen_tokens=max(chosen_tokens, 1.0),
+        )
+        return self.engine.forward_backward(batch, loss_fn, forward_only=forward_only), chosen_tokens
+
+    # ------------------------------------------------------------------ the reference
+    def _with_reference(self, batch: Batch, split: str) -> Batch:
+        """``batch`` with ``ref_log_prob [2P]``: from the precomputed table, or scored now."""
+        if not self.config.loss.needs_reference:
+            return batch
+        if self.config.reference == "precompute":
+            table = self.reference[split]
+            values = table[batch["pair"], 1 - batch["chosen"]]
+        else:
+            values = self._score_reference(batch)
+        return batch.assign(tensors={"ref_log_prob": values})
+
+    def _score_reference(self, batch: Batch) -> torch.Tensor:
+        """Summed response log-probs ``[2P]`` of ``batch`` under the reference model."""
+        with self._reference() as engine:
+            outputs = engine.forward_backward(batch, None, forward_only=True).outputs
+        return (outputs.log_probs * batch["loss_mask"]).sum(-1)
+
+    @contextlib.contextmanager
+    def _reference(self) -> Iterator[TorchTrainEngine]:
+        """The engine that scores as the reference: the policy with its adapter off (LoRA), the
+        policy itself before its first step (precompute, no ``ref_model_path``), else a frozen copy."""
+        if self.engine_config.lora.rank:
+            with self.engine.adapter_disabled():
+                yield self.engine
+            return
+        if self.step == 0 and not self.config.ref_model_path and self.config.reference == "precompute":
+            yield self.engine
+            return
+        if self.reference_engine is None:
+            path = self.config.ref_model_path or self.engine_config.model_path
+            self.reference_engine = TorchTrainEngine(
+                dataclasses.replace(
+                    self.engine_config, model_path=path, strategy="single", lr_schedule="constant"
+                )
+            )
+            self.reference_engine.initialize()
+            self.reference_engine.causal_lm.requires_grad_(False)
+        yield self.reference_engine
+
+    def _precompute_reference(self) -> None:
+        """Score every training and validation pair under the reference once (or load the scores
+        a previous run of this output directory saved)."""
+        path = self.output_dir / REFERENCE_FILE
+        sizes = {"train": len(self.train), **({"val": len(self.val)} if self.val is not None else {})}
+        if path.exists():
+            saved = torch.load(path)
+            if {k: v.shape[0] for k, v in saved.items()} == sizes:
+                self.reference = saved
+                self.console.print(f"reference log-probs loaded from {path}")
+                return
+        started = time.monotonic()
+        for split, dataset in (("train", self.train), ("val", self.val)):
+            if dataset is None:
+                continue
+            table = torch.zeros(len(dataset), 2)
+            size = self.config.trainer.global_batch_size
+            for start in range(0, len(dataset), size):
+                indices = list(range(start, min(start + size, len(dataset))))
+                batch = dataset.collate(indices, self.tokenizer.pad_token_id)
+                table[batch["pair"], 1 - batch["chosen"]] = self._score_reference(batch).float().cpu()
+            self.reference[split] = table
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(self.reference, path)
+        self.console.print(
+            f"reference log-probs of {sum(sizes.values())} pairs in {time.monotonic() - started:.1f} s"
+        )
+
+    # ------------------------------------------------------------------ logging
+    def _log(self, trackers: list, metrics: dict[str, float]) -> None:
+        self.history.append({"step": self.step, **metrics})
+        for tracker in trackers:
+            tracker.log(metrics, self.step)
+        self.run_info.progress(self.step)
+        trainer = self.config.trainer
+        if self.step % trainer.log_every == 0 or self.step == self.total_steps or "eval_loss" in metrics:
+            line = (
+                f"step {self.step}/{self.total_steps}  loss {metrics['loss']:.4f}  "
+                f"accuracy {metrics['rewards/accuracies']:.3f}  margin {metrics['rewards/margins']:.4f}  "
+                f"grad_norm {metrics['grad_norm']:.3f}  lr {metrics['learning_rate']:.2e}"
+            )
+            if "eval_loss" in metrics:
+                line += f"  eval_loss {metrics['eval_loss']:.4f}  eval_accuracy {metrics['eval_rewards/accuracies']:.3f}"
+            self.console.print(line)
+
+    def _print_plan(self) -> None:
+        train, loss = self.train, self.config.loss
+        self.console.print(
+            f"[bold]DPO[/] {loss.name} loss (beta {loss.beta}), reference {self.config.reference}; "
+            f"{len(train)} pairs ({train.invalid} invalid and {train.overlong} over data.max_length dropped), "
+            f"{len(self.val) if self.val is not None else 0} validation pairs; {self.total_steps} steps of "
+            f"{self.config.trainer.global_batch_size} pairs, starting at step {self.step}"
+        )
