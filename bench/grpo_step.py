@@ -20,18 +20,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from tandem.models import TinyModelConfig, save_tiny_model
-from tandem.rl import RLTrainer, load_train_config
-from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows, write_parquet
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe_machine  # noqa: E402
+from side_by_side import compare, step_timer  # noqa: E402
+
+from tandem.models import TinyModelConfig, save_tiny_model  # noqa: E402
+from tandem.rl import RLTrainer, load_train_config  # noqa: E402
+from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows, write_parquet  # noqa: E402
 
 BENCH_MODEL = TinyModelConfig(
     hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768
@@ -80,22 +81,11 @@ def time_tandem(root: Path, model: Path, data: Path, steps: int, warmup: int) ->
 def time_trl(root: Path, model: Path, data_rows: list[dict], steps: int, warmup: int) -> list[float] | None:
     try:
         from datasets import Dataset
-        from transformers import AutoModelForCausalLM, TrainerCallback
+        from transformers import AutoModelForCausalLM
         from trl import GRPOConfig, GRPOTrainer
     except ImportError:
         return None
     from tandem.models import load_tokenizer
-
-    class StepTimer(TrainerCallback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.started = 0.0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.started = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self.started)
 
     def reward(completions, **kwargs) -> list[float]:
         return [digit_share(c[0]["content"] if isinstance(c, list) else c) for c in completions]
@@ -118,7 +108,7 @@ def time_trl(root: Path, model: Path, data_rows: list[dict], steps: int, warmup:
         report_to="none",
         disable_tqdm=True,
     )
-    timer = StepTimer()
+    timer = step_timer()
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
         reward_funcs=[reward],
@@ -131,33 +121,12 @@ def time_trl(root: Path, model: Path, data_rows: list[dict], steps: int, warmup:
     return timer.times[warmup:]
 
 
-def run_side(side: str, root: Path, steps: int, warmup: int) -> dict[str, list[float]] | None:
-    """Time ``side`` (tandem or trl) in a fresh process: ``{"step": [...], phase: [...]}``;
-    ``None`` when TRL is not installed."""
-    command = [
-        sys.executable,
-        __file__,
-        "--side",
-        side,
-        "--root",
-        str(root),
-        "--steps",
-        str(steps),
-        "--warmup",
-        str(warmup),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"the {side} run failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def child(side: str, root: Path, steps: int, warmup: int) -> None:
     torch.set_num_threads(2)
     rows = arithmetic_rows(2_000, ArithmeticTaskConfig(max_digits=3), seed=0)
     if side == "tandem":
         times = time_tandem(root, root / "model", root / "prompts.parquet", steps, warmup)
-    else:
+    else:  # the baseline
         trl_steps = time_trl(root, root / "model", rows, steps, warmup)
         times = None if trl_steps is None else {"step": trl_steps}
     print(json.dumps(times))
@@ -170,7 +139,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--side", choices=["tandem", "trl"], help=argparse.SUPPRESS)  # a child run
+    parser.add_argument("--side", choices=["tandem", "baseline"], help=argparse.SUPPRESS)  # a child run
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
@@ -182,42 +151,8 @@ def main() -> None:
         rows = arithmetic_rows(2_000, ArithmeticTaskConfig(max_digits=3), seed=0)
         write_parquet(rows, root / "prompts.parquet")
         params = sum(p.numel() for p in __import__("tandem").models.load_model(model).parameters())
+        print(describe_machine())
         print(
             f"model: {params / 1e6:.2f}M parameters, fp32; {PROMPTS} prompts x {RESPONSES} responses, <= {NEW_TOKENS} new tokens"
         )
-        times: dict[str, list[float]] = {"tandem": [], "trl": []}
-        trl_installed = True
-        for round_ in range(args.rounds):
-            order = ["tandem", "trl"] if round_ % 2 == 0 else ["trl", "tandem"]
-            for side in order:
-                if side == "trl" and not trl_installed:
-                    continue
-                measured = run_side(side, root, args.steps, args.warmup)
-                if measured is None:
-                    trl_installed = False
-                    continue
-                times[side] += measured["step"]
-                phases = "".join(
-                    f", {name} {statistics.median(values):.3f}"
-                    for name, values in measured.items()
-                    if name != "step"
-                )
-                print(
-                    f"round {round_ + 1} {side}: median {statistics.median(measured['step']):.3f} s/step{phases}"
-                )
-    tandem_median = statistics.median(times["tandem"])
-    print(
-        f"tandem: median {tandem_median:.3f} s/step over {len(times['tandem'])} steps ({[round(t, 3) for t in times['tandem']]})"
-    )
-    if not trl_installed:
-        print("TRL is not installed (pip install trl): no baseline")
-        return
-    trl_median = statistics.median(times["trl"])
-    print(
-        f"TRL GRPOTrainer: median {trl_median:.3f} s/step over {len(times['trl'])} steps ({[round(t, 3) for t in times['trl']]})"
-    )
-    print(f"speed-up: tandem is {trl_median / tandem_median:.2f}x faster per GRPO step")
-
-
-if __name__ == "__main__":
-    main()
+        compare(__file__, root, args.rounds, args.steps, args.warmup, "TRL GRPOTrainer", "GRPO step")

@@ -136,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--output-dir", default="outputs/demo")
     demo.add_argument(
+        "--method",
+        choices=["grpo", "online_dpo", "dpo"],
+        default="grpo",
+        help="after the warm-up: GRPO or online DPO (both from a verifier's reward on sampled "
+        "responses), or offline DPO on fixed right-vs-slip pairs",
+    )
+    demo.add_argument(
         "--pipeline",
         choices=["sync", "one_step_off", "fully_async"],
         default="sync",
@@ -193,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         help="preference optimization on chosen/rejected pairs: tandem dpo model_path=... data.train_path=...",
     )
     dpo.add_argument("--config", help="a YAML file of overrides, applied before the command-line ones")
-    dpo.add_argument("overrides", nargs="*", help="key=value settings, e.g. loss.name=ipo loss.beta=0.1")
+    dpo.add_argument(
+        "overrides", nargs="*", help="key=value settings, e.g. preference.name=ipo preference.beta=0.1"
+    )
     server = commands.add_parser("serve", help="an OpenAI-compatible HTTP server: tandem serve MODEL_PATH")
     server.add_argument("model_path", help="an HF model directory (config, weights, tokenizer)")
     server.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
@@ -241,7 +250,14 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     if args.command == "demo":
         from tandem.rl.demo import DemoSettings, run_demo
 
-        run_demo(DemoSettings(output_dir=args.output_dir, pipeline=args.pipeline), console)
+        preset = "online_dpo" if args.method == "online_dpo" else "grpo"
+        settings = DemoSettings(output_dir=args.output_dir, pipeline=args.pipeline, preset=preset)
+        if args.method == "dpo":
+            from tandem.dpo.demo import DPODemoSettings, run_dpo_demo
+
+            run_dpo_demo(DPODemoSettings(warm_up=settings), console)
+        else:
+            run_demo(settings, console)
     elif args.command == "train":
         run_train(args.overrides, console)
     elif args.command == "serve":

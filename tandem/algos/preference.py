@@ -35,7 +35,7 @@ from tandem.registry import Registry
 
 @dataclass(frozen=True)
 class PreferenceLossConfig:
-    """``loss.*``: the preference loss (``tandem dpo``).
+    """``preference.*`` (``tandem dpo``) / ``actor.preference.*`` (online DPO): the preference loss.
 
     Attributes:
         name: a registered preference loss (``sigmoid``, ``ipo``, ``hinge``, ``robust``, ``simpo``).
@@ -54,11 +54,13 @@ class PreferenceLossConfig:
     def __post_init__(self) -> None:
         if self.name not in PREFERENCE_LOSSES:
             raise ValueError(
-                f"loss.name={self.name!r} is not a preference loss; registered: {PREFERENCE_LOSSES.names()}"
+                f"preference.name={self.name!r} is not a preference loss; registered: {PREFERENCE_LOSSES.names()}"
             )
-        check_positive("loss", "beta", self.beta)
-        check_range("loss", "label_smoothing", self.label_smoothing, low=0.0, high=0.5, high_inclusive=False)
-        check_range("loss", "rpo_alpha", self.rpo_alpha, low=0.0)
+        check_positive("preference", "beta", self.beta)
+        check_range(
+            "preference", "label_smoothing", self.label_smoothing, low=0.0, high=0.5, high_inclusive=False
+        )
+        check_range("preference", "rpo_alpha", self.rpo_alpha, low=0.0)
 
     @property
     def needs_reference(self) -> bool:

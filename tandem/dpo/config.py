@@ -44,7 +44,8 @@ class DPOConfig:
         data: the preference pairs (:class:`PreferenceDataConfig`).
         engine: the training engine; packing keeps each pair in one micro-batch and scores its
             prompt once for both responses.
-        loss: the preference loss (:class:`PreferenceLossConfig`).
+        preference: the preference loss (:class:`PreferenceLossConfig`: ``name``, ``beta``,
+            ``label_smoothing``, ``gamma``, ``rpo_alpha``).
         reference: ``precompute`` (score every pair under the starting model once, before
             training; kept in ``<output_dir>/reference_logps.pt`` for resume) or ``model`` (a
             frozen reference scores each step's pairs). With LoRA the reference is the base model
@@ -56,7 +57,7 @@ class DPOConfig:
     model_path: str = ""
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(lr=1e-6))
-    loss: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
+    preference: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
     reference: str = "precompute"
     ref_model_path: str = ""
     trainer: DPOTrainerConfig = field(default_factory=DPOTrainerConfig)

@@ -67,7 +67,7 @@ class DPOTrainer(SFTTrainer):
         self.reference: dict[str, torch.Tensor] = {}  # split -> [pairs, 2] (chosen, rejected)
         self.run_info = RunInfo(
             self.output_dir,
-            trainer=f"DPO: {config.loss.name} loss, beta {config.loss.beta}, reference {config.reference}",
+            trainer=f"DPO: {config.preference.name} loss, beta {config.preference.beta}, reference {config.reference}",
             experiment=config.trainer.experiment,
             project=config.trainer.project,
             config=dataclasses.asdict(config),
@@ -93,7 +93,7 @@ class DPOTrainer(SFTTrainer):
         if trainer.resume:
             self._resume()
         self._print_plan()
-        if self.config.loss.needs_reference and self.config.reference == "precompute":
+        if self.config.preference.needs_reference and self.config.reference == "precompute":
             self._precompute_reference()
         trackers: list = [JsonlTracker(self.output_dir / "metrics.jsonl", self.step if self.step else None)]
         report = ReportTracker(self.output_dir, trainer.report_every) if trainer.report else None
@@ -170,7 +170,7 @@ class DPOTrainer(SFTTrainer):
         chosen_tokens = float((batch["loss_mask"] * batch["chosen"][:, None]).sum())
         loss_fn = functools.partial(
             preference_loss,
-            config=self.config.loss,
+            config=self.config.preference,
             total_pairs=total_pairs or len(batch) // 2,
             chosen_tokens=max(chosen_tokens, 1.0),
         )
@@ -179,7 +179,7 @@ class DPOTrainer(SFTTrainer):
     # ------------------------------------------------------------------ the reference
     def _with_reference(self, batch: Batch, split: str) -> Batch:
         """``batch`` with ``ref_log_prob [2P]``: from the precomputed table, or scored now."""
-        if not self.config.loss.needs_reference:
+        if not self.config.preference.needs_reference:
             return batch
         if self.config.reference == "precompute":
             table = self.reference[split]
@@ -262,7 +262,7 @@ class DPOTrainer(SFTTrainer):
             self.console.print(line)
 
     def _print_plan(self) -> None:
-        train, loss = self.train, self.config.loss
+        train, loss = self.train, self.config.preference
         self.console.print(
             f"[bold]DPO[/] {loss.name} loss (beta {loss.beta}), reference {self.config.reference}; "
             f"{len(train)} pairs ({train.invalid} invalid and {train.overlong} over data.max_length dropped), "

@@ -18,7 +18,10 @@ from tandem.report.panels import plan
 from tandem.report.runs import RunData
 
 REFRESH_S = 30
-FINAL_KEYS = ("critic/score/mean", "response_length/mean", "actor/entropy", "rollout_corr/kl")
+FINAL_KEYS = (
+    "critic/score/mean", "response_length/mean", "actor/entropy", "rollout_corr/kl",
+    "loss", "rewards/accuracies", "eval_loss", "eval_rewards/accuracies", "eval_rewards/margins",
+)  # fmt: skip
 
 
 @lru_cache(maxsize=1)

@@ -52,6 +52,24 @@ class Panel:
 
 SECTIONS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
     (
+        "Preference optimization",
+        (
+            Panel("Loss (train, and validation pairs)", ("loss", "eval_loss", "nll_loss", "eval_nll_loss")),
+            Panel(
+                "Preference accuracy: chosen reward > rejected reward",
+                ("rewards/accuracies", "eval_rewards/accuracies"),
+            ),
+            Panel("Reward margin (chosen − rejected)", ("rewards/margins", "eval_rewards/margins")),
+            Panel(
+                "Implicit rewards β·log(π/π_ref)",
+                ("rewards/chosen", "rewards/rejected", "eval_rewards/chosen", "eval_rewards/rejected"),
+            ),
+            Panel("Summed response log-probs", ("logps/*", "eval_logps/*")),
+            Panel("Gradient norm", ("grad_norm",)),
+            Panel("Learning rate", ("learning_rate",), smooth=False),
+        ),
+    ),
+    (
         "Reward",
         (
             Panel("Training score per response (mean, min–max band)", ("critic/score",), "band"),
@@ -152,7 +170,7 @@ SECTIONS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
 )
 
 STEP_TIME = "timing_s/step"
-NEVER_DRAWN = frozenset({"training/epoch"})
+NEVER_DRAWN = frozenset({"training/epoch", "epoch"})
 
 
 def plan(names: set[str]) -> list[tuple[str, list[tuple[Panel, list[str]]]]]:

@@ -26,6 +26,7 @@ from tandem.algos import (
     PolicyLossConfig,
     estimator_requirements,
 )
+from tandem.algos.preference import PreferenceLossConfig
 from tandem.algos.rollout_correction import RolloutCorrectionConfig
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.controller.resource_pool import ResourcePool
@@ -68,6 +69,9 @@ class RLDataConfig:
         check_range("data", "val_max_samples", self.val_max_samples, low=0)
 
 
+OBJECTIVES = ("policy_gradient", "preference")
+
+
 @dataclass(frozen=True)
 class ActorConfig:
     """The policy and its update (``actor.*``).
@@ -90,6 +94,11 @@ class ActorConfig:
             a purely on-policy step (one epoch, one mini-batch, no KL penalty in the reward, no
             rollout correction) takes them from the update's own forward (detached): the same
             values, one forward fewer. The rollout-vs-trainer mismatch is logged either way.
+        objective: ``policy_gradient`` (advantages and ``policy_loss``) or ``preference``
+            (online DPO: each prompt's best- and worst-scored responses form a pair, trained
+            with ``preference``, one optimizer step per step; see docs/dpo.md).
+        preference: the preference loss when ``objective=preference``
+            (:class:`~tandem.algos.preference.PreferenceLossConfig`: ``name``, ``beta``, ...).
     """
 
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(lr=1e-6))
@@ -99,8 +108,11 @@ class ActorConfig:
     shuffle_mini_batches: bool = False
     entropy_coeff: float = 0.0
     recompute_old_log_probs: bool = False
+    objective: str = "policy_gradient"
+    preference: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
 
     def __post_init__(self) -> None:
+        check_choice("actor", "objective", self.objective, OBJECTIVES)
         check_range("actor", "ppo_mini_batch_size", self.ppo_mini_batch_size, low=0)
         check_positive("actor", "ppo_epochs", self.ppo_epochs)
         check_range("actor", "entropy_coeff", self.entropy_coeff, low=0.0)
@@ -403,9 +415,46 @@ class TrainConfig:
         if self.algorithm.kl.use_kl_loss and self.algorithm.kl.kl_loss_coef == 0:
             raise ValueError("algorithm.kl.use_kl_loss is on but algorithm.kl.kl_loss_coef is 0")
         self._check_pipeline()
+        self._check_preference()
         from tandem.rl.derived import check_derived_fields  # derived.py builds on this module
 
         check_derived_fields(self)
+
+    def _check_preference(self) -> None:
+        """Online DPO's constraints, named by key."""
+        if not self.prefers:
+            return
+        objective = "actor.objective=preference"
+        if self.rollout.n < 2:
+            raise ValueError(f"{objective} ranks each prompt's responses, so rollout.n must be at least 2")
+        if self.mini_batch_prompts != self.data.train_batch_size:
+            raise ValueError(
+                f"{objective} takes one optimizer step per step; leave actor.ppo_mini_batch_size unset"
+            )
+        if self.pipeline.disaggregated:
+            raise ValueError(f"{objective} runs with pipeline.mode=sync for now")
+        if self.algorithm.filter_groups.enable or self.algorithm.needs_greedy_baseline:
+            raise ValueError(
+                f"{objective} pairs responses itself: algorithm.filter_groups and the {self.algorithm.adv_estimator} "
+                "baseline do not apply"
+            )
+        if self.algorithm.kl.use_kl_loss or self.algorithm.kl.use_kl_in_reward:
+            raise ValueError(
+                f"{objective}: the preference loss already measures the policy against the reference; "
+                "turn algorithm.kl.use_kl_loss and use_kl_in_reward off"
+            )
+
+    @property
+    def prefers(self) -> bool:
+        """Online DPO: the actor trains on best/worst response pairs (``actor.objective=preference``)."""
+        return self.actor.objective == "preference"
+
+    @property
+    def needs_reference(self) -> bool:
+        """Reference log-probs are computed: for a KL term, or for a preference loss that has one."""
+        if self.prefers:
+            return self.actor.preference.needs_reference
+        return self.algorithm.needs_reference
 
     def _check_pipeline(self) -> None:
         """What the asynchronous pipelines do not support (yet), named by key."""
@@ -457,6 +506,11 @@ class TrainConfig:
     @property
     def mini_batch_prompts(self) -> int:
         return self.actor.ppo_mini_batch_size or self.data.train_batch_size
+
+    @property
+    def needs_old_log_probs(self) -> bool:
+        """PPO's old log-probs are used (not by online DPO, whose loss compares to the reference)."""
+        return not self.prefers
 
     @property
     def old_log_probs_from_update(self) -> bool:

@@ -49,7 +49,9 @@ class DemoSettings:
     ``pipeline``: GRPO's ``pipeline.mode``; the asynchronous ones run the rollout in a process
     of its own, and the trainer and the rollout get one CPU thread each.
     ``sft_model_dir``: start GRPO from this finished warm-up instead of running step 1.
-    ``overrides``: extra ``key=value`` settings for the GRPO run.
+    ``preset``: the RL preset after the warm-up: ``grpo``, or ``online_dpo`` (best/worst pairs
+        of each prompt's responses, ranked by the same reward, trained with the DPO loss).
+    ``overrides``: extra ``key=value`` settings for the RL run.
     """
 
     output_dir: str = "outputs/demo"
@@ -67,6 +69,7 @@ class DemoSettings:
     seed: int = 0
     pipeline: str = "sync"
     sft_model_dir: str = ""
+    preset: str = "grpo"
     overrides: tuple[str, ...] = ()
 
 
@@ -127,14 +130,14 @@ def run_demo(settings: DemoSettings | None = None, console: Console | None = Non
     hf_logging.disable_progress_bar()
     root = Path(settings.output_dir)
     started = time.monotonic()
-    console.rule("tandem demo: 2-digit addition, SFT on a flawed teacher, then GRPO")
+    console.rule(f"tandem demo: 2-digit addition, SFT on a flawed teacher, then {settings.preset}")
     base = save_tiny_model(root / "base_model", MODEL)
     paths = _write_data(root, settings)
     console.print(f"model and tokenizer in {base}; data in {paths['train'].parent}")
 
     sft_model = settings.sft_model_dir or str(_warm_up(settings, base, paths, root, console))
     console.rule(
-        f"2. GRPO ({settings.rl_steps} steps of {settings.prompts_per_step} prompts x {settings.responses_per_prompt}"
+        f"2. {settings.preset} ({settings.rl_steps} steps of {settings.prompts_per_step} prompts x {settings.responses_per_prompt}"
         f", pipeline {settings.pipeline})"
     )
     pipeline = [f"pipeline.mode={settings.pipeline}"]
@@ -142,7 +145,7 @@ def run_demo(settings: DemoSettings | None = None, console: Console | None = Non
         pipeline += ["pipeline.trainer_threads=1", "pipeline.rollout_threads=1"]
     config = load_train_config(
         [
-            "preset=grpo",
+            f"preset={settings.preset}",
             f"model_path={sft_model}",
             f"data.train_path={paths['train']}",
             f"data.val_path={paths['val']}",
@@ -157,10 +160,10 @@ def run_demo(settings: DemoSettings | None = None, console: Console | None = Non
             f"actor.ppo_mini_batch_size={settings.mini_batch_prompts}",
             f"trainer.total_steps={settings.rl_steps}",
             f"trainer.val_every={settings.val_every}",
-            f"trainer.output_dir={root / 'grpo'}",
+            f"trainer.output_dir={root / settings.preset}",
             "trainer.resume=disable",
             f"trainer.seed={settings.seed}",
-            "trainer.experiment=demo-grpo-arithmetic",
+            f"trainer.experiment=demo-{settings.preset.replace('_', '-')}-arithmetic",
             *pipeline,
             *settings.overrides,
         ]
@@ -172,10 +175,11 @@ def run_demo(settings: DemoSettings | None = None, console: Console | None = Non
     table = Table(title="held-out greedy accuracy (256 unseen problems)", title_justify="left")
     table.add_column("stage")
     table.add_column("accuracy", justify="right")
-    table.add_row("after SFT warm-up (GRPO step 0)", f"{before:.1%}")
+    method = settings.preset.upper().replace("_", " ").replace("ONLINE DPO", "online DPO")
+    table.add_row(f"after SFT warm-up ({method} step 0)", f"{before:.1%}")
     for step, value in curve[1:-1]:
-        table.add_row(f"GRPO step {step}", f"{value:.1%}")
-    table.add_row(f"after GRPO (step {curve[-1][0]})", f"[bold]{after:.1%}")
+        table.add_row(f"{method} step {step}", f"{value:.1%}")
+    table.add_row(f"after {method} (step {curve[-1][0]})", f"[bold]{after:.1%}")
     console.print(table)
     console.print(
         f"total time {time.monotonic() - started:.0f} s; report: {result.report}; final model: {result.hf_model_dir}"

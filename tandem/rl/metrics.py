@@ -33,17 +33,19 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 
 
 def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
-    """Scores, rewards, advantages and lengths of a trained batch (``critic/*``, ``response_length/*``, ...)."""
+    """Scores, rewards, advantages (when computed) and lengths of a trained batch (``critic/*``,
+    ``response_length/*``, ...)."""
     response_mask = batch["response_mask"].bool()
     lengths = batch["response_mask"].sum(-1)
     prompt_lengths = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1)
     metrics = {
         **_stats("critic/score", batch["token_level_scores"].sum(-1)),
         **_stats("critic/rewards", batch["token_level_rewards"].sum(-1)),
-        **_stats("critic/advantages", batch["advantages"][response_mask]),
         **_stats("response_length", lengths),
         "response_length/clip_ratio": float((lengths >= max_response_length).float().mean()),
     }
+    if "advantages" in batch:  # online DPO trains on pairs, not advantages
+        metrics.update(_stats("critic/advantages", batch["advantages"][response_mask]))
     metrics.update(_stats("prompt_length", prompt_lengths))
     return metrics
 

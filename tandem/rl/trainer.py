@@ -45,6 +45,7 @@ from tandem.rl.config import TrainConfig
 from tandem.rl.data import RLDataset
 from tandem.rl.derived import derive_seed
 from tandem.rl.metrics import data_metrics, timed, timing_metrics
+from tandem.rl.preference_pairs import best_worst_pairs, with_reference_sums
 from tandem.rl.rewards import RewardManager
 from tandem.rl.sequences import concat_sequences, decode_responses, trim_padding
 from tandem.rl.trackers import build_trackers
@@ -200,36 +201,63 @@ class RLTrainer:
                 metrics.update(reward_metrics)
             else:
                 batch, metrics = self.rollout_batch(timings)
-            if self.config.trainer.balance_batch and self.config.world_size > 1:
-                order = balanced_rank_order(
-                    batch["attention_mask"], self.config.rollout.n, self.config.world_size
-                )
-                batch = batch.reorder(order)
-            if self.config.old_log_probs_from_rollout:
-                batch = batch.assign(tensors={"old_log_probs": batch["rollout_log_probs"]})
-            elif not self.config.old_log_probs_from_update:
-                with timed(timings, "old_log_prob"):
-                    batch = batch.union(self.workers.compute_log_prob(batch))
-            if self.config.algorithm.needs_reference:
-                with timed(timings, "ref"):
-                    batch = batch.union(self.workers.compute_ref_log_prob(batch))
-            with timed(timings, "adv"):
-                batch, adv_metrics = self.compute_advantages(batch)
-            with timed(timings, "update_actor"):
-                per_worker = self.workers.update_actor(batch, step=self.step)
-            metrics.update(
-                {name: reduce_metric(name, [m[name] for m in per_worker]) for name in per_worker[0]}
-            )
+            update = self._preference_update if self.config.prefers else self._policy_gradient_update
+            batch, update_metrics = update(batch, timings)
+            metrics.update(update_metrics)
             metrics["actor/max_abs_weight"] = self.check_divergence(metrics)
             with timed(timings, "update_weights"):
                 metrics.update(self.rollout.after_update(self.step))
-        metrics.update(adv_metrics)
         memory = self.workers.memory_metrics()  # per phase on GPUs (the largest rank); empty on the CPU
         metrics.update({name: max(m[name] for m in memory) for name in memory[0]})
         metrics.update(data_metrics(batch, self.config.rollout.max_response_length))
         metrics.update(timing_metrics(timings, int(batch["attention_mask"].sum()), self.config.world_size))
         metrics["training/epoch"] = float(self.sampler.epoch)
         return metrics
+
+    def _policy_gradient_update(
+        self, batch: Batch, timings: dict[str, float]
+    ) -> tuple[Batch, dict[str, float]]:
+        """Old and reference log-probs, advantages, then the actor's PPO-style update."""
+        if self.config.trainer.balance_batch and self.config.world_size > 1:
+            order = balanced_rank_order(
+                batch["attention_mask"], self.config.rollout.n, self.config.world_size
+            )
+            batch = batch.reorder(order)
+        if self.config.old_log_probs_from_rollout:
+            batch = batch.assign(tensors={"old_log_probs": batch["rollout_log_probs"]})
+        elif not self.config.old_log_probs_from_update:
+            with timed(timings, "old_log_prob"):
+                batch = batch.union(self.workers.compute_log_prob(batch))
+        if self.config.needs_reference:
+            with timed(timings, "ref"):
+                batch = batch.union(self.workers.compute_ref_log_prob(batch))
+        with timed(timings, "adv"):
+            batch, metrics = self.compute_advantages(batch)
+        with timed(timings, "update_actor"):
+            metrics.update(self._update_actor(batch))
+        return batch, metrics
+
+    def _preference_update(self, batch: Batch, timings: dict[str, float]) -> tuple[Batch, dict[str, float]]:
+        """Online DPO: each prompt's best and worst response form a pair; reference log-probs of
+        the pairs; one preference-loss step. Returns the whole scored batch (for its statistics)."""
+        batch = batch.assign(
+            tensors={"token_level_rewards": batch["token_level_scores"]}
+        )  # no KL in the reward
+        with timed(timings, "adv"):
+            pairs, metrics = best_worst_pairs(batch, self.config.rollout.n, self.config.world_size)
+        if pairs is None:  # no prompt scored its responses differently: nothing to prefer
+            self.console.print(f"[yellow]step {self.step}: no prompt group has a preference; update skipped")
+            return batch, metrics
+        if self.config.needs_reference:
+            with timed(timings, "ref"):
+                pairs = with_reference_sums(pairs.union(self.workers.compute_ref_log_prob(pairs)))
+        with timed(timings, "update_actor"):
+            metrics.update(self._update_actor(pairs))
+        return batch, metrics
+
+    def _update_actor(self, batch: Batch) -> dict[str, float]:
+        per_worker = self.workers.update_actor(batch, step=self.step)
+        return {name: reduce_metric(name, [m[name] for m in per_worker]) for name in per_worker[0]}
 
     # ------------------------------------------------------------------ stages
     def rollout_batch(self, timings: dict[str, float]) -> tuple[Batch, dict[str, float]]:
@@ -338,7 +366,7 @@ class RLTrainer:
         weights reach the rollout engine or a checkpoint. Returns the largest weight magnitude."""
         trainer = self.config.trainer
         check_skipped_in_a_row(
-            int(update_metrics["actor/skipped_updates_in_a_row"]), trainer.max_skipped_updates_in_a_row,
+            int(update_metrics.get("actor/skipped_updates_in_a_row", 0)), trainer.max_skipped_updates_in_a_row,
             "trainer.max_skipped_updates_in_a_row", self.step,
         )  # fmt: skip
         return check_health(self.workers.actor_health(), self.step, self.checkpoints.latest)

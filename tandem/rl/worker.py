@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from tandem.checkpoint_engine.roles import SendsWeights
 from tandem.controller import Worker, register
 from tandem.controller.profiling import ProfilesCalls
 from tandem.device import bind_device, max_memory_allocated_gb, reset_peak_memory
+from tandem.dpo.loss import pair_metrics, preference_loss
 from tandem.engine import TorchTrainEngine
 from tandem.engine.divergence import ModelHealth, SkippedUpdates
 from tandem.models.loading import check_vocab_compatible, load_model, load_tokenizer
@@ -35,7 +37,11 @@ from tandem.rollout.factory import build_rollout_engine
 from tandem.rollout.weights import load_named_tensors
 from tandem.run_dir import atomic_directory
 
-SUMMED_METRICS = ("actor/pg_loss", "actor/kl_loss")  # micro-batch (and worker) shares of one loss: add up
+SUMMED_METRICS = (
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/preference_loss",
+)  # micro-batch (and worker) shares of one loss: add up
 MAX_METRICS = ("rollout_corr/max_abs_log_prob_diff",)
 SHUFFLE_SEED_TAG = 101  # derive_seed(run seed, this, step, epoch): the mini-batch order of an epoch
 
@@ -83,7 +89,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
                 rollout_engine_config(config, str(self.device)), config.model_path
             )
         self.reference: TorchTrainEngine | None = None
-        if config.algorithm.needs_reference and not config.actor.engine.lora.rank:
+        if config.needs_reference and not config.actor.engine.lora.rank:
             # A frozen copy computing log-probs only; each rank scores its own shard, so no DP wrapper.
             self.reference = TorchTrainEngine(dataclasses.replace(engine_config, strategy="single"))
             self.reference.initialize()
@@ -182,7 +188,10 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         skipped_before = self.skipped.total
         with self._phase("update_actor"):
             for epoch in range(actor.ppo_epochs):
-                self._update_epoch(batch, step, epoch, local_mini, collected)
+                if config.prefers:
+                    self._update_preference(batch, collected)
+                else:
+                    self._update_epoch(batch, step, epoch, local_mini, collected)
         self._probe = batch[:1]
         metrics = {name: reduce_metric(name, values, over_steps=True) for name, values in collected.items()}
         metrics["actor/skipped_updates"] = float(self.skipped.total - skipped_before)
@@ -225,6 +234,27 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
             self.engine.lr_step()
             for name, values in result.metrics.items():
                 collected[name].append(reduce_metric(name, values))
+
+    def _update_preference(self, batch: Batch, collected: dict[str, list[float]]) -> None:
+        """Online DPO: one optimizer step on this rank's whole pairs (chosen and rejected rows with
+        ``ref_log_prob``); the loss divides by the pair and chosen-token counts of all ranks."""
+        chosen_mask = batch["loss_mask"] * batch["chosen"][:, None]
+        counts = self.engine.global_normalizer(chosen_mask)  # tokens: chosen tokens; sequences: pairs
+        loss_fn = functools.partial(
+            preference_loss,
+            config=self.config.actor.preference,
+            total_pairs=int(counts.num_seqs),
+            chosen_tokens=max(counts.num_tokens, 1.0),
+        )
+        result = self.engine.forward_backward(batch, loss_fn)
+        collected["actor/grad_norm"].append(self.engine.optimizer_step(skip=not math.isfinite(result.loss)))
+        self.skipped.record(self.engine.last_step_skipped)
+        collected["actor/lr"].append(self.engine.lr)
+        self.engine.lr_step()
+        collected["actor/preference_loss"].append(result.loss)
+        local_tokens = float(chosen_mask.sum())
+        for name, value in pair_metrics(result.metrics, max(local_tokens, 1.0)).items():
+            collected[name].append(value)
 
     # ------------------------------------------------------------------ checkpoints and export
     @register(dispatch="ONE_TO_ALL")

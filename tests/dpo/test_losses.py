@@ -109,10 +109,10 @@ def test_at_equal_policy_and_reference_dpo_is_log_2():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"name": "kto"}, "loss.name='kto' is not a preference loss"),
-        ({"beta": 0.0}, "loss.beta"),
-        ({"label_smoothing": 0.5}, "loss.label_smoothing"),
-        ({"rpo_alpha": -1.0}, "loss.rpo_alpha"),
+        ({"name": "kto"}, "preference.name='kto' is not a preference loss"),
+        ({"beta": 0.0}, "preference.beta"),
+        ({"label_smoothing": 0.5}, "preference.label_smoothing"),
+        ({"rpo_alpha": -1.0}, "preference.rpo_alpha"),
     ],
 )
 def test_bad_loss_settings_are_named(overrides, message):

@@ -123,12 +123,12 @@ def test_resume_reproduces_the_uninterrupted_run(dpo_files, tmp_path):
 
 def test_rpo_adds_the_chosen_nll_and_simpo_needs_no_reference(dpo_files, tmp_path):
     rpo = DPOTrainer(
-        dpo_config(dpo_files, tmp_path / "rpo", "trainer.total_steps=1", "loss.rpo_alpha=1.0")
+        dpo_config(dpo_files, tmp_path / "rpo", "trainer.total_steps=1", "preference.rpo_alpha=1.0")
     ).fit()
     first = rpo.history[0]
     assert first["loss"] == pytest.approx(math.log(2) + first["nll_loss"], rel=1e-5)
     simpo = DPOTrainer(
-        dpo_config(dpo_files, tmp_path / "simpo", "trainer.total_steps=2", "loss.name=simpo")
+        dpo_config(dpo_files, tmp_path / "simpo", "trainer.total_steps=2", "preference.name=simpo")
     ).fit()
     assert not (tmp_path / "simpo" / "reference_logps.pt").exists()
     assert all(math.isfinite(h["loss"]) for h in simpo.history)
@@ -141,7 +141,7 @@ def test_tandem_dpo_command_line(dpo_files, tmp_path, capsys):
     ]  # fmt: skip
     assert main(args) == 0
     assert "model written to" in capsys.readouterr().out
-    assert main([*args, "loss.beta=-1"]) == 2
-    assert "loss.beta" in capsys.readouterr().err
+    assert main([*args, "preference.beta=-1"]) == 2
+    assert "preference.beta" in capsys.readouterr().err
     assert main([*args, "data.invalid_pairs=maybe"]) == 2
     assert "data.invalid_pairs" in capsys.readouterr().err

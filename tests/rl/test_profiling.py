@@ -43,7 +43,9 @@ def test_rollout_replicas_of_an_async_run_write_their_own_traces(rl_files, tmp_p
     RLTrainer(config).fit()
     step = tmp_path / "profile" / "step_2"
     assert sorted(p.name for p in step.iterdir()) == ["rank0.json", "replica0.json"]
-    events = [e for e in json.loads((step / "replica0.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+    events = [
+        e for e in json.loads((step / "replica0.json").read_text())["traceEvents"] if e.get("ph") == "X"
+    ]
     call_threads = {e["tid"] for e in events if e["name"] == "collect"}  # the controller's calls, named
     assert call_threads
     engine_ops = {e["name"] for e in events if e["tid"] not in call_threads}

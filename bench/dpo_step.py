@@ -1,0 +1,152 @@
+"""Seconds per DPO step: tandem's trainer vs TRL's DPOTrainer on the same model, pairs and settings.
+
+Both: the benchmark's ~3M-parameter Qwen2 (hidden 256, 4 layers) and character tokenizer,
+fp32 on CPU, 16 pairs per optimizer step (prompt ~40 tokens, each response ~96), the sigmoid
+loss with beta 0.1, and a reference model scoring each step's pairs (TRL's default; tandem's
+``reference=model``). TRL runs with ``use_cpu=True, bf16=False, gradient_checkpointing=False``.
+
+Each side runs in a fresh process of its own for ``--rounds`` rounds that alternate which side
+goes first; ``--warmup`` untimed steps, then ``--steps`` timed ones; medians and their ratio
+are printed (bench/side_by_side.py). TRL is optional: without it only tandem's numbers print.
+
+    python bench/dpo_step.py [--steps 8] [--warmup 2] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grpo_step import BENCH_MODEL  # noqa: E402
+from machine import describe_machine  # noqa: E402
+from side_by_side import compare, step_timer  # noqa: E402
+
+from tandem.config.overrides import config_from_overrides  # noqa: E402
+from tandem.dpo import DPOConfig, DPOTrainer  # noqa: E402
+from tandem.models import load_model, load_tokenizer, save_tiny_model  # noqa: E402
+
+PAIRS, RESPONSE_CHARS, LR, BETA = 16, 96, 1e-5, 0.1
+
+
+def _working(a: int, b: int, total: int) -> str:
+    step = f"{a} plus {b}: add the units, then the tens, then the hundreds; the sum is {total}. "
+    return (step * 3)[:RESPONSE_CHARS]
+
+
+def pairs(count: int, seed: int = 0) -> list[dict]:
+    """Arithmetic prompts with a worked answer preferred to the same working off by one."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": f"What is {a} + {b}? Show the steps."}],
+                "chosen": [{"role": "assistant", "content": _working(a, b, a + b)}],
+                "rejected": [{"role": "assistant", "content": _working(a, b, a + b + 1)}],
+            }
+        )
+    return rows
+
+
+def time_tandem(root: Path, steps: int, warmup: int) -> dict[str, list[float]]:
+    config = config_from_overrides(
+        DPOConfig,
+        [
+            f"model_path={root / 'model'}",
+            f"data.train_path={root / 'pairs.jsonl'}",
+            "data.max_length=512",
+            "reference=model",
+            f"preference.beta={BETA}",
+            f"engine.lr={LR}",
+            f"trainer.global_batch_size={PAIRS}",
+            f"trainer.total_steps={warmup + steps}",
+            "trainer.log_every=1000",
+            "trainer.report=false",
+            f"trainer.output_dir={root / 'tandem'}",
+        ],
+    )
+    history = DPOTrainer(config).fit().history[warmup:]
+    return {"step": [h["timing_s/step"] for h in history]}
+
+
+def time_trl(root: Path, steps: int, warmup: int) -> list[float] | None:
+    try:
+        from datasets import Dataset
+        from trl import DPOConfig as TRLConfig
+        from trl import DPOTrainer as TRLTrainer
+    except ImportError:
+        return None
+    rows = [json.loads(line) for line in (root / "pairs.jsonl").read_text().splitlines()]
+    args = TRLConfig(
+        output_dir=str(root / "trl"),
+        per_device_train_batch_size=PAIRS,
+        learning_rate=LR,
+        beta=BETA,
+        max_length=512,
+        max_steps=warmup + steps,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        logging_steps=1000,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    timer = step_timer()
+    trainer = TRLTrainer(
+        model=load_model(root / "model"),
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=load_tokenizer(root / "model"),
+        callbacks=[timer],
+    )
+    trainer.train()
+    return timer.times[warmup:]
+
+
+def child(side: str, root: Path, steps: int, warmup: int) -> None:
+    torch.set_num_threads(2)
+    if side == "tandem":
+        times = time_tandem(root, steps, warmup)
+    else:  # the baseline
+        trl_steps = time_trl(root, steps, warmup)
+        times = None if trl_steps is None else {"step": trl_steps}
+    print(json.dumps(times))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--side", choices=["tandem", "baseline"], help=argparse.SUPPRESS)  # a child run
+    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side:
+        child(args.side, args.root, args.steps, args.warmup)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = save_tiny_model(root / "model", BENCH_MODEL)
+        count = PAIRS * (args.steps + args.warmup)
+        (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs(count)))
+        params = sum(p.numel() for p in load_model(model).parameters())
+        print(describe_machine())
+        print(
+            f"model: {params / 1e6:.2f}M parameters, fp32; {PAIRS} pairs per step, responses of {RESPONSE_CHARS} characters"
+        )
+        compare(__file__, root, args.rounds, args.steps, args.warmup, "TRL DPOTrainer", "DPO step")
+
+
+if __name__ == "__main__":
+    main()

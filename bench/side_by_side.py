@@ -1,0 +1,88 @@
+"""Timing tandem against another trainer fairly: each side in a fresh process of its own, in
+rounds that alternate which side goes first (the machine's speed drifts), medians compared.
+
+A benchmark script calls :func:`compare` from its ``main`` and, when started with
+``--side NAME --root DIR --steps N --warmup N``, times that side and prints one JSON line
+``{"step": [seconds, ...], <phase>: [...]}`` (or ``null`` when the side is not installed).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def step_timer():
+    """A transformers ``TrainerCallback`` recording each optimizer step's seconds in ``.times``."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.started = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self.started)
+
+    return StepTimer()
+
+
+def run_side(script: str, side: str, root: Path, steps: int, warmup: int) -> dict[str, list[float]] | None:
+    """Time ``side`` in a fresh process running ``script``; ``None`` when it is not installed."""
+    command = [
+        sys.executable,
+        script,
+        "--side",
+        side,
+        "--root",
+        str(root),
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {side} run failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compare(script: str, root: Path, rounds: int, steps: int, warmup: int, baseline: str, what: str) -> None:
+    """Alternate tandem and ``baseline`` (its label, e.g. ``TRL DPOTrainer``) over ``rounds`` and
+    print the medians and the ratio of seconds per ``what`` (e.g. ``DPO step``)."""
+    times: dict[str, list[float]] = {"tandem": [], "baseline": []}
+    installed = True
+    for round_ in range(rounds):
+        for side in ("tandem", "baseline") if round_ % 2 == 0 else ("baseline", "tandem"):
+            if side == "baseline" and not installed:
+                continue
+            measured = run_side(script, side, root, steps, warmup)
+            if measured is None:
+                installed = False
+                continue
+            times[side] += measured["step"]
+            phases = "".join(f", {k} {statistics.median(v):.3f}" for k, v in measured.items() if k != "step")
+            label = "tandem" if side == "tandem" else baseline
+            print(
+                f"round {round_ + 1} {label}: median {statistics.median(measured['step']):.3f} s/step{phases}"
+            )
+    ours = statistics.median(times["tandem"])
+    print(
+        f"tandem: median {ours:.3f} s/step over {len(times['tandem'])} steps ({[round(t, 3) for t in times['tandem']]})"
+    )
+    if not installed:
+        print(f"{baseline} is not installed: no baseline")
+        return
+    theirs = statistics.median(times["baseline"])
+    print(
+        f"{baseline}: median {theirs:.3f} s/step over {len(times['baseline'])} steps "
+        f"({[round(t, 3) for t in times['baseline']]})"
+    )
+    print(f"speed-up: tandem is {theirs / ours:.2f}x faster per {what}")
