@@ -1,15 +1,18 @@
 """Seconds per DPO step: tandem's trainer vs TRL's DPOTrainer on the same model, pairs and settings.
 
 Both: the benchmark's ~3M-parameter Qwen2 (hidden 256, 4 layers) and character tokenizer,
-fp32 on CPU, 16 pairs per optimizer step (prompt ~40 tokens, each response ~96), the sigmoid
-loss with beta 0.1, and a reference model scoring each step's pairs (TRL's default; tandem's
-``reference=model``). TRL runs with ``use_cpu=True, bf16=False, gradient_checkpointing=False``.
+fp32 on CPU, 16 pairs per optimizer step, the sigmoid loss with beta 0.1, and a reference model
+scoring each step's pairs (TRL's default; tandem's ``reference=model``). TRL runs with its
+defaults otherwise (padded batches) and ``use_cpu=True, bf16=False, gradient_checkpointing=False``.
+``--lengths varied`` (default) draws prompt and response lengths as real data varies;
+``uniform`` makes every prompt and response the same length, so padding costs TRL nothing and
+only tandem's shared prompt copy differs.
 
 Each side runs in a fresh process of its own for ``--rounds`` rounds that alternate which side
 goes first; ``--warmup`` untimed steps, then ``--steps`` timed ones; medians and their ratio
 are printed (bench/side_by_side.py). TRL is optional: without it only tandem's numbers print.
 
-    python bench/dpo_step.py [--steps 8] [--warmup 2] [--rounds 3]
+    python bench/dpo_step.py [--steps 8] [--warmup 2] [--rounds 3] [--lengths varied|uniform]
 """
 
 from __future__ import annotations
@@ -32,25 +35,38 @@ from tandem.config.overrides import config_from_overrides  # noqa: E402
 from tandem.dpo import DPOConfig, DPOTrainer  # noqa: E402
 from tandem.models import load_model, load_tokenizer, save_tiny_model  # noqa: E402
 
-PAIRS, RESPONSE_CHARS, LR, BETA = 16, 96, 1e-5, 0.1
+PAIRS, LR, BETA = 16, 1e-5, 0.1
 
 
-def _working(a: int, b: int, total: int) -> str:
-    step = f"{a} plus {b}: add the units, then the tens, then the hundreds; the sum is {total}. "
-    return (step * 3)[:RESPONSE_CHARS]
+FILLER = "Please explain each step of the addition carefully and check the result at the end. "
 
 
-def pairs(count: int, seed: int = 0) -> list[dict]:
-    """Arithmetic prompts with a worked answer preferred to the same working off by one."""
+def _text(head: str, length: int) -> str:
+    """``head`` continued with filler sentences to exactly ``length`` characters."""
+    return (head + FILLER * (length // len(FILLER) + 1))[:length]
+
+
+def pairs(count: int, varied: bool, seed: int = 0) -> list[dict]:
+    """Arithmetic prompts with a worked answer preferred to the same working off by one.
+
+    ``varied``: prompt lengths drawn from 32-256 characters and each pair's response length
+    from 16-256 (as real preference data varies); otherwise every prompt is 40 characters and
+    every response 96 (no padding to gain from)."""
     rng = random.Random(seed)
     rows = []
     for _ in range(count):
         a, b = rng.randint(100, 999), rng.randint(100, 999)
+        prompt_length, response_length = (rng.randint(32, 256), rng.randint(16, 256)) if varied else (40, 96)
+        working = f" = {a} plus {b}: add the units, then the tens, then the hundreds. "  # the answer first
+        chosen, rejected = (
+            _text(f"{a + b}{working}", response_length),
+            _text(f"{a + b + 1}{working}", response_length),
+        )
         rows.append(
             {
-                "prompt": [{"role": "user", "content": f"What is {a} + {b}? Show the steps."}],
-                "chosen": [{"role": "assistant", "content": _working(a, b, a + b)}],
-                "rejected": [{"role": "assistant", "content": _working(a, b, a + b + 1)}],
+                "prompt": [{"role": "user", "content": _text(f"What is {a} + {b}? ", prompt_length)}],
+                "chosen": [{"role": "assistant", "content": chosen}],
+                "rejected": [{"role": "assistant", "content": rejected}],
             }
         )
     return rows
@@ -129,6 +145,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--lengths",
+        choices=["varied", "uniform"],
+        default="varied",
+        help="prompt and response lengths (see pairs())",
+    )
     parser.add_argument("--side", choices=["tandem", "baseline"], help=argparse.SUPPRESS)  # a child run
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -139,12 +161,11 @@ def main() -> None:
         root = Path(tmp)
         model = save_tiny_model(root / "model", BENCH_MODEL)
         count = PAIRS * (args.steps + args.warmup)
-        (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs(count)))
+        rows = pairs(count, varied=args.lengths == "varied")
+        (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         params = sum(p.numel() for p in load_model(model).parameters())
         print(describe_machine())
-        print(
-            f"model: {params / 1e6:.2f}M parameters, fp32; {PAIRS} pairs per step, responses of {RESPONSE_CHARS} characters"
-        )
+        print(f"model: {params / 1e6:.2f}M parameters, fp32; {PAIRS} pairs per step, {args.lengths} lengths")
         compare(__file__, root, args.rounds, args.steps, args.warmup, "TRL DPOTrainer", "DPO step")
 
 

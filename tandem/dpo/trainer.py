@@ -31,6 +31,7 @@ from tandem.dpo.config import DPOConfig
 from tandem.dpo.data import PreferenceDataset
 from tandem.dpo.loss import pair_metrics, preference_loss
 from tandem.engine import TorchTrainEngine
+from tandem.engine.base import StepResult
 from tandem.models.loading import check_vocab_compatible
 from tandem.protocol import Batch
 from tandem.report import RunInfo
@@ -155,19 +156,32 @@ class DPOTrainer(SFTTrainer):
         assert self.val is not None
         size = self.config.trainer.global_batch_size
         losses, sums = 0.0, {}
-        chosen_total = 0.0
+        chosen_total = float(
+            sum(len(pair.chosen) for pair in self.val.pairs)
+        )  # the shares add up to the mean
         for start in range(0, len(self.val), size):
             indices = list(range(start, min(start + size, len(self.val))))
             batch = self._with_reference(self.val.collate(indices, self.tokenizer.pad_token_id), "val")
-            result, chosen_tokens = self._run(batch, forward_only=True, total_pairs=len(self.val))
+            result, _ = self._run(
+                batch, forward_only=True, total_pairs=len(self.val), chosen_tokens=chosen_total
+            )
             losses += result.loss
-            chosen_total += chosen_tokens
             for name, values in result.metrics.items():
                 sums.setdefault(name, []).extend(values)
         return {"eval_loss": losses, **{f"eval_{k}": v for k, v in pair_metrics(sums, chosen_total).items()}}
 
-    def _run(self, batch: Batch, forward_only: bool, total_pairs: int | None = None):
-        chosen_tokens = float((batch["loss_mask"] * batch["chosen"][:, None]).sum())
+    def _run(
+        self,
+        batch: Batch,
+        forward_only: bool,
+        total_pairs: int | None = None,
+        chosen_tokens: float | None = None,
+    ) -> tuple[StepResult, float]:
+        """The engine's pass over ``batch`` with the preference loss, whose shares divide by
+        ``total_pairs`` and ``chosen_tokens`` (default: ``batch``'s own); returns the result and
+        the chosen-token count used."""
+        if chosen_tokens is None:
+            chosen_tokens = float((batch["loss_mask"] * batch["chosen"][:, None]).sum())
         loss_fn = functools.partial(
             preference_loss,
             config=self.config.preference,

@@ -145,3 +145,23 @@ def test_tandem_dpo_command_line(dpo_files, tmp_path, capsys):
     assert "preference.beta" in capsys.readouterr().err
     assert main([*args, "data.invalid_pairs=maybe"]) == 2
     assert "data.invalid_pairs" in capsys.readouterr().err
+
+
+def test_validation_metrics_do_not_depend_on_the_batch_size(dpo_files, tmp_path):
+    values = []
+    for size in (16, 5):  # one batch, or four uneven ones
+        trainer = DPOTrainer(
+            dpo_config(
+                dpo_files,
+                tmp_path / str(size),
+                f"trainer.global_batch_size={size}",
+                "preference.rpo_alpha=0.5",
+            )
+        )
+        trainer.engine.initialize()
+        trainer.reference = {
+            "val": -torch.rand(len(trainer.val), 2, generator=torch.Generator().manual_seed(1))
+        }
+        values.append(trainer.evaluate_pairs())
+    assert values[1] == pytest.approx(values[0], rel=1e-5)
+    assert set(values[0]) >= {"eval_loss", "eval_rewards/accuracies", "eval_nll_loss", "eval_logps/chosen"}
