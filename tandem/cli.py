@@ -22,11 +22,16 @@ def _first_line(fn: object) -> str:
 def print_registries(console: Console) -> None:
     """One table per registry: every registered name with the first line of its docstring."""
     from tandem.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+    from tandem.algos.preference import PREFERENCE_LOSSES
 
     for title, registry in (
         ("advantage estimators (algorithm.adv_estimator)", ADVANTAGE_ESTIMATORS),
         ("policy losses (actor.policy_loss)", POLICY_LOSSES),
         ("KL estimators (algorithm.kl.estimator)", KL_ESTIMATORS),
+        (
+            "preference losses (preference.name in tandem dpo, actor.preference.name online)",
+            PREFERENCE_LOSSES,
+        ),
     ):
         table = Table(title=title, title_justify="left")
         table.add_column("name", style="bold cyan")

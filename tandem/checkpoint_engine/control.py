@@ -8,7 +8,9 @@ store carries only these small strings: tensors travel by the transport.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import threading
 import time
 
 import torch.distributed as dist
@@ -17,16 +19,37 @@ from tandem.checkpoint_engine.buckets import BucketMeta
 
 WAIT_SLICE_S = 5.0  # waits are cut into slices so a timeout can name what is missing
 
+_exiting = threading.Event()
+_waits_lock = threading.Lock()
+_waits_in_progress = 0
+
+
+@atexit.register
+def _release_waits_at_exit() -> None:
+    """Let waits still running on daemon threads end before the interpreter finalizes.
+
+    A trainer thread can be left waiting for a replica that died (the run was stopped without
+    ceremony). A thread that comes back from the store's C++ wait while Python is finalizing
+    aborts the whole process (exit status 134, after every test passed). At exit, waits stop at
+    their next slice: this waits up to one slice for them to leave.
+    """
+    _exiting.set()
+    deadline = time.monotonic() + WAIT_SLICE_S + 1.0
+    while _waits_in_progress and time.monotonic() < deadline:
+        time.sleep(0.05)
+
 
 class ControlPlane:
-    """One side's connection to the store at ``host:port`` (``is_sender`` hosts it)."""
+    """One side's connection to the store at ``host:port`` (``is_sender`` hosts it; port 0 lets
+    the sender's store bind a free port itself, read back as ``port``)."""
 
     def __init__(self, host: str, port: int, is_sender: bool, timeout_s: float) -> None:
-        self.host, self.port, self.timeout_s = host, port, timeout_s
+        self.host, self.timeout_s = host, timeout_s
         self.store = dist.TCPStore(
             host, port, is_master=is_sender, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=timeout_s),
         )  # fmt: skip
+        self.port = self.store.port
         self._published: list[str] = []
 
     def publish(self, version: int, meta: BucketMeta) -> None:
@@ -59,8 +82,20 @@ class ControlPlane:
         self._published = [k for k in self._published if k not in set(stale)]
 
     def _wait(self, keys: list[str], what: str) -> None:
+        global _waits_in_progress
+        with _waits_lock:
+            _waits_in_progress += 1
+        try:
+            self._wait_slices(keys, what)
+        finally:
+            with _waits_lock:
+                _waits_in_progress -= 1
+
+    def _wait_slices(self, keys: list[str], what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
         while True:
+            if _exiting.is_set():
+                raise ConnectionError(f"weight sync: the process is exiting while waiting for {what}")
             try:
                 self.store.wait(keys, datetime.timedelta(seconds=min(WAIT_SLICE_S, self.timeout_s)))
                 return

@@ -30,7 +30,6 @@ from tandem.checkpoint_engine.transports import (
     SharedMemorySender,
     broadcast_group,
 )
-from tandem.controller.worker import free_port
 
 
 @dataclass(frozen=True)
@@ -72,10 +71,11 @@ class WeightSender:
                 "replicas in other processes need broadcast, shared_memory or files"
             )
         self.config, self.receivers, self.device = config, receivers, device
-        port = free_port()
-        self.control = ControlPlane(config.host, port, is_sender=True, timeout_s=config.timeout_s)
+        # The store binds a free port itself: picking one first and binding it later races with
+        # every other process on the machine (EADDRINUSE).
+        self.control = ControlPlane(config.host, 0, is_sender=True, timeout_s=config.timeout_s)
         group_backend = "nccl" if device.type == "cuda" else "gloo"
-        self.address = SenderAddress(config.host, port, config.backend, receivers, group_backend)
+        self.address = SenderAddress(config.host, self.control.port, config.backend, receivers, group_backend)
         self.transport = None
 
     def connect(self) -> None:

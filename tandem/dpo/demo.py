@@ -24,7 +24,7 @@ from tandem.dpo.config import DPOConfig
 from tandem.dpo.trainer import DPOResult, DPOTrainer
 from tandem.models import save_tiny_model
 from tandem.models.loading import load_tokenizer
-from tandem.rl.demo import MODEL, DemoSettings, _warm_up, _write_data
+from tandem.rl.demo import MODEL, DemoSettings, warm_up, write_demo_data
 from tandem.rl.rewards.scorers import arithmetic_score
 from tandem.rollout import RolloutRequest, SamplingParams
 from tandem.rollout.config import RolloutEngineConfig
@@ -93,8 +93,8 @@ def run_dpo_demo(settings: DPODemoSettings | None = None, console: Console | Non
     started = time.monotonic()
     console.rule("tandem demo: 2-digit addition, SFT on a flawed teacher, then DPO on right-vs-slip pairs")
     base = save_tiny_model(root / "base_model", MODEL)
-    paths = _write_data(root, settings.warm_up)
-    sft_model = settings.sft_model_dir or str(_warm_up(settings.warm_up, base, paths, root, console))
+    paths = write_demo_data(root, settings.warm_up)
+    sft_model = settings.sft_model_dir or str(warm_up(settings.warm_up, base, paths, root, console))
     pairs = write_slip_pairs(paths["sft"], root / "data" / "dpo_pairs.jsonl", settings.pairs)
     val_rows = pq.read_table(paths["val"]).to_pylist()
     before = greedy_accuracy(sft_model, val_rows)

@@ -120,9 +120,7 @@ class TorchTrainEngine:
                     (rows, shared[rows[0]])
                     for rows in prompt_groups(batch["input_ids"], attention_mask, width)
                 ]
-            if (
-                units is not None
-            ):  # rows that must share a micro-batch (their prompt, if shared, counted once)
+            if units is not None:  # rows that must share a micro-batch (a shared prompt counted once)
                 groups = [(rows, min(shared[row] for row in rows)) for rows in units]
             budget, split = self.config.max_tokens_per_micro_batch, units is None
             parts = token_budget_micro_batches(lengths, budget, groups=groups, split_groups=split)

@@ -73,7 +73,7 @@ class DemoSettings:
     overrides: tuple[str, ...] = ()
 
 
-def _write_data(root: Path, settings: DemoSettings) -> dict[str, Path]:
+def write_demo_data(root: Path, settings: DemoSettings) -> dict[str, Path]:
     """SFT conversations, RL prompts and held-out validation prompts (no expression shared with training)."""
     val = arithmetic_rows(settings.val_prompts, TASK, seed=settings.seed + 1, split="test")
     held_out = {row["extra_info"]["expression"] for row in val}
@@ -100,9 +100,7 @@ def _write_data(root: Path, settings: DemoSettings) -> dict[str, Path]:
     }
 
 
-def _warm_up(
-    settings: DemoSettings, base: Path, paths: dict[str, Path], root: Path, console: Console
-) -> Path:
+def warm_up(settings: DemoSettings, base: Path, paths: dict[str, Path], root: Path, console: Console) -> Path:
     """Step 1: SFT on the flawed teacher's demonstrations; returns the fine-tuned model directory."""
     console.rule(
         f"1. SFT warm-up ({settings.sft_steps} steps) on a teacher that answers one too high "
@@ -132,10 +130,10 @@ def run_demo(settings: DemoSettings | None = None, console: Console | None = Non
     started = time.monotonic()
     console.rule(f"tandem demo: 2-digit addition, SFT on a flawed teacher, then {settings.preset}")
     base = save_tiny_model(root / "base_model", MODEL)
-    paths = _write_data(root, settings)
+    paths = write_demo_data(root, settings)
     console.print(f"model and tokenizer in {base}; data in {paths['train'].parent}")
 
-    sft_model = settings.sft_model_dir or str(_warm_up(settings, base, paths, root, console))
+    sft_model = settings.sft_model_dir or str(warm_up(settings, base, paths, root, console))
     console.rule(
         f"2. {settings.preset} ({settings.rl_steps} steps of {settings.prompts_per_step} prompts x {settings.responses_per_prompt}"
         f", pipeline {settings.pipeline})"

@@ -232,10 +232,10 @@ class RLTrainer:
             with timed(timings, "ref"):
                 batch = batch.union(self.workers.compute_ref_log_prob(batch))
         with timed(timings, "adv"):
-            batch, metrics = self.compute_advantages(batch)
+            batch, adv_metrics = self.compute_advantages(batch)
         with timed(timings, "update_actor"):
-            metrics.update(self._update_actor(batch))
-        return batch, metrics
+            metrics = self._update_actor(batch)
+        return batch, {**metrics, **adv_metrics}  # the controller's measures win over the workers' ones
 
     def _preference_update(self, batch: Batch, timings: dict[str, float]) -> tuple[Batch, dict[str, float]]:
         """Online DPO: each prompt's best and worst response form a pair; reference log-probs of
