@@ -17,7 +17,6 @@ are printed (bench/side_by_side.py). TRL is optional: without it only tandem's n
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -29,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_step import BENCH_MODEL  # noqa: E402
 from machine import describe_machine  # noqa: E402
-from side_by_side import compare, step_timer  # noqa: E402
+from side_by_side import TRL_CPU_ARGS, compare, side_parser, step_timer  # noqa: E402
 
 from tandem.config.overrides import config_from_overrides  # noqa: E402
 from tandem.dpo import DPOConfig, DPOTrainer  # noqa: E402
@@ -108,13 +107,7 @@ def time_trl(root: Path, steps: int, warmup: int) -> list[float] | None:
         beta=BETA,
         max_length=512,
         max_steps=warmup + steps,
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        logging_steps=1000,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
+        **TRL_CPU_ARGS,
     )
     timer = step_timer()
     trainer = TRLTrainer(
@@ -139,20 +132,13 @@ def child(side: str, root: Path, steps: int, warmup: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = side_parser(__doc__)
     parser.add_argument(
         "--lengths",
         choices=["varied", "uniform"],
         default="varied",
         help="prompt and response lengths (see pairs())",
     )
-    parser.add_argument("--side", choices=["tandem", "baseline"], help=argparse.SUPPRESS)  # a child run
-    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
         child(args.side, args.root, args.steps, args.warmup)

@@ -18,7 +18,6 @@ printed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe_machine  # noqa: E402
-from side_by_side import compare, step_timer  # noqa: E402
+from side_by_side import TRL_CPU_ARGS, compare, side_parser, step_timer  # noqa: E402
 
 from tandem.models import TinyModelConfig, save_tiny_model  # noqa: E402
 from tandem.rl import RLTrainer, load_train_config  # noqa: E402
@@ -100,13 +99,7 @@ def time_trl(root: Path, model: Path, data_rows: list[dict], steps: int, warmup:
         learning_rate=LR,
         beta=0.0,
         max_steps=warmup + steps,
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        logging_steps=1000,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
+        **TRL_CPU_ARGS,
     )
     timer = step_timer()
     trainer = GRPOTrainer(
@@ -133,14 +126,7 @@ def child(side: str, root: Path, steps: int, warmup: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--side", choices=["tandem", "baseline"], help=argparse.SUPPRESS)  # a child run
-    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    parser = side_parser(__doc__)
     args = parser.parse_args()
     if args.side:
         child(args.side, args.root, args.steps, args.warmup)
@@ -156,3 +142,7 @@ def main() -> None:
             f"model: {params / 1e6:.2f}M parameters, fp32; {PROMPTS} prompts x {RESPONSES} responses, <= {NEW_TOKENS} new tokens"
         )
         compare(__file__, root, args.rounds, args.steps, args.warmup, "TRL GRPOTrainer", "GRPO step")
+
+
+if __name__ == "__main__":
+    main()

@@ -8,12 +8,36 @@ A benchmark script calls :func:`compare` from its ``main`` and, when started wit
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+# TRL's trainer arguments for a CPU timing run: fp32, no checkpointing, no logging or saving.
+TRL_CPU_ARGS = {
+    "use_cpu": True,
+    "bf16": False,
+    "gradient_checkpointing": False,
+    "logging_steps": 1000,
+    "save_strategy": "no",
+    "report_to": "none",
+    "disable_tqdm": True,
+}
+
+
+def side_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every side-by-side benchmark takes (``--steps``, ``--warmup``, ``--rounds``)
+    and the hidden ones of a child run (``--side``, ``--root``)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--side", choices=["tandem", "baseline"], help=argparse.SUPPRESS)  # a child run
+    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    return parser
 
 
 def step_timer():
