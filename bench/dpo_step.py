@@ -23,12 +23,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_step import BENCH_MODEL  # noqa: E402
 from machine import describe_machine  # noqa: E402
-from side_by_side import TRL_CPU_ARGS, compare, side_parser, step_timer  # noqa: E402
+from side_by_side import TRL_CPU_ARGS, compare, run_child, side_parser, step_timer  # noqa: E402
 
 from tandem.config.overrides import config_from_overrides  # noqa: E402
 from tandem.dpo import DPOConfig, DPOTrainer  # noqa: E402
@@ -122,13 +120,7 @@ def time_trl(root: Path, steps: int, warmup: int) -> list[float] | None:
 
 
 def child(side: str, root: Path, steps: int, warmup: int) -> None:
-    torch.set_num_threads(2)
-    if side == "tandem":
-        times = time_tandem(root, steps, warmup)
-    else:  # the baseline
-        trl_steps = time_trl(root, steps, warmup)
-        times = None if trl_steps is None else {"step": trl_steps}
-    print(json.dumps(times))
+    run_child(side, lambda: time_tandem(root, steps, warmup), lambda: time_trl(root, steps, warmup))
 
 
 def main() -> None:

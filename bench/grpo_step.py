@@ -18,7 +18,6 @@ printed.
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe_machine  # noqa: E402
-from side_by_side import TRL_CPU_ARGS, compare, side_parser, step_timer  # noqa: E402
+from side_by_side import TRL_CPU_ARGS, compare, run_child, side_parser, step_timer  # noqa: E402
 
 from tandem.models import TinyModelConfig, save_tiny_model  # noqa: E402
 from tandem.rl import RLTrainer, load_train_config  # noqa: E402
@@ -115,14 +114,12 @@ def time_trl(root: Path, model: Path, data_rows: list[dict], steps: int, warmup:
 
 
 def child(side: str, root: Path, steps: int, warmup: int) -> None:
-    torch.set_num_threads(2)
     rows = arithmetic_rows(2_000, ArithmeticTaskConfig(max_digits=3), seed=0)
-    if side == "tandem":
-        times = time_tandem(root, root / "model", root / "prompts.parquet", steps, warmup)
-    else:  # the baseline
-        trl_steps = time_trl(root, root / "model", rows, steps, warmup)
-        times = None if trl_steps is None else {"step": trl_steps}
-    print(json.dumps(times))
+    run_child(
+        side,
+        lambda: time_tandem(root, root / "model", root / "prompts.parquet", steps, warmup),
+        lambda: time_trl(root, root / "model", rows, steps, warmup),
+    )
 
 
 def main() -> None:

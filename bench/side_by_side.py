@@ -14,7 +14,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 # TRL's trainer arguments for a CPU timing run: fp32, no checkpointing, no logging or saving.
 TRL_CPU_ARGS = {
@@ -56,6 +59,22 @@ def step_timer():
             self.times.append(time.perf_counter() - self.started)
 
     return StepTimer()
+
+
+def run_child(
+    side: str,
+    tandem: Callable[[], dict[str, list[float]]],
+    baseline: Callable[[], list[float] | None],
+) -> None:
+    """A child run: time ``side`` on 2 threads and print its JSON line (``null`` when the
+    baseline is not installed, which ``baseline`` says by returning None)."""
+    torch.set_num_threads(2)
+    if side == "tandem":
+        times = tandem()
+    else:
+        steps = baseline()
+        times = None if steps is None else {"step": steps}
+    print(json.dumps(times))
 
 
 def run_side(script: str, side: str, root: Path, steps: int, warmup: int) -> dict[str, list[float]] | None:

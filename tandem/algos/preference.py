@@ -86,6 +86,11 @@ PREFERENCE_LOSSES: Registry[PreferenceLoss] = Registry("preference loss")
 REFERENCE_FREE = frozenset({"simpo"})
 
 
+def _smoothed_logistic(logits: torch.Tensor, eps: float) -> torch.Tensor:
+    """``-(1-ε) log σ(z) - ε log σ(-z)``: the logistic loss with label smoothing ε."""
+    return -(1 - eps) * F.logsigmoid(logits) - eps * F.logsigmoid(-logits)
+
+
 def _log_ratio_rewards(x: PreferenceInput, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
     return beta * (x.policy_chosen - x.reference_chosen), beta * (x.policy_rejected - x.reference_rejected)
 
@@ -96,10 +101,7 @@ def sigmoid_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DPO's logistic loss on the log-ratio margin, with optional label smoothing (cDPO)."""
     chosen, rejected = _log_ratio_rewards(x, config.beta)
-    logits = chosen - rejected  # β h
-    eps = config.label_smoothing
-    loss = -(1 - eps) * F.logsigmoid(logits) - eps * F.logsigmoid(-logits)
-    return loss, chosen.detach(), rejected.detach()
+    return _smoothed_logistic(chosen - rejected, config.label_smoothing), chosen.detach(), rejected.detach()
 
 
 @PREFERENCE_LOSSES.register("robust")
@@ -141,9 +143,7 @@ def simpo_loss(
     """SimPO: reference-free, length-normalised log-probs, target margin γ (label smoothing as in cDPO)."""
     chosen = config.beta * x.policy_chosen / x.chosen_lengths
     rejected = config.beta * x.policy_rejected / x.rejected_lengths
-    logits = chosen - rejected - config.gamma
-    eps = config.label_smoothing
-    loss = -(1 - eps) * F.logsigmoid(logits) - eps * F.logsigmoid(-logits)
+    loss = _smoothed_logistic(chosen - rejected - config.gamma, config.label_smoothing)
     return loss, chosen.detach(), rejected.detach()
 
 

@@ -64,6 +64,7 @@ class DPOTrainer(SFTTrainer):
     def __init__(self, config: DPOConfig, console: Console | None = None) -> None:
         super().__init__(config, console)  # type: ignore[arg-type]
         self.history: list[dict[str, float]] = []
+        self.validation: dict[str, float] = {}  # the last validation's metrics
         self.reference_engine: TorchTrainEngine | None = None
         self.reference: dict[str, torch.Tensor] = {}  # split -> [pairs, 2] (chosen, rejected)
         self.run_info = RunInfo(
@@ -100,32 +101,31 @@ class DPOTrainer(SFTTrainer):
         report = ReportTracker(self.output_dir, trainer.report_every) if trainer.report else None
         if report is not None:
             trackers.append(report)
-        self.run_info.start(self.step)
-        validation: dict[str, float] = {}
         try:
-            while self.step < self.total_steps:
-                metrics = self.train_step()
-                last = self.step == self.total_steps
-                if self.val is not None and (
-                    (trainer.eval_every and self.step % trainer.eval_every == 0) or last
-                ):
-                    validation = self.evaluate_pairs()
-                    metrics.update(validation)
-                self._log(trackers, metrics)
-                if (trainer.save_every and self.step % trainer.save_every == 0) or last:
-                    self.save_checkpoint()
-        except BaseException as error:
-            self.run_info.finish(self.step, error)
-            raise
-        else:
-            self.run_info.finish(self.step)
+            with self.run_info.running(self.step):  # status.json: running, then finished or failed
+                self._train_loop(trackers)
         finally:
             for tracker in trackers:
                 tracker.close()
         hf_dir = self.export()
         if report is not None:
             self.console.print(f"report: {report.path}")
-        return DPOResult(self.history, validation, self.output_dir, hf_dir, report and report.path)
+        return DPOResult(self.history, self.validation, self.output_dir, hf_dir, report and report.path)
+
+    def _train_loop(self, trackers: list) -> None:
+        """Step, evaluate and checkpoint on schedule (evaluation and a checkpoint at the end too)."""
+        trainer = self.config.trainer
+        while self.step < self.total_steps:
+            metrics = self.train_step()
+            last = self.step == self.total_steps
+            if self.val is not None and (
+                (trainer.eval_every and self.step % trainer.eval_every == 0) or last
+            ):
+                self.validation = self.evaluate_pairs()
+                metrics.update(self.validation)
+            self._log(trackers, metrics)
+            if (trainer.save_every and self.step % trainer.save_every == 0) or last:
+                self.save_checkpoint()
 
     # ------------------------------------------------------------------ the step
     def train_step(self) -> dict[str, float]:

@@ -10,10 +10,12 @@ the report's page check in the tests and by ``tandem report --screenshot``.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -70,6 +72,7 @@ class _DevTools:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             preexec_fn=lambda: _place_pipe_ends(read_commands, write_answers),
+            start_new_session=True,  # its helper processes share a group that close() ends together
         )
         os.close(read_commands)
         os.close(write_answers)
@@ -117,7 +120,8 @@ class _DevTools:
     def close(self) -> None:
         for fd in (self._commands, self._answers):
             os.close(fd)
-        self.process.kill()
+        with contextlib.suppress(ProcessLookupError):  # the browser and every helper it started
+            os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
 
 
@@ -147,7 +151,8 @@ def check_page(
             "no Chromium-family browser found (install Debian's 'chromium' package or set TANDEM_BROWSER)"
         )
     result = PageCheck()
-    with tempfile.TemporaryDirectory(prefix="tandem-browser-") as profile:
+    # A helper process may still be writing the profile as it dies: cleaning it up is best effort.
+    with tempfile.TemporaryDirectory(prefix="tandem-browser-", ignore_cleanup_errors=True) as profile:
         tools = _DevTools(browser, profile)
         try:
             targets = tools.send("Target.getTargets")["targetInfos"]

@@ -11,12 +11,14 @@ user can watch ``status.json`` (or the report, which refreshes itself) during a 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import shlex
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from tandem.report.machine import machine_facts, package_versions
@@ -94,8 +96,20 @@ class RunInfo:
             "config": config,
         }
         self._clock_start = time.monotonic()
-        self._start_step = 0
+        self._start_step = self._step = 0
         self._started_at = ""
+
+    @contextlib.contextmanager
+    def running(self, step: int) -> Iterator[None]:
+        """Around the training loop: marks the run as started (or resumed at ``step``), then as
+        finished when the block ends, or as failed with the error that left it (re-raised)."""
+        self.start(step)
+        try:
+            yield
+        except BaseException as error:
+            self.finish(error)
+            raise
+        self.finish()
 
     def start(self, step: int) -> None:
         """Record the start (or a resume at ``step``) and mark the run as running."""
@@ -104,23 +118,25 @@ class RunInfo:
         self.info["started_at"] = self._started_at
         if previous:
             self.info["resumed_at"] = [*previous.get("resumed_at", []), {"step": step, "time": now_iso()}]
-        self._clock_start, self._start_step = time.monotonic(), step
+        self._clock_start, self._start_step, self._step = time.monotonic(), step, step
         self.output_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomically(self.output_dir / RUN_FILE, self.info)
-        self._write_status("running", step)
+        self._write_status("running")
 
     def progress(self, step: int) -> None:
         """After each logged step: the step and an ETA from the pace since this process started."""
-        self._write_status("running", step)
+        self._step = step
+        self._write_status("running")
 
-    def finish(self, step: int, error: BaseException | None = None) -> None:
-        """The run ended, normally (``error`` None) or by ``error``."""
+    def finish(self, error: BaseException | None = None) -> None:
+        """The run ended, normally (``error`` None) or by ``error``, at the last logged step."""
         extra = {"ended_at": now_iso()}
         if error is not None:
             extra["error"] = f"{type(error).__name__}: {error}"
-        self._write_status("failed" if error is not None else "finished", step, extra)
+        self._write_status("failed" if error is not None else "finished", extra)
 
-    def _write_status(self, status: str, step: int, extra: dict | None = None) -> None:
+    def _write_status(self, status: str, extra: dict | None = None) -> None:
+        step = self._step
         elapsed = time.monotonic() - self._clock_start
         done = step - self._start_step
         eta = elapsed / done * (self.total_steps - step) if done > 0 and status == "running" else None

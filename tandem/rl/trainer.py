@@ -101,6 +101,7 @@ class RLTrainer:
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", config.trainer.keep_last)
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self.validation: dict[str, float] = {}  # the last validation's metrics
         self.run_info = RunInfo(
             self.output_dir,
             trainer=f"RL: {config.algorithm.adv_estimator} advantages, {config.actor.policy_loss.name} policy loss",
@@ -143,40 +144,20 @@ class RLTrainer:
             if trainer.report and "jsonl" in trainer.loggers:
                 report = ReportTracker(self.output_dir, trainer.report_every)
                 trackers.append(report)  # after the JSONL tracker, whose file it draws
-            self.run_info.start(self.step)
-            validation: dict[str, float] = {}
             failed = True  # until the loop ends normally: the pipeline then closes without ceremony
             try:
-                self.rollout = (
-                    AsyncRollout(config, workers, self.train_data, self.sampler, self.tokenizer)
-                    if config.pipeline.disaggregated
-                    else ColocatedRollout(workers, self.tokenizer.pad_token_id)
-                )
-                self.rollout.start(self.step)
-                if self.val_data is not None and trainer.val_before_train and self.step == 0:
-                    validation = self.validate()
-                    self._log(trackers, validation)
-                while self.step < self.total_steps:
-                    with self._profiled(self.step + 1):
-                        metrics = self.train_step()
-                    last = self.step == self.total_steps
-                    if self.val_data is not None and (
-                        (trainer.val_every and self.step % trainer.val_every == 0) or last
-                    ):
-                        validation = self.validate()
-                        metrics.update(validation)
-                    self._log(trackers, metrics)
-                    if (trainer.save_every and self.step % trainer.save_every == 0) or last:
-                        self.save_checkpoint()
+                with self.run_info.running(self.step):  # status.json: running, then finished or failed
+                    self.rollout = (
+                        AsyncRollout(config, workers, self.train_data, self.sampler, self.tokenizer)
+                        if config.pipeline.disaggregated
+                        else ColocatedRollout(workers, self.tokenizer.pad_token_id)
+                    )
+                    self.rollout.start(self.step)
+                    self._train_loop(trackers)
                 failed = False
-            except BaseException as error:
-                self.run_info.finish(self.step, error)
-                raise
             finally:
                 if self.rollout is not None:
                     self.rollout.close(failed)
-                if not failed:
-                    self.run_info.finish(self.step)
                 for tracker in trackers:
                     tracker.close()
             hf_dir = None
@@ -186,7 +167,26 @@ class RLTrainer:
             workers.shutdown_engines()
         if report is not None:
             self.console.print(f"report: {report.path}")
-        return RLResult(self.history, validation, self.output_dir, hf_dir, report and report.path)
+        return RLResult(self.history, self.validation, self.output_dir, hf_dir, report and report.path)
+
+    def _train_loop(self, trackers: list) -> None:
+        """Validate first (unless resumed), then step, validate and checkpoint on schedule."""
+        trainer = self.config.trainer
+        if self.val_data is not None and trainer.val_before_train and self.step == 0:
+            self.validation = self.validate()
+            self._log(trackers, self.validation)
+        while self.step < self.total_steps:
+            with self._profiled(self.step + 1):
+                metrics = self.train_step()
+            last = self.step == self.total_steps
+            if self.val_data is not None and (
+                (trainer.val_every and self.step % trainer.val_every == 0) or last
+            ):
+                self.validation = self.validate()
+                metrics.update(self.validation)
+            self._log(trackers, metrics)
+            if (trainer.save_every and self.step % trainer.save_every == 0) or last:
+                self.save_checkpoint()
 
     def train_step(self) -> dict[str, float]:
         """One RL step; returns its metrics."""

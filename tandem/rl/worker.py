@@ -226,14 +226,17 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
                 config.old_log_probs_from_update,
             )
             result = self.engine.forward_backward(mini, loss_fn)
-            collected["actor/grad_norm"].append(
-                self.engine.optimizer_step(skip=not math.isfinite(result.loss))
-            )
-            self.skipped.record(self.engine.last_step_skipped)
-            collected["actor/lr"].append(self.engine.lr)
-            self.engine.lr_step()
+            self._optimizer_step(result.loss, collected)
             for name, values in result.metrics.items():
                 collected[name].append(reduce_metric(name, values))
+
+    def _optimizer_step(self, loss: float, collected: dict[str, list[float]]) -> None:
+        """Step the optimizer (skipped when ``loss`` is not finite, and counted) and the learning
+        rate; ``actor/grad_norm`` and ``actor/lr`` go into ``collected``."""
+        collected["actor/grad_norm"].append(self.engine.optimizer_step(skip=not math.isfinite(loss)))
+        self.skipped.record(self.engine.last_step_skipped)
+        collected["actor/lr"].append(self.engine.lr)
+        self.engine.lr_step()
 
     def _update_preference(self, batch: Batch, collected: dict[str, list[float]]) -> None:
         """Online DPO: one optimizer step on this rank's whole pairs (chosen and rejected rows with
@@ -247,10 +250,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
             chosen_tokens=max(counts.num_tokens, 1.0),
         )
         result = self.engine.forward_backward(batch, loss_fn)
-        collected["actor/grad_norm"].append(self.engine.optimizer_step(skip=not math.isfinite(result.loss)))
-        self.skipped.record(self.engine.last_step_skipped)
-        collected["actor/lr"].append(self.engine.lr)
-        self.engine.lr_step()
+        self._optimizer_step(result.loss, collected)
         collected["actor/preference_loss"].append(result.loss)
         local_tokens = float(chosen_mask.sum())
         for name, value in pair_metrics(result.metrics, max(local_tokens, 1.0)).items():
