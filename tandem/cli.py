@@ -42,14 +42,39 @@ def print_registries(console: Console) -> None:
     console.print(f"loss aggregation modes (actor.loss_agg_mode): {', '.join(LOSS_AGG_MODES)}")
 
 
-def run_train(overrides: list[str], console: Console) -> None:
-    """``tandem train key=value ...``: compose the preset and overrides, then run the RL trainer."""
+def run_train(args: argparse.Namespace, console: Console) -> None:
+    """``tandem train key=value ...`` (or ``--verl`` with verl's keys): compose the config, then
+    train, or print it with ``--print-config``."""
     from tandem.rl import RLTrainer, load_train_config
 
-    result = RLTrainer(load_train_config(overrides), console).fit()
+    if args.verl:
+        from tandem.verl import translate
+
+        translation = translate(args.overrides)
+        for note in translation.notes:
+            console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+        overrides = [*translation.command_overrides(), *args.set]
+        config = translation.config(extra=args.set)
+    else:
+        if args.set:
+            raise ValueError("--set adds tandem keys to a --verl command; without --verl, pass them as key=value")
+        overrides = list(args.overrides)
+        config = load_train_config(overrides)
+    if args.print_config:
+        print(config_text(overrides, config), end="")
+        return
+    result = RLTrainer(config, console).fit()
     if result.validation:
         console.print("final validation: " + ", ".join(f"{k} {v:.4f}" for k, v in result.validation.items()))
     console.print(f"outputs in {result.output_dir}")
+
+
+def config_text(overrides: list[str], config: object) -> str:
+    """What ``--print-config`` prints: the ``tandem train`` command, then the resolved config as YAML."""
+    from omegaconf import OmegaConf
+
+    command = " \\\n    ".join(["tandem train", *overrides])
+    return f"# the command:\n{command}\n# the resolved config:\n{OmegaConf.to_yaml(OmegaConf.structured(config))}"
 
 
 def prepare_data(args: argparse.Namespace, console: Console) -> None:
@@ -159,6 +184,21 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument(
         "overrides", nargs="*", help="key=value settings (Hydra syntax), e.g. rollout.n=8 preset=dapo"
     )
+    train.add_argument(
+        "--verl",
+        action="store_true",
+        help="the overrides are verl's keys (python -m verl.trainer.main_ppo ...); see docs/migrating-from-verl.md",
+    )
+    train.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --verl: a tandem key applied after the translation (e.g. --set rollout.engine.name=native)",
+    )
+    train.add_argument(
+        "--print-config", action="store_true", help="print the tandem command and resolved config, then exit"
+    )
     data = commands.add_parser(
         "prepare-data", help="write prompts in verl's parquet schema (arithmetic, gsm8k, math)"
     )
@@ -264,7 +304,7 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         else:
             run_demo(settings, console)
     elif args.command == "train":
-        run_train(args.overrides, console)
+        run_train(args, console)
     elif args.command == "serve":
         run_serve(args, console)
     elif args.command == "prepare-data":

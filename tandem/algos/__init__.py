@@ -14,6 +14,7 @@ from tandem.algos.advantages import (
     AdvantageInput,
     AdvantageOutput,
     compute_advantage,
+    estimator_inputs,
     estimator_requirements,
     register_advantage_estimator,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "apply_kl_penalty",
     "build_kl_controller",
     "compute_advantage",
+    "estimator_inputs",
     "estimator_requirements",
     "compute_entropy_term",
     "compute_kl_loss",

@@ -6,6 +6,9 @@ share of the global loss, and summing the micro-batch results (gradient accumula
 summing over ranks gives exactly the full-batch value. A DDP-style all-reduce *averages*
 gradients, so an engine using one multiplies each rank's loss by the world size.
 
+``token-sum`` divides by nothing: micro-batch and rank sums add up to the global sum as they
+are, and the engine's world-size scaling turns the DDP average back into that sum.
+
 When the global counts are not given, the local ones are used: the result is then the
 plain loss of this batch alone.
 """
@@ -19,9 +22,12 @@ import torch
 
 from tandem.algos.masked import masked_sum
 
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LossAggMode = Literal[
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
+    "token-sum",
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
@@ -66,6 +72,7 @@ def aggregate_loss(
         response_mask: ``[B, R]`` 1 where the token counts.
         mode: one of ``LOSS_AGG_MODES``:
             ``token-mean``: sum over all valid tokens / global token count (DAPO);
+            ``token-sum``: sum over all valid tokens, not divided by any count;
             ``seq-mean-token-sum``: per-sequence token sum, averaged over global sequences;
             ``seq-mean-token-mean``: per-sequence token mean, averaged over global sequences (GRPO paper);
             ``seq-mean-token-sum-norm``: per-sequence token sum / ``norm_length``, averaged over
@@ -85,6 +92,8 @@ def aggregate_loss(
         num_seqs = max(normalizer.num_seqs, 1.0)
     if mode == "token-mean":
         return masked_sum(loss_mat, mask) / num_tokens
+    if mode == "token-sum":
+        return masked_sum(loss_mat, mask)
     seq_sums = masked_sum(loss_mat, mask, dim=-1)
     if mode == "seq-mean-token-sum":
         return seq_sums.sum() / num_seqs

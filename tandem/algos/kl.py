@@ -4,7 +4,7 @@ Estimators follow Schulman, "Approximating KL Divergence" (2020): with
 ``l = log pi_ref(a) - log pi(a)`` for ``a ~ pi``, ``k1 = -l``, ``k2 = l^2 / 2`` and
 ``k3 = exp(l) - 1 - l``. k1 and k3 are unbiased for KL(pi || pi_ref) but their gradients
 are not the KL's gradient; k2's gradient is. The ``+`` variants are straight-through: the
-value of k1/k3 with the gradient of k2 (value ``kX``, gradient ``d k2``).
+value of k1, k3 or abs with the gradient of k2 (value ``kX``, gradient ``d k2``).
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def _straight_through(value_fn: KLEstimator) -> KLEstimator:
 
 KL_ESTIMATORS.register("k1+")(_straight_through(kl_k1))
 KL_ESTIMATORS.register("k3+")(_straight_through(kl_k3))
+KL_ESTIMATORS.register("abs+")(_straight_through(kl_abs))
 
 
 def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str) -> torch.Tensor:

@@ -22,6 +22,7 @@ def compute_value_loss(
     ``V_clip = V_old + clip(V - V_old, -c, c)`` and
     ``L_t = 0.5 * max((V - G)^2, (V_clip - G)^2)``; without ``clip_range``, ``0.5 (V - G)^2``.
 
+    ``loss_agg_mode`` is any of ``LOSS_AGG_MODES`` (``token-sum``: ``sum_t L_t``, no division).
     Shapes: ``values, returns, old_values, response_mask: [B, R]`` -> scalar.
     Metrics: ``vf_clipfrac`` (tokens where the clipped error is the larger one).
     """

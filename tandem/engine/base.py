@@ -26,10 +26,18 @@ class TokenOutputs:
 
     ``log_probs[:, t] = log p(input_ids[:, t] | input_ids[:, <t])`` and ``entropy[:, t]`` its
     predictive entropy, fp32; 0 at each sequence's first token and on padding.
+    ``sum_pi_squared[:, t] = sum_v p(v | input_ids[:, <t])^2`` of the same (temperature-scaled)
+    distribution, detached, when the caller asked for it (else None).
     """
 
     log_probs: torch.Tensor
     entropy: torch.Tensor
+    sum_pi_squared: torch.Tensor | None = None
+
+    def detach(self) -> TokenOutputs:
+        """The same outputs cut from the autograd graph."""
+        extra = None if self.sum_pi_squared is None else self.sum_pi_squared.detach()
+        return TokenOutputs(self.log_probs.detach(), self.entropy.detach(), extra)
 
 
 LossFn = Callable[[Batch, TokenOutputs], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -58,7 +66,11 @@ class TrainEngine(Protocol):
     def initialize(self) -> None: ...
 
     def forward_backward(
-        self, batch: Batch, loss_fn: LossFn | None, forward_only: bool = False
+        self,
+        batch: Batch,
+        loss_fn: LossFn | None,
+        forward_only: bool = False,
+        with_sum_pi_squared: bool = False,
     ) -> StepResult: ...
 
     def zero_grad(self) -> None: ...

@@ -65,6 +65,8 @@ class EngineConfig:
         grad_clip: max global grad norm (None: no clipping, the norm is still returned).
         lr_schedule / warmup_steps / total_steps / min_lr_ratio: learning-rate schedule
             (``total_steps`` 0: the trainer fills in its optimizer-step count).
+        warmup_from_zero: warmup step ``s`` uses ``lr * s / warmup_steps`` (verl's schedule: the
+            first step at lr 0) instead of ``lr * (s + 1) / warmup_steps``.
         lora: LoRA adapter settings.
         seed: parameter-init / dropout seed.
     """
@@ -91,6 +93,7 @@ class EngineConfig:
     warmup_steps: int = 0
     total_steps: int = 0
     min_lr_ratio: float = 0.0
+    warmup_from_zero: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
     seed: int = 0
 

@@ -12,7 +12,7 @@ from tandem.engine.config import EngineConfig
 def lr_multiplier(step: int, config: EngineConfig) -> float:
     """The factor on ``config.lr`` after ``step`` scheduler steps."""
     if config.warmup_steps and step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
+        return (step if config.warmup_from_zero else step + 1) / config.warmup_steps
     if config.lr_schedule == "constant":
         return 1.0
     progress = min(1.0, (step - config.warmup_steps) / max(1, config.total_steps - config.warmup_steps))

@@ -1,4 +1,5 @@
-"""``TokenLogProbModel``: a causal LM whose forward returns per-token log-probs and entropy.
+"""``TokenLogProbModel``: a causal LM whose forward returns per-token log-probs and entropy (and on
+request ``sum_v p(v)^2``).
 
 Wrapping the HF model this way puts the fp32 chunked head inside the module that DDP or
 FSDP2 wraps, so data-parallel hooks see one ordinary forward.
@@ -15,7 +16,8 @@ from tandem.models.logprobs import log_probs_from_hidden
 
 
 class TokenLogProbModel(nn.Module):
-    """``forward(input_ids, position_ids, attention_mask) -> (log_probs, entropy)``, both ``[B, S]`` fp32.
+    """``forward(input_ids, position_ids, attention_mask) -> (log_probs, entropy, sum_pi_squared)``, each
+    ``[B, S]`` fp32 (``sum_pi_squared`` None unless ``with_sum_pi_squared``).
 
     ``log_probs[:, t] = log p(input_ids[:, t] | input_ids[:, <t])`` and ``entropy[:, t]`` is the
     entropy of that predictive distribution; position 0 has no prediction and holds 0.
@@ -50,8 +52,10 @@ class TokenLogProbModel(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         attention_plan: AttentionPlan | None = None,
         predictions: Predictions | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs and entropy ``[B, S]``; positions that nothing predicts hold 0.
+        with_sum_pi_squared: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Per-token log-probs, entropy and (``with_sum_pi_squared``) ``sum_v p(v)^2`` ``[B, S]``;
+        positions that nothing predicts hold 0.
 
         ``cu_seqlens`` or ``attention_plan`` describe a packed row (varlen attention);
         ``predictions`` names which hidden states predict which tokens (default: each token
@@ -78,15 +82,19 @@ class TokenLogProbModel(nn.Module):
         if predictions is None:
             predictions = next_token_predictions(position_ids)
         width = hidden.shape[-1]
-        log_probs, entropy = log_probs_from_hidden(
+        head = log_probs_from_hidden(
             hidden.reshape(-1, width).index_select(0, predictions.sources),
             self.head_weight(),
             input_ids.reshape(-1).index_select(0, predictions.targets),
             self.temperature,
             self.chunk_size,
+            with_sum_pi_squared,
         )
-        zeros = log_probs.new_zeros(input_ids.numel())
-        return (
-            zeros.index_put((predictions.targets,), log_probs).view_as(input_ids),
-            zeros.index_put((predictions.targets,), entropy).view_as(input_ids),
-        )
+        zeros = head.log_probs.new_zeros(input_ids.numel())
+
+        def placed(values: torch.Tensor | None) -> torch.Tensor | None:
+            return (
+                None if values is None else zeros.index_put((predictions.targets,), values).view_as(input_ids)
+            )
+
+        return placed(head.log_probs), placed(head.entropy), placed(head.sum_pi_squared)

@@ -150,13 +150,19 @@ class TorchTrainEngine:
         return int(count)
 
     def forward_backward(
-        self, batch: Batch, loss_fn: LossFn | None, forward_only: bool = False
+        self,
+        batch: Batch,
+        loss_fn: LossFn | None,
+        forward_only: bool = False,
+        with_sum_pi_squared: bool = False,
     ) -> StepResult:
         """Run ``loss_fn`` on each micro-batch and accumulate gradients (or just compute outputs).
 
         ``batch`` needs ``input_ids`` and ``attention_mask`` (``[B, S]``); other fields are passed
         through to ``loss_fn``, on the engine's device. With ``forward_only`` no gradients are
         computed and the outputs for the whole batch come back in the batch's order, on the CPU.
+        ``with_sum_pi_squared`` adds ``sum_v p(v)^2`` per token to the outputs (the optimal token
+        baseline's statistic), from the same fp32 head pass.
         """
         self._require_module()
         if "input_ids" not in batch or "attention_mask" not in batch:
@@ -181,12 +187,10 @@ class TorchTrainEngine:
                     self._empty_pass(batch, forward_only)
                     continue
                 micro = batch[rows]
-                outputs = self._forward(micro)
+                outputs = self._forward(micro, with_sum_pi_squared)
                 micro = self._on_device(micro)
                 if forward_only:
-                    collected.append(
-                        (rows, TokenOutputs(outputs.log_probs.detach(), outputs.entropy.detach()))
-                    )
+                    collected.append((rows, outputs.detach()))
                     if loss_fn is None:
                         continue
                 loss, metrics = loss_fn(micro, outputs)
@@ -196,16 +200,18 @@ class TorchTrainEngine:
                 for name, value in metrics.items():
                     result.metrics.setdefault(name, []).append(float(value))
         if forward_only:
-            result.outputs = _reassemble(collected, batch["input_ids"].shape)
+            result.outputs = _reassemble(collected, batch["input_ids"].shape, with_sum_pi_squared)
         return result
 
-    def _forward(self, micro: Batch) -> TokenOutputs:
-        """Log-probs and entropy ``[B, S]`` on the engine's device of a micro-batch (on the CPU).
+    def _forward(self, micro: Batch, with_sum_pi_squared: bool = False) -> TokenOutputs:
+        """Log-probs and entropy (and ``sum_pi_squared`` when asked) ``[B, S]`` on the engine's device
+        of a micro-batch (on the CPU).
 
         Packing plans are built on the CPU and moved with the tokens in one step.
         """
+        forward = self._forward_packed if self.config.use_packing else self._forward_padded
         with self._autocast():
-            return self._forward_packed(micro) if self.config.use_packing else self._forward_padded(micro)
+            return forward(micro, with_sum_pi_squared)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # FSDP2 applies its own mixed-precision policy; the other strategies compute under autocast.
@@ -213,25 +219,30 @@ class TorchTrainEngine:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _forward_packed(self, micro: Batch) -> TokenOutputs:
+    def _forward_packed(self, micro: Batch, with_sum_pi_squared: bool) -> TokenOutputs:
         input_ids, attention_mask = micro["input_ids"], micro["attention_mask"]
         if self._shares_prompts(micro):
             packed = pack_shared_prompts(input_ids, attention_mask, micro["prompts"].shape[1])
         else:
             packed = pack_sequences(input_ids, attention_mask)
         packed = pad_to_multiple(packed, self.config.pad_tokens_to_multiple).to(self.device)
-        log_probs, entropy = self.wrapped(
+        log_probs, entropy, sum_pi_squared = self.wrapped(
             input_ids=packed.input_ids,
             position_ids=packed.position_ids,
             attention_plan=packed.attention_plan,
             predictions=packed.predictions,
+            with_sum_pi_squared=with_sum_pi_squared,
         )
-        return TokenOutputs(unpack(log_probs, packed), unpack(entropy, packed))
+        return TokenOutputs(
+            unpack(log_probs, packed),
+            unpack(entropy, packed),
+            None if sum_pi_squared is None else unpack(sum_pi_squared, packed),
+        )
 
     def _on_device(self, batch: Batch) -> Batch:
         return batch if self.device.type == "cpu" else batch.to(self.device)
 
-    def _forward_padded(self, micro: Batch) -> TokenOutputs:
+    def _forward_padded(self, micro: Batch, with_sum_pi_squared: bool) -> TokenOutputs:
         micro = self._on_device(micro)
         input_ids, attention_mask = micro["input_ids"], micro["attention_mask"]
         position_ids = (
@@ -241,17 +252,22 @@ class TorchTrainEngine:
         used = attention_mask.any(0).nonzero().flatten()
         first, last = (int(used[0]), int(used[-1]) + 1) if used.numel() else (0, 1)
         window = slice(first, last)
-        log_probs, entropy = self.wrapped(
+        outputs = self.wrapped(
             input_ids=input_ids[:, window],
             position_ids=position_ids[:, window],
             attention_mask=attention_mask[:, window],
+            with_sum_pi_squared=with_sum_pi_squared,
         )
-        mask = attention_mask[:, window].to(log_probs.dtype)
-        full_log_probs = log_probs.new_zeros(input_ids.shape)
-        full_entropy = log_probs.new_zeros(input_ids.shape)
-        full_log_probs[:, window] = log_probs * mask
-        full_entropy[:, window] = entropy * mask
-        return TokenOutputs(full_log_probs, full_entropy)
+        mask = attention_mask[:, window].to(outputs[0].dtype)
+
+        def widened(values: torch.Tensor | None) -> torch.Tensor | None:
+            if values is None:
+                return None
+            full = values.new_zeros(input_ids.shape)
+            full[:, window] = values * mask
+            return full
+
+        return TokenOutputs(*(widened(values) for values in outputs))
 
     def _empty_pass(self, batch: Batch, forward_only: bool) -> None:
         """A zero-weighted forward/backward on two real tokens, so every layer joins this step's collectives.
@@ -264,7 +280,7 @@ class TorchTrainEngine:
             ids = ids.repeat(1, 2)
         positions = torch.arange(2, device=self.device).unsqueeze(0)
         with self._autocast():
-            log_probs, _ = self.wrapped(
+            log_probs, _, _ = self.wrapped(
                 input_ids=ids,
                 position_ids=positions,
                 attention_mask=None,
@@ -400,15 +416,22 @@ class TorchTrainEngine:
         }
 
 
-def _reassemble(collected: list[tuple[list[int], TokenOutputs]], shape: torch.Size) -> TokenOutputs:
+def _reassemble(
+    collected: list[tuple[list[int], TokenOutputs]], shape: torch.Size, with_sum_pi_squared: bool
+) -> TokenOutputs:
     """The micro-batches' outputs (any device) in the batch's row order, on the CPU."""
-    log_probs = torch.zeros(shape, dtype=torch.float32)
-    entropy = torch.zeros(shape, dtype=torch.float32)
+    whole = TokenOutputs(
+        torch.zeros(shape, dtype=torch.float32),
+        torch.zeros(shape, dtype=torch.float32),
+        torch.zeros(shape, dtype=torch.float32) if with_sum_pi_squared else None,
+    )
     for rows, outputs in collected:
         index = torch.tensor(rows)
-        log_probs[index] = outputs.log_probs.to(log_probs.device)
-        entropy[index] = outputs.entropy.to(entropy.device)
-    return TokenOutputs(log_probs, entropy)
+        whole.log_probs[index] = outputs.log_probs.to(whole.log_probs.device)
+        whole.entropy[index] = outputs.entropy.to(whole.entropy.device)
+        if whole.sum_pi_squared is not None:
+            whole.sum_pi_squared[index] = outputs.sum_pi_squared.to(whole.sum_pi_squared.device)
+    return whole
 
 
 def _fused_adamw_applies(params: list[torch.Tensor]) -> bool:

@@ -81,6 +81,12 @@ STANDARD_FIELDS: dict[str, FieldSpec] = {
             "log pi_old(a_t|s_t) recomputed by the trainer before the update",
         ),
         _spec("ref_log_probs", "float", "[B, R]", "log pi_ref(a_t|s_t) under the frozen reference policy"),
+        _spec(
+            "sum_pi_squared",
+            "float",
+            "[B, R]",
+            "sum_v pi_old(v|s_t)^2 of the trainer's (temperature-scaled) distribution at each response position",
+        ),
         _spec("values", "float", "[B, R]", "critic value V(s_t) before each response token"),
         _spec(
             "token_level_scores",
@@ -96,6 +102,12 @@ STANDARD_FIELDS: dict[str, FieldSpec] = {
         ),
         _spec("advantages", "float", "[B, R]", "advantage estimate per response token"),
         _spec("returns", "float", "[B, R]", "return target per response token (critic regression target)"),
+        _spec(
+            "reward_components",
+            "float",
+            "[B, K]",
+            "the K reward components the reward function returned beside its score (algorithm.gdpo_reward_keys)",
+        ),
         _spec(
             "reward_baselines",
             "float",

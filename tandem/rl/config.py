@@ -24,6 +24,7 @@ from tandem.algos import (
     AdvantageConfig,
     KLConfig,
     PolicyLossConfig,
+    estimator_inputs,
     estimator_requirements,
 )
 from tandem.algos.preference import PreferenceLossConfig
@@ -41,6 +42,9 @@ RESUME_MODES = ("auto", "disable")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 
+OVERLONG_PROMPTS = ("filter", "error", "truncate_left", "truncate_right", "truncate_middle")
+
+
 @dataclass(frozen=True)
 class RLDataConfig:
     """Prompts (``data.*``): parquet or JSONL files in verl's schema (see :mod:`tandem.rl.data`).
@@ -49,7 +53,9 @@ class RLDataConfig:
         train_path / val_path: parquet or JSONL files (``val_path`` empty: no validation).
         train_batch_size: prompts per step.
         max_prompt_length: longest tokenised prompt (chat template applied).
-        overlong_prompts: ``filter`` (drop them, counted and reported) or ``error``.
+        overlong_prompts: ``filter`` (drop them, counted and reported), ``error``, or cut them
+            to ``max_prompt_length`` tokens: ``truncate_left`` (keep the end), ``truncate_right``
+            (keep the start), ``truncate_middle`` (keep both ends).
         shuffle: a fresh seeded order each epoch.
         val_max_samples: evaluate on at most this many validation prompts (0: all).
     """
@@ -65,7 +71,7 @@ class RLDataConfig:
     def __post_init__(self) -> None:
         check_positive("data", "train_batch_size", self.train_batch_size)
         check_positive("data", "max_prompt_length", self.max_prompt_length)
-        check_choice("data", "overlong_prompts", self.overlong_prompts, ["filter", "error"])
+        check_choice("data", "overlong_prompts", self.overlong_prompts, OVERLONG_PROMPTS)
         check_range("data", "val_max_samples", self.val_max_samples, low=0)
 
 
@@ -92,8 +98,9 @@ class ActorConfig:
         entropy_coeff: weight of an entropy bonus (0: off).
         recompute_old_log_probs: always run a separate forward for the old log-probs. By default
             a purely on-policy step (one epoch, one mini-batch, no KL penalty in the reward, no
-            rollout correction) takes them from the update's own forward (detached): the same
-            values, one forward fewer. The rollout-vs-trainer mismatch is logged either way.
+            rollout correction, an advantage estimator that does not read them) takes them from
+            the update's own forward (detached): the same values, one forward fewer. The
+            rollout-vs-trainer mismatch is logged either way.
         objective: ``policy_gradient`` (advantages and ``policy_loss``) or ``preference``
             (online DPO: each prompt's best- and worst-scored responses form a pair, trained
             with ``preference``, one optimizer step per step; see docs/dpo.md).
@@ -130,6 +137,7 @@ class RolloutConfig:
             own settings (``rollout.engine.native.max_num_seqs``, ...). Its longest sequence,
             seed and device follow the data, ``trainer.seed`` and ``trainer.device``.
         val_temperature / val_n: validation sampling (temperature 0: greedy, so ``val_n`` is 1).
+        val_top_p / val_top_k: validation's truncation (None: the same as training's).
         free_cache_between_generations: free the KV cache after each generation and allocate it
             again before the next, so the actor's update has that memory (colocated training on
             a memory-bound accelerator); off by default, since re-allocation costs time on CPU.
@@ -143,6 +151,8 @@ class RolloutConfig:
     engine: RolloutEngineConfig = field(default_factory=RolloutEngineConfig)
     val_temperature: float = 0.0
     val_n: int = 1
+    val_top_p: float | None = None
+    val_top_k: int | None = None
     free_cache_between_generations: bool = False
 
     def __post_init__(self) -> None:
@@ -153,18 +163,25 @@ class RolloutConfig:
         check_positive("rollout", "max_response_length", self.max_response_length)
         check_range("rollout", "val_temperature", self.val_temperature, low=0.0)
         check_positive("rollout", "val_n", self.val_n)
+        if self.val_top_p is not None:
+            check_range("rollout", "val_top_p", self.val_top_p, 0.0, 1.0, low_inclusive=False)
+        if self.val_top_k is not None:
+            check_range("rollout", "val_top_k", self.val_top_k, low=0)
         if self.val_temperature == 0.0 and self.val_n != 1:
             raise ValueError(
                 f"rollout.val_n={self.val_n} needs rollout.val_temperature > 0 (greedy is deterministic)"
             )
 
-    def sampling(self, temperature: float) -> SamplingParams:
-        """How one response is sampled at ``temperature`` (0: greedy, so top-p/top-k are off)."""
+    def sampling(self, temperature: float, validation: bool = False) -> SamplingParams:
+        """How one response is sampled at ``temperature`` (0: greedy, so top-p/top-k are off);
+        ``validation`` applies ``val_top_p`` / ``val_top_k`` where set."""
         greedy = temperature == 0.0
+        top_p = self.val_top_p if validation and self.val_top_p is not None else self.top_p
+        top_k = self.val_top_k if validation and self.val_top_k is not None else self.top_k
         return SamplingParams(
             temperature=temperature,
-            top_p=1.0 if greedy else self.top_p,
-            top_k=0 if greedy else self.top_k,
+            top_p=1.0 if greedy else top_p,
+            top_k=0 if greedy else top_k,
             max_tokens=self.max_response_length,
         )
 
@@ -177,13 +194,17 @@ class FilterGroupsConfig:
     Attributes:
         enable: on/off.
         max_num_gen_batches: most generation rounds per step (then train on what there is).
+        metric: what must differ within a group: ``score`` (the reward trained on, overlong
+            penalty included) or ``acc`` (the scorer's accuracy; DAPO's choice in verl).
     """
 
     enable: bool = False
     max_num_gen_batches: int = 4
+    metric: str = "score"
 
     def __post_init__(self) -> None:
         check_positive("algorithm.filter_groups", "max_num_gen_batches", self.max_num_gen_batches)
+        check_choice("algorithm.filter_groups", "metric", self.metric, ["score", "acc"])
 
 
 @dataclass(frozen=True)
@@ -194,6 +215,9 @@ class AlgorithmConfig:
         adv_estimator: a registered advantage estimator (``tandem algos`` lists them).
         norm_adv_by_std: divide GRPO advantages by the group's std (False: Dr. GRPO).
         gamma / lam: discount and GAE lambda for the estimators that use them.
+        gdpo_reward_keys: GDPO's reward components, by name: fields of the dict the reward
+            function returns (each result must carry them all); empty: GDPO normalises the score.
+        gdpo_reward_weights: GDPO's weight per key (empty: all 1).
         kl: reference-KL use (``kl.use_kl_loss`` for the actor loss, ``kl.use_kl_in_reward`` for a penalty).
         rollout_correction: TIS / MIS against the rollout-vs-trainer mismatch.
         filter_groups: DAPO dynamic sampling.
@@ -203,6 +227,8 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = True
     gamma: float = 1.0
     lam: float = 1.0
+    gdpo_reward_keys: tuple[str, ...] = ()
+    gdpo_reward_weights: tuple[float, ...] = ()
     kl: KLConfig = field(default_factory=KLConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
@@ -214,10 +240,16 @@ class AlgorithmConfig:
                 f"algorithm.adv_estimator={self.adv_estimator!r} needs a critic's values, and this trainer "
                 "runs no critic yet; use a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax, ...)"
             )
+        self.advantage_config()  # validates the estimator's own settings, named algorithm.*
 
     def advantage_config(self) -> AdvantageConfig:
         return AdvantageConfig(
-            estimator=self.adv_estimator, gamma=self.gamma, lam=self.lam, norm_adv_by_std=self.norm_adv_by_std
+            estimator=self.adv_estimator,
+            gamma=self.gamma,
+            lam=self.lam,
+            norm_adv_by_std=self.norm_adv_by_std,
+            gdpo_reward_keys=tuple(self.gdpo_reward_keys),
+            gdpo_reward_weights=tuple(self.gdpo_reward_weights),
         )
 
     @property
@@ -233,6 +265,25 @@ class AlgorithmConfig:
     def needs_greedy_baseline(self) -> bool:
         """The estimator reads a per-sample baseline reward: the greedy response's (ReMax)."""
         return "reward_baselines" in estimator_requirements(self.adv_estimator)
+
+    @property
+    def reward_component_keys(self) -> tuple[str, ...]:
+        """The reward components scoring must return for the estimator (``reward_components``), in order."""
+        return (
+            tuple(self.gdpo_reward_keys)
+            if "reward_components" in estimator_inputs(self.adv_estimator)
+            else ()
+        )
+
+    @property
+    def advantages_need_old_log_probs(self) -> bool:
+        """The estimator reads the old log-probs, so they exist before the update."""
+        return "old_log_probs" in estimator_requirements(self.adv_estimator)
+
+    @property
+    def needs_sum_pi_squared(self) -> bool:
+        """The estimator reads ``sum_v pi_old(v)^2`` per token (the optimal token baseline)."""
+        return "sum_pi_squared" in estimator_requirements(self.adv_estimator)
 
 
 @dataclass(frozen=True)
@@ -473,6 +524,11 @@ class TrainConfig:
             raise ValueError(
                 f"{mode} generates continuously; rollout.free_cache_between_generations must be off"
             )
+        if pipeline.old_log_probs == "rollout" and self.algorithm.needs_sum_pi_squared:
+            raise ValueError(
+                f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs sum_pi_squared from a trainer forward, "
+                "which pipeline.old_log_probs=rollout skips; use pipeline.old_log_probs=recompute"
+            )
         if pipeline.old_log_probs == "rollout" and (self.rollout.top_p < 1.0 or self.rollout.top_k):
             raise ValueError(
                 f"pipeline.old_log_probs=rollout needs untruncated sampling (rollout.top_p=1, rollout.top_k=0; got "
@@ -514,10 +570,12 @@ class TrainConfig:
 
     @property
     def old_log_probs_from_update(self) -> bool:
-        """True when the step is purely on-policy, so the update's forward gives the old log-probs."""
+        """True when the step is purely on-policy, so the update's forward gives the old log-probs
+        (never when the advantage estimator reads them, since it runs before the update)."""
         correction = self.algorithm.rollout_correction
         return (
             not self.pipeline.disaggregated  # replicas lag the trainer: old log-probs are recomputed
+            and not self.algorithm.advantages_need_old_log_probs
             and not self.actor.recompute_old_log_probs
             and self.actor.ppo_epochs == 1
             and self.mini_batch_prompts == self.data.train_batch_size

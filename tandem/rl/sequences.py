@@ -77,6 +77,7 @@ def decode_responses(tokenizer, responses: torch.Tensor, response_mask: torch.Te
 
 
 SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids")
+PER_SEQUENCE_2D_FIELDS = ("reward_components",)  # [B, K]: never resized, whatever K is
 
 
 def resize_columns(
@@ -100,7 +101,7 @@ def resize_columns(
             out[name] = torch.nn.functional.pad(tensor, (left, 0), value=fill(name))
         elif name in SEQUENCE_FIELDS:
             out[name] = torch.nn.functional.pad(tensor, (left, right), value=fill(name))
-        elif tensor.ndim == 2 and tensor.shape[1] == old_response:
+        elif tensor.ndim == 2 and tensor.shape[1] == old_response and name not in PER_SEQUENCE_2D_FIELDS:
             out[name] = torch.nn.functional.pad(tensor, (0, right), value=fill(name))
         else:
             out[name] = tensor

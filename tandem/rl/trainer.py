@@ -279,7 +279,8 @@ class RLTrainer:
             if config.algorithm.needs_greedy_baseline:
                 with timed(timings, "gen_greedy"):
                     greedy = self.generate(prompts, [0] * len(prompts), temperature=0.0)
-                    baselines = self.score(greedy)[0]["token_level_scores"].sum(-1).repeat_interleave(n)
+                    baselines = self.score(greedy, training=False)[0]["token_level_scores"].sum(-1)
+                    baselines = baselines.repeat_interleave(n)
             samples = prompts.repeat(n, interleave=True)
             seeds = [derive_seed(config.trainer.seed, self.step, rounds, i) for i in range(len(samples))]
             with timed(timings, "gen"):
@@ -290,7 +291,7 @@ class RLTrainer:
                 scored = scored.assign(tensors={"reward_baselines": baselines})
             if not dynamic.enable:
                 return scored, reward_metrics
-            informative = _groups_with_reward_spread(scored, n)
+            informative = _groups_with_spread(scored, n, self.config.algorithm.filter_groups.metric)
             kept.append(scored[informative.repeat_interleave(n).nonzero().flatten()])
             spare.append(scored[(~informative).repeat_interleave(n).nonzero().flatten()])
             have = sum(len(b) for b in kept) // n
@@ -303,18 +304,22 @@ class RLTrainer:
         reward_metrics["dynamic_sampling/informative_groups"] = float(have)
         return batch, reward_metrics
 
-    def generate(self, prompts: Batch, seeds: list[int], temperature: float) -> Batch:
-        """Responses for each row of ``prompts`` (one request per row), trimmed to the longest."""
-        return self.rollout.generate(prompts, seeds, self.config.rollout.sampling(temperature), self.step)
+    def generate(self, prompts: Batch, seeds: list[int], temperature: float, validation: bool = False) -> Batch:
+        """Responses for each row of ``prompts`` (one request per row), trimmed to the longest;
+        ``validation`` samples with the validation top-p/top-k."""
+        sampling = self.config.rollout.sampling(temperature, validation=validation)
+        return self.rollout.generate(prompts, seeds, sampling, self.step)
 
-    def score(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
-        """``token_level_scores`` (the score on each response's last token) and ``acc [B]``."""
+    def score(self, batch: Batch, training: bool = True) -> tuple[Batch, dict[str, float]]:
+        """``token_level_scores`` (the score on each response's last token) and ``acc [B]``; in
+        training also ``reward_components [B, K]`` when the advantage estimator reads them."""
         mask = batch["response_mask"]
         lengths = mask.sum(-1)
         texts = decode_responses(self.tokenizer, batch["responses"], mask)
+        keys = self.config.algorithm.reward_component_keys if training else ()
         result = self.rewards.score(
             batch["data_source"], texts, batch["ground_truth"], batch["extra_info"],
-            lengths, self.config.rollout.max_response_length,
+            lengths, self.config.rollout.max_response_length, keys,
         )  # fmt: skip
         token_scores = torch.zeros(mask.shape, dtype=torch.float32)
         token_scores[torch.arange(len(batch)), (lengths - 1).clamp(min=0)] = result.scores
@@ -322,9 +327,10 @@ class RLTrainer:
             self.console.print(f"[yellow]reward: {len(result.errors)} failed ({result.errors[0]}); scored 0")
         if result.notes:
             self.console.print(f"[yellow]reward: {len(result.notes)} fields left out ({result.notes[0]})")
-        return batch.assign(
-            tensors={"token_level_scores": token_scores, "acc": result.accuracy}
-        ), result.metrics
+        tensors = {"token_level_scores": token_scores, "acc": result.accuracy}
+        if result.components is not None:
+            tensors["reward_components"] = result.components
+        return batch.assign(tensors=tensors), result.metrics
 
     def compute_advantages(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """KL penalty (if any), rollout correction, and the configured advantage estimator."""
@@ -352,6 +358,10 @@ class RLTrainer:
                 mask,
                 group_ids_from_uids(batch["uid"]),
                 reward_baselines=batch.get("reward_baselines"),
+                reward_components=batch.get("reward_components"),
+                old_log_probs=batch.get("old_log_probs"),
+                sum_pi_squared=batch.get("sum_pi_squared"),
+                rollout_is_weights=weights,
             ),
             algorithm.advantage_config(),
         )
@@ -380,7 +390,9 @@ class RLTrainer:
             count = min(count, self.config.data.val_max_samples)
         prompts = self.val_data.collate(list(range(count))).repeat(rollout.val_n, interleave=True)
         seeds = [derive_seed(self.config.trainer.seed, VALIDATION_SEED_TAG, i) for i in range(len(prompts))]
-        scored, _ = self.score(self.generate(prompts, seeds, rollout.val_temperature))
+        scored, _ = self.score(
+            self.generate(prompts, seeds, rollout.val_temperature, validation=True), training=False
+        )
         metrics: dict[str, float] = {}
         sources = scored["data_source"]
         for source in sorted(set(sources)):
@@ -475,10 +487,10 @@ def _pipeline_plan(config: TrainConfig) -> str:
     return plan + f", weights by {pipeline.checkpoint_engine.backend}"
 
 
-def _groups_with_reward_spread(batch: Batch, n: int) -> torch.Tensor:
-    """``[G]`` bool: groups of ``n`` consecutive rows whose scores are not all equal."""
-    scores = batch["token_level_scores"].sum(-1).view(-1, n)
-    return scores.std(dim=1) > 0
+def _groups_with_spread(batch: Batch, n: int, metric: str) -> torch.Tensor:
+    """``[G]`` bool: groups of ``n`` consecutive rows whose ``metric`` (``score`` or ``acc``) is not all equal."""
+    values = batch["token_level_scores"].sum(-1) if metric == "score" else batch["acc"]
+    return values.view(-1, n).std(dim=1) > 0
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

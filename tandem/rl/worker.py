@@ -156,10 +156,18 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
     # ------------------------------------------------------------------ log-probs
     @register(dispatch="DP_COMPUTE")
     def compute_log_prob(self, batch: Batch) -> Batch:
-        """``old_log_probs [B, R]`` of the responses under the current policy."""
+        """``old_log_probs [B, R]`` of the responses under the current policy, and ``sum_pi_squared
+        [B, R]`` (``sum_v pi_old(v)^2`` per response token) when the advantage estimator reads it."""
+        with_sum_pi_squared = self.config.algorithm.needs_sum_pi_squared
         with self._phase("old_log_prob"):
-            outputs = self.engine.forward_backward(batch, None, forward_only=True).outputs
-        return Batch({"old_log_probs": response_part(outputs.log_probs, batch["prompts"].shape[1])})
+            outputs = self.engine.forward_backward(
+                batch, None, forward_only=True, with_sum_pi_squared=with_sum_pi_squared
+            ).outputs
+        width = batch["prompts"].shape[1]
+        tensors = {"old_log_probs": response_part(outputs.log_probs, width)}
+        if with_sum_pi_squared:
+            tensors["sum_pi_squared"] = response_part(outputs.sum_pi_squared, width)
+        return Batch(tensors)
 
     @register(dispatch="DP_COMPUTE")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:

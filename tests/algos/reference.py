@@ -169,6 +169,64 @@ def remax(rewards, mask, baselines):
     return adv
 
 
+def gdpo(components, mask, group_ids, weights, norm_by_std, eps):
+    """Per component: GRPO within each group; weighted sum; broadcast; whitened over valid tokens."""
+    batch, count = components.shape
+    combined = [0.0] * batch
+    for k in range(count):
+        column = [float(components[i, k]) for i in range(batch)]
+        for members in groups_of(group_ids).values():
+            xs = [column[i] for i in members]
+            for i in members:
+                if len(members) == 1:
+                    normalised = column[i]
+                elif norm_by_std:
+                    normalised = (column[i] - mean(xs)) / (unbiased_std(xs) + eps)
+                else:
+                    normalised = column[i] - mean(xs)
+                combined[i] += weights[k] * normalised
+    return whiten_valid(broadcast(combined, mask), mask)
+
+
+def optimal_token_baseline(rewards, mask, group_ids, old_log_probs, sum_pi_squared, is_weights=None):
+    """OTB by its definition, one group, column and sample at a time."""
+    batch, width = mask.shape
+    returns = torch.zeros(batch, width, dtype=torch.float64)
+    path = torch.zeros(batch, width, dtype=torch.float64)
+    for i in range(batch):
+        running = 0.0
+        for t in reversed(range(width)):
+            running += float(rewards[i, t]) * float(mask[i, t])
+            returns[i, t] = running
+        so_far = 0.0
+        for t in range(width):
+            if mask[i, t]:
+                w = 1 - 2 * math.exp(float(old_log_probs[i, t])) + float(sum_pi_squared[i, t])
+                if is_weights is not None:
+                    w *= float(is_weights[i, t]) ** 2
+                so_far += w
+            path[i, t] = so_far
+    advantages = torch.zeros(batch, width, dtype=torch.float64)
+    for members in groups_of(group_ids).values():
+        baseline = {i: [0.0] * width for i in members}
+        if len(members) > 1:
+            for t in range(width):
+                num = sum(float(returns[j, t]) * float(path[j, t]) for j in members if mask[j, t])
+                den = sum(float(path[j, t]) for j in members if mask[j, t]) + 1e-8
+                for i in members:
+                    baseline[i][t] = num / den
+            lengths = {j: len(valid_positions(mask[j])) for j in members}
+            ordered = sorted(lengths.values())
+            longest = [j for j in members if lengths[j] == ordered[-1]]
+            if len(longest) == 1 and ordered[-1] > ordered[-2]:
+                for t in range(ordered[-2], width):
+                    baseline[longest[0]][t] = 0.0
+        for i in members:
+            for t in valid_positions(mask[i]):
+                advantages[i, t] = float(returns[i, t]) - baseline[i][t]
+    return advantages, returns
+
+
 # ---------------------------------------------------------------- aggregation
 def aggregate(loss_terms: dict[tuple[int, int], torch.Tensor], mask, mode: str, norm_length=None):
     """Aggregate a dict {(i, t): scalar loss} of valid tokens by the mode's formula."""
@@ -176,9 +234,10 @@ def aggregate(loss_terms: dict[tuple[int, int], torch.Tensor], mask, mode: str, 
     seqs = [valid_positions(mask[i]) for i in range(batch)]
     nonempty = [i for i in range(batch) if seqs[i]]
     zero = torch.zeros((), dtype=torch.float64)
-    if mode == "token-mean":
+    if mode in ("token-mean", "token-sum"):
         n = sum(len(p) for p in seqs)
-        return sum((loss_terms[(i, t)] for i in nonempty for t in seqs[i]), zero) / max(n, 1)
+        total = sum((loss_terms[(i, t)] for i in nonempty for t in seqs[i]), zero)
+        return total if mode == "token-sum" else total / max(n, 1)
     per_seq = []
     for i in nonempty:
         token_sum = sum((loss_terms[(i, t)] for t in seqs[i]), zero)
@@ -205,12 +264,13 @@ def clamp(x, low=None, high=None):
     return x
 
 
-def log_ratio(lp, old):
-    return clamp(lp - old, -20.0, 20.0)
+def log_ratio(lp, old, bound=20.0):
+    """``lp - old`` clamped to ``±bound`` (None: unclamped)."""
+    return lp - old if bound is None else clamp(lp - old, -bound, bound)
 
 
 def ppo_token(lp, old, a, cfg):
-    ratio = torch.exp(log_ratio(lp, old))
+    ratio = torch.exp(log_ratio(lp, old, cfg.log_ratio_clamp))
     loss = torch.maximum(-a * ratio, -a * clamp(ratio, 1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high))
     if cfg.clip_ratio_c is not None and a < 0:
         loss = torch.minimum(loss, -a * cfg.clip_ratio_c + 0 * loss)
@@ -244,7 +304,7 @@ def gspo_reference(log_probs, old, adv, mask, cfg):
     return aggregate(terms, mask, cfg.loss_agg_mode, cfg.norm_length)
 
 
-def gmpo_reference(log_probs, old, adv, mask, cfg):
+def gmpo_reference(log_probs, old, adv, mask, cfg, weights=None):
     zero = torch.zeros((), dtype=torch.float64)
     per_seq = []
     for i in range(mask.shape[0]):
@@ -253,7 +313,7 @@ def gmpo_reference(log_probs, old, adv, mask, cfg):
             continue
         clipped_logs = []
         for t in pos:
-            lr = log_ratio(log_probs[i, t], float(old[i, t]))
+            lr = log_ratio(log_probs[i, t], float(old[i, t]), cfg.log_ratio_clamp)
             clipped = clamp(lr, -cfg.clip_ratio_low, cfg.clip_ratio_high)
             a = float(adv[i, t])
             sign = (a > 0) - (a < 0)
@@ -265,12 +325,20 @@ def gmpo_reference(log_probs, old, adv, mask, cfg):
             else:
                 clipped_logs.append(lr * 0)
         seq_adv = mean([float(adv[i, t]) for t in pos])
-        per_seq.append(-seq_adv * torch.exp(sum(clipped_logs, zero) / len(pos)))
+        seq_weight = 1.0
+        if weights is not None and cfg.gmpo_is_weight_mean == "geometric":
+            seq_weight = math.exp(mean([math.log(float(weights[i, t]) + 1e-10) for t in pos]))
+        elif weights is not None:
+            seq_weight = mean([float(weights[i, t]) for t in pos])
+        per_seq.append(-seq_adv * seq_weight * torch.exp(sum(clipped_logs, zero) / len(pos)))
     return sum(per_seq, zero) / max(len(per_seq), 1)
 
 
 def cispo_token(lp, old, a, cfg):
-    weight = min(max(math.exp(value(log_ratio(lp, old))), 1 - cfg.clip_ratio_low), 1 + cfg.clip_ratio_high)
+    weight = min(
+        max(math.exp(value(log_ratio(lp, old, cfg.log_ratio_clamp))), 1 - cfg.clip_ratio_low),
+        1 + cfg.clip_ratio_high,
+    )
     return -weight * a * lp
 
 
@@ -280,33 +348,41 @@ def gpg_token(lp, old, a, cfg):
 
 def sapo_token(lp, old, a, cfg):
     tau = cfg.sapo_tau_pos if a > 0 else cfg.sapo_tau_neg
-    ratio = torch.exp(log_ratio(lp, old))
+    ratio = torch.exp(log_ratio(lp, old, cfg.log_ratio_clamp))
     return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1)) * a
 
 
-def dppo_tv_token(lp, old, a, cfg):
+def dppo_inside(kind, lp, old, a, cfg) -> bool:
+    """Whether DPPO (``kind`` "tv" or "kl") keeps the token: p has not left the trust region in A's direction."""
     p, q = math.exp(value(lp)), math.exp(old)
-    inside = (
-        (p - q <= cfg.dppo_divergence_high)
-        if a > 0
-        else (p - q >= -cfg.dppo_divergence_low)
-        if a < 0
-        else True
-    )
-    weight = min(math.exp(value(log_ratio(lp, old))), cfg.dppo_ratio_cap)
-    return -a * weight * lp * (1.0 if inside else 0.0)
+    if kind == "tv":
+        up, down = p - q > cfg.dppo_divergence_high, p - q < -cfg.dppo_divergence_low
+    else:
+        kl = q * (old - value(lp)) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
+        up = p > q and kl > cfg.dppo_divergence_high
+        down = p < q and kl > cfg.dppo_divergence_low
+    if a > 0:
+        return not up
+    if a < 0 or cfg.dppo_zero_advantage_region == "negative":
+        return not down
+    return True
+
+
+def dppo_token(kind, lp, old, a, cfg):
+    weight = min(math.exp(value(log_ratio(lp, old, cfg.log_ratio_clamp))), cfg.dppo_ratio_cap)
+    return -a * weight * lp * (1.0 if dppo_inside(kind, lp, old, a, cfg) else 0.0)
+
+
+def dppo_tv_token(lp, old, a, cfg):
+    return dppo_token("tv", lp, old, a, cfg)
 
 
 def dppo_kl_token(lp, old, a, cfg):
-    eps = 1e-6
-    p = min(max(math.exp(value(lp)), eps), 1 - eps)
-    q = min(max(math.exp(old), eps), 1 - eps)
-    kl = q * math.log(q / p) + (1 - q) * math.log((1 - q) / (1 - p))
-    outside = (a > 0 and p > q and kl > cfg.dppo_divergence_high) or (
-        a < 0 and p < q and kl > cfg.dppo_divergence_low
-    )
-    weight = min(math.exp(value(log_ratio(lp, old))), cfg.dppo_ratio_cap)
-    return -a * weight * lp * (0.0 if outside else 1.0)
+    return dppo_token("kl", lp, old, a, cfg)
+
+
+def dro_token(lp, old, a, cfg):
+    return -(a * lp - 0.5 * cfg.dro_beta * (lp - old) ** 2)
 
 
 def covariances(log_probs, adv, mask):
@@ -321,7 +397,7 @@ def clip_cov_reference(log_probs, old, adv, mask, cfg, priorities):
     k = max(1, math.floor(cfg.clip_cov_ratio * len(cov)))
     eligible = []
     for c, cov_value in cov.items():
-        lr = value(log_ratio(log_probs[c], float(old[c])))
+        lr = value(log_ratio(log_probs[c], float(old[c]), cfg.log_ratio_clamp))
         ratio, a = math.exp(lr), float(adv[c])
         clipped_by_ppo = -a * min(max(ratio, 1 - cfg.clip_ratio_low), 1 + cfg.clip_ratio_high) > -a * ratio
         if not clipped_by_ppo and cfg.clip_cov_lb < cov_value < cfg.clip_cov_ub:
@@ -329,7 +405,7 @@ def clip_cov_reference(log_probs, old, adv, mask, cfg, priorities):
     chosen = set(sorted(eligible, key=lambda c: -float(priorities[c]))[:k])
     terms = {}
     for c in cov:
-        ratio = torch.exp(log_ratio(log_probs[c], float(old[c])))
+        ratio = torch.exp(log_ratio(log_probs[c], float(old[c]), cfg.log_ratio_clamp))
         a = float(adv[c])
         loss = torch.maximum(-a * ratio, -a * clamp(ratio, 1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high))
         terms[c] = loss * 0 if c in chosen else loss
@@ -342,6 +418,6 @@ def kl_cov_reference(log_probs, old, adv, mask, cfg):
     chosen = set(sorted(cov, key=lambda c: -cov[c])[:k])
     terms = {}
     for c in cov:
-        lr = log_ratio(log_probs[c], float(old[c]))
+        lr = log_ratio(log_probs[c], float(old[c]), cfg.log_ratio_clamp)
         terms[c] = -float(adv[c]) * torch.exp(lr) + (cfg.kl_cov_coef * torch.abs(lr) if c in chosen else 0.0)
     return aggregate(terms, mask, cfg.loss_agg_mode)

@@ -117,10 +117,91 @@ def test_every_estimator_is_finite_and_zero_outside_the_mask(rollout, name):
         groups,
         values=torch.randn_like(rewards),
         reward_baselines=torch.randn(rewards.shape[0], dtype=rewards.dtype),
+        reward_components=torch.randn(rewards.shape[0], 2, dtype=rewards.dtype),
+        old_log_probs=-torch.rand_like(rewards) * 3,
+        sum_pi_squared=torch.rand_like(rewards),
     )
     out = run(name, inputs)
     assert torch.isfinite(out.advantages).all() and torch.isfinite(out.returns).all()
     assert (out.advantages[mask == 0] == 0).all()
+
+
+def components_of(rollout, count=3, seed=0):
+    rewards, _, groups = rollout
+    gen = torch.Generator().manual_seed(seed)
+    components = torch.randint(0, 3, (rewards.shape[0], count), generator=gen).to(rewards.dtype)
+    components[:, 0] = rewards.sum(-1)  # one component equal to the score
+    components[groups == 5, 1] = 2.0  # a component with no spread in one group
+    return components
+
+
+@pytest.mark.parametrize("norm_by_std", [True, False])
+@pytest.mark.parametrize("weights", [(), (1.0, 0.5, 2.0)])
+def test_gdpo_normalises_each_component_within_groups(rollout, norm_by_std, weights):
+    rewards, mask, groups = rollout
+    components = components_of(rollout)
+    keys = ("score", "format", "length")
+    out = run(
+        "gdpo",
+        AdvantageInput(rewards, mask, groups, reward_components=components),
+        norm_adv_by_std=norm_by_std,
+        gdpo_reward_keys=keys,
+        gdpo_reward_weights=weights,
+    )
+    expected = ref.gdpo(components, mask, groups, weights or (1.0,) * 3, norm_by_std, 1e-6)
+    torch.testing.assert_close(out.advantages, expected, **TOL)
+
+
+def test_gdpo_without_components_is_grpo_then_whitening(rollout):
+    rewards, mask, groups = rollout
+    out = run("gdpo", AdvantageInput(rewards, mask, groups))
+    expected = ref.whiten_valid(ref.grpo(rewards, mask, groups, True, 1e-6), mask)
+    torch.testing.assert_close(out.advantages, expected, **TOL)
+
+
+def otb_inputs(rollout, seed=0, with_weights=False):
+    rewards, mask, groups = rollout
+    gen = torch.Generator().manual_seed(seed)
+    rewards = rewards + torch.randn(rewards.shape, generator=gen, dtype=rewards.dtype) * mask  # dense rewards
+    old_log_probs = -torch.rand(rewards.shape, generator=gen, dtype=rewards.dtype) * 3
+    sum_pi_squared = torch.rand(rewards.shape, generator=gen, dtype=rewards.dtype)
+    weights = torch.rand(rewards.shape, generator=gen, dtype=rewards.dtype) * 2 if with_weights else None
+    return AdvantageInput(
+        rewards,
+        mask,
+        groups,
+        old_log_probs=old_log_probs,
+        sum_pi_squared=sum_pi_squared,
+        rollout_is_weights=weights,
+    )
+
+
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_optimal_token_baseline(rollout, with_weights):
+    inputs = otb_inputs(rollout, with_weights=with_weights)
+    out = run("optimal_token_baseline", inputs)
+    expected_adv, expected_ret = ref.optimal_token_baseline(
+        inputs.token_level_rewards, inputs.response_mask, inputs.group_ids,
+        inputs.old_log_probs, inputs.sum_pi_squared, inputs.rollout_is_weights,
+    )  # fmt: skip
+    torch.testing.assert_close(out.advantages, expected_adv, **TOL)
+    torch.testing.assert_close(out.returns, expected_ret, **TOL)
+
+
+def test_optimal_token_baseline_zeroes_the_baseline_past_the_second_longest():
+    rewards = torch.tensor(
+        [[0.0, 0.0, 0.0, 1.0], [0.0, 2.0, 0.0, 0.0], [3.0, 0.0, 0.0, 0.0]], dtype=torch.float64
+    )
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    ones = torch.ones_like(rewards)
+    inputs = AdvantageInput(
+        rewards, mask, torch.zeros(3, dtype=torch.long), old_log_probs=-ones, sum_pi_squared=ones * 0.5
+    )
+    out = run("optimal_token_baseline", inputs)
+    torch.testing.assert_close(
+        out.advantages[0, 2:], out.returns[0, 2:]
+    )  # the longest one's tail: no baseline
+    assert (out.advantages[0, :2] != out.returns[0, :2]).all()
 
 
 def test_missing_inputs_and_bad_shapes_are_clear_errors():
@@ -132,3 +213,19 @@ def test_missing_inputs_and_bad_shapes_are_clear_errors():
         AdvantageInput(torch.zeros(2, 3), torch.ones(2, 4))
     with pytest.raises(ValueError, match="group_ids has shape"):
         AdvantageInput(torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(
+        ValueError, match="'optimal_token_baseline' needs \\['old_log_probs', 'sum_pi_squared'\\]"
+    ):
+        run("optimal_token_baseline", AdvantageInput(torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2)))
+    with pytest.raises(
+        ValueError, match=r"gdpo needs reward_components \[B, 2\] for algorithm.gdpo_reward_keys"
+    ):
+        run(
+            "gdpo",
+            AdvantageInput(torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2)),
+            gdpo_reward_keys=("a", "b"),
+        )
+    with pytest.raises(ValueError, match=r"reward_components has shape \(3, 2\), expected \(2, K\)"):
+        AdvantageInput(torch.zeros(2, 3), torch.ones(2, 3), reward_components=torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="sum_pi_squared has shape"):
+        AdvantageInput(torch.zeros(2, 3), torch.ones(2, 3), sum_pi_squared=torch.zeros(2, 4))

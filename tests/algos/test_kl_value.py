@@ -27,6 +27,7 @@ FORMULAS = {
 }
 FORMULAS["k1+"] = FORMULAS["k1"]
 FORMULAS["k3+"] = FORMULAS["k3"]
+FORMULAS["abs+"] = FORMULAS["abs"]
 
 
 def log_probs_pair(seed=0):
@@ -49,7 +50,7 @@ def test_estimator_values_match_formulas(name):
     torch.testing.assert_close(out, expected)
 
 
-@pytest.mark.parametrize("name", ["k1+", "k3+"])
+@pytest.mark.parametrize("name", ["k1+", "k3+", "abs+"])
 def test_straight_through_estimators_carry_the_k2_gradient(name):
     lp, ref_lp = log_probs_pair(1)
     (grad,) = torch.autograd.grad(kl_estimate(lp, ref_lp, name).sum(), lp)
@@ -88,6 +89,16 @@ def test_kl_penalty_on_rewards():
     assert math.isclose(float(metrics["kl"]), ref.mean(per_seq), abs_tol=1e-12)
 
 
+def test_abs_plus_differs_from_abs_only_in_its_gradient():
+    lp, ref_lp = log_probs_pair(4)
+    plain, straight = kl_estimate(lp, ref_lp, "abs"), kl_estimate(lp, ref_lp, "abs+")
+    torch.testing.assert_close(straight, plain)
+    (plain_grad,) = torch.autograd.grad(plain.sum(), lp)
+    torch.testing.assert_close(plain_grad, torch.sign(lp - ref_lp).detach())  # |l|' is the sign
+    (straight_grad,) = torch.autograd.grad(straight.sum(), lp)
+    torch.testing.assert_close(straight_grad, (lp - ref_lp).detach())
+
+
 def test_kl_loss_aggregates_like_policy_loss():
     lp, ref_lp = log_probs_pair(3)
     mask = torch.ones(4, 5, dtype=torch.long)
@@ -107,14 +118,15 @@ def test_adaptive_controller_follows_ziegler_update():
     assert isinstance(fixed, FixedKLController) and fixed.value == 0.3
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-mean"])
 @pytest.mark.parametrize("clip", [None, 0.2])
-def test_value_loss_matches_loop(clip):
+def test_value_loss_matches_loop(clip, mode):
     gen = torch.Generator().manual_seed(0)
     values = torch.randn(3, 4, generator=gen, dtype=torch.float64).requires_grad_(True)
     returns = torch.randn(3, 4, generator=gen, dtype=torch.float64)
     old = values.detach() + torch.randn(3, 4, generator=gen, dtype=torch.float64) * 0.5
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
-    loss, metrics = compute_value_loss(values, returns, old, mask, clip)
+    loss, metrics = compute_value_loss(values, returns, old, mask, clip, mode)
     terms, clipped = {}, 0
     for i in range(3):
         for t in ref.valid_positions(mask[i]):
@@ -125,7 +137,7 @@ def test_value_loss_matches_loop(clip):
                 clipped += ref.value((vc - g) ** 2) > ref.value(err)
                 err = torch.maximum(err, (vc - g) ** 2)
             terms[(i, t)] = 0.5 * err
-    expected = ref.aggregate(terms, mask, "token-mean")
+    expected = ref.aggregate(terms, mask, mode)
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(torch.autograd.grad(loss, values)[0], torch.autograd.grad(expected, values)[0])
     assert math.isclose(float(metrics["vf_clipfrac"]), clipped / 8)

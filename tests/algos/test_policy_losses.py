@@ -16,6 +16,7 @@ TOKEN_LOSSES = {
     "sapo": ref.sapo_token,
     "dppo_tv": ref.dppo_tv_token,
     "dppo_kl": ref.dppo_kl_token,
+    "dro": ref.dro_token,
 }
 
 
@@ -50,10 +51,17 @@ def check_against(reference_loss, out, log_probs):
 
 @pytest.mark.parametrize("name", sorted(TOKEN_LOSSES))
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-@pytest.mark.parametrize("seed,extreme", [(0, False), (1, True), (2, True)])
-def test_token_losses_match_reference(name, mode, seed, extreme):
+@pytest.mark.parametrize("seed,extreme,clamp", [(0, False, 20.0), (1, True, 20.0), (2, True, None)])
+def test_token_losses_match_reference(name, mode, seed, extreme, clamp):
     log_probs, old, adv, mask = make_inputs(seed, extreme=extreme)
-    cfg = PolicyLossConfig(name=name, loss_agg_mode=mode, clip_ratio_high=0.28, norm_length=9.0)
+    cfg = PolicyLossConfig(
+        name=name,
+        loss_agg_mode=mode,
+        clip_ratio_high=0.28,
+        norm_length=9.0,
+        dro_beta=0.7,
+        log_ratio_clamp=clamp,
+    )
     out = compute_policy_loss(PolicyLossInput(log_probs, old, adv, mask), cfg)
     check_against(
         ref.token_loss_reference(TOKEN_LOSSES[name], log_probs, old, adv, mask, cfg), out, log_probs
@@ -108,11 +116,24 @@ def test_gspo_gradient_equals_sequence_level_gradient():
 
 
 @pytest.mark.parametrize("seed,extreme", [(0, False), (1, True)])
-def test_gmpo_matches_reference(seed, extreme):
+@pytest.mark.parametrize("clamp", [20.0, None])
+@pytest.mark.parametrize("weight_mean", [None, "arithmetic", "geometric"])
+def test_gmpo_matches_reference(seed, extreme, clamp, weight_mean):
     log_probs, old, adv, mask = make_inputs(seed, extreme=extreme)
-    cfg = PolicyLossConfig(name="gmpo", clip_ratio_low=0.4, clip_ratio_high=0.4)
-    out = compute_policy_loss(PolicyLossInput(log_probs, old, adv, mask), cfg)
-    check_against(ref.gmpo_reference(log_probs, old, adv, mask, cfg), out, log_probs)
+    weights = None
+    if weight_mean is not None:
+        weights = torch.rand(
+            log_probs.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+        )
+    cfg = PolicyLossConfig(
+        name="gmpo",
+        clip_ratio_low=0.4,
+        clip_ratio_high=0.4,
+        log_ratio_clamp=clamp,
+        gmpo_is_weight_mean=weight_mean or "arithmetic",
+    )
+    out = compute_policy_loss(PolicyLossInput(log_probs, old, adv, mask, rollout_is_weights=weights), cfg)
+    check_against(ref.gmpo_reference(log_probs, old, adv, mask, cfg, weights), out, log_probs)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -156,7 +177,7 @@ def test_every_loss_is_the_policy_gradient_on_policy(name):
     """At pi_theta = pi_old every registered loss has the REINFORCE gradient -A * d log pi (token-mean)."""
     log_probs, _, adv, mask = make_inputs(11)
     old = log_probs.detach().clone()
-    cfg = PolicyLossConfig(name=name)
+    cfg = PolicyLossConfig(name=name, dro_beta=0.5)
     if name == "gspo" or name == "gmpo":  # sequence-level ratios: compare with per-sequence advantages
         adv = adv[:, :1].expand_as(adv).contiguous()
         cfg = dataclasses.replace(cfg, loss_agg_mode="seq-mean-token-mean")
@@ -173,6 +194,25 @@ def test_every_loss_is_the_policy_gradient_on_policy(name):
     else:  # kl_cov's |log ratio| penalty has zero subgradient at 0 under torch's abs
         torch.testing.assert_close(grad, expected, atol=1e-12, rtol=1e-9)
     assert torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl"])
+@pytest.mark.parametrize("region", ["inside", "negative"])
+def test_dppo_zero_advantage_region_changes_only_the_clip_fraction(name, region):
+    log_probs, old, adv, mask = make_inputs(3, extreme=True)
+    adv = adv.clone()
+    adv[:, 1::2] = 0.0  # many zero-advantage tokens, some of them far below their old probability
+    cfg = PolicyLossConfig(name=name, dppo_zero_advantage_region=region, dppo_divergence_low=0.01)
+    out = compute_policy_loss(PolicyLossInput(log_probs, old, adv, mask), cfg)
+    check_against(
+        ref.token_loss_reference(TOKEN_LOSSES[name], log_probs, old, adv, mask, cfg), out, log_probs
+    )
+    kind = name.removeprefix("dppo_")
+    cells = [(i, t) for i in range(mask.shape[0]) for t in ref.valid_positions(mask[i])]
+    outside = [not ref.dppo_inside(kind, log_probs[c], float(old[c]), float(adv[c]), cfg) for c in cells]
+    assert float(out.metrics["pg_clipfrac"]) == pytest.approx(sum(outside) / len(cells))
+    zero_outside = [o for o, c in zip(outside, cells, strict=True) if adv[c] == 0]
+    assert any(zero_outside) == (region == "negative")
 
 
 def test_bad_shapes_are_clear_errors():

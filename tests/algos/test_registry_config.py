@@ -2,7 +2,14 @@
 
 import pytest
 
-from tandem.algos import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageConfig, KLConfig, PolicyLossConfig
+from tandem.algos import (
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    AdvantageConfig,
+    KLConfig,
+    PolicyLossConfig,
+)
 from tandem.registry import Registry
 
 
@@ -32,6 +39,8 @@ def test_everything_the_issue_asks_for_is_registered():
         "opo",
         "grpo_passk",
         "gpg",
+        "gdpo",
+        "optimal_token_baseline",
     }
     assert set(POLICY_LOSSES.names()) >= {
         "ppo",
@@ -44,7 +53,9 @@ def test_everything_the_issue_asks_for_is_registered():
         "gmpo",
         "dppo_tv",
         "dppo_kl",
+        "dro",
     }
+    assert set(KL_ESTIMATORS.names()) >= {"k1", "k2", "k3", "abs", "k1+", "k3+", "abs+"}
 
 
 @pytest.mark.parametrize(
@@ -68,6 +79,38 @@ def test_everything_the_issue_asks_for_is_registered():
             "actor.policy_loss.clip_cov_lb=6.0 must be below clip_cov_ub=5.0",
         ),
         (lambda: KLConfig(estimator="k4"), "algorithm.kl.estimator='k4' is not allowed"),
+        (
+            lambda: PolicyLossConfig(name="dro"),
+            r"actor.policy_loss.dro_beta must be set \(> 0\) when actor.policy_loss.name=dro",
+        ),
+        (lambda: PolicyLossConfig(name="dro", dro_beta=0.0), "actor.policy_loss.dro_beta=0.0 is outside"),
+        (
+            lambda: PolicyLossConfig(pg_loss_agg_mode="seq-sum"),
+            "actor.policy_loss.pg_loss_agg_mode='seq-sum' is not allowed",
+        ),
+        (lambda: PolicyLossConfig(log_ratio_clamp=0.0), "actor.policy_loss.log_ratio_clamp=0.0"),
+        (
+            lambda: PolicyLossConfig(gmpo_is_weight_mean="harmonic"),
+            "actor.policy_loss.gmpo_is_weight_mean='harmonic' is not allowed",
+        ),
+        (
+            lambda: PolicyLossConfig(dppo_zero_advantage_region="positive"),
+            "actor.policy_loss.dppo_zero_advantage_region='positive' is not allowed",
+        ),
+        (
+            lambda: AdvantageConfig(
+                estimator="gdpo", gdpo_reward_keys=("a", "b"), gdpo_reward_weights=(1.0,)
+            ),
+            r"algorithm.gdpo_reward_weights has 1 entries but algorithm.gdpo_reward_keys has 2",
+        ),
+        (
+            lambda: AdvantageConfig(estimator="gdpo", gdpo_reward_keys=("a", "a")),
+            "algorithm.gdpo_reward_keys=\\['a', 'a'\\] must be distinct",
+        ),
+        (
+            lambda: AdvantageConfig(estimator="grpo", gdpo_reward_keys=("a",)),
+            "algorithm.gdpo_reward_keys=\\['a'\\] is set, but the estimator 'grpo' \\(algorithm.adv_estimator\\) does not read",
+        ),
         (lambda: KLConfig(controller="pid"), "algorithm.kl.controller='pid'"),
     ],
 )

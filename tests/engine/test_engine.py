@@ -114,6 +114,26 @@ def test_lr_schedule_shapes(schedule):
         assert all(a >= b for a, b in zip(values[2:], values[3:], strict=False))
 
 
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_warmup_from_zero_is_verl_s_schedule(schedule):
+    """verl's schedules, written from its formula: warmup ``s / W``, then a half-cosine to ``min_lr_ratio``."""
+    warmup, total, floor = 3, 9, 0.1
+
+    def verl(step):
+        if step < warmup:
+            return step / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = (step - warmup) / (total - warmup)
+        return max(floor, math.cos(math.pi * 0.5 * 2.0 * progress) * (1 - floor) * 0.5 + (1 + floor) * 0.5)
+
+    config = EngineConfig(
+        lr_schedule=schedule, warmup_steps=warmup, total_steps=total, min_lr_ratio=floor, warmup_from_zero=True
+    )
+    for step in range(total + 1):
+        assert abs(lr_multiplier(step, config) - verl(step)) < 1e-12, step
+
+
 def test_offload_round_trip_keeps_training_identical(tiny_model_dir):
     a, b = make_engine(tiny_model_dir), make_engine(tiny_model_dir)
     train_step(a, random_batch(7))

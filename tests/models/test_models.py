@@ -65,7 +65,9 @@ def test_chunked_fp32_log_probs_match_full_logits(chunk, temperature):
     hidden = torch.randn(50, 16, generator=gen).bfloat16().requires_grad_(True)
     weight = torch.randn(300, 16, generator=gen).requires_grad_(True)
     labels = torch.randint(0, 300, (50,), generator=gen)
-    log_probs, entropy = log_probs_from_hidden(hidden, weight, labels, temperature, chunk)
+    log_probs, entropy, sum_pi_squared = log_probs_from_hidden(
+        hidden, weight, labels, temperature, chunk, with_sum_pi_squared=True
+    )
     logits = hidden.float() @ weight.t() / temperature
     expected = log_probs_from_logits(logits, labels)
     probs = torch.softmax(logits, -1)
@@ -73,6 +75,9 @@ def test_chunked_fp32_log_probs_match_full_logits(chunk, temperature):
     assert log_probs.dtype == torch.float32
     torch.testing.assert_close(log_probs, expected)
     torch.testing.assert_close(entropy, expected_entropy)
+    torch.testing.assert_close(sum_pi_squared, probs.square().sum(-1))
+    assert not sum_pi_squared.requires_grad
+    assert log_probs_from_hidden(hidden, weight, labels, temperature, chunk).sum_pi_squared is None
     grads = torch.autograd.grad(log_probs.sum() + entropy.sum(), (hidden, weight))
     expected_grads = torch.autograd.grad(expected.sum() + expected_entropy.sum(), (hidden, weight))
     for got, want in zip(grads, expected_grads, strict=True):

@@ -129,3 +129,16 @@ def test_engine_fields_follow_the_run_from_one_place():
     assert rollout.name == "hf" and rollout.hf.device == "cpu"
     assert (rollout.native.max_model_len, rollout.native.seed) == (config.max_sequence_length, 3)
     assert rollout.native.prefix_cache_entries == 0  # prompts are shared within a step, not across
+
+
+def test_validation_sampling_uses_its_own_top_p_and_top_k_where_set():
+    from tandem.rl.config import RolloutConfig
+
+    rollout = RolloutConfig(top_p=0.9, top_k=50, val_temperature=1.0, val_top_p=0.7)
+    assert (rollout.sampling(1.0).top_p, rollout.sampling(1.0).top_k) == (0.9, 50)
+    validation = rollout.sampling(1.0, validation=True)
+    assert (validation.top_p, validation.top_k) == (0.7, 50)
+    greedy = RolloutConfig(val_top_p=0.7).sampling(0.0, validation=True)
+    assert (greedy.top_p, greedy.top_k) == (1.0, 0)
+    with pytest.raises(ValueError, match="rollout.val_top_p"):
+        RolloutConfig(val_top_p=0.0)

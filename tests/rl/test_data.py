@@ -91,6 +91,25 @@ def test_dataset_tokenises_with_the_chat_template_and_filters_overlong(tmp_path)
 
 
 @pytest.mark.parametrize(
+    ("how", "kept"),
+    [
+        ("truncate_left", lambda ids: ids[-20:]),
+        ("truncate_right", lambda ids: ids[:20]),
+        ("truncate_middle", lambda ids: ids[:10] + ids[-10:]),
+    ],
+)
+def test_overlong_prompts_are_truncated_like_verl(tmp_path, how, kept):
+    tokenizer = build_char_tokenizer()
+    rows = arithmetic_rows(3, ArithmeticTaskConfig(), seed=0)
+    rows[1]["prompt"][0]["content"] = "".join(str(i % 10) for i in range(60))
+    path = write_parquet(rows, tmp_path / "p.parquet")
+    data = RLDataset.load(path, tokenizer, max_prompt_length=20, overlong=how)
+    full = list(template_ids(tokenizer, rows[1]["prompt"], True))
+    assert len(data) == 3 and data.filtered == 0
+    assert list(data.samples[1].prompt_ids) == kept(full) and len(full) > 20
+
+
+@pytest.mark.parametrize(
     ("corrupt", "message"),
     [
         (lambda r: r.pop("reward_model"), "row 2: missing field 'reward_model'"),

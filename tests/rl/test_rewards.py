@@ -77,6 +77,44 @@ def test_reward_manager_with_a_user_function_counts_failures(tmp_path):
         RewardManager(RewardConfig(custom_path=str(source), custom_name="nope"))
 
 
+def test_requested_reward_components_come_back_per_item_and_a_missing_one_is_named(tmp_path):
+    source = tmp_path / "parts.py"
+    source.write_text(
+        "def score(data_source, solution, ground_truth, extra_info):\n"
+        "    if solution == 'raise':\n"
+        "        raise ValueError('bad')\n"
+        "    if solution == 'plain':\n"
+        "        return 0.5\n"
+        "    if solution == 'short':\n"
+        "        return {'score': 1.0, 'format': 1}\n"
+        "    if solution == 'nan':\n"
+        "        return {'score': 1.0, 'format': float('nan'), 'answer': 0.0}\n"
+        "    return {'score': 0.1, 'answer': float(solution == ground_truth), 'format': len(solution)}\n"
+    )
+    manager = RewardManager(RewardConfig(custom_path=str(source), custom_name="score"))
+
+    def score(solutions, keys=("answer", "format")):
+        n = len(solutions)
+        return manager.score(["src"] * n, solutions, ["7"] * n, [{}] * n, torch.ones(n), 8, keys)
+
+    result = score(["7", "88", "raise"])
+    # the failed item (it raised) is scored 0 and counted; its components are 0 too
+    assert result.components.tolist() == [[1.0, 1.0], [0.0, 2.0], [0.0, 0.0]]
+    assert result.metrics["reward/errors"] == 1 and result.scores.tolist() == pytest.approx([0.1, 0.1, 0.0])
+    assert score(["7"], keys=()).components is None
+    missing = (
+        r"item 1 \(src\): the reward function's result has no field 'answer' \(algorithm.gdpo_reward_keys\)"
+    )
+    with pytest.raises(ValueError, match=missing + r"; it returned the fields \['format', 'score'\]"):
+        score(["7", "short"])
+    with pytest.raises(ValueError, match=r"needs the reward function to return a dict .* returned float 0.5"):
+        score(["plain"])
+    with pytest.raises(
+        ValueError, match=r"field 'format' \(algorithm.gdpo_reward_keys\) is nan, not a finite"
+    ):
+        score(["nan"])
+
+
 def test_unknown_data_source_is_caught_before_training():
     with pytest.raises(ValueError, match="unknown reward scorer 'my_dataset'"):
         RewardManager(RewardConfig()).check_sources(["arithmetic", "my_dataset"])

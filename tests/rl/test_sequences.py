@@ -6,7 +6,7 @@ import torch
 
 from tandem.protocol import Batch
 from tandem.rl.sequences import concat_sequences, sequence_tensors, trim_padding
-from tandem.rl.trainer import _groups_with_reward_spread
+from tandem.rl.trainer import _groups_with_spread
 from tandem.rollout.types import Completion
 
 PAD = 0
@@ -71,8 +71,10 @@ def test_trim_and_concat_keep_every_row():
     assert trimmed["prompts"].shape[1] == longest_prompt and trimmed["responses"].shape[1] == longest_response
 
 
-def test_groups_with_reward_spread_matches_a_loop():
+def test_groups_with_spread_matches_a_loop_on_score_or_accuracy():
     scores = torch.tensor([1, 1, 1, 0, 0, 0, 0, 0, 0.5, 1, 0.5, 0.5], dtype=torch.float32)
-    batch = Batch({"token_level_scores": torch.stack([torch.zeros(12), scores], dim=1)})
-    expected = [len(set(scores[g * 3 : g * 3 + 3].tolist())) > 1 for g in range(4)]
-    assert _groups_with_reward_spread(batch, 3).tolist() == expected
+    accuracy = torch.tensor([1, 1, 1, 0, 0, 1, 0, 0, 0, 1, 1, 1], dtype=torch.float32)
+    batch = Batch({"token_level_scores": torch.stack([torch.zeros(12), scores], dim=1), "acc": accuracy})
+    for metric, values in (("score", scores), ("acc", accuracy)):
+        expected = [len(set(values[g * 3 : g * 3 + 3].tolist())) > 1 for g in range(4)]
+        assert _groups_with_spread(batch, 3, metric).tolist() == expected

@@ -1,12 +1,13 @@
 """Advantage estimators, registered by name (importing this package registers them all)."""
 
-from tandem.algos.advantages import gae, group, returns  # noqa: F401  (registration)
+from tandem.algos.advantages import gae, gdpo, group, returns, token_baseline  # noqa: F401  (registration)
 from tandem.algos.advantages.base import (
     ADVANTAGE_ESTIMATORS,
     AdvantageConfig,
     AdvantageInput,
     AdvantageOutput,
     compute_advantage,
+    estimator_inputs,
     estimator_requirements,
     register_advantage_estimator,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "AdvantageInput",
     "AdvantageOutput",
     "compute_advantage",
+    "estimator_inputs",
     "estimator_requirements",
     "register_advantage_estimator",
 ]

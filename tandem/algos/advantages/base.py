@@ -23,6 +23,12 @@ class AdvantageInput:
         group_ids: ``[B]`` int64 id of the prompt group (the n samples of one prompt share it).
         values: ``[B, R]`` critic values V(s_t) (GAE).
         reward_baselines: ``[B]`` per-sample baseline reward (ReMax: the greedy response's reward).
+        reward_components: ``[B, K]`` the ``K`` reward components the reward function returned
+            beside its score (GDPO normalises each one on its own).
+        old_log_probs: ``[B, R]`` log pi_old(a_t|s_t) before the update (optimal token baseline).
+        sum_pi_squared: ``[B, R]`` ``sum_v pi_old(v|s_t)^2`` of the predictive distribution at each
+            response position, after the sampling temperature (optimal token baseline).
+        rollout_is_weights: ``[B, R]`` rollout-correction importance weights, when computed.
     """
 
     token_level_rewards: torch.Tensor
@@ -30,6 +36,10 @@ class AdvantageInput:
     group_ids: torch.Tensor | None = None
     values: torch.Tensor | None = None
     reward_baselines: torch.Tensor | None = None
+    reward_components: torch.Tensor | None = None
+    old_log_probs: torch.Tensor | None = None
+    sum_pi_squared: torch.Tensor | None = None
+    rollout_is_weights: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         shape = tuple(self.token_level_rewards.shape)
@@ -37,12 +47,19 @@ class AdvantageInput:
             raise ValueError(f"token_level_rewards must be [B, R], got {shape}")
         if tuple(self.response_mask.shape) != shape:
             raise ValueError(f"response_mask has shape {tuple(self.response_mask.shape)}, expected {shape}")
-        if self.values is not None and tuple(self.values.shape) != shape:
-            raise ValueError(f"values has shape {tuple(self.values.shape)}, expected {shape}")
+        for name in ("values", "old_log_probs", "sum_pi_squared", "rollout_is_weights"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
         for name in ("group_ids", "reward_baselines"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != shape[:1]:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({shape[0]},)")
+        components = self.reward_components
+        if components is not None and (components.ndim != 2 or components.shape[0] != shape[0]):
+            raise ValueError(
+                f"reward_components has shape {tuple(components.shape)}, expected ({shape[0]}, K)"
+            )
 
     @property
     def scores(self) -> torch.Tensor:
@@ -62,6 +79,9 @@ class AdvantageConfig:
         epsilon: added to the std before dividing.
         whiten_gae: whiten GAE advantages over the batch's valid tokens (PPO practice).
         gpg_f_norm: the constant GPG divides its advantages by.
+        gdpo_reward_keys: names of the reward components GDPO normalises one by one (fields of
+            the dict the reward function returns); empty: GDPO normalises the total score.
+        gdpo_reward_weights: one weight per key for GDPO's weighted sum (empty: all 1).
     """
 
     estimator: str = "grpo"
@@ -71,6 +91,8 @@ class AdvantageConfig:
     epsilon: float = 1e-6
     whiten_gae: bool = True
     gpg_f_norm: float = 1.0
+    gdpo_reward_keys: tuple[str, ...] = ()
+    gdpo_reward_weights: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         owner = "algorithm"
@@ -81,6 +103,24 @@ class AdvantageConfig:
         if self.estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(
                 f"{owner}.estimator={self.estimator!r} is not registered; choose one of {ADVANTAGE_ESTIMATORS.names()}"
+            )
+        keys, weights = tuple(self.gdpo_reward_keys), tuple(self.gdpo_reward_weights)
+        if len(set(keys)) != len(keys) or not all(isinstance(key, str) and key for key in keys):
+            raise ValueError(f"{owner}.gdpo_reward_keys={list(keys)} must be distinct, non-empty field names")
+        if weights and len(weights) != len(keys):
+            raise ValueError(
+                f"{owner}.gdpo_reward_weights has {len(weights)} entries but {owner}.gdpo_reward_keys has "
+                f"{len(keys)} ({list(keys)}); give one weight per key, or none for all 1"
+            )
+        for weight in weights:
+            check_range(owner, "gdpo_reward_weights", weight)
+        if keys and "reward_components" not in estimator_inputs(self.estimator):
+            readers = [
+                name for name in ADVANTAGE_ESTIMATORS.names() if "reward_components" in estimator_inputs(name)
+            ]
+            raise ValueError(
+                f"{owner}.gdpo_reward_keys={list(keys)} is set, but the estimator {self.estimator!r} "
+                f"({owner}.adv_estimator) does not read reward components (these do: {readers})"
             )
 
 
@@ -97,26 +137,36 @@ AdvantageFn = Callable[[AdvantageInput, AdvantageConfig], AdvantageOutput]
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
 _REQUIREMENTS: dict[str, tuple[str, ...]] = {}
+_USES_IF_GIVEN: dict[str, tuple[str, ...]] = {}
 
 
 def register_advantage_estimator(
-    name: str, requires: tuple[str, ...] = ()
+    name: str, requires: tuple[str, ...] = (), uses_if_given: tuple[str, ...] = ()
 ) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Register an estimator under ``name``; ``requires`` names the optional inputs it reads."""
+    """Register an estimator under ``name``; ``requires`` names the optional inputs it must have,
+    ``uses_if_given`` those it reads when present (and does without otherwise)."""
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
         ADVANTAGE_ESTIMATORS.register(name)(fn)
         _REQUIREMENTS[name] = requires
+        _USES_IF_GIVEN[name] = uses_if_given
         return fn
 
     return decorator
 
 
 def estimator_requirements(name: str) -> tuple[str, ...]:
-    """The optional :class:`AdvantageInput` fields the estimator ``name`` reads (``group_ids``,
-    ``reward_baselines``, ``values``): what a trainer must provide for it."""
+    """The optional :class:`AdvantageInput` fields the estimator ``name`` must have (``group_ids``,
+    ``reward_baselines``, ``values``, ``old_log_probs``, ``sum_pi_squared``): what a trainer must
+    provide for it."""
     ADVANTAGE_ESTIMATORS.get(name)  # an unknown name is an error naming the choices
     return _REQUIREMENTS[name]
+
+
+def estimator_inputs(name: str) -> tuple[str, ...]:
+    """Every optional :class:`AdvantageInput` field the estimator ``name`` reads: the required ones
+    and those it uses when given (``reward_components``, ``rollout_is_weights``)."""
+    return estimator_requirements(name) + _USES_IF_GIVEN[name]
 
 
 def compute_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> AdvantageOutput:

@@ -37,13 +37,23 @@ def compute_grpo_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> A
 
     Shapes: ``[B, R]`` rewards and mask, ``[B]`` group ids -> ``[B, R]``.
     """
-    scores = inputs.scores
-    count, mean, std = group_stats(scores, inputs.group_ids)
+    return _broadcast(
+        grpo_normalised_scores(inputs.scores, inputs.group_ids, config.norm_adv_by_std, config.epsilon),
+        inputs,
+    )
+
+
+def grpo_normalised_scores(
+    scores: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool, epsilon: float
+) -> torch.Tensor:
+    """GRPO's per-sequence advantage ``(s_i - mean_g) / (std_g + eps)`` (no division unless
+    ``norm_by_std``; a group of one keeps its raw score). Shapes: ``[B], [B] -> [B]``."""
+    count, mean, std = group_stats(scores, group_ids)
     single = count == 1
     centred = torch.where(single, scores, scores - mean)
-    if config.norm_adv_by_std:
-        centred = centred / torch.where(single, torch.ones_like(std), std + config.epsilon)
-    return _broadcast(centred, inputs)
+    if norm_by_std:
+        centred = centred / torch.where(single, torch.ones_like(std), std + epsilon)
+    return centred
 
 
 @register_advantage_estimator("rloo", requires=("group_ids",))

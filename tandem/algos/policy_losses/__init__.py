@@ -1,6 +1,13 @@
 """Policy losses, registered by name (importing this package registers them all)."""
 
-from tandem.algos.policy_losses import covariance, ppo, reinforce_style, sequence_ratio, soft_gate  # noqa: F401
+from tandem.algos.policy_losses import (  # noqa: F401  (registration)
+    covariance,
+    dro,
+    ppo,
+    reinforce_style,
+    sequence_ratio,
+    soft_gate,
+)
 from tandem.algos.policy_losses.base import (
     POLICY_LOSSES,
     PolicyLossConfig,

@@ -17,7 +17,9 @@ from tandem.algos.masked import masked_mean
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.registry import Registry
 
-LOG_RATIO_CLAMP = 20.0  # |log pi - log pi_old| beyond this is clamped before exp() so ratios stay finite
+LOG_RATIO_CLAMP = 20.0  # default bound on |log pi - log pi_old| before exp(), so ratios stay finite
+ZERO_ADVANTAGE_REGIONS = ("inside", "negative")
+IS_WEIGHT_MEANS = ("arithmetic", "geometric")
 
 
 @dataclass(frozen=True)
@@ -59,11 +61,6 @@ class PolicyLossInput:
         """The response mask in the dtype of the log-probs."""
         return self.response_mask.to(self.log_probs.dtype)
 
-    @property
-    def log_ratio(self) -> torch.Tensor:
-        """``[B, R]`` clamped ``log pi_theta - log pi_old`` (carries grad through ``log_probs``)."""
-        return torch.clamp(self.log_probs - self.old_log_probs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
@@ -84,6 +81,18 @@ class PolicyLossConfig:
         dppo_divergence_low / dppo_divergence_high: DPPO's trust-region thresholds on the
             probability divergence (TV or binary KL) for negative / positive advantages.
         dppo_ratio_cap: DPPO's truncation of the detached importance ratio.
+        dro_beta: DRO's weight of the quadratic log-ratio penalty; required (> 0) with ``name=dro``.
+        pg_loss_agg_mode: aggregation of the policy-gradient term alone (None: ``loss_agg_mode``);
+            the entropy and KL terms keep ``loss_agg_mode``. verl's ``gspo`` and ``sapo`` always
+            aggregate that term with ``seq-mean-token-mean``.
+        log_ratio_clamp: ``|log pi_theta - log pi_old|`` is clamped to this before use (None: not
+            clamped, as verl leaves it in ``clip_cov``, ``kl_cov`` and ``geo_mean`` and in
+            ``gspo``'s ``ppo_kl``). DRO never clamps.
+        gmpo_is_weight_mean: how GMPO turns token rollout-correction weights into one weight per
+            sequence: ``arithmetic`` token mean, or ``geometric`` mean (verl's ``geo_mean``).
+        dppo_zero_advantage_region: which DPPO trust region a token with ``A = 0`` is tested
+            against (it has no gradient either way; only ``pg_clipfrac`` changes): ``inside``
+            (always inside) or ``negative`` (the ``A < 0`` bound, as verl does).
     """
 
     name: str = "ppo"
@@ -102,6 +111,11 @@ class PolicyLossConfig:
     dppo_divergence_low: float = 0.2
     dppo_divergence_high: float = 0.2
     dppo_ratio_cap: float = 20.0
+    dro_beta: float | None = None
+    pg_loss_agg_mode: str | None = None
+    log_ratio_clamp: float | None = LOG_RATIO_CLAMP
+    gmpo_is_weight_mean: str = "arithmetic"
+    dppo_zero_advantage_region: str = "inside"
 
     def __post_init__(self) -> None:
         owner = "actor.policy_loss"
@@ -126,6 +140,18 @@ class PolicyLossConfig:
             )
         check_positive(owner, "dppo_divergence_low", self.dppo_divergence_low)
         check_positive(owner, "dppo_divergence_high", self.dppo_divergence_high)
+        if self.name == "dro" and self.dro_beta is None:
+            raise ValueError(f"{owner}.dro_beta must be set (> 0) when {owner}.name=dro")
+        if self.dro_beta is not None:
+            check_positive(owner, "dro_beta", self.dro_beta)
+        if self.pg_loss_agg_mode is not None:
+            check_choice(owner, "pg_loss_agg_mode", self.pg_loss_agg_mode, LOSS_AGG_MODES)
+        if self.log_ratio_clamp is not None:
+            check_positive(owner, "log_ratio_clamp", self.log_ratio_clamp)
+        check_choice(owner, "gmpo_is_weight_mean", self.gmpo_is_weight_mean, IS_WEIGHT_MEANS)
+        check_choice(
+            owner, "dppo_zero_advantage_region", self.dppo_zero_advantage_region, ZERO_ADVANTAGE_REGIONS
+        )
 
 
 @dataclass(frozen=True)
@@ -152,13 +178,22 @@ def finish_token_loss(
     config: PolicyLossConfig,
     metrics: dict[str, torch.Tensor],
 ) -> PolicyLossOutput:
-    """Apply rollout-correction weights, aggregate by ``config.loss_agg_mode`` and add ``ppo_kl``."""
+    """Apply rollout-correction weights, aggregate (``pg_loss_agg_mode``, else ``loss_agg_mode``) and
+    add ``ppo_kl`` (unless ``metrics`` has its own)."""
     if inputs.rollout_is_weights is not None:
         loss_mat = loss_mat * inputs.rollout_is_weights.detach()
-    loss = aggregate_loss(
-        loss_mat, inputs.response_mask, config.loss_agg_mode, inputs.normalizer, config.norm_length
-    )
-    return PolicyLossOutput(loss=loss, metrics={"ppo_kl": approx_kl(inputs), **metrics})
+    mode = config.pg_loss_agg_mode or config.loss_agg_mode
+    loss = aggregate_loss(loss_mat, inputs.response_mask, mode, inputs.normalizer, config.norm_length)
+    return PolicyLossOutput(loss=loss, metrics={"ppo_kl": approx_kl(inputs, config), **metrics})
+
+
+def log_ratio(inputs: PolicyLossInput, config: PolicyLossConfig) -> torch.Tensor:
+    """``[B, R]`` ``log pi_theta - log pi_old``, clamped to ``±config.log_ratio_clamp`` when that is set
+    (carries grad through ``log_probs`` where not clamped)."""
+    difference = inputs.log_probs - inputs.old_log_probs
+    if config.log_ratio_clamp is None:
+        return difference
+    return torch.clamp(difference, -config.log_ratio_clamp, config.log_ratio_clamp)
 
 
 def clipped_surrogate(
@@ -173,9 +208,10 @@ def clipped_surrogate(
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-def approx_kl(inputs: PolicyLossInput) -> torch.Tensor:
-    """Mean over valid tokens of ``log pi_old - log pi_theta`` (k1 estimate of KL(pi_old || pi_theta))."""
-    return masked_mean(-inputs.log_ratio.detach(), inputs.mask)
+def approx_kl(inputs: PolicyLossInput, config: PolicyLossConfig) -> torch.Tensor:
+    """Mean over valid tokens of ``log pi_old - log pi_theta`` (k1 estimate of KL(pi_old || pi_theta)),
+    from the log-ratio as :func:`log_ratio` clamps it."""
+    return masked_mean(-log_ratio(inputs, config).detach(), inputs.mask)
 
 
 def detached_fraction(condition: torch.Tensor, inputs: PolicyLossInput) -> torch.Tensor:

@@ -21,6 +21,7 @@ from tandem.algos.policy_losses.base import (
     clipped_surrogate,
     detached_fraction,
     finish_token_loss,
+    log_ratio,
     register_policy_loss,
 )
 
@@ -62,7 +63,9 @@ def compute_clip_cov_loss(inputs: PolicyLossInput, config: PolicyLossConfig) -> 
     their loss is set to 0. Shapes: ``[B, R]`` -> scalar.
     Metrics: ``pg_clipfrac`` (fraction of tokens detached), ``ppo_kl``.
     """
-    surrogate, clip_active = clipped_surrogate(torch.exp(inputs.log_ratio), inputs.advantages, config)
+    surrogate, clip_active = clipped_surrogate(
+        torch.exp(log_ratio(inputs, config)), inputs.advantages, config
+    )
     cov = token_covariance(inputs)
     valid = inputs.response_mask.bool()
     eligible = valid & ~clip_active & (cov > config.clip_cov_lb) & (cov < config.clip_cov_ub)
@@ -78,12 +81,17 @@ def compute_kl_cov_loss(inputs: PolicyLossInput, config: PolicyLossConfig) -> Po
 
     ``L_t = -A_t r_t`` for all tokens, ``+ kl_cov_coef * |log pi_theta - log pi_old|`` on the
     ``k = max(1, floor(kl_cov_ratio * N))`` valid tokens of largest covariance.
-    Shapes: ``[B, R]`` -> scalar. Metrics: ``kl_cov_frac`` (fraction penalised), ``ppo_kl``.
+    Shapes: ``[B, R]`` -> scalar. Metrics: ``kl_cov_frac`` (fraction penalised), ``ppo_kl``, and
+    ``ppo_kl_abs`` (mean ``|log pi_theta - log pi_old|``: what verl's kl_cov reports as ``ppo_kl``).
     """
-    log_ratio = inputs.log_ratio
-    surrogate = -inputs.advantages * torch.exp(log_ratio)
+    token_log_ratio = log_ratio(inputs, config)
+    surrogate = -inputs.advantages * torch.exp(token_log_ratio)
     penalised = select_top(
         token_covariance(inputs), inputs.response_mask.bool(), _selection_count(inputs, config.kl_cov_ratio)
     )
-    loss_mat = surrogate + penalised.to(surrogate.dtype) * config.kl_cov_coef * log_ratio.abs()
-    return finish_token_loss(loss_mat, inputs, config, {"kl_cov_frac": detached_fraction(penalised, inputs)})
+    loss_mat = surrogate + penalised.to(surrogate.dtype) * config.kl_cov_coef * token_log_ratio.abs()
+    metrics = {
+        "kl_cov_frac": detached_fraction(penalised, inputs),
+        "ppo_kl_abs": masked_mean(token_log_ratio.detach().abs(), inputs.mask),
+    }
+    return finish_token_loss(loss_mat, inputs, config, metrics)

@@ -11,6 +11,7 @@ from tandem.algos.policy_losses.base import (
     clipped_surrogate,
     detached_fraction,
     finish_token_loss,
+    log_ratio,
     register_policy_loss,
 )
 
@@ -29,7 +30,7 @@ def compute_ppo_loss(inputs: PolicyLossInput, config: PolicyLossConfig) -> Polic
     is active), ``pg_clipfrac_lower`` (tokens where the dual clip is active), ``ppo_kl``.
     """
     advantages = inputs.advantages
-    loss_mat, clip_active = clipped_surrogate(torch.exp(inputs.log_ratio), advantages, config)
+    loss_mat, clip_active = clipped_surrogate(torch.exp(log_ratio(inputs, config)), advantages, config)
     metrics = {"pg_clipfrac": detached_fraction(clip_active, inputs)}
     if config.clip_ratio_c is not None:
         dual_bound = -advantages * config.clip_ratio_c

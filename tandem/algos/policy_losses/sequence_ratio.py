@@ -14,10 +14,12 @@ from tandem.algos.policy_losses.base import (
     clipped_surrogate,
     detached_fraction,
     finish_token_loss,
+    log_ratio,
     register_policy_loss,
 )
 
 MAX_LOG_SEQ_RATIO = 10.0  # exp(10) ~ 2.2e4: larger sequence ratios are clamped before exp()
+GEOMETRIC_WEIGHT_EPS = 1e-10  # keeps log(w) finite for a weight of 0
 
 
 @register_policy_loss("gspo")
@@ -34,8 +36,8 @@ def compute_gspo_loss(inputs: PolicyLossInput, config: PolicyLossConfig) -> Poli
     """
     mask = inputs.mask
     seq_log_ratio = masked_mean(inputs.log_probs - inputs.old_log_probs, mask, dim=-1)
-    log_ratio = inputs.log_probs - inputs.log_probs.detach() + seq_log_ratio.detach().unsqueeze(-1)
-    ratio = torch.exp(torch.clamp(log_ratio, max=MAX_LOG_SEQ_RATIO))
+    token_log_ratio = inputs.log_probs - inputs.log_probs.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.exp(torch.clamp(token_log_ratio, max=MAX_LOG_SEQ_RATIO))
     loss_mat, clip_active = clipped_surrogate(ratio, inputs.advantages, config)
     return finish_token_loss(
         loss_mat, inputs, config, {"pg_clipfrac": detached_fraction(clip_active, inputs)}
@@ -51,24 +53,30 @@ def compute_gmpo_loss(inputs: PolicyLossInput, config: PolicyLossConfig) -> Poli
     averaged over the sequence and exponentiated:
     ``L_i = -A_i * exp(mean_t clipped_log_ratio_t)`` with ``A_i`` the token-mean advantage.
     The loss is defined per sequence, so aggregation is always a sequence mean (over the
-    global sequence count) whatever ``loss_agg_mode`` says; rollout-correction weights
-    enter as their token mean per sequence.
+    global sequence count) whatever ``loss_agg_mode`` says. Rollout-correction weights enter
+    as one weight per sequence: their token mean (``gmpo_is_weight_mean=arithmetic``) or
+    ``exp(mean_t log w_t)`` (``geometric``, as verl).
 
     Shapes: ``[B, R]`` -> scalar. Metrics: ``pg_clipfrac`` (clipped tokens with A > 0),
     ``pg_clipfrac_lower`` (clipped tokens with A < 0), ``ppo_kl``.
     """
     mask = inputs.mask
-    log_ratio = inputs.log_ratio
+    token_log_ratio = log_ratio(inputs, config)
     sign = torch.sign(inputs.advantages)
-    clamped = torch.clamp(log_ratio, -config.clip_ratio_low, config.clip_ratio_high)
-    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    clamped = torch.clamp(token_log_ratio, -config.clip_ratio_low, config.clip_ratio_high)
+    pessimistic = sign * torch.minimum(sign * token_log_ratio, sign * clamped)
     seq_ratio = torch.exp(masked_mean(pessimistic, mask, dim=-1))
     seq_advantage = masked_mean(inputs.advantages, mask, dim=-1)
-    seq_loss = -seq_advantage * seq_ratio
-    clipped = log_ratio != clamped
+    seq_loss = (-seq_advantage * seq_ratio).unsqueeze(-1).expand_as(mask)
+    clipped = token_log_ratio != clamped
     metrics = {
         "pg_clipfrac": detached_fraction(clipped & (inputs.advantages > 0), inputs),
         "pg_clipfrac_lower": detached_fraction(clipped & (inputs.advantages < 0), inputs),
     }
-    per_sequence = dataclasses.replace(config, loss_agg_mode="seq-mean-token-mean")
-    return finish_token_loss(seq_loss.unsqueeze(-1).expand_as(mask), inputs, per_sequence, metrics)
+    weights = inputs.rollout_is_weights
+    if weights is not None and config.gmpo_is_weight_mean == "geometric":
+        seq_weight = torch.exp(masked_mean(torch.log(weights.detach() + GEOMETRIC_WEIGHT_EPS), mask, dim=-1))
+        seq_loss = seq_loss * seq_weight.unsqueeze(-1)
+        inputs = dataclasses.replace(inputs, rollout_is_weights=None)  # applied here, not again per token
+    per_sequence = dataclasses.replace(config, loss_agg_mode="seq-mean-token-mean", pg_loss_agg_mode=None)
+    return finish_token_loss(seq_loss, inputs, per_sequence, metrics)

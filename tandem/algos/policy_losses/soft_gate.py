@@ -10,6 +10,7 @@ from tandem.algos.policy_losses.base import (
     PolicyLossInput,
     PolicyLossOutput,
     finish_token_loss,
+    log_ratio,
     register_policy_loss,
 )
 
@@ -25,7 +26,7 @@ def compute_sapo_loss(inputs: PolicyLossInput, config: PolicyLossConfig) -> Poli
 
     Shapes: ``[B, R]`` -> scalar. Metrics: ``sapo_gate_mean`` (mean gate value), ``ppo_kl``.
     """
-    ratio = torch.exp(inputs.log_ratio)
+    ratio = torch.exp(log_ratio(inputs, config))
     tau = torch.where(
         inputs.advantages > 0, ratio.new_tensor(config.sapo_tau_pos), ratio.new_tensor(config.sapo_tau_neg)
     )

@@ -72,6 +72,19 @@ def validate_row(row: Any, where: str) -> None:
         )
 
 
+def truncate(ids: list[int], length: int, how: str) -> list[int]:
+    """``ids`` cut to ``length`` tokens: ``truncate_left`` keeps the end, ``truncate_right`` the
+    start, ``truncate_middle`` the first ``length // 2`` and the last ``length - length // 2``."""
+    if how == "truncate_left":
+        return ids[-length:]
+    if how == "truncate_right":
+        return ids[:length]
+    if how == "truncate_middle":
+        head = length // 2
+        return ids[:head] + ids[len(ids) - (length - head) :]
+    raise ValueError(f"data.overlong_prompts={how!r} is not a truncation")
+
+
 @dataclass
 class RLDataset:
     """Tokenised prompts; ``filtered`` counts the prompts dropped as longer than ``max_prompt_length``."""
@@ -81,7 +94,8 @@ class RLDataset:
 
     @staticmethod
     def load(path: str | Path, tokenizer: Any, max_prompt_length: int, overlong: str = "filter") -> RLDataset:
-        """Read and tokenise ``path``; ``overlong`` is ``filter`` (drop and count) or ``error``."""
+        """Read and tokenise ``path``; ``overlong`` is ``filter`` (drop and count), ``error``, or
+        ``truncate_left`` / ``truncate_right`` / ``truncate_middle`` (cut to ``max_prompt_length``)."""
         samples, filtered = [], 0
         for index, row in enumerate(read_rows(path)):
             where = f"{path}: row {index}"
@@ -93,8 +107,10 @@ class RLDataset:
                         f"{where}: field 'prompt' is {len(ids)} tokens, over data.max_prompt_length="
                         f"{max_prompt_length} (raise it, or set data.overlong_prompts=filter)"
                     )
-                filtered += 1
-                continue
+                if overlong == "filter":
+                    filtered += 1
+                    continue
+                ids = truncate(ids, max_prompt_length, overlong)
             samples.append(
                 PromptSample(
                     prompt_ids=tuple(ids),

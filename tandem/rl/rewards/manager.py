@@ -5,7 +5,8 @@ registered for its ``data_source``. A scorer that raises, runs past ``reward.tim
 returns something other than a finite real number (:mod:`.values`) scores 0 and is counted
 (``reward/errors``, ``reward/timeouts``), with a message naming the item. A dict result's
 extra fields that are not numbers are left out of the metrics and counted
-(``reward/invalid_fields``). DAPO's overlong penalty is added on top when enabled.
+(``reward/invalid_fields``). DAPO's overlong penalty is added on top when enabled. Named
+reward components (GDPO) come back as a ``[B, K]`` tensor (:mod:`.components`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.rl.config import RewardConfig
+from tandem.rl.rewards.components import reward_components
 from tandem.rl.rewards.custom import load_reward_function
 from tandem.rl.rewards.parallel import CallResult, run_with_timeouts
 from tandem.rl.rewards.scorers import SCORERS
@@ -25,7 +27,9 @@ from tandem.rl.rewards.values import describe, real_number
 
 @dataclass
 class RewardResult:
-    """``scores [B]`` (after any overlong penalty), ``accuracy [B]`` (the scorer's ``acc``, else its score) and metrics."""
+    """``scores [B]`` (after any overlong penalty), ``accuracy [B]`` (the scorer's ``acc``, else its
+    score), metrics, and ``components [B, K]``: the requested fields of each dict result, in the
+    order asked for (None when none were asked for; see :mod:`.components`)."""
 
     scores: torch.Tensor
     accuracy: torch.Tensor
@@ -34,6 +38,7 @@ class RewardResult:
     notes: list[str] = field(
         default_factory=list
     )  # dict fields left out (not numbers); the items still count
+    components: torch.Tensor | None = None
 
 
 class RewardManager:
@@ -64,10 +69,13 @@ class RewardManager:
         extra_infos: Sequence[dict],
         response_lengths: torch.Tensor,
         max_response_length: int,
+        component_keys: Sequence[str] = (),
     ) -> RewardResult:
-        """Score each response; ``response_lengths [B]`` feeds the overlong penalty."""
+        """Score each response; ``response_lengths [B]`` feeds the overlong penalty. ``component_keys``
+        names dict fields every result must carry, returned as ``components [B, K]``."""
         items = list(zip(data_sources, solutions, ground_truths, extra_infos, strict=True))
         results = run_with_timeouts(self._score_one, items, self.config.num_workers, self.config.timeout_s)
+        components = reward_components(results, component_keys, data_sources) if component_keys else None
         values, accuracies, extras, errors, notes = _unpack(results, data_sources)
         scores = torch.tensor(values, dtype=torch.float32)
         accuracy = torch.tensor(accuracies, dtype=torch.float32)
@@ -85,7 +93,7 @@ class RewardManager:
             metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
         for name, column in extras.items():
             metrics[f"reward/extra/{name}/mean"] = sum(column) / len(column)
-        return RewardResult(scores, accuracy, metrics, errors, notes)
+        return RewardResult(scores, accuracy, metrics, errors, notes, components)
 
 
 def _unpack(

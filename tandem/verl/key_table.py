@@ -1,0 +1,33 @@
+"""The key table of docs/migrating-from-verl.md, rendered from :mod:`tandem.verl.keys`.
+
+``python -m tandem.verl.key_table`` prints it; a test checks the docs hold exactly this text.
+"""
+
+from __future__ import annotations
+
+from tandem.verl.keys import MISSING, RULES, Rule
+
+
+def _cell(rule: Rule) -> str:
+    if rule.kind == "noted":
+        return f"accepted, note: {rule.note}"
+    if rule.kind == "required value":
+        allowed = " or ".join(f"`{v}`" for v in rule.only)
+        return f"{allowed} only (tandem lacks {rule.why})"
+    target = rule.to.replace("`", "")
+    if rule.kind == "joint":
+        return f"`{target.split(' ')[0]}`{target[len(target.split(' ')[0]) :]} (with related keys)"
+    return f"`{target}`"
+
+
+def key_table_markdown() -> str:
+    """One row per verl key: its default, and what it becomes in tandem."""
+    rows = ["| verl key | verl default | tandem |", "|---|---|---|"]
+    for rule in RULES:
+        default = "" if rule.default is MISSING else f"`{rule.default}`"
+        rows.append(f"| `{rule.key}` | {default} | {_cell(rule)} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(key_table_markdown(), end="")

@@ -1,0 +1,176 @@
+"""``translate``: a verl command line's ``key=value`` items -> tandem overrides, notes and a ``TrainConfig``.
+
+Steps: parse the items with Hydra's own override grammar (verl's command lines are Hydra
+overrides, ``+key=`` and quoting included); check every key against the table in
+:mod:`tandem.verl.keys` (an unknown key, or a feature tandem lacks, is an error naming it);
+overlay the command on verl's defaults; translate mapped keys one by one and joint groups
+with :mod:`tandem.verl.joint`; render tandem overrides that :func:`load_train_config` composes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+
+from tandem.rl.config import TrainConfig
+from tandem.rl.config_loader import load_train_config
+from tandem.verl import joint
+from tandem.verl.keys import BY_KEY, DEFAULTS, RULES, Rule
+
+BASE_PRESET = "grpo"  # every key the preset sets is also set by the translation, from verl's values
+
+# Families of verl keys that configure things tandem does itself (profilers, Ray start-up):
+# every key under them is accepted with this note.
+NOTED_PREFIXES: dict[str, str] = {
+    "ray_kwargs.": "tandem starts Ray itself (trainer.backend=ray)",
+    "global_profiler.": "use trainer.profile_steps (tandem's PyTorch profiler)",
+    "actor_rollout_ref.actor.profiler.": "use trainer.profile_steps (tandem's PyTorch profiler)",
+    "actor_rollout_ref.ref.profiler.": "use trainer.profile_steps (tandem's PyTorch profiler)",
+    "actor_rollout_ref.rollout.profiler.": "use trainer.profile_steps (tandem's PyTorch profiler)",
+    "actor_rollout_ref.rollout.engine_kwargs.": "engine arguments tandem's vLLM replica sets itself",
+}
+CRITIC_PREFIX = (
+    "critic."  # read only with a critic-based estimator (tandem's config names the missing critic)
+)
+
+
+@dataclass(frozen=True)
+class Translation:
+    """The tandem overrides a verl command becomes, and the notes for keys that change nothing here."""
+
+    overrides: tuple[str, ...]
+    notes: tuple[str, ...]
+
+    def command_overrides(self) -> list[str]:
+        """The ``tandem train`` arguments that give the same config (the preset first)."""
+        return [f"preset={BASE_PRESET}", *self.overrides]
+
+    def config(self, extra: Sequence[str] = ()) -> TrainConfig:
+        """The typed config, with ``extra`` tandem overrides applied last; a tandem validation
+        error also names the verl key behind each tandem key it mentions."""
+        try:
+            return load_train_config([*self.command_overrides(), *extra])
+        except ValueError as error:
+            raise ValueError(_with_verl_names(str(error))) from None
+
+
+def translate(items: Sequence[str]) -> Translation:
+    """Translate verl ``key=value`` items (see the module docstring)."""
+    given = _parse(items)
+    notes = [note for key in given if (note := _check(key, given[key]))]
+    values = {**DEFAULTS, **given}
+    ctx = joint.Context(values, set(given))
+    for rule in RULES:
+        if rule.kind == "mapped" and rule.key in values and _matters(rule, values, given):
+            ctx.out[rule.to] = _convert(rule, values[rule.key])
+    for translate_group in joint.TRANSLATORS:
+        translate_group(ctx)
+    workers, on_gpu = joint.placement(ctx)
+    joint.micro_batches(ctx, workers)
+    joint.dtypes(ctx, on_gpu)
+    joint.critic(ctx, ctx.out["algorithm.adv_estimator"])
+    overrides = tuple(f"{key}={render(value)}" for key, value in sorted(ctx.out.items()))
+    return Translation(overrides, tuple(notes + ctx.notes))
+
+
+def _parse(items: Sequence[str]) -> dict[str, Any]:
+    parser = OverridesParser.create()
+    given: dict[str, Any] = {}
+    for item in items:
+        if item.startswith("~"):
+            raise ValueError(f"{item}: removing verl keys (~key) is not translated; leave the key out")
+        if "=" not in item:
+            raise ValueError(f"{item!r} is not a verl override: expected key=value")
+        try:
+            (override,) = parser.parse_overrides([item])
+        except HydraException as error:
+            raise ValueError(f"{item!r}: {error}") from None
+        key = override.key_or_group
+        given.pop(key, None)  # as in Hydra (and so verl), the last value of a key wins
+        given[key] = override.value()
+    return given
+
+
+def _check(key: str, value: Any) -> str:
+    """The note for ``key`` (empty if none); raises for keys tandem cannot honour."""
+    rule = BY_KEY.get(key)
+    if rule is None:
+        for prefix, note in NOTED_PREFIXES.items():
+            if key.startswith(prefix):
+                return f"{key}: {note}"
+        if key.startswith(CRITIC_PREFIX):
+            return ""
+        close = difflib.get_close_matches(key, list(BY_KEY), n=3, cutoff=0.75)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise ValueError(
+            f"{key} is not a verl key tandem translates{hint} (docs/migrating-from-verl.md lists them; "
+            "drop it, or run tandem train with tandem's own keys)"
+        )
+    if rule.kind == "required value" and value not in rule.only:
+        allowed = " or ".join(repr(v) for v in rule.only)
+        raise ValueError(f"{key}={value!r}: tandem does not implement {rule.why} (it accepts {allowed} only)")
+    if rule.kind == "noted":
+        return f"{key}: {rule.note}"
+    return ""
+
+
+def _matters(rule: Rule, values: dict[str, Any], given: dict[str, Any]) -> bool:
+    """A value the command set always carries over; a default only when its ``when`` holds."""
+    if rule.key in given or rule.when is None:
+        return True
+    key, wanted = rule.when
+    return values.get(key) in wanted
+
+
+def _convert(rule: Rule, value: Any) -> Any:
+    try:
+        return rule.convert(value)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{rule.key}={value!r}: {error}") from None
+
+
+SAFE_STRING = re.compile(r"^[A-Za-z_/.~][\w./:~+-]*$")
+HYDRA_WORDS = {"true", "false", "null", "nan", "inf"}  # parsed as values, not strings
+
+
+def render(value: Any) -> str:
+    """``value`` in Hydra's override grammar."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(render(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{render(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    if SAFE_STRING.match(text) and text.lower() not in HYDRA_WORDS:
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _reverse_names() -> dict[str, list[str]]:
+    tandem_to_verl: dict[str, list[str]] = {}
+    for rule in RULES:
+        target = rule.to.split(" ")[0]
+        if rule.kind in ("mapped", "joint") and "." in target:
+            tandem_to_verl.setdefault(target, []).append(rule.key)
+    return tandem_to_verl
+
+
+def _with_verl_names(message: str) -> str:
+    """``message`` with the verl key(s) behind each tandem key it mentions."""
+    found = [
+        f"{tandem} is verl's {' / '.join(verl)}"
+        for tandem, verl in _reverse_names().items()
+        if verl != [tandem] and re.search(rf"(?<![\w.]){re.escape(tandem)}(?![\w])", message)
+    ]
+    return f"{message} [{'; '.join(found)}]" if found else message

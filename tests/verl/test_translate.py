@@ -1,0 +1,173 @@
+"""How a verl command is translated: verl's defaults, names, batch sizes, devices, and the errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.verl import translate
+from tests.verl.test_keys import BASE
+
+
+def args(*items):
+    """BASE with ``items`` replacing the BASE items of the same key."""
+    keys = {item.split("=")[0].lstrip("+") for item in items}
+    return [*(item for item in BASE if item.split("=")[0] not in keys), *items]
+
+
+def config_of(*items):
+    return translate(args(*items)).config()
+
+
+def test_untouched_keys_take_verl_defaults_not_tandem_presets():
+    config = config_of()
+    assert config.actor.engine.lr == 1e-6 and config.actor.engine.weight_decay == 0.01  # tandem: 1e-6 / 0.0
+    assert config.trainer.total_epochs == 30 and config.trainer.val_every == 0  # verl: test_freq=-1
+    assert config.algorithm.kl.use_kl_loss is False  # tandem's grpo preset turns it on
+    assert config.algorithm.kl.estimator == "k3"  # verl's kl_loss_type=low_var_kl
+    assert config.actor.policy_loss.clip_ratio_c == 3.0
+    assert config.actor.engine.warmup_from_zero is True
+    assert config.data.overlong_prompts == "error"  # filter_overlong_prompts=False, truncation=error
+    assert config.rollout.val_temperature == 0.0 and config.rollout.top_k == 0  # verl's top_k=-1
+    assert config.trainer.output_dir == "checkpoints/verl_examples/gsm8k"  # verl's default_local_dir
+    assert list(config.trainer.loggers) == ["console", "wandb", "jsonl"]
+
+
+@pytest.mark.parametrize(
+    ("verl", "tandem"),
+    [
+        ("low_var_kl", "k3"),
+        ("mse", "k2"),
+        ("kl", "k1"),
+        ("abs", "abs"),
+        ("low_var_kl+", "k3+"),
+        ("k2+", "k2"),
+    ],
+)
+def test_kl_type_names(verl, tandem):
+    config = config_of(
+        "actor_rollout_ref.actor.use_kl_loss=true", f"actor_rollout_ref.actor.kl_loss_type={verl}"
+    )
+    assert config.algorithm.kl.estimator == tandem
+
+
+@pytest.mark.parametrize(("verl", "tandem"), [("vanilla", "ppo"), ("geo_mean", "gmpo"), ("gspo", "gspo")])
+def test_loss_mode_names(verl, tandem):
+    assert config_of(f"actor_rollout_ref.actor.policy_loss.loss_mode={verl}").actor.policy_loss.name == tandem
+
+
+def test_estimator_aliases():
+    assert config_of("algorithm.adv_estimator=grpo_vectorized").algorithm.adv_estimator == "grpo"
+
+
+def test_kl_penalty_decides_when_only_the_reward_uses_kl():
+    config = config_of("algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=mse")
+    assert config.algorithm.kl.estimator == "k2" and config.algorithm.kl.use_kl_in_reward
+
+
+def test_two_different_kl_types_in_use_are_refused():
+    with pytest.raises(ValueError, match="kl_loss_type=low_var_kl and algorithm.kl_penalty=kl differ"):
+        translate([*BASE, "algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.use_kl_loss=true"])
+
+
+def test_micro_batches_become_a_token_budget_per_worker():
+    lengths = ["data.max_prompt_length=100", "data.max_response_length=28"]
+    assert config_of(*lengths).actor.engine.max_tokens_per_micro_batch == 2 * 128  # BASE: 2 per GPU
+    base = [item for item in BASE if "ppo_micro_batch_size_per_gpu" not in item and "n_gpus" not in item]
+    global_size = translate(
+        [*base, *lengths, "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size=8"]
+    ).config()
+    assert global_size.actor.engine.max_tokens_per_micro_batch == 4 * 128  # 8 over 2 workers
+    dynamic = translate([*base, "actor_rollout_ref.actor.use_dynamic_bsz=true"]).config()
+    assert dynamic.actor.engine.max_tokens_per_micro_batch == 16384  # verl's ppo_max_token_len_per_gpu
+    with pytest.raises(ValueError, match="ppo_max_token_len_per_gpu=600 is below the longest sequence"):
+        translate(
+            [
+                *base,
+                "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=600",
+            ]
+        )
+
+
+def test_dppo_reads_the_clip_keys_as_divergence_bounds():
+    loss = config_of(
+        "actor_rollout_ref.actor.policy_loss.loss_mode=dppo_tv",
+        "actor_rollout_ref.actor.clip_ratio_low=0.1",
+        "actor_rollout_ref.actor.clip_ratio_high=0.3",
+    ).actor.policy_loss
+    assert (loss.dppo_divergence_low, loss.dppo_divergence_high, loss.dppo_ratio_cap) == (0.1, 0.3, 3.0)
+
+
+def test_clip_ratio_is_used_only_where_low_and_high_are_null():
+    alone = translate([*BASE, "actor_rollout_ref.actor.clip_ratio=0.3"])
+    assert alone.config().actor.policy_loss.clip_ratio_low == 0.2  # verl's low/high default to 0.2
+    assert any("clip_ratio=0.3" in note for note in alone.notes)
+    nulls = config_of(
+        "actor_rollout_ref.actor.clip_ratio=0.3",
+        "actor_rollout_ref.actor.clip_ratio_low=null",
+        "actor_rollout_ref.actor.clip_ratio_high=null",
+    )
+    assert (nulls.actor.policy_loss.clip_ratio_low, nulls.actor.policy_loss.clip_ratio_high) == (0.3, 0.3)
+
+
+def test_gpus_become_cpu_workers_only_on_the_cpu():
+    cuda = translate(args("trainer.device=cuda"))
+    settings = dict(item.split("=", 1) for item in cuda.overrides)
+    assert settings["trainer.n_gpus_per_node"] == "1" and "trainer.n_workers" not in settings
+    assert settings["actor.engine.mixed_precision"] == "bf16"  # verl's fsdp_config.dtype=bfloat16
+
+
+def test_hydra_prefixes_and_quoting_are_verl_s():
+    config = config_of("+trainer.experiment_name='run one'", "trainer.logger=['console','tensorboard']")
+    assert config.trainer.experiment == "run one"
+    assert list(config.trainer.loggers) == ["console", "tensorboard", "jsonl"]
+
+
+def test_unknown_key_names_it_and_the_nearest():
+    with pytest.raises(
+        ValueError,
+        match=r"actor_rollout_ref.actor.ppo_mini_batch_sise is not a verl key.*ppo_mini_batch_size",
+    ):
+        translate([*BASE, "actor_rollout_ref.actor.ppo_mini_batch_sise=4"])
+
+
+def test_unimplemented_feature_names_the_key():
+    with pytest.raises(
+        ValueError, match=r"actor_rollout_ref.rollout.multi_turn.enable=True: tandem does not implement"
+    ):
+        translate([*BASE, "actor_rollout_ref.rollout.multi_turn.enable=true"])
+    with pytest.raises(
+        ValueError, match=r"algorithm.adv_estimator=tir_optimal_token_baseline: tandem does not implement"
+    ):
+        translate(args("algorithm.adv_estimator=tir_optimal_token_baseline"))
+    with pytest.raises(ValueError, match="actor_rollout_ref.rollout.name=sglang"):
+        translate([*BASE[:2], "actor_rollout_ref.rollout.name=sglang"])
+
+
+def test_the_last_value_of_a_key_wins_as_in_hydra_and_removal_is_refused():
+    assert translate([*BASE, "data.train_batch_size=8"]).config().data.train_batch_size == 8
+    with pytest.raises(ValueError, match="~key"):
+        translate([*BASE, "~data.val_files"])
+
+
+def test_tandem_errors_also_name_the_verl_key():
+    with pytest.raises(ValueError, match=r"is verl's actor_rollout_ref.actor.ppo_mini_batch_size"):
+        translate(args("data.train_batch_size=6")).config()
+
+
+def test_the_default_estimator_needs_the_critic_tandem_lacks():
+    items = [item for item in BASE if not item.startswith("algorithm.adv_estimator")]
+    with pytest.raises(ValueError, match="algorithm.adv_estimator='gae' needs a critic"):
+        translate([*items, "critic.model.path=/models/tiny"]).config()
+
+
+def test_gdpo_always_divides_by_the_std_as_in_verl():
+    translation = translate(
+        args(
+            "algorithm.adv_estimator=gdpo",
+            "algorithm.norm_adv_by_std_in_grpo=false",
+            "algorithm.gdpo_reward_keys=[a]",
+        )
+    )
+    assert translation.config().algorithm.norm_adv_by_std is True
+    assert any("verl's GDPO divides by the std regardless" in note for note in translation.notes)
