@@ -57,7 +57,9 @@ def run_train(args: argparse.Namespace, console: Console) -> None:
         config = translation.config(extra=args.set)
     else:
         if args.set:
-            raise ValueError("--set adds tandem keys to a --verl command; without --verl, pass them as key=value")
+            raise ValueError(
+                "--set adds tandem keys to a --verl command; without --verl, pass them as key=value"
+            )
         overrides = list(args.overrides)
         config = load_train_config(overrides)
     if args.print_config:

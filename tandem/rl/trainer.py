@@ -304,7 +304,9 @@ class RLTrainer:
         reward_metrics["dynamic_sampling/informative_groups"] = float(have)
         return batch, reward_metrics
 
-    def generate(self, prompts: Batch, seeds: list[int], temperature: float, validation: bool = False) -> Batch:
+    def generate(
+        self, prompts: Batch, seeds: list[int], temperature: float, validation: bool = False
+    ) -> Batch:
         """Responses for each row of ``prompts`` (one request per row), trimmed to the longest;
         ``validation`` samples with the validation top-p/top-k."""
         sampling = self.config.rollout.sampling(temperature, validation=validation)

@@ -128,7 +128,11 @@ def test_warmup_from_zero_is_verl_s_schedule(schedule):
         return max(floor, math.cos(math.pi * 0.5 * 2.0 * progress) * (1 - floor) * 0.5 + (1 + floor) * 0.5)
 
     config = EngineConfig(
-        lr_schedule=schedule, warmup_steps=warmup, total_steps=total, min_lr_ratio=floor, warmup_from_zero=True
+        lr_schedule=schedule,
+        warmup_steps=warmup,
+        total_steps=total,
+        min_lr_ratio=floor,
+        warmup_from_zero=True,
     )
     for step in range(total + 1):
         assert abs(lr_multiplier(step, config) - verl(step)) < 1e-12, step

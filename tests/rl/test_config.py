@@ -25,7 +25,9 @@ def test_every_preset_composes_with_its_algorithm():
         assert (config.algorithm.adv_estimator, config.actor.policy_loss.name) == (estimator, loss)
         assert config.actor.objective == "policy_gradient"
     online = load_train_config([*BASE, "preset=online_dpo"])
-    assert online.prefers and online.actor.preference.name == "sigmoid" and not online.algorithm.kl.use_kl_loss
+    assert (
+        online.prefers and online.actor.preference.name == "sigmoid" and not online.algorithm.kl.use_kl_loss
+    )
     dapo = load_train_config([*BASE, "preset=dapo"])
     assert (
         dapo.actor.policy_loss.clip_ratio_high == 0.28
