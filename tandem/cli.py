@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -75,7 +76,7 @@ def config_text(overrides: list[str], config: object) -> str:
     """What ``--print-config`` prints: the ``tandem train`` command, then the resolved config as YAML."""
     from omegaconf import OmegaConf
 
-    command = " \\\n    ".join(["tandem train", *overrides])
+    command = " \\\n    ".join(["tandem train", *(shlex.quote(item) for item in overrides)])
     return f"# the command:\n{command}\n# the resolved config:\n{OmegaConf.to_yaml(OmegaConf.structured(config))}"
 
 
@@ -169,10 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--output-dir", default="outputs/demo")
     demo.add_argument(
         "--method",
-        choices=["grpo", "online_dpo", "dpo"],
+        choices=["grpo", "ppo", "online_dpo", "dpo"],
         default="grpo",
-        help="after the warm-up: GRPO or online DPO (both from a verifier's reward on sampled "
-        "responses), or offline DPO on fixed right-vs-slip pairs",
+        help="after the warm-up: GRPO, PPO with a critic, or online DPO (all from a verifier's reward on "
+        "sampled responses), or offline DPO on fixed right-vs-slip pairs",
     )
     demo.add_argument(
         "--pipeline",
@@ -297,7 +298,7 @@ def _run(args: argparse.Namespace, console: Console) -> None:
     if args.command == "demo":
         from tandem.rl.demo import DemoSettings, run_demo
 
-        preset = "online_dpo" if args.method == "online_dpo" else "grpo"
+        preset = args.method if args.method in ("ppo", "online_dpo") else "grpo"
         settings = DemoSettings(output_dir=args.output_dir, pipeline=args.pipeline, preset=preset)
         if args.method == "dpo":
             from tandem.dpo.demo import DPODemoSettings, run_dpo_demo

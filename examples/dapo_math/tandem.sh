@@ -47,4 +47,6 @@ tandem train preset=dapo \
     trainer.save_every=10 \
     trainer.val_every=10 \
     trainer.total_epochs=10 \
+    trainer.lr_schedule_unit=step \
+    trainer.keep_last=1000000 \
     "${DEVICE[@]}" "$@"

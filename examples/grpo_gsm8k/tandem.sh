@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GRPO on gsm8k, written the tandem way: the same run as verl.sh beside it, in tandem's keys
 # (`tandem train --verl ... --print-config` prints this translation for any verl command).
-# Where tandem's defaults already equal the value, the key is left out. Extra key=value
-# arguments are appended; --print-config shows the config without training.
+# Where tandem's defaults already equal the value, the key is left out; verl steps the
+# learning-rate schedule once per RL step and keeps every checkpoint, so those are spelled
+# out. Extra key=value arguments are appended; --print-config shows the config without training.
 set -euo pipefail
 
 MODEL_PATH=${MODEL_PATH:-$HOME/models/Qwen2.5-0.5B-Instruct}
@@ -43,4 +44,6 @@ tandem train preset=grpo \
     trainer.save_every=20 \
     trainer.val_every=5 \
     trainer.total_epochs=15 \
+    trainer.lr_schedule_unit=step \
+    trainer.keep_last=1000000 \
     "${DEVICE[@]}" "$@"

@@ -22,22 +22,32 @@ from tandem.protocol import Batch
 
 @dataclass(frozen=True)
 class TokenOutputs:
-    """Per-token model outputs aligned with ``input_ids [B, S]``.
+    """Per-token model outputs aligned with ``input_ids [B, S]``, fp32; each is None when the
+    model does not produce it.
 
-    ``log_probs[:, t] = log p(input_ids[:, t] | input_ids[:, <t])`` and ``entropy[:, t]`` its
-    predictive entropy, fp32; 0 at each sequence's first token and on padding.
-    ``sum_pi_squared[:, t] = sum_v p(v | input_ids[:, <t])^2`` of the same (temperature-scaled)
-    distribution, detached, when the caller asked for it (else None).
+    A policy (``engine.head=lm``): ``log_probs[:, t] = log p(input_ids[:, t] | input_ids[:, <t])``
+    and ``entropy[:, t]`` its predictive entropy, 0 at each sequence's first token and on
+    padding; ``sum_pi_squared[:, t] = sum_v p(v | input_ids[:, <t])^2`` of the same
+    (temperature-scaled) distribution, detached, when the caller asked for it.
+    A critic (``engine.head=value``): ``values[:, t] = V(s_t)``, read from the hidden state at
+    ``t - 1`` (0 where nothing predicts).
     """
 
-    log_probs: torch.Tensor
-    entropy: torch.Tensor
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
     sum_pi_squared: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+    def fields(self) -> dict[str, torch.Tensor]:
+        """The outputs present, by name."""
+        return {name: getattr(self, name) for name in OUTPUT_NAMES if getattr(self, name) is not None}
 
     def detach(self) -> TokenOutputs:
         """The same outputs cut from the autograd graph."""
-        extra = None if self.sum_pi_squared is None else self.sum_pi_squared.detach()
-        return TokenOutputs(self.log_probs.detach(), self.entropy.detach(), extra)
+        return TokenOutputs(**{name: value.detach() for name, value in self.fields().items()})
+
+
+OUTPUT_NAMES = ("log_probs", "entropy", "sum_pi_squared", "values")
 
 
 LossFn = Callable[[Batch, TokenOutputs], tuple[torch.Tensor, dict[str, torch.Tensor]]]

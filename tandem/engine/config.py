@@ -9,6 +9,7 @@ from tandem.device import check_device_setting
 from tandem.models.loading import DTYPES
 
 STRATEGIES = ("single", "ddp", "fsdp2")
+HEADS = ("lm", "value")
 MIXED_PRECISION = ("none", "bf16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
@@ -39,6 +40,9 @@ class EngineConfig:
 
     Attributes:
         model_path: a local HF model directory (``save_pretrained`` layout).
+        head: ``lm`` (a policy: per-token log-probs through the LM head) or ``value`` (a
+            critic: the decoder with a one-output ``score`` head, per-token values; a causal LM
+            directory loads with a fresh head).
         device: ``auto`` (CUDA when a GPU is visible), ``cpu``, ``cuda`` (the GPU of this
             process's local rank) or ``cuda:N``; see :mod:`tandem.device`.
         strategy: ``single`` process, ``ddp`` or ``fsdp2`` data parallel over the default process group.
@@ -67,11 +71,14 @@ class EngineConfig:
             (``total_steps`` 0: the trainer fills in its optimizer-step count).
         warmup_from_zero: warmup step ``s`` uses ``lr * s / warmup_steps`` (verl's schedule: the
             first step at lr 0) instead of ``lr * (s + 1) / warmup_steps``.
+        warmup_ratio: with ``warmup_steps`` 0, warm up for ``int(warmup_ratio * total_steps)``
+            steps (verl's ``lr_warmup_steps_ratio``).
         lora: LoRA adapter settings.
         seed: parameter-init / dropout seed.
     """
 
     model_path: str = ""
+    head: str = "lm"
     device: str = "auto"
     strategy: str = "single"
     param_dtype: str = "float32"
@@ -94,6 +101,7 @@ class EngineConfig:
     total_steps: int = 0
     min_lr_ratio: float = 0.0
     warmup_from_zero: bool = False
+    warmup_ratio: float = 0.0
     lora: LoraConfig = field(default_factory=LoraConfig)
     seed: int = 0
 
@@ -101,6 +109,7 @@ class EngineConfig:
         owner = "engine"
         check_device_setting(owner, "device", self.device)
         check_choice(owner, "strategy", self.strategy, STRATEGIES)
+        check_choice(owner, "head", self.head, HEADS)
         check_choice(owner, "mixed_precision", self.mixed_precision, MIXED_PRECISION)
         check_choice(owner, "param_dtype", self.param_dtype, [d for d in DTYPES if d != "float16"])
         check_choice(owner, "lr_schedule", self.lr_schedule, LR_SCHEDULES)
@@ -117,10 +126,16 @@ class EngineConfig:
         check_range(owner, "weight_decay", self.weight_decay, low=0.0)
         check_range(owner, "warmup_steps", self.warmup_steps, low=0)
         check_range(owner, "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        check_range(owner, "warmup_ratio", self.warmup_ratio, 0.0, 1.0, high_inclusive=False)
         if self.grad_clip is not None:
             check_positive(owner, "grad_clip", self.grad_clip)
-        if self.lr_schedule != "constant" and 0 < self.total_steps <= self.warmup_steps:
+        if self.lr_schedule != "constant" and 0 < self.total_steps <= self.warmup:
             raise ValueError(
-                f"{owner}.total_steps={self.total_steps} must exceed warmup_steps={self.warmup_steps} "
+                f"{owner}.total_steps={self.total_steps} must exceed warmup_steps={self.warmup} "
                 f"for lr_schedule={self.lr_schedule!r}"
             )
+
+    @property
+    def warmup(self) -> int:
+        """Warmup steps: ``warmup_steps``, or ``warmup_ratio`` of ``total_steps`` when that is 0."""
+        return self.warmup_steps or int(self.warmup_ratio * self.total_steps)

@@ -16,8 +16,8 @@ from tandem.models.logprobs import log_probs_from_hidden
 
 
 class TokenLogProbModel(nn.Module):
-    """``forward(input_ids, position_ids, attention_mask) -> (log_probs, entropy, sum_pi_squared)``, each
-    ``[B, S]`` fp32 (``sum_pi_squared`` None unless ``with_sum_pi_squared``).
+    """``forward(input_ids, position_ids, attention_mask) -> {"log_probs", "entropy"[, "sum_pi_squared"]}``,
+    each ``[B, S]`` fp32 (``sum_pi_squared`` only with ``with_sum_pi_squared``).
 
     ``log_probs[:, t] = log p(input_ids[:, t] | input_ids[:, <t])`` and ``entropy[:, t]`` is the
     entropy of that predictive distribution; position 0 has no prediction and holds 0.
@@ -53,7 +53,7 @@ class TokenLogProbModel(nn.Module):
         attention_plan: AttentionPlan | None = None,
         predictions: Predictions | None = None,
         with_sum_pi_squared: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> dict[str, torch.Tensor]:
         """Per-token log-probs, entropy and (``with_sum_pi_squared``) ``sum_v p(v)^2`` ``[B, S]``;
         positions that nothing predicts hold 0.
 
@@ -92,9 +92,16 @@ class TokenLogProbModel(nn.Module):
         )
         zeros = head.log_probs.new_zeros(input_ids.numel())
 
-        def placed(values: torch.Tensor | None) -> torch.Tensor | None:
-            return (
-                None if values is None else zeros.index_put((predictions.targets,), values).view_as(input_ids)
-            )
+        outputs = {
+            "log_probs": head.log_probs,
+            "entropy": head.entropy,
+            "sum_pi_squared": head.sum_pi_squared,
+        }
+        return {
+            name: zeros.index_put((predictions.targets,), values).view_as(input_ids)
+            for name, values in outputs.items()
+            if values is not None
+        }
 
-        return placed(head.log_probs), placed(head.entropy), placed(head.sum_pi_squared)
+    def vocab_size(self) -> int:
+        return self.head_weight().shape[0]

@@ -24,9 +24,10 @@ from tandem.engine.packing import pack_sequences, pad_to_multiple, positions_fro
 from tandem.engine.parallel import data_parallel_size, wrap_data_parallel
 from tandem.engine.shared_prompts import pack_shared_prompts, prompt_groups
 from tandem.engine.token_model import TokenLogProbModel
+from tandem.engine.value_model import TokenValueModel
 from tandem.engine.varlen_attention import VARLEN_ATTENTION
 from tandem.kernels.cpu import enable_cpu_kernels
-from tandem.models.loading import load_model, resolve_dtype
+from tandem.models.loading import load_model, load_value_model, resolve_dtype
 from tandem.protocol import Batch
 
 
@@ -41,7 +42,7 @@ class TorchTrainEngine:
     def __init__(self, config: EngineConfig, model: nn.Module | None = None) -> None:
         self.config = config
         self._given_model = model
-        self.module: TokenLogProbModel | None = None
+        self.module: TokenLogProbModel | TokenValueModel | None = None
         self.step_count = 0
         self.last_step_skipped = False
         self.device = torch.device("cpu")  # bound by initialize()
@@ -57,10 +58,11 @@ class TorchTrainEngine:
             )
         self.device = bind_device(config.device)
         torch.manual_seed(config.seed)
+        load = load_value_model if config.head == "value" else load_model
         model = (
             self._given_model
             if self._given_model is not None
-            else load_model(config.model_path, config.param_dtype)
+            else load(config.model_path, config.param_dtype)
         )
         model = model.to(device=self.device, dtype=resolve_dtype(config.param_dtype))
         if config.gradient_checkpointing:
@@ -71,7 +73,11 @@ class TorchTrainEngine:
         if config.lora.rank:
             model = apply_lora(model, config.lora)
         enable_cpu_kernels(model, self.device)  # oneDNN linears and malloc settings, on the CPU only
-        self.module = TokenLogProbModel(model, config.logprob_chunk_size, config.logprob_temperature)
+        self.module = (
+            TokenValueModel(model)
+            if config.head == "value"
+            else TokenLogProbModel(model, config.logprob_chunk_size, config.logprob_temperature)
+        )
         self.wrapped = wrap_data_parallel(self.module, config.strategy, self.device, config.mixed_precision)
         self.dp_size = data_parallel_size(config.strategy)
         trainable = [p for p in self.module.parameters() if p.requires_grad]
@@ -90,7 +96,7 @@ class TorchTrainEngine:
         """The HF model being trained (the PEFT model when LoRA is on)."""
         return self._require_module().causal_lm
 
-    def _require_module(self) -> TokenLogProbModel:
+    def _require_module(self) -> TokenLogProbModel | TokenValueModel:
         if self.module is None:
             raise RuntimeError("call initialize() first")
         return self.module
@@ -171,7 +177,7 @@ class TorchTrainEngine:
             )
         if not forward_only and loss_fn is None:
             raise ValueError("forward_backward needs a loss_fn unless forward_only=True")
-        vocab = self.module.head_weight().shape[0]
+        vocab = self.module.vocab_size()
         largest = int(batch["input_ids"].max()) if batch["input_ids"].numel() else 0
         if largest >= vocab:
             raise ValueError(
@@ -200,7 +206,7 @@ class TorchTrainEngine:
                 for name, value in metrics.items():
                     result.metrics.setdefault(name, []).append(float(value))
         if forward_only:
-            result.outputs = _reassemble(collected, batch["input_ids"].shape, with_sum_pi_squared)
+            result.outputs = _reassemble(collected, batch["input_ids"].shape)
         return result
 
     def _forward(self, micro: Batch, with_sum_pi_squared: bool = False) -> TokenOutputs:
@@ -226,18 +232,14 @@ class TorchTrainEngine:
         else:
             packed = pack_sequences(input_ids, attention_mask)
         packed = pad_to_multiple(packed, self.config.pad_tokens_to_multiple).to(self.device)
-        log_probs, entropy, sum_pi_squared = self.wrapped(
+        outputs = self.wrapped(
             input_ids=packed.input_ids,
             position_ids=packed.position_ids,
             attention_plan=packed.attention_plan,
             predictions=packed.predictions,
             with_sum_pi_squared=with_sum_pi_squared,
         )
-        return TokenOutputs(
-            unpack(log_probs, packed),
-            unpack(entropy, packed),
-            None if sum_pi_squared is None else unpack(sum_pi_squared, packed),
-        )
+        return TokenOutputs(**{name: unpack(values, packed) for name, values in outputs.items()})
 
     def _on_device(self, batch: Batch) -> Batch:
         return batch if self.device.type == "cpu" else batch.to(self.device)
@@ -258,16 +260,14 @@ class TorchTrainEngine:
             attention_mask=attention_mask[:, window],
             with_sum_pi_squared=with_sum_pi_squared,
         )
-        mask = attention_mask[:, window].to(outputs[0].dtype)
+        mask = attention_mask[:, window]
 
-        def widened(values: torch.Tensor | None) -> torch.Tensor | None:
-            if values is None:
-                return None
+        def widened(values: torch.Tensor) -> torch.Tensor:
             full = values.new_zeros(input_ids.shape)
-            full[:, window] = values * mask
+            full[:, window] = values * mask.to(values.dtype)
             return full
 
-        return TokenOutputs(*(widened(values) for values in outputs))
+        return TokenOutputs(**{name: widened(values) for name, values in outputs.items()})
 
     def _empty_pass(self, batch: Batch, forward_only: bool) -> None:
         """A zero-weighted forward/backward on two real tokens, so every layer joins this step's collectives.
@@ -280,14 +280,14 @@ class TorchTrainEngine:
             ids = ids.repeat(1, 2)
         positions = torch.arange(2, device=self.device).unsqueeze(0)
         with self._autocast():
-            log_probs, _, _ = self.wrapped(
+            outputs = self.wrapped(
                 input_ids=ids,
                 position_ids=positions,
                 attention_mask=None,
                 cu_seqlens=torch.tensor([0, 2], dtype=torch.int32, device=self.device),
             )
         if not forward_only:
-            (log_probs.sum() * 0.0).backward()
+            (sum(values.sum() for values in outputs.values()) * 0.0).backward()
 
     def _gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """All-reduce/reduce-scatter gradients only on the last micro-batch of a step."""
@@ -416,22 +416,15 @@ class TorchTrainEngine:
         }
 
 
-def _reassemble(
-    collected: list[tuple[list[int], TokenOutputs]], shape: torch.Size, with_sum_pi_squared: bool
-) -> TokenOutputs:
+def _reassemble(collected: list[tuple[list[int], TokenOutputs]], shape: torch.Size) -> TokenOutputs:
     """The micro-batches' outputs (any device) in the batch's row order, on the CPU."""
-    whole = TokenOutputs(
-        torch.zeros(shape, dtype=torch.float32),
-        torch.zeros(shape, dtype=torch.float32),
-        torch.zeros(shape, dtype=torch.float32) if with_sum_pi_squared else None,
-    )
+    names = collected[0][1].fields().keys() if collected else ()
+    whole = {name: torch.zeros(shape, dtype=torch.float32) for name in names}
     for rows, outputs in collected:
         index = torch.tensor(rows)
-        whole.log_probs[index] = outputs.log_probs.to(whole.log_probs.device)
-        whole.entropy[index] = outputs.entropy.to(whole.entropy.device)
-        if whole.sum_pi_squared is not None:
-            whole.sum_pi_squared[index] = outputs.sum_pi_squared.to(whole.sum_pi_squared.device)
-    return whole
+        for name, values in outputs.fields().items():
+            whole[name][index] = values.to(whole[name].device)
+    return TokenOutputs(**whole)
 
 
 def _fused_adamw_applies(params: list[torch.Tensor]) -> bool:

@@ -8,11 +8,13 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForTokenClassification,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+from transformers.utils import logging as hf_logging
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,6 +64,26 @@ def load_model(
     return AutoModelForCausalLM.from_pretrained(
         str(path), dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
     )
+
+
+def load_value_model(
+    path: str | Path, dtype: str = "float32", attn_implementation: str = "sdpa"
+) -> PreTrainedModel:
+    """The model in ``path`` as a one-output token classifier (a critic): its decoder, and its
+    ``score`` head, freshly initialised when ``path`` holds a causal LM."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"no model at {path}: config.json is missing (expected a save_pretrained directory)"
+        )
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "newly initialized: score.weight" is the point here
+    try:
+        return AutoModelForTokenClassification.from_pretrained(
+            str(path), num_labels=1, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
+        )
+    finally:
+        hf_logging.set_verbosity(previous)
 
 
 def check_vocab_compatible(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:

@@ -1,6 +1,6 @@
 """Trainer checkpoints: ``<output_dir>/checkpoints/global_step_<k>/`` with the actor's engine state
-(``actor/``: model, optimizer, scheduler, RNG) and ``trainer_state.json`` (step, sampler, KL
-controller, ...).
+(``actor/``: model, optimizer, scheduler, RNG), the critic's when one trains (``critic/``), and
+``trainer_state.json`` (step, sampler, KL controller, ...).
 
 A checkpoint is assembled in ``global_step_<k>.tmp`` and renamed into place only when complete,
 then the ``latest`` pointer is replaced atomically: a crash at any point leaves the previous
@@ -27,13 +27,14 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep_last = keep_last
 
-    def save(self, step: int, state: dict[str, Any], save_actor: Callable[[str], None]) -> Path:
-        """Write checkpoint ``step``: ``save_actor(dir)`` writes the engine state, then ``state`` as JSON."""
+    def save(self, step: int, state: dict[str, Any], save_engines: Callable[[Path], None]) -> Path:
+        """Write checkpoint ``step``: ``save_engines(dir)`` writes the engines' states into ``dir``
+        (``actor/``, ``critic/``), then ``state`` goes in as JSON."""
         final = self.root / f"{PREFIX}{step}"
         staging = self.root / f"{PREFIX}{step}.tmp"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        save_actor(str(staging / "actor"))
+        save_engines(staging)
         (staging / STATE_FILE).write_text(json.dumps(state, indent=1))
         if final.exists():
             shutil.rmtree(final)

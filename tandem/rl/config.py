@@ -17,6 +17,7 @@ Batch-size semantics (the same as verl's):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from tandem.algos import (
@@ -34,6 +35,7 @@ from tandem.controller.resource_pool import ResourcePool
 from tandem.device import check_device_setting
 from tandem.engine.config import EngineConfig
 from tandem.pipeline.config import PipelineConfig
+from tandem.rl.critic_config import CriticConfig
 from tandem.rollout.config import RolloutEngineConfig
 from tandem.rollout.types import SamplingParams
 
@@ -195,7 +197,8 @@ class FilterGroupsConfig:
         enable: on/off.
         max_num_gen_batches: most generation rounds per step (then train on what there is).
         metric: what must differ within a group: ``score`` (the reward trained on, overlong
-            penalty included) or ``acc`` (the scorer's accuracy; DAPO's choice in verl).
+            penalty included), ``raw_score`` (the scorer's score before that penalty) or ``acc``
+            (the scorer's accuracy; DAPO's choice in verl).
     """
 
     enable: bool = False
@@ -204,7 +207,7 @@ class FilterGroupsConfig:
 
     def __post_init__(self) -> None:
         check_positive("algorithm.filter_groups", "max_num_gen_batches", self.max_num_gen_batches)
-        check_choice("algorithm.filter_groups", "metric", self.metric, ["score", "acc"])
+        check_choice("algorithm.filter_groups", "metric", self.metric, ["score", "raw_score", "acc"])
 
 
 @dataclass(frozen=True)
@@ -235,11 +238,6 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         check_choice("algorithm", "adv_estimator", self.adv_estimator, ADVANTAGE_ESTIMATORS.names())
-        if "values" in estimator_requirements(self.adv_estimator):
-            raise ValueError(
-                f"algorithm.adv_estimator={self.adv_estimator!r} needs a critic's values, and this trainer "
-                "runs no critic yet; use a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax, ...)"
-            )
         self.advantage_config()  # validates the estimator's own settings, named algorithm.*
 
     def advantage_config(self) -> AdvantageConfig:
@@ -255,6 +253,11 @@ class AlgorithmConfig:
     @property
     def needs_reference(self) -> bool:
         return self.kl.use_kl_loss or self.kl.use_kl_in_reward
+
+    @property
+    def needs_values(self) -> bool:
+        """The estimator reads a critic's values (``gae``): a critic is trained beside the actor."""
+        return "values" in estimator_requirements(self.adv_estimator)
 
     @property
     def compares_groups(self) -> bool:
@@ -358,6 +361,9 @@ class TrainerConfig:
         profile_steps: steps to record with the PyTorch profiler: every trainer worker writes a
             Chrome trace per step, ``<profile_dir>/step_<N>/rank<R>.json`` (see docs/rl.md).
         profile_dir: where the traces go (empty: ``<output_dir>/profile``).
+        lr_schedule_unit: what one learning-rate schedule step is: an ``optimizer_step`` (the
+            warmup and ``total_steps`` count optimizer steps) or an RL ``step`` (one schedule step
+            after each step's updates, as verl does; every mini-batch of a step uses the same rate).
     """
 
     total_steps: int = 0
@@ -384,6 +390,7 @@ class TrainerConfig:
     export_hf: bool = True
     profile_steps: tuple[int, ...] = ()
     profile_dir: str = ""
+    lr_schedule_unit: str = "optimizer_step"
 
     def __post_init__(self) -> None:
         check_range("trainer", "total_steps", self.total_steps, low=0)
@@ -396,6 +403,7 @@ class TrainerConfig:
         check_positive("trainer", "total_epochs", self.total_epochs)
         check_device_setting("trainer", "device", self.device)
         check_choice("trainer", "backend", self.backend, BACKENDS)
+        check_choice("trainer", "lr_schedule_unit", self.lr_schedule_unit, ["optimizer_step", "step"])
         check_positive("trainer", "n_workers", self.n_workers)
         check_positive("trainer", "nnodes", self.nnodes)
         check_range("trainer", "n_gpus_per_node", self.n_gpus_per_node, low=0)
@@ -432,6 +440,7 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -467,6 +476,7 @@ class TrainConfig:
             raise ValueError("algorithm.kl.use_kl_loss is on but algorithm.kl.kl_loss_coef is 0")
         self._check_pipeline()
         self._check_preference()
+        self._check_critic()
         from tandem.rl.derived import check_derived_fields  # derived.py builds on this module
 
         check_derived_fields(self)
@@ -494,6 +504,43 @@ class TrainConfig:
                 f"{objective}: the preference loss already measures the policy against the reference; "
                 "turn algorithm.kl.use_kl_loss and use_kl_in_reward off"
             )
+
+    def _check_critic(self) -> None:
+        """The critic's batch sizes divide like the actor's; the roles it cannot join yet, named by key."""
+        if not self.uses_critic:
+            return
+        mini = self.critic_mini_batch_prompts
+        if self.data.train_batch_size % mini:
+            raise ValueError(
+                f"critic.ppo_mini_batch_size={mini} must divide data.train_batch_size={self.data.train_batch_size}"
+            )
+        if (mini * self.rollout.n) % self.world_size:
+            raise ValueError(
+                f"a critic mini-batch of critic.ppo_mini_batch_size * rollout.n = {mini * self.rollout.n} sequences "
+                f"must divide evenly over the {self.world_size} workers"
+            )
+        if self.pipeline.disaggregated:
+            raise ValueError(
+                f"algorithm.adv_estimator={self.algorithm.adv_estimator} trains a critic, which runs with "
+                f"pipeline.mode=sync for now (got pipeline.mode={self.pipeline.mode})"
+            )
+
+    @property
+    def uses_critic(self) -> bool:
+        """A critic is trained (the advantage estimator reads values)."""
+        return self.algorithm.needs_values and not self.prefers
+
+    @property
+    def critic_mini_batch_prompts(self) -> int:
+        return self.critic.ppo_mini_batch_size or self.mini_batch_prompts
+
+    @property
+    def critic_epochs(self) -> int:
+        return self.critic.ppo_epochs or self.actor.ppo_epochs
+
+    @property
+    def critic_loss_agg_mode(self) -> str:
+        return self.critic.loss_agg_mode or self.actor.policy_loss.loss_agg_mode
 
     @property
     def prefers(self) -> bool:
@@ -558,6 +605,17 @@ class TrainConfig:
             gpus_per_process=1.0 if self.trainer.n_gpus_per_node else 0.0,
             name="actor_rollout_ref",
         )
+
+    def critic_resource_pool(self) -> ResourcePool:
+        """The critic group's placement: the actor's shape, in a pool of its own (with Ray, GPUs of its
+        own; the local backend binds critic rank ``r`` to actor rank ``r``'s device)."""
+        return dataclasses.replace(self.resource_pool(), name="critic")
+
+    def schedule_steps(self, total_steps: int, epochs: int, mini_batch_prompts: int) -> int:
+        """Learning-rate schedule steps over a run of ``total_steps`` RL steps (``trainer.lr_schedule_unit``)."""
+        if self.trainer.lr_schedule_unit == "step":
+            return total_steps
+        return total_steps * epochs * (self.data.train_batch_size // mini_batch_prompts)
 
     @property
     def mini_batch_prompts(self) -> int:

@@ -49,8 +49,10 @@ class DemoSettings:
     ``pipeline``: GRPO's ``pipeline.mode``; the asynchronous ones run the rollout in a process
     of its own, and the trainer and the rollout get one CPU thread each.
     ``sft_model_dir``: start GRPO from this finished warm-up instead of running step 1.
-    ``preset``: the RL preset after the warm-up: ``grpo``, or ``online_dpo`` (best/worst pairs
-        of each prompt's responses, ranked by the same reward, trained with the DPO loss).
+    ``preset``: the RL preset after the warm-up: ``grpo``, ``ppo`` (GAE advantages from a critic
+        that starts from the warmed-up model with a fresh value head), or ``online_dpo``
+        (best/worst pairs of each prompt's responses, ranked by the same reward, trained with
+        the DPO loss).
     ``overrides``: extra ``key=value`` settings for the RL run.
     """
 
@@ -121,6 +123,11 @@ def warm_up(settings: DemoSettings, base: Path, paths: dict[str, Path], root: Pa
     return sft.hf_model_dir
 
 
+# The critic starts from the warmed-up policy with a fresh value head: it gets the policy's
+# learning rate and a few steps of its own before the actor moves.
+PPO_DEMO = ("critic.engine.lr=1e-3", "critic.warmup_steps=3")
+
+
 def run_demo(settings: DemoSettings | None = None, console: Console | None = None) -> RLResult:
     """Build, warm up with SFT, train with GRPO, and print held-out accuracy before and after."""
     settings = settings or DemoSettings()
@@ -163,6 +170,7 @@ def run_demo(settings: DemoSettings | None = None, console: Console | None = Non
             f"trainer.seed={settings.seed}",
             f"trainer.experiment=demo-{settings.preset.replace('_', '-')}-arithmetic",
             *pipeline,
+            *(PPO_DEMO if settings.preset == "ppo" else ()),
             *settings.overrides,
         ]
     )

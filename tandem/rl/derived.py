@@ -49,12 +49,10 @@ def _replace_derived(owner: str, given: Any, derived: dict[str, tuple[Any, str]]
     return dataclasses.replace(given, **{name: value for name, (value, _) in derived.items()})
 
 
-def actor_engine_config(
-    config: TrainConfig, device: str, strategy: str, optimizer_steps: int
-) -> EngineConfig:
+def actor_engine_config(config: TrainConfig, device: str, strategy: str, schedule_steps: int) -> EngineConfig:
     """The actor's :class:`EngineConfig` for a worker on ``device`` (a bound device such as ``cuda:1``).
 
-    ``optimizer_steps`` fills ``total_steps`` (the learning-rate schedule's length) when the
+    ``schedule_steps`` fills ``total_steps`` (the learning-rate schedule's length) when the
     user left it at 0.
     """
     engine = config.actor.engine
@@ -71,7 +69,28 @@ def actor_engine_config(
         derived,
         device=device,
         strategy=strategy,
-        total_steps=engine.total_steps or optimizer_steps,
+        total_steps=engine.total_steps or schedule_steps,
+    )
+
+
+def critic_engine_config(
+    config: TrainConfig, device: str, strategy: str, schedule_steps: int
+) -> EngineConfig:
+    """The critic's :class:`EngineConfig` for a worker on ``device``: a value head on
+    ``critic.model_path`` (or the policy's directory), the run's seed, ``schedule_steps``
+    filling ``total_steps`` when the user left it at 0."""
+    engine = config.critic.engine
+    derived = _replace_derived(
+        "critic.engine",
+        engine,
+        {
+            "model_path": (config.critic.model_path or config.model_path, "critic.model_path"),
+            "seed": (config.trainer.seed, "trainer.seed"),
+            "head": ("value", "the critic role"),
+        },
+    )
+    return dataclasses.replace(
+        derived, device=device, strategy=strategy, total_steps=engine.total_steps or schedule_steps
     )
 
 
@@ -92,9 +111,11 @@ def check_derived_fields(config: TrainConfig) -> None:
     device = config.trainer.device
     for owner, given in (
         ("actor.engine", config.actor.engine),
+        ("critic.engine", config.critic.engine),
         ("rollout.engine.native", config.rollout.engine.native),
         ("rollout.engine.hf", config.rollout.engine.hf),
     ):
         _replace_derived(owner, given, {"device": (device, "trainer.device")})
     actor_engine_config(config, device, config.actor.engine.strategy, 0)
+    critic_engine_config(config, device, config.critic.engine.strategy, 0)
     rollout_engine_config(config, device)

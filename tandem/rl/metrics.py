@@ -50,6 +50,23 @@ def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
     return metrics
 
 
+def value_metrics(batch: Batch) -> dict[str, float]:
+    """The critic's values against the returns of a step's batch (verl's ``critic/values/*``,
+    ``critic/returns/*``, ``critic/vf_explained_var``): how much of the returns' variance the
+    values the advantages used explain (1: all, 0: no better than a constant)."""
+    mask = batch["response_mask"].bool()
+    values, returns = batch["values"][mask].float(), batch["returns"][mask].float()
+    if not values.numel():  # every token rejected (rollout correction): nothing to measure
+        return {}
+    variance = returns.var(unbiased=False)
+    explained = 1.0 - (returns - values).var(unbiased=False) / variance if variance > 0 else torch.tensor(0.0)
+    return {
+        **_stats("critic/values", values),
+        **_stats("critic/returns", returns),
+        "critic/vf_explained_var": float(explained),
+    }
+
+
 def timing_metrics(timings: dict[str, float], num_tokens: int, num_workers: int) -> dict[str, float]:
     """``timing_s/<stage>`` and ``perf/throughput`` (tokens per second per worker over the whole step)."""
     metrics = {f"timing_s/{name}": value for name, value in timings.items()}

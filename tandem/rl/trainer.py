@@ -42,9 +42,10 @@ from tandem.report.tracker import ReportTracker
 from tandem.rl.balance import balanced_rank_order
 from tandem.rl.checkpoints import CheckpointManager
 from tandem.rl.config import TrainConfig
+from tandem.rl.critic_worker import CriticWorker
 from tandem.rl.data import RLDataset
 from tandem.rl.derived import derive_seed
-from tandem.rl.metrics import data_metrics, timed, timing_metrics
+from tandem.rl.metrics import data_metrics, timed, timing_metrics, value_metrics
 from tandem.rl.preference_pairs import best_worst_pairs, with_reference_sums
 from tandem.rl.rewards import RewardManager
 from tandem.rl.sequences import concat_sequences, decode_responses, trim_padding
@@ -113,6 +114,7 @@ class RLTrainer:
             total_steps=self.total_steps,
         )
         self.rollout: ColocatedRollout | AsyncRollout | None = None  # built with the workers
+        self.critics = None  # the critic's worker group, when the estimator reads values
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> RLResult:
@@ -126,14 +128,28 @@ class RLTrainer:
     def _fit(self) -> RLResult:
         config, trainer = self.config, self.config.trainer
         pool = config.resource_pool()
-        with create_worker_group(ActorRolloutRefWorker, pool, trainer.backend, args=(config,)) as workers:
-            self.workers = workers
-            optimizer_steps = (
-                self.total_steps
-                * self.config.actor.ppo_epochs
-                * (config.data.train_batch_size // config.mini_batch_prompts)
+        with contextlib.ExitStack() as groups:
+            workers = groups.enter_context(
+                create_worker_group(ActorRolloutRefWorker, pool, trainer.backend, args=(config,))
             )
-            params = workers.init_model(optimizer_steps)[0]
+            self.workers = workers
+            params = workers.init_model(
+                config.schedule_steps(self.total_steps, config.actor.ppo_epochs, config.mini_batch_prompts)
+            )[0]
+            self.critics = None
+            if config.uses_critic:  # a group of its own, with the actor's worker count
+                self.critics = groups.enter_context(
+                    create_worker_group(
+                        CriticWorker, config.critic_resource_pool(), trainer.backend, args=(config,)
+                    )
+                )
+                critic_steps = config.schedule_steps(
+                    self.total_steps, config.critic_epochs, config.critic_mini_batch_prompts
+                )
+                params_critic = self.critics.init_model(critic_steps)[0]
+                self.console.print(
+                    f"critic: {params_critic / 1e6:.2f}M parameters, {config.world_size} worker(s)"
+                )
             resumed = self._resume()
             self._print_plan(params)
             trackers = build_trackers(
@@ -231,10 +247,22 @@ class RLTrainer:
         if self.config.needs_reference:
             with timed(timings, "ref"):
                 batch = batch.union(self.workers.compute_ref_log_prob(batch))
+        if self.critics is not None:
+            with timed(timings, "values"):
+                batch = batch.union(self.critics.compute_values(batch))
         with timed(timings, "adv"):
             batch, adv_metrics = self.compute_advantages(batch)
-        with timed(timings, "update_actor"):
-            metrics = self._update_actor(batch)
+        metrics: dict[str, float] = {}
+        if self.critics is not None:
+            with timed(timings, "update_critic"):
+                per_worker = self.critics.update_critic(batch)
+            metrics.update(
+                {name: reduce_metric(name, [m[name] for m in per_worker]) for name in per_worker[0]}
+            )
+            metrics.update(value_metrics(batch))
+        if self.step > self.config.critic.warmup_steps or self.critics is None:
+            with timed(timings, "update_actor"):
+                metrics.update(self._update_actor(batch))
         return batch, {**metrics, **adv_metrics}  # the controller's measures win over the workers' ones
 
     def _preference_update(self, batch: Batch, timings: dict[str, float]) -> tuple[Batch, dict[str, float]]:
@@ -329,7 +357,7 @@ class RLTrainer:
             self.console.print(f"[yellow]reward: {len(result.errors)} failed ({result.errors[0]}); scored 0")
         if result.notes:
             self.console.print(f"[yellow]reward: {len(result.notes)} fields left out ({result.notes[0]})")
-        tensors = {"token_level_scores": token_scores, "acc": result.accuracy}
+        tensors = {"token_level_scores": token_scores, "acc": result.accuracy, "raw_score": result.raw_scores}
         if result.components is not None:
             tensors["reward_components"] = result.components
         return batch.assign(tensors=tensors), result.metrics
@@ -364,10 +392,13 @@ class RLTrainer:
                 old_log_probs=batch.get("old_log_probs"),
                 sum_pi_squared=batch.get("sum_pi_squared"),
                 rollout_is_weights=weights,
+                values=batch.get("values"),
             ),
             algorithm.advantage_config(),
         )
         tensors = {"token_level_rewards": rewards, "advantages": advantage.advantages, "response_mask": mask}
+        if "values" in batch:  # the critic's targets
+            tensors["returns"] = advantage.returns
         if weights is not None:
             tensors["rollout_is_weights"] = weights
         return batch.assign(tensors=tensors), metrics
@@ -414,9 +445,14 @@ class RLTrainer:
             "kl_coef": self.kl_controller.value,
             "python_random": repr(random.getstate()),
         }
-        path = self.checkpoints.save(self.step, state, lambda target: self.workers.save_checkpoint(target))
+        path = self.checkpoints.save(self.step, state, self._save_engines)
         self.console.print(f"checkpoint: {path}")
         return path
+
+    def _save_engines(self, directory: Path) -> None:
+        self.workers.save_checkpoint(str(directory / "actor"))
+        if self.critics is not None:
+            self.critics.save_checkpoint(str(directory / "critic"))
 
     def _resume(self) -> bool:
         mode = self.config.trainer.resume
@@ -427,6 +463,10 @@ class RLTrainer:
             return False
         state = CheckpointManager.read_state(path)
         self.workers.load_checkpoint(str(path / "actor"), state["step"])
+        if self.critics is not None:
+            if not (path / "critic").exists():
+                raise ValueError(f"{path} holds no critic state; it was saved by a run without a critic")
+            self.critics.load_checkpoint(str(path / "critic"))
         self.step = state["step"]
         self.sampler.load_state(state["sampler"])
         self.kl_controller.value = state["kl_coef"]
@@ -490,8 +530,9 @@ def _pipeline_plan(config: TrainConfig) -> str:
 
 
 def _groups_with_spread(batch: Batch, n: int, metric: str) -> torch.Tensor:
-    """``[G]`` bool: groups of ``n`` consecutive rows whose ``metric`` (``score`` or ``acc``) is not all equal."""
-    values = batch["token_level_scores"].sum(-1) if metric == "score" else batch["acc"]
+    """``[G]`` bool: groups of ``n`` consecutive rows whose ``metric`` (``score``, ``raw_score`` or
+    ``acc``) is not all equal."""
+    values = batch["token_level_scores"].sum(-1) if metric == "score" else batch[metric]
     return values.view(-1, n).std(dim=1) > 0
 
 

@@ -41,6 +41,7 @@ SUMMED_METRICS = (
     "actor/pg_loss",
     "actor/kl_loss",
     "actor/preference_loss",
+    "critic/vf_loss",
 )  # micro-batch (and worker) shares of one loss: add up
 MAX_METRICS = ("rollout_corr/max_abs_log_prob_diff",)
 SHUFFLE_SEED_TAG = 101  # derive_seed(run seed, this, step, epoch): the mini-batch order of an epoch
@@ -59,10 +60,10 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
 
     # ------------------------------------------------------------------ set-up
     @register(dispatch="ONE_TO_ALL")
-    def init_model(self, optimizer_steps: int) -> int:
+    def init_model(self, schedule_steps: int) -> int:
         """Bind this rank's device, load the policy into the trainer and the rollout engine (and
-        the reference); returns the parameter count. ``optimizer_steps`` is the run's optimizer
-        step count (the learning-rate schedule's length unless ``actor.engine.total_steps`` is set)."""
+        the reference); returns the parameter count. ``schedule_steps`` is the learning-rate
+        schedule's length over the run (unless ``actor.engine.total_steps`` is set)."""
         config = self.config
         hf_logging.disable_progress_bar()
         self.device = bind_device(config.trainer.device, self.local_rank)
@@ -75,7 +76,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         strategy = config.actor.engine.strategy
         if self.world_size > 1 and strategy == "single":
             strategy = "ddp"
-        engine_config = actor_engine_config(config, str(self.device), strategy, optimizer_steps)
+        engine_config = actor_engine_config(config, str(self.device), strategy, schedule_steps)
         self.engine = TorchTrainEngine(engine_config)
         self.engine.initialize()
         check_vocab_compatible(self.engine.causal_lm, self.tokenizer)
@@ -200,6 +201,8 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
                     self._update_preference(batch, collected)
                 else:
                     self._update_epoch(batch, step, epoch, local_mini, collected)
+        if config.trainer.lr_schedule_unit == "step":
+            self.engine.lr_step()
         self._probe = batch[:1]
         metrics = {name: reduce_metric(name, values, over_steps=True) for name, values in collected.items()}
         metrics["actor/skipped_updates"] = float(self.skipped.total - skipped_before)
@@ -239,12 +242,14 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
                 collected[name].append(reduce_metric(name, values))
 
     def _optimizer_step(self, loss: float, collected: dict[str, list[float]]) -> None:
-        """Step the optimizer (skipped when ``loss`` is not finite, and counted) and the learning
-        rate; ``actor/grad_norm`` and ``actor/lr`` go into ``collected``."""
+        """Step the optimizer (skipped when ``loss`` is not finite, and counted) and, per optimizer
+        step (``trainer.lr_schedule_unit``), the learning rate; ``actor/grad_norm`` and ``actor/lr``
+        go into ``collected``."""
         collected["actor/grad_norm"].append(self.engine.optimizer_step(skip=not math.isfinite(loss)))
         self.skipped.record(self.engine.last_step_skipped)
         collected["actor/lr"].append(self.engine.lr)
-        self.engine.lr_step()
+        if self.config.trainer.lr_schedule_unit == "optimizer_step":
+            self.engine.lr_step()
 
     def _update_preference(self, batch: Batch, collected: dict[str, list[float]]) -> None:
         """Online DPO: one optimizer step on this rank's whole pairs (chosen and rejected rows with

@@ -76,31 +76,36 @@ def position_limit(ctx: Context) -> None:
         )
 
 
-def optimizer(ctx: Context) -> None:
-    """Gradient clipping (two verl keys), warmup (steps or a ratio) and the schedule's name."""
-    clips = {k: ctx.get(k) for k in (f"{ACTOR}.optim.clip_grad", f"{ACTOR}.grad_clip") if ctx.set_by_user(k)}
-    if len(set(clips.values())) > 1:
-        raise ValueError(f"{' and '.join(clips)} disagree ({list(clips.values())}); set one")
-    clip = next(iter(clips.values()), ctx.get(f"{ACTOR}.grad_clip"))
-    ctx.out["actor.engine.grad_clip"] = None if clip is None or float(clip) <= 0 else float(clip)
-    steps = ctx.get(f"{ACTOR}.optim.lr_warmup_steps")
-    ratio = float(ctx.get(f"{ACTOR}.optim.lr_warmup_steps_ratio") or 0.0)
-    if steps is not None and int(steps) >= 0:
-        ctx.out["actor.engine.warmup_steps"] = int(steps)
-    elif ratio > 0:
-        raise ValueError(
-            f"{ACTOR}.optim.lr_warmup_steps_ratio={ratio}: tandem counts warmup in optimizer steps; set "
-            f"{ACTOR}.optim.lr_warmup_steps to ratio x the run's optimizer steps"
-        )
-    else:
-        ctx.out["actor.engine.warmup_steps"] = 0
-    ctx.out["actor.engine.warmup_from_zero"] = True  # verl's warmup starts at lr 0
-    style = ctx.get(f"{ACTOR}.optim.warmup_style")
-    schedule = style if style is not None else ctx.get(f"{ACTOR}.optim.lr_scheduler_type")
-    ctx.out["actor.engine.lr_schedule"] = names.tandem_name(f"{ACTOR}.optim.lr_scheduler_type", schedule)
+def optimizer(ctx: Context, verl: str = ACTOR, tandem: str = "actor.engine") -> None:
+    """The optimizer of one role (``verl``: its verl group, ``tandem``: its engine's keys): gradient
+    clipping, warmup (steps, or a ratio of the schedule), the schedule's name, verl's warmup shape.
+
+    verl steps the schedule once per RL step (``trainer.lr_schedule_unit=step``). Its v1 trainer
+    (``trainer.use_v1``, the default) clips by ``optim.clip_grad``; the legacy one by ``grad_clip``.
+    """
+    read, ignored = (f"{verl}.optim.clip_grad", f"{verl}.grad_clip")
+    if not ctx.get("trainer.use_v1"):
+        read, ignored = ignored, read
+    if ctx.set_by_user(ignored):
+        version = "v1 trainer" if ctx.get("trainer.use_v1") else "legacy trainer (trainer.use_v1=False)"
+        ctx.notes.append(f"{ignored}: verl's {version} clips by {read}; so does this translation")
+    clip = ctx.get(read)
+    ctx.out[f"{tandem}.grad_clip"] = None if clip is None or float(clip) <= 0 else float(clip)
+    steps = ctx.get(f"{verl}.optim.lr_warmup_steps")
+    if steps is not None and int(steps) > 0:
+        ctx.out[f"{tandem}.warmup_steps"] = int(steps)
+    else:  # verl: a non-positive (or null) lr_warmup_steps defers to the ratio
+        ctx.out[f"{tandem}.warmup_steps"] = 0
+        ctx.out[f"{tandem}.warmup_ratio"] = float(ctx.get(f"{verl}.optim.lr_warmup_steps_ratio") or 0.0)
+    ctx.out[f"{tandem}.warmup_from_zero"] = True  # verl's warmup starts at lr 0
+    ctx.out["trainer.lr_schedule_unit"] = "step"
+    style = ctx.get(f"{verl}.optim.warmup_style")
+    schedule = style if style is not None else ctx.get(f"{verl}.optim.lr_scheduler_type")
+    ctx.out[f"{tandem}.lr_schedule"] = names.tandem_name(f"{ACTOR}.optim.lr_scheduler_type", schedule)
 
 
 def dtypes(ctx: Context, on_gpu: bool) -> None:
+    """Parameter and compute dtypes (the critic computes like the actor)."""
     model_dtype = ctx.get(f"{ACTOR}.fsdp_config.model_dtype")
     params = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
     if model_dtype not in params:
@@ -108,37 +113,46 @@ def dtypes(ctx: Context, on_gpu: bool) -> None:
     ctx.out["actor.engine.param_dtype"] = params[model_dtype]
     compute = ctx.get(f"{ACTOR}.fsdp_config.dtype")
     if compute in ("bfloat16", "bf16"):
-        if on_gpu:
-            ctx.out["actor.engine.mixed_precision"] = "bf16"
-        else:
-            ctx.out["actor.engine.mixed_precision"] = "none"
+        precision = "bf16" if on_gpu else "none"
+        if not on_gpu:
             ctx.notes.append(
                 f"{ACTOR}.fsdp_config.dtype={compute}: verl computes in bf16 on GPUs; tandem on the CPU computes in fp32"
             )
     elif compute in ("float32", "fp32"):
-        ctx.out["actor.engine.mixed_precision"] = "none"
+        precision = "none"
     else:
         raise ValueError(f"{ACTOR}.fsdp_config.dtype={compute}: tandem computes in bf16 or fp32")
+    ctx.out["actor.engine.mixed_precision"] = precision
+    if ctx.out.get("algorithm.adv_estimator") == "gae":
+        ctx.out["critic.engine.mixed_precision"] = precision
+        ctx.out["critic.engine.param_dtype"] = params[model_dtype]
 
 
-def micro_batches(ctx: Context, workers: int) -> None:
+def micro_batches(ctx: Context, workers: int, verl: str = ACTOR, tandem: str = "actor.engine") -> None:
     """verl's micro-batches (sequences per GPU, or tokens per GPU with ``use_dynamic_bsz``) become
-    tandem's packed token budget per worker. Micro-batches never change the result."""
+    tandem's packed token budget per worker. Micro-batches never change the result. As in verl,
+    the critic's ``use_dynamic_bsz`` defaults to the actor's; its sizes are its own."""
+
+    def read(name: str) -> Any:
+        own = ctx.get(f"{verl}.{name}")
+        inherited = own is None and verl != ACTOR and name == "use_dynamic_bsz"
+        return ctx.get(f"{ACTOR}.{name}") if inherited else own
+
     longest = int(ctx.get("data.max_prompt_length")) + int(ctx.get("data.max_response_length"))
-    to = "actor.engine.max_tokens_per_micro_batch"
-    if ctx.get(f"{ACTOR}.use_dynamic_bsz"):
-        budget = int(ctx.get(f"{ACTOR}.ppo_max_token_len_per_gpu"))
+    to = f"{tandem}.max_tokens_per_micro_batch"
+    if read("use_dynamic_bsz"):
+        budget = int(ctx.get(f"{verl}.ppo_max_token_len_per_gpu"))
         if budget < longest:
             raise ValueError(
-                f"{ACTOR}.ppo_max_token_len_per_gpu={budget} is below the longest sequence, "
+                f"{verl}.ppo_max_token_len_per_gpu={budget} is below the longest sequence, "
                 f"data.max_prompt_length + data.max_response_length = {longest}"
             )
         ctx.out[to] = budget
         return
-    per_gpu = ctx.get(f"{ACTOR}.ppo_micro_batch_size_per_gpu")
-    total = ctx.get(f"{ACTOR}.ppo_micro_batch_size")
+    per_gpu = read("ppo_micro_batch_size_per_gpu")
+    total = read("ppo_micro_batch_size")
     if per_gpu is not None and total is not None:
-        raise ValueError(f"set one of {ACTOR}.ppo_micro_batch_size_per_gpu and {ACTOR}.ppo_micro_batch_size")
+        raise ValueError(f"set one of {verl}.ppo_micro_batch_size_per_gpu and {verl}.ppo_micro_batch_size")
     if per_gpu is None and total is not None:
         per_gpu = max(1, int(total) // workers)
     if per_gpu is None:
@@ -146,6 +160,44 @@ def micro_batches(ctx: Context, workers: int) -> None:
         ctx.notes.append(f"no micro-batch size given: {to}={ctx.out[to]} tokens per worker")
         return
     ctx.out[to] = int(per_gpu) * longest  # never more memory than per_gpu padded sequences
+
+
+CRITIC_INHERITS = ("ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode")  # verl: the actor's unless set
+
+
+def critic(ctx: Context, workers: int) -> None:
+    """The critic's settings when the estimator reads values (``gae``); otherwise its keys change
+    nothing and get one note."""
+    keys = sorted(k for k in ctx.given if k.startswith("critic.") or k == "trainer.critic_warmup")
+    estimator = ctx.out["algorithm.adv_estimator"]
+    if estimator != "gae":
+        if keys:
+            ctx.notes.append(f"{', '.join(keys)}: no critic runs for algorithm.adv_estimator={estimator}")
+        return
+    if ctx.get("critic.model.path") is not None:
+        ctx.out["critic.model_path"] = str(ctx.get("critic.model.path"))
+    ctx.out["critic.engine.lr"] = float(ctx.get("critic.optim.lr"))
+    ctx.out["critic.engine.weight_decay"] = float(ctx.get("critic.optim.weight_decay"))
+    ctx.out["critic.engine.betas"] = tuple(float(b) for b in ctx.get("critic.optim.betas"))
+    ctx.out["critic.engine.min_lr_ratio"] = float(ctx.get("critic.optim.min_lr_ratio") or 0.0)
+    ctx.out["critic.engine.gradient_checkpointing"] = bool(
+        ctx.get("critic.model.enable_gradient_checkpointing")
+    )
+    optimizer(ctx, "critic", "critic.engine")
+    micro_batches(ctx, workers, "critic", "critic.engine")
+    for name in CRITIC_INHERITS:
+        value = ctx.get(f"critic.{name}")
+        if value is not None:
+            ctx.out[f"critic.{name}"] = value if name == "loss_agg_mode" else int(value)
+    clip = ctx.get("critic.cliprange_value")
+    ctx.out["critic.cliprange_value"] = None if clip is None else float(clip)
+    # verl updates the actor once global_step (from 1) reaches critic_warmup: k - 1 critic-only steps
+    ctx.out["critic.warmup_steps"] = max(0, int(ctx.get("trainer.critic_warmup") or 0) - 1)
+    if ctx.get("critic.shuffle") is None and ctx.get(f"{ACTOR}.shuffle"):
+        raise ValueError(
+            f"{ACTOR}.shuffle=True also shuffles verl's critic mini-batches (critic.shuffle follows it); "
+            "tandem's critic does not shuffle: set critic.shuffle=False"
+        )
 
 
 def policy_loss(ctx: Context) -> None:
@@ -226,25 +278,29 @@ def gdpo_normalisation(ctx: Context) -> None:
 
 
 def filter_groups(ctx: Context) -> None:
-    batches = int(ctx.get(f"{ALGO}.filter_groups.max_num_gen_batches") or 0)
-    if ctx.get(f"{ALGO}.filter_groups.enable"):
-        if batches <= 0:
-            raise ValueError(
-                f"{ALGO}.filter_groups.max_num_gen_batches={batches}: tandem needs a limit on generation rounds "
-                "(verl's 0 means none); set a positive number"
-            )
-        ctx.out["algorithm.filter_groups.max_num_gen_batches"] = batches
+    """DAPO's dynamic sampling. verl's v1 trainer reads the metric from the reward function's
+    fields (``score`` before the overlong penalty, ``acc``) and generates until the batch is full."""
+    if not ctx.get(f"{ALGO}.filter_groups.enable"):
+        return
     metric = ctx.get(f"{ALGO}.filter_groups.metric")
-    metrics = {
-        None: "score",
-        "score": "score",
-        "seq_reward": "score",
-        "seq_final_reward": "score",
-        "acc": "acc",
-    }
+    metrics = {"acc": "acc", "score": "raw_score"}
     if metric not in metrics:
-        raise ValueError(f"{ALGO}.filter_groups.metric={metric}: tandem filters on 'acc' or 'score'")
+        raise ValueError(
+            f"{ALGO}.filter_groups.metric={metric}: verl's trainer reads 'acc' or 'score' from the reward "
+            "function's fields; set one"
+        )
     ctx.out["algorithm.filter_groups.metric"] = metrics[metric]
+    batches = int(ctx.get(f"{ALGO}.filter_groups.max_num_gen_batches") or 0)
+    if batches <= 0:
+        batches = UNLIMITED_ROUNDS
+        ctx.notes.append(
+            f"{ALGO}.filter_groups.max_num_gen_batches=0: verl generates until the batch is full; tandem "
+            f"allows {UNLIMITED_ROUNDS} rounds"
+        )
+    ctx.out["algorithm.filter_groups.max_num_gen_batches"] = batches
+
+
+UNLIMITED_ROUNDS = 1000
 
 
 def rollout_correction(ctx: Context) -> None:
@@ -254,18 +310,22 @@ def rollout_correction(ctx: Context) -> None:
     rejection = ctx.get(f"{base}.rollout_rs")
     ctx.out["algorithm.rollout_correction.rejection"] = names.tandem_name(f"{base}.rollout_rs", rejection)
     threshold = ctx.get(f"{base}.rollout_rs_threshold")
-    if rejection is None or threshold is None:
+    if rejection is None:
         return
-    text = str(threshold)
-    low, _, high = text.partition("_")
+    if threshold is None:
+        raise ValueError(
+            f"{base}.rollout_rs={rejection} needs {base}.rollout_rs_threshold (verl requires one too)"
+        )
+    low, _, high = str(threshold).partition("_")
     try:
-        bounds = (float(low), float(high)) if high else (1.0 / float(low), float(low))
+        lower, upper = (float(low), float(high)) if high else (1.0 / float(low), float(low))
     except ValueError:
         raise ValueError(
             f"{base}.rollout_rs_threshold={threshold}: expected 'LOW_HIGH' or one upper bound"
         ) from None
-    ctx.out["algorithm.rollout_correction.rejection_low"] = bounds[0]
-    ctx.out["algorithm.rollout_correction.rejection_high"] = bounds[1]
+    # verl bounds -log(rho) by [log LOW, log HIGH]: rho = pi_old / pi_rollout lies in [1/HIGH, 1/LOW]
+    ctx.out["algorithm.rollout_correction.rejection_low"] = 1.0 / upper
+    ctx.out["algorithm.rollout_correction.rejection_high"] = 1.0 / lower
 
 
 def rollout_engine(ctx: Context) -> None:
@@ -287,8 +347,11 @@ def rollout_engine(ctx: Context) -> None:
             ctx.out[f"rollout.engine.vllm.{key}"] = convert(ctx.get(f"{ROLLOUT}.{key}"))
         else:
             ctx.notes.append(f"{ROLLOUT}.{key}: a vLLM setting; the {engine} engine does not read it")
-    if ctx.set_by_user(f"{ROLLOUT}.max_num_seqs") and engine in ("vllm", "native"):
-        ctx.out[f"rollout.engine.{engine}.max_num_seqs"] = int(ctx.get(f"{ROLLOUT}.max_num_seqs"))
+    if ctx.set_by_user(f"{ROLLOUT}.max_num_seqs"):
+        if engine in ("vllm", "native"):
+            ctx.out[f"rollout.engine.{engine}.max_num_seqs"] = int(ctx.get(f"{ROLLOUT}.max_num_seqs"))
+        else:
+            ctx.notes.append(f"{ROLLOUT}.max_num_seqs: the {engine} engine generates one request at a time")
     mode = ctx.get(f"{ROLLOUT}.logprobs_mode")
     if mode not in ("processed_logprobs", "processed"):
         raise ValueError(
@@ -298,22 +361,25 @@ def rollout_engine(ctx: Context) -> None:
 
 
 def validation_sampling(ctx: Context) -> None:
+    """verl's agent loop samples validation with ``val_kwargs.temperature/top_p/top_k/n`` as given
+    (``do_sample`` is not read); temperature 0 is greedy, one answer per prompt."""
     base = f"{ROLLOUT}.val_kwargs"
-    if ctx.get(f"{base}.do_sample"):
-        temperature = float(ctx.get(f"{base}.temperature"))
-        ctx.out["rollout.val_temperature"] = temperature
-        ctx.out["rollout.val_n"] = int(ctx.get(f"{base}.n"))
-        if temperature > 0:
-            ctx.out["rollout.val_top_p"] = float(ctx.get(f"{base}.top_p"))
-            top_k = ctx.get(f"{base}.top_k")
-            ctx.out["rollout.val_top_k"] = 0 if top_k is None or int(top_k) < 0 else int(top_k)
-        return
-    ctx.out["rollout.val_temperature"] = 0.0
-    ctx.out["rollout.val_n"] = 1
-    if int(ctx.get(f"{base}.n")) != 1:
+    if ctx.set_by_user(f"{base}.do_sample"):
         ctx.notes.append(
-            f"{base}.n={ctx.get(f'{base}.n')} with do_sample=false: greedy gives one answer per prompt"
+            f"{base}.do_sample: verl samples validation by val_kwargs.temperature; so does tandem"
         )
+    temperature = float(ctx.get(f"{base}.temperature"))
+    ctx.out["rollout.val_temperature"] = temperature
+    n = int(ctx.get(f"{base}.n"))
+    if temperature == 0.0:
+        if n != 1:
+            ctx.notes.append(f"{base}.n={n} at temperature 0: greedy gives one answer per prompt (val_n=1)")
+        ctx.out["rollout.val_n"] = 1
+        return
+    ctx.out["rollout.val_n"] = n
+    ctx.out["rollout.val_top_p"] = float(ctx.get(f"{base}.top_p"))
+    top_k = ctx.get(f"{base}.top_k")
+    ctx.out["rollout.val_top_k"] = 0 if top_k is None or int(top_k) < 0 else int(top_k)
 
 
 def rewards(ctx: Context) -> None:
@@ -325,22 +391,28 @@ def rewards(ctx: Context) -> None:
             name = ctx.get(f"{prefix}.name")
             ctx.out["reward.custom_name"] = "compute_score" if name is None else str(name)
     manager = ctx.get("reward.reward_manager.name", ctx.get("reward_model.reward_manager"))
-    if manager not in (None, "naive", "dapo"):
+    if manager not in (None, "naive", "dapo", "gdpo"):
         raise ValueError(
-            f"reward manager {manager!r}: tandem scores like verl's 'naive' manager (and 'dapo' with an overlong "
-            "buffer); use custom_reward_function for anything else"
+            f"reward manager {manager!r}: tandem scores like verl's 'naive' (and 'gdpo') manager, and 'dapo' with "
+            "an overlong buffer; use custom_reward_function for anything else"
         )
     for prefix in ("reward.reward_kwargs.overlong_buffer_cfg", "reward_model.overlong_buffer"):
-        if ctx.get(f"{prefix}.enable") is None:
+        given = [k for k in ("enable", "len", "penalty_factor") if ctx.get(f"{prefix}.{k}") is not None]
+        if not given:
             continue
         if manager != "dapo":
-            raise ValueError(
-                f"{prefix}.enable applies to verl's 'dapo' reward manager; set the manager to dapo"
-            )
-        ctx.out["reward.overlong.enable"] = bool(ctx.get(f"{prefix}.enable"))
-        for key, to, convert in (("len", "buffer", int), ("penalty_factor", "penalty_factor", float)):
-            if ctx.get(f"{prefix}.{key}") is not None:
-                ctx.out[f"reward.overlong.{to}"] = convert(ctx.get(f"{prefix}.{key}"))
+            raise ValueError(f"{prefix}.* applies to verl's 'dapo' reward manager; set the manager to dapo")
+        if not ctx.get(f"{prefix}.enable"):
+            if given != ["enable"]:
+                ctx.notes.append(f"{prefix}.{', '.join(given)}: the overlong buffer is off ({prefix}.enable)")
+            ctx.out["reward.overlong.enable"] = False
+            continue
+        if ctx.get(f"{prefix}.len") is None:
+            raise ValueError(f"{prefix}.enable=True needs {prefix}.len (verl asserts it too)")
+        ctx.out["reward.overlong.enable"] = True
+        ctx.out["reward.overlong.buffer"] = int(ctx.get(f"{prefix}.len"))
+        factor = ctx.get(f"{prefix}.penalty_factor")
+        ctx.out["reward.overlong.penalty_factor"] = 1.0 if factor is None else float(factor)
     limit = ctx.get("reward.reward_kwargs.max_resp_len")
     if limit is not None and int(limit) != int(ctx.get("data.max_response_length")):
         raise ValueError(
@@ -350,13 +422,6 @@ def rewards(ctx: Context) -> None:
     for key in ("reward.num_workers", "reward_model.num_workers"):
         if ctx.get(key) is not None:
             ctx.out["reward.num_workers"] = int(ctx.get(key))
-
-
-def critic(ctx: Context, estimator: str) -> None:
-    keys = sorted(k for k in ctx.given if k.startswith("critic."))
-    if keys and estimator != "gae":
-        ctx.notes.append(f"{', '.join(keys)}: no critic runs for algorithm.adv_estimator={estimator}")
-    # With gae, tandem's own config names the missing critic (algorithm.adv_estimator).
 
 
 def placement(ctx: Context) -> tuple[int, bool]:

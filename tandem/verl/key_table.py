@@ -13,11 +13,10 @@ def _cell(rule: Rule) -> str:
         return f"accepted, note: {rule.note}"
     if rule.kind == "required value":
         allowed = " or ".join(f"`{v}`" for v in rule.only)
-        return f"{allowed} only (tandem lacks {rule.why})"
-    target = rule.to.replace("`", "")
-    if rule.kind == "joint":
-        return f"`{target.split(' ')[0]}`{target[len(target.split(' ')[0]) :]} (with related keys)"
-    return f"`{target}`"
+        return f"only {allowed}; anything else is an error (tandem lacks {rule.why})"
+    key, _, rest = rule.to.partition(" ")
+    target = f"`{key}` {rest}".rstrip() if "." in key else rule.to
+    return f"{target} (read with related keys)" if rule.kind == "joint" else target
 
 
 def key_table_markdown() -> str:

@@ -34,10 +34,11 @@ NOTED_PREFIXES: dict[str, str] = {
     "actor_rollout_ref.ref.profiler.": "use trainer.profile_steps (tandem's PyTorch profiler)",
     "actor_rollout_ref.rollout.profiler.": "use trainer.profile_steps (tandem's PyTorch profiler)",
     "actor_rollout_ref.rollout.engine_kwargs.": "engine arguments tandem's vLLM replica sets itself",
+    "critic.fsdp.": "FSDP settings: tandem decides sharding and offloading itself",
+    "critic.model.fsdp_config.": "FSDP settings: tandem decides sharding and offloading itself",
+    "critic.checkpoint.": "tandem saves the critic's model, optimizer and scheduler with the actor's",
+    "critic.profiler.": "use trainer.profile_steps (tandem's PyTorch profiler)",
 }
-CRITIC_PREFIX = (
-    "critic."  # read only with a critic-based estimator (tandem's config names the missing critic)
-)
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,8 @@ def translate(items: Sequence[str]) -> Translation:
         translate_group(ctx)
     workers, on_gpu = joint.placement(ctx)
     joint.micro_batches(ctx, workers)
+    joint.critic(ctx, workers)
     joint.dtypes(ctx, on_gpu)
-    joint.critic(ctx, ctx.out["algorithm.adv_estimator"])
     overrides = tuple(f"{key}={render(value)}" for key, value in sorted(ctx.out.items()))
     return Translation(overrides, tuple(notes + ctx.notes))
 
@@ -92,6 +93,8 @@ def _parse(items: Sequence[str]) -> dict[str, Any]:
         except HydraException as error:
             raise ValueError(f"{item!r}: {error}") from None
         key = override.key_or_group
+        if override.is_sweep_override():
+            raise ValueError(f"{item}: a sweep (several values) is not a run; give {key} one value")
         given.pop(key, None)  # as in Hydra (and so verl), the last value of a key wins
         given[key] = override.value()
     return given
@@ -104,8 +107,6 @@ def _check(key: str, value: Any) -> str:
         for prefix, note in NOTED_PREFIXES.items():
             if key.startswith(prefix):
                 return f"{key}: {note}"
-        if key.startswith(CRITIC_PREFIX):
-            return ""
         close = difflib.get_close_matches(key, list(BY_KEY), n=3, cutoff=0.75)
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
         raise ValueError(
@@ -135,7 +136,7 @@ def _convert(rule: Rule, value: Any) -> Any:
         raise ValueError(f"{rule.key}={value!r}: {error}") from None
 
 
-SAFE_STRING = re.compile(r"^[A-Za-z_/.~][\w./:~+-]*$")
+SAFE_STRING = re.compile(r"^[A-Za-z_/.][\w./:+-]*$")
 HYDRA_WORDS = {"true", "false", "null", "nan", "inf"}  # parsed as values, not strings
 
 
@@ -154,7 +155,9 @@ def render(value: Any) -> str:
     text = str(value)
     if SAFE_STRING.match(text) and text.lower() not in HYDRA_WORDS:
         return text
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    # Hydra unescapes backslashes only before a quote (or the closing quote): double just those
+    text = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, text)
+    return "'" + text.replace("'", "\\'") + "'"
 
 
 def _reverse_names() -> dict[str, list[str]]:

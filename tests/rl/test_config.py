@@ -18,6 +18,7 @@ def test_every_preset_composes_with_its_algorithm():
         "rloo": ("rloo", "ppo"),
         "reinforce_pp": ("reinforce_plus_plus", "ppo"),
         "remax": ("remax", "ppo"),
+        "ppo": ("gae", "ppo"),
     }
     assert sorted(presets()) == sorted([*expected, "online_dpo"])
     for name, (estimator, loss) in expected.items():
@@ -35,6 +36,8 @@ def test_every_preset_composes_with_its_algorithm():
         and dapo.reward.overlong.enable
     )
     assert not load_train_config([*BASE, "preset=dr_grpo"]).algorithm.norm_adv_by_std
+    ppo = load_train_config([*BASE, "preset=ppo"])
+    assert ppo.uses_critic and ppo.algorithm.kl.use_kl_in_reward and not load_train_config(BASE).uses_critic
 
 
 def test_overrides_apply_and_bad_ones_name_the_key():
@@ -96,7 +99,13 @@ def test_overrides_apply_and_bad_ones_name_the_key():
             ["rollout.engine.native.max_model_len=99"],
             r"rollout.engine.native.max_model_len=99 would be overwritten: it follows data.max_prompt_length",
         ),
-        (["algorithm.adv_estimator=gae"], "needs a critic"),
+        (
+            ["algorithm.adv_estimator=gae", "pipeline.mode=one_step_off"],
+            "trains a critic, which runs with pipeline.mode=sync for now",
+        ),
+        (["preset=ppo", "critic.ppo_mini_batch_size=3"], "critic.ppo_mini_batch_size=3 must divide"),
+        (["preset=ppo", "critic.engine.seed=4"], "critic.engine.seed=4 would be overwritten"),
+        (["critic.engine.lora.rank=4"], "critic.engine.lora.rank"),
         (["rollout.val_n=4"], "rollout.val_n=4 needs rollout.val_temperature > 0"),
         (["trainer.loggers=[console,neptune]"], "trainer.loggers='neptune'"),
         (["model_path="], "model_path is required"),
@@ -108,12 +117,12 @@ def test_impossible_combinations_are_rejected_naming_the_fields(overrides, messa
 
 
 def test_engine_fields_follow_the_run_from_one_place():
-    from tandem.rl.derived import actor_engine_config, rollout_engine_config
+    from tandem.rl.derived import actor_engine_config, critic_engine_config, rollout_engine_config
 
     config = load_train_config(
         [*BASE, "trainer.seed=3", "rollout.temperature=0.7", "actor.engine.seed=3", "rollout.engine.name=hf"]
     )
-    engine = actor_engine_config(config, "cpu", "single", optimizer_steps=12)
+    engine = actor_engine_config(config, "cpu", "single", schedule_steps=12)
     assert (
         engine.model_path,
         engine.seed,
@@ -131,6 +140,20 @@ def test_engine_fields_follow_the_run_from_one_place():
     assert rollout.name == "hf" and rollout.hf.device == "cpu"
     assert (rollout.native.max_model_len, rollout.native.seed) == (config.max_sequence_length, 3)
     assert rollout.native.prefix_cache_entries == 0  # prompts are shared within a step, not across
+    critic = critic_engine_config(config, "cpu", "single", schedule_steps=5)
+    assert (critic.head, critic.model_path, critic.seed, critic.total_steps, critic.lr) == (
+        "value",
+        "/m",
+        3,
+        5,
+        1e-5,
+    )
+    schedule = load_train_config(
+        [*BASE, "data.train_batch_size=8", "actor.ppo_mini_batch_size=2", "actor.ppo_epochs=3"]
+    )
+    assert schedule.schedule_steps(10, 3, 2) == 10 * 3 * 4  # optimizer steps
+    per_step = load_train_config([*BASE, "trainer.lr_schedule_unit=step"])
+    assert per_step.schedule_steps(10, 3, 2) == 10  # RL steps, as verl counts them
 
 
 def test_validation_sampling_uses_its_own_top_p_and_top_k_where_set():

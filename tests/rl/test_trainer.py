@@ -204,3 +204,18 @@ def test_the_hf_reference_engine_runs_the_loop_and_agrees_with_native_and_the_tr
     (step,) = [h for h in hf.history if h["step"] == 1]
     assert step["rollout_corr/max_abs_log_prob_diff"] < 1e-4
     assert math.isfinite(step["actor/pg_loss"]) and step["response_length/mean"] > 0
+
+
+def test_the_schedule_steps_once_per_rl_step_when_asked(rl_files, tmp_path):
+    """``trainer.lr_schedule_unit=step`` (verl's): every mini-batch of a step uses the same rate, and
+    the warmup counts RL steps; by default it counts optimizer steps."""
+    common = ("data.val_path=", "actor.ppo_mini_batch_size=2", "trainer.total_steps=3", "actor.engine.lr=1e-3",
+              "actor.engine.warmup_steps=2", "actor.engine.warmup_from_zero=true")  # fmt: skip
+    per_step = history_without_validation(
+        rl_files, tmp_path / "step", *common, "trainer.lr_schedule_unit=step"
+    )
+    assert [h["actor/lr"] for h in per_step] == pytest.approx([0.0, 5e-4, 1e-3])
+    per_update = history_without_validation(rl_files, tmp_path / "update", *common)
+    assert [h["actor/lr"] for h in per_update] == pytest.approx(
+        [2.5e-4, 1e-3, 1e-3]
+    )  # (0 + 0.5) / 2, then full

@@ -29,7 +29,7 @@ def resolved_config(output: str) -> str:
     return output.split("# the resolved config:\n", 1)[1]
 
 
-@pytest.mark.parametrize("recipe", ["grpo_gsm8k", "dapo_math"])
+@pytest.mark.parametrize("recipe", ["grpo_gsm8k", "dapo_math", "ppo_gsm8k"])
 def test_verl_way_and_tandem_way_are_the_same_run(recipe):
     files = {"model": "/models/qwen", "train": "/data/train.parquet", "val": "/data/test.parquet"}
     verl = run_example(EXAMPLES / recipe / "verl.sh", files, "--print-config")

@@ -28,68 +28,73 @@ BASE = [
 ]
 
 # Keys whose example needs other keys beside it.
+GAE = ["algorithm.adv_estimator=gae"]
+TEMPERATURE = ["actor_rollout_ref.rollout.val_kwargs.temperature=1.0"]
+DAPO_MANAGER = ["reward.reward_manager.name=dapo"]
+OVERLONG_ON = [*DAPO_MANAGER, "reward.reward_kwargs.overlong_buffer_cfg.enable=true"]
+OLD_OVERLONG_ON = ["reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true"]
 CONTEXT = {
+    **{r.key: GAE for r in RULES if r.key.startswith("critic.") or r.key == "trainer.critic_warmup"},
+    "critic.ppo_max_token_len_per_gpu": [*GAE, "critic.use_dynamic_bsz=true"],
     "algorithm.gdpo_reward_keys": ["algorithm.adv_estimator=gdpo"],
     "algorithm.gdpo_reward_weights": [
         "algorithm.adv_estimator=gdpo",
         "algorithm.gdpo_reward_keys=[format,accuracy]",
     ],
     "actor_rollout_ref.actor.policy_loss.dro_beta": ["actor_rollout_ref.actor.policy_loss.loss_mode=dro"],
-    "algorithm.filter_groups.max_num_gen_batches": ["algorithm.filter_groups.enable=true"],
+    "algorithm.filter_groups.max_num_gen_batches": [
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=acc",
+    ],
+    "algorithm.filter_groups.metric": ["algorithm.filter_groups.enable=true"],
     "algorithm.rollout_correction.rollout_rs_threshold": ["algorithm.rollout_correction.rollout_rs=token_k1"],
-    "reward.reward_kwargs.overlong_buffer_cfg.enable": ["reward.reward_manager.name=dapo"],
-    "reward.reward_kwargs.overlong_buffer_cfg.len": [
-        "reward.reward_manager.name=dapo",
-        "reward.reward_kwargs.overlong_buffer_cfg.enable=true",
+    "algorithm.rollout_correction.rollout_rs": ["algorithm.rollout_correction.rollout_rs_threshold=2.0"],
+    "reward.reward_kwargs.overlong_buffer_cfg.enable": [
+        *DAPO_MANAGER,
+        "reward.reward_kwargs.overlong_buffer_cfg.len=64",
     ],
+    "reward.reward_kwargs.overlong_buffer_cfg.len": OVERLONG_ON,
     "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor": [
-        "reward.reward_manager.name=dapo",
-        "reward.reward_kwargs.overlong_buffer_cfg.enable=true",
+        *OVERLONG_ON,
+        "reward.reward_kwargs.overlong_buffer_cfg.len=64",
     ],
-    "reward_model.overlong_buffer.enable": ["reward_model.reward_manager=dapo"],
-    "reward_model.overlong_buffer.len": [
+    "reward_model.overlong_buffer.enable": [
         "reward_model.reward_manager=dapo",
-        "reward_model.overlong_buffer.enable=true",
+        "reward_model.overlong_buffer.len=64",
     ],
-    "reward_model.overlong_buffer.penalty_factor": [
-        "reward_model.reward_manager=dapo",
-        "reward_model.overlong_buffer.enable=true",
-    ],
+    "reward_model.overlong_buffer.len": OLD_OVERLONG_ON,
+    "reward_model.overlong_buffer.penalty_factor": [*OLD_OVERLONG_ON, "reward_model.overlong_buffer.len=64"],
     "reward.reward_kwargs.max_resp_len": ["data.max_response_length=512"],
-    "actor_rollout_ref.actor.ppo_micro_batch_size": [],  # BASE's per-GPU size is removed below
-    "actor_rollout_ref.rollout.gpu_memory_utilization": [],
     "trainer.resume_from_path": ["trainer.resume_mode=resume_path"],
-    "actor_rollout_ref.rollout.val_kwargs.top_p": [
-        "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
-        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
-    ],
-    "actor_rollout_ref.rollout.val_kwargs.top_k": [
-        "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
-        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
-    ],
-    "actor_rollout_ref.rollout.val_kwargs.n": [
-        "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
-        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
-    ],
-    "actor_rollout_ref.rollout.val_kwargs.temperature": [
-        "actor_rollout_ref.rollout.val_kwargs.do_sample=true"
-    ],
+    "trainer.use_v1": ["actor_rollout_ref.actor.grad_clip=0.3"],
+    "custom_reward_function.name": ["custom_reward_function.path=/work/reward.py"],
+    "reward.custom_reward_function.name": ["reward.custom_reward_function.path=/work/reward.py"],
+    "actor_rollout_ref.rollout.val_kwargs.top_p": TEMPERATURE,
+    "actor_rollout_ref.rollout.val_kwargs.top_k": TEMPERATURE,
+    "actor_rollout_ref.rollout.val_kwargs.n": TEMPERATURE,
 }
 
 # What each joint key's example becomes (tandem key -> value), with CONTEXT beside it.
 JOINT = {
     "data.train_files": {"data.train_path": "/data/train.parquet"},
     "data.val_files": {"data.val_path": "/data/test.parquet"},
-    "data.filter_overlong_prompts": {"data.overlong_prompts": "error"},
+    "data.filter_overlong_prompts": {
+        "data.overlong_prompts": "error"
+    },  # verl's default: keep them, truncation=error
     "data.truncation": {"data.overlong_prompts": "truncate_left"},
     "actor_rollout_ref.model.override_config.max_position_embeddings": {},
-    "actor_rollout_ref.actor.optim.clip_grad": {"actor.engine.grad_clip": 1.0},
-    "actor_rollout_ref.actor.grad_clip": {"actor.engine.grad_clip": 1.0},
+    "actor_rollout_ref.actor.optim.clip_grad": {"actor.engine.grad_clip": 0.5},
+    "actor_rollout_ref.actor.grad_clip": {"actor.engine.grad_clip": 1.0},  # verl's v1 trainer reads clip_grad
+    "trainer.use_v1": {"actor.engine.grad_clip": 0.3},  # the legacy trainer reads grad_clip
     "actor_rollout_ref.actor.optim.lr_warmup_steps": {
         "actor.engine.warmup_steps": 10,
         "actor.engine.warmup_from_zero": True,
+        "trainer.lr_schedule_unit": "step",
     },
-    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": {"actor.engine.warmup_steps": 0},
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": {
+        "actor.engine.warmup_steps": 0,
+        "actor.engine.warmup_ratio": 0.1,
+    },
     "actor_rollout_ref.actor.optim.lr_scheduler_type": {"actor.engine.lr_schedule": "cosine"},
     "actor_rollout_ref.actor.optim.warmup_style": {"actor.engine.lr_schedule": "cosine"},
     "actor_rollout_ref.actor.ppo_micro_batch_size": {"actor.engine.max_tokens_per_micro_batch": 16 * 1024},
@@ -103,7 +108,7 @@ JOINT = {
         "actor.policy_loss.clip_ratio_low": 0.2,
         "actor.policy_loss.clip_ratio_high": 0.2,
     },
-    "actor_rollout_ref.actor.clip_ratio_low": {"actor.policy_loss.clip_ratio_low": 0.2},
+    "actor_rollout_ref.actor.clip_ratio_low": {"actor.policy_loss.clip_ratio_low": 0.1},
     "actor_rollout_ref.actor.clip_ratio_high": {"actor.policy_loss.clip_ratio_high": 0.28},
     "actor_rollout_ref.actor.clip_ratio_c": {"actor.policy_loss.clip_ratio_c": 10.0},
     "actor_rollout_ref.actor.loss_agg_mode": {"actor.policy_loss.loss_agg_mode": "seq-mean-token-mean"},
@@ -113,7 +118,7 @@ JOINT = {
     },
     "actor_rollout_ref.actor.kl_loss_type": {"algorithm.kl.estimator": "k3+"},
     "actor_rollout_ref.actor.fsdp_config.model_dtype": {"actor.engine.param_dtype": "bfloat16"},
-    "actor_rollout_ref.actor.fsdp_config.dtype": {"actor.engine.mixed_precision": "none"},  # on the CPU
+    "actor_rollout_ref.actor.fsdp_config.dtype": {"actor.engine.mixed_precision": "none"},  # fp32 on the CPU
     "actor_rollout_ref.rollout.name": {"rollout.engine.name": "vllm"},
     "actor_rollout_ref.rollout.val_kwargs.temperature": {"rollout.val_temperature": 0.6},
     "actor_rollout_ref.rollout.val_kwargs.top_p": {"rollout.val_top_p": 0.7},
@@ -121,46 +126,71 @@ JOINT = {
     "actor_rollout_ref.rollout.val_kwargs.n": {"rollout.val_n": 4},
     "actor_rollout_ref.rollout.val_kwargs.do_sample": {
         "rollout.val_temperature": 0.0
-    },  # verl's default temperature 0
+    },  # verl reads the temperature
     "actor_rollout_ref.rollout.gpu_memory_utilization": {},  # the native engine: a note
     "actor_rollout_ref.rollout.enforce_eager": {},
     "actor_rollout_ref.rollout.enable_prefix_caching": {},
     "actor_rollout_ref.rollout.max_num_seqs": {"rollout.engine.native.max_num_seqs": 128},
     "actor_rollout_ref.rollout.dtype": {},
     "actor_rollout_ref.rollout.logprobs_mode": {},
-    "algorithm.kl_penalty": {"algorithm.kl.estimator": "k3"},  # no KL in use: the loss type decides
+    "algorithm.kl_penalty": {"algorithm.kl.estimator": "k3"},  # no KL in use: kl_loss_type decides
     "algorithm.filter_groups.max_num_gen_batches": {"algorithm.filter_groups.max_num_gen_batches": 10},
-    "algorithm.filter_groups.metric": {"algorithm.filter_groups.metric": "acc"},
+    "algorithm.filter_groups.metric": {
+        "algorithm.filter_groups.metric": "acc",
+        "algorithm.filter_groups.max_num_gen_batches": 1000,
+    },
     "algorithm.rollout_correction.rollout_is": {"algorithm.rollout_correction.is_level": "sequence"},
-    "algorithm.rollout_correction.rollout_rs": {"algorithm.rollout_correction.rejection": "token"},
-    "algorithm.rollout_correction.rollout_rs_threshold": {
+    "algorithm.rollout_correction.rollout_rs": {
+        "algorithm.rollout_correction.rejection": "token",
         "algorithm.rollout_correction.rejection_low": 0.5,
         "algorithm.rollout_correction.rejection_high": 2.0,
+    },
+    "algorithm.rollout_correction.rollout_rs_threshold": {
+        "algorithm.rollout_correction.rejection_low": 1 / 1.5,  # verl: -log(rho) in [log 0.8, log 1.5]
+        "algorithm.rollout_correction.rejection_high": 1 / 0.8,
     },
     "custom_reward_function.path": {
         "reward.custom_path": "/work/reward.py",
         "reward.custom_name": "compute_score",
     },
-    "custom_reward_function.name": {},  # read with the path
+    "custom_reward_function.name": {"reward.custom_name": "score_fn"},
     "reward.custom_reward_function.path": {"reward.custom_path": "/work/reward.py"},
-    "reward.custom_reward_function.name": {},
+    "reward.custom_reward_function.name": {"reward.custom_name": "score_fn"},
     "reward_model.reward_manager": {},
     "reward.reward_manager.name": {},
-    "reward.reward_kwargs.overlong_buffer_cfg.enable": {"reward.overlong.enable": True},
-    "reward.reward_kwargs.overlong_buffer_cfg.len": {"reward.overlong.buffer": 64},
-    "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor": {"reward.overlong.penalty_factor": 1.0},
+    "reward.reward_kwargs.overlong_buffer_cfg.enable": {
+        "reward.overlong.enable": True,
+        "reward.overlong.buffer": 64,
+    },
+    "reward.reward_kwargs.overlong_buffer_cfg.len": {"reward.overlong.buffer": 48},
+    "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor": {"reward.overlong.penalty_factor": 0.5},
     "reward.reward_kwargs.max_resp_len": {},
-    "reward_model.overlong_buffer.enable": {"reward.overlong.enable": True},
-    "reward_model.overlong_buffer.len": {"reward.overlong.buffer": 64},
-    "reward_model.overlong_buffer.penalty_factor": {"reward.overlong.penalty_factor": 1.0},
+    "reward_model.overlong_buffer.enable": {"reward.overlong.enable": True, "reward.overlong.buffer": 64},
+    "reward_model.overlong_buffer.len": {"reward.overlong.buffer": 48},
+    "reward_model.overlong_buffer.penalty_factor": {"reward.overlong.penalty_factor": 0.5},
     "reward.num_workers": {"reward.num_workers": 8},
     "reward_model.num_workers": {"reward.num_workers": 8},
-    "critic.optim.lr": {},
-    "critic.model.path": {},
-    "critic.ppo_micro_batch_size_per_gpu": {},
-    "critic.strategy": {},
-    "critic.model.enable_gradient_checkpointing": {},
-    "critic.cliprange_value": {},
+    "critic.model.path": {"critic.model_path": "/models/critic"},
+    "critic.model.enable_gradient_checkpointing": {"critic.engine.gradient_checkpointing": False},
+    "critic.optim.lr": {"critic.engine.lr": 2e-5},
+    "critic.optim.weight_decay": {"critic.engine.weight_decay": 0.1},
+    "critic.optim.betas": {"critic.engine.betas": (0.9, 0.95)},
+    "critic.optim.clip_grad": {"critic.engine.grad_clip": 0.5},
+    "critic.grad_clip": {"critic.engine.grad_clip": 1.0},
+    "critic.optim.lr_warmup_steps": {"critic.engine.warmup_steps": 5},
+    "critic.optim.lr_warmup_steps_ratio": {"critic.engine.warmup_ratio": 0.1},
+    "critic.optim.lr_scheduler_type": {"critic.engine.lr_schedule": "cosine"},
+    "critic.optim.warmup_style": {"critic.engine.lr_schedule": "cosine"},
+    "critic.optim.min_lr_ratio": {"critic.engine.min_lr_ratio": 0.1},
+    "critic.ppo_mini_batch_size": {"critic.ppo_mini_batch_size": 2},
+    "critic.ppo_epochs": {"critic.ppo_epochs": 2},
+    "critic.loss_agg_mode": {"critic.loss_agg_mode": "seq-mean-token-mean"},
+    "critic.ppo_micro_batch_size_per_gpu": {"critic.engine.max_tokens_per_micro_batch": 3 * 1024},
+    "critic.ppo_micro_batch_size": {"critic.engine.max_tokens_per_micro_batch": 3 * 1024},  # 3 over 1 worker
+    "critic.use_dynamic_bsz": {"critic.engine.max_tokens_per_micro_batch": 32768},
+    "critic.ppo_max_token_len_per_gpu": {"critic.engine.max_tokens_per_micro_batch": 3000},
+    "critic.cliprange_value": {"critic.cliprange_value": 0.2},
+    "trainer.critic_warmup": {"critic.warmup_steps": 1},  # verl's actor starts at step 2
     "trainer.logger": {"trainer.loggers": ("console", "tensorboard", "jsonl")},
     "trainer.default_local_dir": {"trainer.output_dir": "/ckpt/run"},
     "trainer.resume_mode": {"trainer.resume": "disable"},
@@ -168,6 +198,20 @@ JOINT = {
     "trainer.n_gpus_per_node": {"trainer.n_workers": 4, "trainer.device": "cpu"},
     "trainer.nnodes": {"trainer.nnodes": 2, "trainer.backend": "ray"},
     "trainer.device": {"trainer.device": "cpu"},
+}
+
+# Joint keys whose example changes nothing here: the note they print.
+JOINT_NOTES = {
+    "actor_rollout_ref.model.override_config.max_position_embeddings": "a length limit",
+    "actor_rollout_ref.actor.grad_clip": "clips by actor_rollout_ref.actor.optim.clip_grad",
+    "critic.grad_clip": "clips by critic.optim.clip_grad",
+    "actor_rollout_ref.rollout.gpu_memory_utilization": "a vLLM setting",
+    "actor_rollout_ref.rollout.enforce_eager": "a vLLM setting",
+    "actor_rollout_ref.rollout.enable_prefix_caching": "a vLLM setting",
+    "actor_rollout_ref.rollout.dtype": "a vLLM setting",
+    "actor_rollout_ref.rollout.val_kwargs.do_sample": "verl samples validation by val_kwargs.temperature",
+    "actor_rollout_ref.actor.clip_ratio": "use clip_ratio only where those are null",
+    "algorithm.filter_groups.metric": "verl generates until the batch is full",
 }
 
 
@@ -214,6 +258,8 @@ def test_joint_key(rule):
     settings = _settings(translation)
     for key, value in JOINT[rule.key].items():
         assert settings[key] == render(value), key
+    if rule.key in JOINT_NOTES:
+        assert any(JOINT_NOTES[rule.key] in note for note in translation.notes), translation.notes
     translation.config()
 
 

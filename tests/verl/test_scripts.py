@@ -1,6 +1,6 @@
 """verl's launch scripts run on tandem with one word changed (``verl.trainer.main_ppo`` ->
 ``tandem.verl.main_ppo``): GRPO on gsm8k-style data and DAPO train two steps on the CPU; the
-PPO quick start translates and stops at the critic tandem does not have yet; ``--print-config``
+PPO quick start trains with its critic; ``--print-config``
 output is stable (a golden file)."""
 
 from __future__ import annotations
@@ -82,10 +82,24 @@ def test_dapo_script_trains(rl_files, tmp_path):
     assert "tensorboard" in config["trainer"]["loggers"]
 
 
-def test_ppo_quickstart_translates_and_names_the_missing_critic(rl_files):
-    done = run_script(scripts.PPO_QUICKSTART, rl_files, *NATIVE)
-    assert done.returncode == 2
-    assert "algorithm.adv_estimator='gae' needs a critic" in done.stderr
+def test_ppo_quickstart_trains_the_actor_and_a_critic(rl_files, tmp_path):
+    out = tmp_path / "ppo"
+    done = run_script(
+        scripts.PPO_QUICKSTART,
+        rl_files,
+        "trainer.total_training_steps=2",
+        f"trainer.default_local_dir={out}",
+        "trainer.logger=[console,file]",
+        f"custom_reward_function.path={rl_files['reward']}",
+        *NATIVE,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _steps(out) == [1, 2]
+    config = _run_json(out)
+    assert config["algorithm"]["adv_estimator"] == "gae"  # verl's default: PPO with a critic
+    assert (config["critic"]["model_path"], config["critic"]["engine"]["lr"]) == (rl_files["model"], 1e-5)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all("critic/vf_loss" in line for line in lines if "actor/pg_loss" in line)
 
 
 @pytest.mark.parametrize("name", ["GRPO_GSM8K", "DAPO"])

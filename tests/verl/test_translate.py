@@ -155,19 +155,40 @@ def test_tandem_errors_also_name_the_verl_key():
         translate(args("data.train_batch_size=6")).config()
 
 
-def test_the_default_estimator_needs_the_critic_tandem_lacks():
+def test_the_default_estimator_trains_a_critic_with_verl_s_critic_settings():
     items = [item for item in BASE if not item.startswith("algorithm.adv_estimator")]
-    with pytest.raises(ValueError, match="algorithm.adv_estimator='gae' needs a critic"):
-        translate([*items, "critic.model.path=/models/tiny"]).config()
+    config = translate(
+        [*items, "critic.model.path=/models/critic", "critic.optim.lr=3e-5", "trainer.critic_warmup=3"]
+    ).config()
+    assert config.algorithm.adv_estimator == "gae" and config.uses_critic  # verl's default estimator
+    critic = config.critic
+    assert (critic.model_path, critic.engine.lr, critic.warmup_steps) == ("/models/critic", 3e-5, 2)
+    assert (critic.cliprange_value, critic.engine.weight_decay) == (0.5, 0.01)  # verl's defaults
+    assert config.critic_mini_batch_prompts == config.mini_batch_prompts  # inherited, as in verl
+    with pytest.raises(ValueError, match="also shuffles verl's critic mini-batches"):
+        translate([*items, "actor_rollout_ref.actor.shuffle=true"])
 
 
-def test_gdpo_always_divides_by_the_std_as_in_verl():
-    translation = translate(
-        args(
-            "algorithm.adv_estimator=gdpo",
-            "algorithm.norm_adv_by_std_in_grpo=false",
-            "algorithm.gdpo_reward_keys=[a]",
-        )
-    )
-    assert translation.config().algorithm.norm_adv_by_std is True
-    assert any("verl's GDPO divides by the std regardless" in note for note in translation.notes)
+def test_learning_rate_steps_once_per_rl_step_like_verl():
+    config = config_of("actor_rollout_ref.actor.optim.lr_warmup_steps=3")
+    assert config.trainer.lr_schedule_unit == "step" and config.actor.engine.warmup_steps == 3
+
+
+def test_rejection_needs_a_threshold_and_sweeps_are_refused():
+    with pytest.raises(
+        ValueError, match="rollout_rs=token_k1 needs algorithm.rollout_correction.rollout_rs_threshold"
+    ):
+        translate(args("algorithm.rollout_correction.rollout_rs=token_k1"))
+    with pytest.raises(ValueError, match="a sweep"):
+        translate(args("actor_rollout_ref.rollout.n=2,4"))
+
+
+def test_dapo_filtering_needs_verl_s_metric_names():
+    with pytest.raises(ValueError, match="filter_groups.metric=None"):
+        translate(args("algorithm.filter_groups.enable=true"))
+    with pytest.raises(ValueError, match="filter_groups.metric=seq_reward"):
+        translate(args("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward"))
+    score = config_of("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score")
+    assert (
+        score.algorithm.filter_groups.metric == "raw_score"
+    )  # verl's score field: before the overlong penalty

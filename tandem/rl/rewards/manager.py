@@ -28,8 +28,9 @@ from tandem.rl.rewards.values import describe, real_number
 @dataclass
 class RewardResult:
     """``scores [B]`` (after any overlong penalty), ``accuracy [B]`` (the scorer's ``acc``, else its
-    score), metrics, and ``components [B, K]``: the requested fields of each dict result, in the
-    order asked for (None when none were asked for; see :mod:`.components`)."""
+    score), metrics, ``components [B, K]``: the requested fields of each dict result, in the
+    order asked for (None when none were asked for; see :mod:`.components`), and ``raw_scores [B]``
+    (the scorer's scores before any overlong penalty)."""
 
     scores: torch.Tensor
     accuracy: torch.Tensor
@@ -39,6 +40,7 @@ class RewardResult:
         default_factory=list
     )  # dict fields left out (not numbers); the items still count
     components: torch.Tensor | None = None
+    raw_scores: torch.Tensor | None = None
 
 
 class RewardManager:
@@ -77,7 +79,7 @@ class RewardManager:
         results = run_with_timeouts(self._score_one, items, self.config.num_workers, self.config.timeout_s)
         components = reward_components(results, component_keys, data_sources) if component_keys else None
         values, accuracies, extras, errors, notes = _unpack(results, data_sources)
-        scores = torch.tensor(values, dtype=torch.float32)
+        scores = raw_scores = torch.tensor(values, dtype=torch.float32)
         accuracy = torch.tensor(accuracies, dtype=torch.float32)
         metrics = {
             "reward/errors": float(len(errors)),
@@ -93,7 +95,7 @@ class RewardManager:
             metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
         for name, column in extras.items():
             metrics[f"reward/extra/{name}/mean"] = sum(column) / len(column)
-        return RewardResult(scores, accuracy, metrics, errors, notes, components)
+        return RewardResult(scores, accuracy, metrics, errors, notes, components, raw_scores)
 
 
 def _unpack(

@@ -1,0 +1,85 @@
+"""``TokenValueModel``: a critic — a decoder with a scalar head — whose forward returns ``V(s_t)`` per token.
+
+The value of response token ``t`` is read from the hidden state of the token before it (the
+state the action was taken in), exactly where the policy's head reads the log-prob of token
+``t``; so the same :class:`~tandem.engine.packing.Predictions` place both, in packed and
+padded rows, and shared-prompt packing works unchanged. Like :class:`TokenLogProbModel` it
+wraps the HF model so that DDP or FSDP2 sees one ordinary module.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem.engine.packing import Predictions, next_token_predictions
+from tandem.engine.varlen_attention import PLAN_KEYWORD, AttentionPlan
+
+
+class TokenValueModel(nn.Module):
+    """``forward(input_ids, position_ids, ...) -> {"values": [B, S]}`` fp32.
+
+    ``values[:, t]`` is the critic's estimate of the return from token ``t`` on, computed
+    from the hidden state at ``t - 1``; positions nothing predicts hold 0. ``value_model`` is
+    an HF ``...ForTokenClassification`` model with one label: its decoder and ``score`` head.
+    """
+
+    def __init__(self, value_model: nn.Module) -> None:
+        super().__init__()
+        self.value_model = value_model
+
+    @property
+    def causal_lm(self) -> nn.Module:
+        """The HF model (named like the policy's, so the engine treats both alike)."""
+        return self.value_model
+
+    def decoder(self) -> nn.Module:
+        return self.value_model.base_model
+
+    def head_weight(self) -> torch.Tensor:
+        return self.value_model.score.weight
+
+    def vocab_size(self) -> int:
+        return self.value_model.get_input_embeddings().weight.shape[0]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        attention_plan: AttentionPlan | None = None,
+        predictions: Predictions | None = None,
+        with_sum_pi_squared: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """Per-token values ``[B, S]``; the arguments are :class:`TokenLogProbModel`'s
+        (``with_sum_pi_squared`` has no meaning for a critic and must be False)."""
+        if with_sum_pi_squared:
+            raise ValueError("a value model has no token distribution: with_sum_pi_squared must be False")
+        attention = {}
+        if attention_plan is not None:
+            attention = {PLAN_KEYWORD: attention_plan}
+        elif cu_seqlens is not None:
+            longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            attention = {
+                "cu_seq_lens_q": cu_seqlens,
+                "cu_seq_lens_k": cu_seqlens,
+                "max_length_q": longest,
+                "max_length_k": longest,
+            }
+        hidden = self.decoder()(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=False,
+            **attention,
+        ).last_hidden_state
+        if predictions is None:
+            predictions = next_token_predictions(position_ids)
+        states = hidden.reshape(-1, hidden.shape[-1]).index_select(0, predictions.sources)
+        head = self.value_model.score
+        values = nn.functional.linear(
+            states.float(), head.weight.float(), None if head.bias is None else head.bias.float()
+        )
+        placed = values.new_zeros(input_ids.numel()).index_put((predictions.targets,), values.squeeze(-1))
+        return {"values": placed.view_as(input_ids)}

@@ -1,0 +1,116 @@
+"""``CriticWorker``: the value model of PPO, one process per rank in a worker group of its own.
+
+Each rank holds a :class:`~tandem.engine.TorchTrainEngine` with a scalar head
+(``engine.head=value``), computes ``V(s_t)`` on the response tokens of its shard before the
+advantages are estimated, and trains on its shard with the clipped value loss
+(:func:`tandem.algos.compute_value_loss`) for ``critic.ppo_epochs`` passes over
+``critic.ppo_mini_batch_size`` mini-batches, dividing by the global token/sequence counts so
+the result does not depend on the split. The controller (:mod:`tandem.rl.trainer`) calls it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import defaultdict
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from tandem.algos import LossNormalizer, compute_value_loss
+from tandem.algos.masked import masked_mean
+from tandem.controller import Worker, register
+from tandem.device import bind_device
+from tandem.engine import TorchTrainEngine
+from tandem.engine.base import TokenOutputs
+from tandem.protocol import Batch
+from tandem.rl.config import TrainConfig
+from tandem.rl.derived import critic_engine_config
+from tandem.rl.sequences import response_part
+
+SUMMED = ("critic/vf_loss",)  # micro-batch shares of one loss: add up
+
+
+def value_loss(
+    micro: Batch, outputs: TokenOutputs, *, clip: float | None, mode: str, normalizer: LossNormalizer
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped value loss of one micro-batch (its share of the mini-batch's), and metrics."""
+    width = micro["prompts"].shape[1]
+    values = response_part(outputs.values, width)
+    mask = micro["response_mask"]
+    loss, metrics = compute_value_loss(
+        values, micro["returns"], micro["values"], mask, clip, mode, normalizer
+    )
+    return loss, {
+        "critic/vf_loss": loss.detach(),
+        "critic/vf_clipfrac": metrics["vf_clipfrac"],
+        "critic/vpred_mean": masked_mean(values.detach(), mask.to(values.dtype)),
+    }
+
+
+class CriticWorker(Worker):
+    """One rank of the critic group (see the module docstring)."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+
+    @register(dispatch="ONE_TO_ALL")
+    def init_model(self, schedule_steps: int) -> int:
+        """Bind this rank's device and load the value model; returns its parameter count.
+        ``schedule_steps`` is its learning-rate schedule's length over the run."""
+        config = self.config
+        hf_logging.disable_progress_bar()
+        self.device = bind_device(config.trainer.device, self.local_rank)
+        if self.world_size > 1:
+            self.init_process_group(device=self.device)
+        strategy = config.critic.engine.strategy
+        if self.world_size > 1 and strategy == "single":
+            strategy = "ddp"
+        self.engine = TorchTrainEngine(
+            critic_engine_config(config, str(self.device), strategy, schedule_steps)
+        )
+        self.engine.initialize()
+        return sum(p.numel() for p in self.engine.causal_lm.parameters())
+
+    @register(dispatch="DP_COMPUTE")
+    def compute_values(self, batch: Batch) -> Batch:
+        """``values [B, R]``: ``V(s_t)`` of each response token under the current critic."""
+        outputs = self.engine.forward_backward(batch, None, forward_only=True).outputs
+        return Batch({"values": response_part(outputs.values, batch["prompts"].shape[1])})
+
+    @register(dispatch="DP_COMPUTE")
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """Clipped value-loss updates on this rank's shard (needs ``values`` and ``returns``);
+        returns the metrics averaged over the optimizer steps."""
+        critic, config = self.config.critic, self.config
+        local_mini = config.critic_mini_batch_prompts * config.rollout.n // self.world_size
+        collected: dict[str, list[float]] = defaultdict(list)
+        for _ in range(config.critic_epochs):
+            for mini in batch.split(local_mini):
+                normalizer = self.engine.global_normalizer(mini["response_mask"])
+                loss_fn = functools.partial(
+                    value_loss,
+                    clip=critic.cliprange_value,
+                    mode=config.critic_loss_agg_mode,
+                    normalizer=normalizer,
+                )
+                result = self.engine.forward_backward(mini, loss_fn)
+                grad_norm = self.engine.optimizer_step(skip=not math.isfinite(result.loss))
+                collected["critic/grad_norm"].append(grad_norm)
+                collected["critic/lr"].append(self.engine.lr)
+                if config.trainer.lr_schedule_unit == "optimizer_step":
+                    self.engine.lr_step()
+                for name, values in result.metrics.items():
+                    collected[name].append(sum(values) if name in SUMMED else sum(values) / len(values))
+        if config.trainer.lr_schedule_unit == "step":
+            self.engine.lr_step()
+        return {name: sum(values) / len(values) for name, values in collected.items()}
+
+    @register(dispatch="ONE_TO_ALL")
+    def save_checkpoint(self, path: str) -> None:
+        """The critic's model, optimizer, scheduler and RNG states under ``path``."""
+        self.engine.save(path)
+
+    @register(dispatch="ONE_TO_ALL")
+    def load_checkpoint(self, path: str) -> None:
+        self.engine.load(path)
