@@ -15,6 +15,36 @@ from tandem.engine.varlen_attention import PLAN_KEYWORD, AttentionPlan
 from tandem.models.logprobs import log_probs_from_hidden
 
 
+def decoder_hidden_states(
+    decoder: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    attention_plan: AttentionPlan | None,
+) -> torch.Tensor:
+    """The decoder's last hidden states ``[B, S, H]``; ``cu_seqlens`` or ``attention_plan`` describe
+    a packed row (varlen attention, possibly with shared prompts), else ``attention_mask`` pads."""
+    attention = {}
+    if attention_plan is not None:  # packed row, possibly with shared prompts
+        attention = {PLAN_KEYWORD: attention_plan}
+    elif cu_seqlens is not None:  # packed row: sequence boundaries for varlen attention kernels
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        attention = {
+            "cu_seq_lens_q": cu_seqlens,
+            "cu_seq_lens_k": cu_seqlens,
+            "max_length_q": longest,
+            "max_length_k": longest,
+        }
+    return decoder(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        use_cache=False,
+        **attention,
+    ).last_hidden_state
+
+
 class TokenLogProbModel(nn.Module):
     """``forward(input_ids, position_ids, attention_mask) -> {"log_probs", "entropy"[, "sum_pi_squared"]}``,
     each ``[B, S]`` fp32 (``sum_pi_squared`` only with ``with_sum_pi_squared``).
@@ -61,24 +91,9 @@ class TokenLogProbModel(nn.Module):
         ``predictions`` names which hidden states predict which tokens (default: each token
         from the one before it within its sequence).
         """
-        attention = {}
-        if attention_plan is not None:  # packed row, possibly with shared prompts
-            attention = {PLAN_KEYWORD: attention_plan}
-        elif cu_seqlens is not None:  # packed row: sequence boundaries for varlen attention kernels
-            longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-            attention = {
-                "cu_seq_lens_q": cu_seqlens,
-                "cu_seq_lens_k": cu_seqlens,
-                "max_length_q": longest,
-                "max_length_k": longest,
-            }
-        hidden = self.decoder()(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            use_cache=False,
-            **attention,
-        ).last_hidden_state
+        hidden = decoder_hidden_states(
+            self.decoder(), input_ids, position_ids, attention_mask, cu_seqlens, attention_plan
+        )
         if predictions is None:
             predictions = next_token_predictions(position_ids)
         width = hidden.shape[-1]

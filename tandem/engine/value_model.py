@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from tandem.engine.packing import Predictions, next_token_predictions
-from tandem.engine.varlen_attention import PLAN_KEYWORD, AttentionPlan
+from tandem.engine.token_model import decoder_hidden_states
+from tandem.engine.varlen_attention import AttentionPlan
 
 
 class TokenValueModel(nn.Module):
@@ -36,9 +37,6 @@ class TokenValueModel(nn.Module):
     def decoder(self) -> nn.Module:
         return self.value_model.base_model
 
-    def head_weight(self) -> torch.Tensor:
-        return self.value_model.score.weight
-
     def vocab_size(self) -> int:
         return self.value_model.get_input_embeddings().weight.shape[0]
 
@@ -56,24 +54,9 @@ class TokenValueModel(nn.Module):
         (``with_sum_pi_squared`` has no meaning for a critic and must be False)."""
         if with_sum_pi_squared:
             raise ValueError("a value model has no token distribution: with_sum_pi_squared must be False")
-        attention = {}
-        if attention_plan is not None:
-            attention = {PLAN_KEYWORD: attention_plan}
-        elif cu_seqlens is not None:
-            longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-            attention = {
-                "cu_seq_lens_q": cu_seqlens,
-                "cu_seq_lens_k": cu_seqlens,
-                "max_length_q": longest,
-                "max_length_k": longest,
-            }
-        hidden = self.decoder()(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            use_cache=False,
-            **attention,
-        ).last_hidden_state
+        hidden = decoder_hidden_states(
+            self.decoder(), input_ids, position_ids, attention_mask, cu_seqlens, attention_plan
+        )
         if predictions is None:
             predictions = next_token_predictions(position_ids)
         states = hidden.reshape(-1, hidden.shape[-1]).index_select(0, predictions.sources)

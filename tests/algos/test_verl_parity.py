@@ -117,8 +117,13 @@ def test_policy_losses_reproduce_verl(name, mode, variant):
     case = CASES[name]
     if name == "geo_mean" and variant == "empty_row":
         pytest.skip("verl's geo_mean averages over all rows of a micro-batch, empty ones too (see the docs)")
-    log_probs, old, adv, mask, weights = make_inputs(3, variant)
     config = PolicyLossConfig(loss_agg_mode=mode, **case.tandem)
+    assert_loss_matches_verl(case, config, mode, *make_inputs(3, variant))
+
+
+def assert_loss_matches_verl(case, config, mode, log_probs, old, adv, mask, weights):
+    """tandem's loss under ``config`` equals ``case``'s verl formula: value, gradient, every metric verl
+    reports (those it always reports as 0 aside)."""
     ours = loss_grad_metrics(
         lambda lp: (
             (out := compute_policy_loss(PolicyLossInput(lp, old, adv, mask, weights), config)).loss,

@@ -6,12 +6,10 @@ advantages, rollout-correction weights). The formulas are tests/algos/verl_formu
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tandem.algos import PolicyLossInput, compute_policy_loss
 from tandem.algos.policy_losses import PolicyLossConfig
 from tandem.verl import translate
-from tests.algos.test_verl_parity import CASES, loss_grad_metrics, make_inputs
+from tests.algos.test_verl_parity import CASES, assert_loss_matches_verl, make_inputs
 from tests.verl.test_translate import args
 
 # verl keys for the knobs each formula is called with (its keyword -> verl's key).
@@ -51,23 +49,5 @@ def translated_loss_config(verl_name: str, mode: str) -> PolicyLossConfig:
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
 @pytest.mark.parametrize("variant", ["extreme", "zero_advantages", "weights"])
 def test_translated_losses_compute_verl_s_numbers(verl_name, mode, variant):
-    case = CASES[verl_name]
     config = translated_loss_config(verl_name, mode)
-    log_probs, old, adv, mask, weights = make_inputs(5, variant)
-    ours = loss_grad_metrics(
-        lambda lp: (
-            (out := compute_policy_loss(PolicyLossInput(lp, old, adv, mask, weights), config)).loss,
-            out.metrics,
-        ),
-        log_probs,
-    )
-    theirs = loss_grad_metrics(
-        lambda lp: case.formula(old, lp, adv, mask.double(), mode, weights=weights, **case.formula_kwargs),
-        log_probs,
-    )
-    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-7, atol=1e-9)
-    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-7, atol=1e-9)
-    for verl_metric, value in theirs[2].items():
-        if verl_metric not in case.constant_zero:
-            tandem_value = ours[2][case.metric_names.get(verl_metric, verl_metric)]
-            torch.testing.assert_close(tandem_value, value.to(tandem_value.dtype), rtol=1e-7, atol=1e-9)
+    assert_loss_matches_verl(CASES[verl_name], config, mode, *make_inputs(5, variant))
