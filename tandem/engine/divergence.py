@@ -40,18 +40,24 @@ class ModelHealth:
 
 
 def check_health(
-    reports: Sequence[ModelHealth], step: int, last_checkpoint: Callable[[], Path | None]
+    reports: Sequence[ModelHealth],
+    step: int,
+    last_checkpoint: Callable[[], Path | None],
+    model: str = "model",
+    outputs: str = "log-probs",
 ) -> float:
     """The largest weight magnitude over ranks; raises :class:`DivergenceError` naming ``step``
-    when any rank's weights or probe log-probs are not finite. ``last_checkpoint`` (asked only
+    when any rank's weights or probe outputs are not finite (``model`` and ``outputs`` name them
+    in the message: the policy's log-probs, a critic's values). ``last_checkpoint`` (asked only
     then) says where a user can go back to."""
     largest = max(r.max_abs_weight for r in reports)
     if all(r.ok for r in reports):
         return largest
+    owner = "the" if model == "model" else f"the {model}'s"
     what = (
-        "the weights are not finite"
+        f"{owner} weights are not finite"
         if not all(r.finite_weights for r in reports)
-        else f"the model's log-probs are not finite (largest |weight| {largest:.3g})"
+        else f"the {model}'s {outputs} are not finite (largest |weight| {largest:.3g})"
     )
     latest = last_checkpoint()
     where = f"The last checkpoint is {latest}" if latest else "No checkpoint was saved yet"

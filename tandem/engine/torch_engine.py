@@ -340,8 +340,8 @@ class TorchTrainEngine:
     # ------------------------------------------------------------------ weights, devices, checkpoints
     def health(self, probe: Batch | None = None) -> ModelHealth:
         """Whether this rank's parameters are finite, their largest magnitude, and whether the
-        log-probs of ``probe`` (a batch of one or a few rows) are finite. Under FSDP2 every rank
-        must call it (the probe forward gathers parameters)."""
+        outputs of ``probe`` (a batch of one or a few rows: log-probs, or a critic's values) are
+        finite. Under FSDP2 every rank must call it (the probe forward gathers parameters)."""
         with torch.no_grad():
             local = [
                 p.to_local() if hasattr(p, "to_local") else p for p in self._require_module().parameters()
@@ -351,8 +351,8 @@ class TorchTrainEngine:
             largest = float(torch.stack(maxima).max()) if maxima else 0.0
         finite_log_probs = True
         if probe is not None:
-            log_probs = self.forward_backward(probe, None, forward_only=True).outputs.log_probs
-            finite_log_probs = bool(torch.isfinite(log_probs).all())
+            outputs = self.forward_backward(probe, None, forward_only=True).outputs.fields()
+            finite_log_probs = all(bool(torch.isfinite(values).all()) for values in outputs.values())
         return ModelHealth(math.isfinite(largest), largest, finite_log_probs)
 
     def iter_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:

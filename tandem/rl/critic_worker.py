@@ -23,6 +23,7 @@ from tandem.controller import Worker, register
 from tandem.device import bind_device
 from tandem.engine import TorchTrainEngine
 from tandem.engine.base import TokenOutputs
+from tandem.engine.divergence import ModelHealth, SkippedUpdates
 from tandem.protocol import Batch
 from tandem.rl.config import TrainConfig
 from tandem.rl.derived import critic_engine_config
@@ -70,6 +71,10 @@ class CriticWorker(Worker):
             critic_engine_config(config, str(self.device), strategy, schedule_steps)
         )
         self.engine.initialize()
+        self.skipped = SkippedUpdates(
+            config.trainer.max_skipped_updates_in_a_row, "trainer.max_skipped_updates_in_a_row"
+        )
+        self._probe: Batch | None = None
         return sum(p.numel() for p in self.engine.causal_lm.parameters())
 
     @register(dispatch="DP_COMPUTE")
@@ -96,6 +101,7 @@ class CriticWorker(Worker):
                 )
                 result = self.engine.forward_backward(mini, loss_fn)
                 grad_norm = self.engine.optimizer_step(skip=not math.isfinite(result.loss))
+                self.skipped.record(self.engine.last_step_skipped)
                 collected["critic/grad_norm"].append(grad_norm)
                 collected["critic/lr"].append(self.engine.lr)
                 if config.trainer.lr_schedule_unit == "optimizer_step":
@@ -104,7 +110,16 @@ class CriticWorker(Worker):
                     collected[name].append(sum(values) if name in SUMMED else sum(values) / len(values))
         if config.trainer.lr_schedule_unit == "step":
             self.engine.lr_step()
-        return {name: sum(values) / len(values) for name, values in collected.items()}
+        self._probe = batch[:1]
+        metrics = {name: sum(values) / len(values) for name, values in collected.items()}
+        metrics["critic/skipped_updates_in_a_row"] = float(self.skipped.in_a_row)
+        return metrics
+
+    @register(dispatch="ONE_TO_ALL")
+    def critic_health(self) -> ModelHealth:
+        """The critic's weights (this rank's shards) and the values of the last update's first
+        sequence: finite or not (:mod:`tandem.engine.divergence`)."""
+        return self.engine.health(self._probe)
 
     @register(dispatch="ONE_TO_ALL")
     def save_checkpoint(self, path: str) -> None:

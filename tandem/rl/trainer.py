@@ -405,13 +405,16 @@ class RLTrainer:
 
     def check_divergence(self, update_metrics: dict[str, float]) -> float:
         """Stop (:class:`DivergenceError`, naming the step) when too many optimizer steps in a row
-        were skipped or the updated actor's weights or log-probs are not finite, before the
-        weights reach the rollout engine or a checkpoint. Returns the largest weight magnitude."""
+        were skipped or the updated actor's (or critic's) weights or outputs are not finite, before
+        the weights reach the rollout engine or a checkpoint. Returns the actor's largest weight."""
         trainer = self.config.trainer
-        check_skipped_in_a_row(
-            int(update_metrics.get("actor/skipped_updates_in_a_row", 0)), trainer.max_skipped_updates_in_a_row,
-            "trainer.max_skipped_updates_in_a_row", self.step,
-        )  # fmt: skip
+        for role in ("actor", "critic"):
+            check_skipped_in_a_row(
+                int(update_metrics.get(f"{role}/skipped_updates_in_a_row", 0)), trainer.max_skipped_updates_in_a_row,
+                "trainer.max_skipped_updates_in_a_row", self.step,
+            )  # fmt: skip
+        if self.critics is not None:
+            check_health(self.critics.critic_health(), self.step, self.checkpoints.latest, "critic", "values")
         return check_health(self.workers.actor_health(), self.step, self.checkpoints.latest)
 
     def validate(self) -> dict[str, float]:

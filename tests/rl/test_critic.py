@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
+from tandem.engine.divergence import DivergenceError
 from tandem.rl import RLTrainer
 from tests.rl.conftest import small_config
 
@@ -83,3 +85,12 @@ def test_ppo_resume_equals_the_uninterrupted_run(rl_files, tmp_path):
     assert [h["step"] for h in resumed.history] == [3, 4]
     assert _without_timings(resumed.history) == _without_timings(full.history[2:])
     assert json.loads((tmp_path / "part" / "status.json").read_text())["status"] == "finished"
+
+
+def test_a_diverging_critic_stops_the_run_naming_the_step(rl_files, tmp_path):
+    trainer = RLTrainer(small_config(rl_files, tmp_path, *PPO, "critic.engine.lr=1e30", "data.val_path="))
+    with pytest.raises(
+        DivergenceError, match=r"step 1: after the update the critic's (weights|values) are not finite"
+    ):
+        trainer.fit()
+    assert not (tmp_path / "checkpoints" / "global_step_1").exists()
