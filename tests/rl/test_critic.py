@@ -94,3 +94,24 @@ def test_a_diverging_critic_stops_the_run_naming_the_step(rl_files, tmp_path):
     ):
         trainer.fit()
     assert not (tmp_path / "checkpoints" / "global_step_1").exists()
+
+
+def test_two_workers_train_the_critic_like_one(rl_files, tmp_path):
+    """The critic's group splits each step over its workers and divides by global counts: the
+    same losses, values and returns as one worker (DDP over two processes)."""
+    runs = [
+        RLTrainer(
+            small_config(rl_files, tmp_path / str(n), *PPO, f"trainer.n_workers={n}", "data.val_path=")
+        ).fit().history
+        for n in (1, 2)
+    ]  # fmt: skip
+    names = (
+        "critic/vf_loss",
+        "critic/values/mean",
+        "critic/returns/mean",
+        "critic/vf_explained_var",
+        "actor/pg_loss",
+    )
+    for one, two in zip(*runs, strict=True):
+        for name in names:
+            assert two[name] == pytest.approx(one[name], rel=1e-4, abs=1e-6), name
