@@ -55,14 +55,27 @@ def preference_loss(
     log-probs under the reference; absent for reference-free losses).
     """
     mask = micro["loss_mask"].to(outputs.log_probs.dtype)
-    token_log_probs = outputs.log_probs * mask
-    sums = token_log_probs.sum(-1)
-    lengths = mask.sum(-1)
-    chosen, rejected = pair_rows(micro)
-    reference = micro["ref_log_prob"] if config.needs_reference else torch.zeros_like(sums)
+    return summed_preference_loss(
+        micro, (outputs.log_probs * mask).sum(-1), config, total_pairs, chosen_tokens
+    )
+
+
+def summed_preference_loss(
+    rows: Batch,
+    log_probs: torch.Tensor,
+    config: PreferenceLossConfig,
+    total_pairs: int,
+    chosen_tokens: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`preference_loss` from each row's summed response log-prob ``log_probs [2P]``
+    (what the controller gets back when it scores validation pairs); ``rows`` holds
+    ``loss_mask``, ``pair``, ``chosen`` and (when the loss needs it) ``ref_log_prob``."""
+    lengths = rows["loss_mask"].sum(-1).to(log_probs.dtype)
+    chosen, rejected = pair_rows(rows)
+    reference = rows["ref_log_prob"] if config.needs_reference else torch.zeros_like(log_probs)
     inputs = PreferenceInput(
-        policy_chosen=sums[chosen],
-        policy_rejected=sums[rejected],
+        policy_chosen=log_probs[chosen],
+        policy_rejected=log_probs[rejected],
         reference_chosen=reference[chosen],
         reference_rejected=reference[rejected],
         chosen_lengths=lengths[chosen],
@@ -80,7 +93,7 @@ def preference_loss(
         "pairs": torch.tensor(float(len(chosen))),
     }
     if config.rpo_alpha:
-        nll = -token_log_probs[chosen].sum() / chosen_tokens
+        nll = -inputs.policy_chosen.sum() / chosen_tokens
         loss = loss + config.rpo_alpha * nll
         metrics["nll_loss"] = nll.detach() * chosen_tokens  # summed; averaged by pair_metrics
     return loss, metrics

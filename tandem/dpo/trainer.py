@@ -7,8 +7,9 @@ against the reference's, and takes one optimizer step. Reference log-probs are s
 before training (``reference=precompute``, saved for resume) or each step by a frozen model
 (``reference=model``); with LoRA the reference is the base model with the adapter off.
 
-It is the SFT trainer with another data set and step: the engine, checkpoints, exact resume,
-divergence checks and HF export are shared. It logs TRL's metric names (``loss``,
+It is the SFT trainer with another data set and step: the engine's worker group (one rank, or
+``trainer.n_workers`` data-parallel ranks each taking an equal share of every step's pairs),
+checkpoints, exact resume, divergence checks and HF export are shared. It logs TRL's metric names (``loss``,
 ``rewards/{chosen,rejected,accuracies,margins}``, ``logps/{chosen,rejected}``, ``grad_norm``,
 ``learning_rate``, and ``eval_*`` for the validation pairs) to ``metrics.jsonl``, and keeps
 ``run.json``, ``status.json`` and ``report.html`` beside it (docs/report.md).
@@ -16,12 +17,9 @@ divergence checks and HF export are shared. It logs TRL's metric names (``loss``
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import math
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -29,15 +27,13 @@ from rich.console import Console
 
 from tandem.dpo.config import DPOConfig
 from tandem.dpo.data import PreferenceDataset
-from tandem.dpo.loss import pair_metrics, preference_loss
-from tandem.engine import TorchTrainEngine
-from tandem.engine.base import StepResult
-from tandem.models.loading import check_vocab_compatible
+from tandem.dpo.loss import pair_metrics, preference_loss, summed_preference_loss
 from tandem.protocol import Batch
 from tandem.report import RunInfo
 from tandem.report.tracker import ReportTracker
 from tandem.rl.trackers import JsonlTracker
 from tandem.run_dir import OutputDirLock
+from tandem.sft.engine_worker import merged_metrics, total_loss
 from tandem.sft.trainer import SFTTrainer
 
 REFERENCE_FILE = "reference_logps.pt"
@@ -65,7 +61,6 @@ class DPOTrainer(SFTTrainer):
         super().__init__(config, console)  # type: ignore[arg-type]
         self.history: list[dict[str, float]] = []
         self.validation: dict[str, float] = {}  # the last validation's metrics
-        self.reference_engine: TorchTrainEngine | None = None
         self.reference: dict[str, torch.Tensor] = {}  # split -> [pairs, 2] (chosen, rejected)
         self.run_info = RunInfo(
             self.output_dir,
@@ -83,15 +78,16 @@ class DPOTrainer(SFTTrainer):
         val = PreferenceDataset.load(data.val_path, self.tokenizer, data) if data.val_path else None
         return PreferenceDataset.load(data.train_path, self.tokenizer, data), val
 
+    def worker_args(self) -> tuple:
+        return (self.engine_config, self.config.ref_model_path)
+
     def fit(self) -> DPOResult:  # type: ignore[override]
         """Train for ``total_steps``; the run holds ``trainer.output_dir`` meanwhile."""
-        with OutputDirLock(self.output_dir, "trainer.output_dir"):
+        with OutputDirLock(self.output_dir, "trainer.output_dir"), self.started():
             return self._fit()
 
     def _fit(self) -> DPOResult:  # type: ignore[override]
         trainer = self.config.trainer
-        self.engine.initialize()
-        check_vocab_compatible(self.engine.causal_lm, self.tokenizer)
         if trainer.resume:
             self._resume()
         self._print_plan()
@@ -133,62 +129,55 @@ class DPOTrainer(SFTTrainer):
         started = time.perf_counter()
         indices = self.sampler.take(self.config.trainer.global_batch_size)
         batch = self._with_reference(self.train.collate(indices, self.tokenizer.pad_token_id), "train")
-        result, chosen_tokens = self._run(batch, forward_only=False)
-        grad_norm = self.engine.optimizer_step(skip=not math.isfinite(result.loss))
-        learning_rate = self.engine.lr
-        self.engine.lr_step()
+        chosen_tokens = self._chosen_tokens(batch)
+        loss_fn = functools.partial(
+            preference_loss,
+            config=self.config.preference,
+            total_pairs=len(indices),
+            chosen_tokens=chosen_tokens,
+        )
+        reports = self.group.train_step(batch, loss_fn=loss_fn)  # each rank: whole pairs
         self.step += 1
-        self._check_divergence(batch[:2])
+        self._check_divergence(reports[0].skipped, batch[:2])
         seconds = time.perf_counter() - started
         tokens = int(batch["attention_mask"].sum())
         return {
-            "loss": result.loss,
-            **pair_metrics(result.metrics, chosen_tokens),
-            "grad_norm": grad_norm,
-            "learning_rate": learning_rate,
+            "loss": total_loss(reports),
+            **pair_metrics(merged_metrics(reports), chosen_tokens),
+            "grad_norm": reports[0].grad_norm,
+            "learning_rate": reports[0].learning_rate,
             "timing_s/step": seconds,
             "perf/throughput": tokens / seconds,
             "epoch": float(self.sampler.epoch),
         }
 
     def evaluate_pairs(self) -> dict[str, float]:
-        """The validation pairs' loss and metrics (``eval_*``), in batches of ``global_batch_size``."""
+        """The validation pairs' loss and metrics (``eval_*``), scored in batches of
+        ``global_batch_size`` pairs spread over the workers (the loss itself on the controller,
+        from each response's summed log-prob)."""
         assert self.val is not None
         size = self.config.trainer.global_batch_size
-        losses, sums = 0.0, {}
-        chosen_total = float(
-            sum(len(pair.chosen) for pair in self.val.pairs)
-        )  # the shares add up to the mean
+        chosen_total = float(sum(len(pair.chosen) for pair in self.val.pairs))  # shares add up to the mean
+        loss, sums = 0.0, {}
         for start in range(0, len(self.val), size):
             indices = list(range(start, min(start + size, len(self.val))))
             batch = self._with_reference(self.val.collate(indices, self.tokenizer.pad_token_id), "val")
-            result, _ = self._run(
-                batch, forward_only=True, total_pairs=len(self.val), chosen_tokens=chosen_total
+            part, metrics = summed_preference_loss(
+                batch,
+                self.group.sequence_log_probs(batch)["log_prob"],
+                self.config.preference,
+                total_pairs=len(self.val),
+                chosen_tokens=chosen_total,
             )
-            losses += result.loss
-            for name, values in result.metrics.items():
-                sums.setdefault(name, []).extend(values)
-        return {"eval_loss": losses, **{f"eval_{k}": v for k, v in pair_metrics(sums, chosen_total).items()}}
+            loss += float(part)
+            for name, value in metrics.items():
+                sums.setdefault(name, []).append(float(value))
+        return {"eval_loss": loss, **{f"eval_{k}": v for k, v in pair_metrics(sums, chosen_total).items()}}
 
-    def _run(
-        self,
-        batch: Batch,
-        forward_only: bool,
-        total_pairs: int | None = None,
-        chosen_tokens: float | None = None,
-    ) -> tuple[StepResult, float]:
-        """The engine's pass over ``batch`` with the preference loss, whose shares divide by
-        ``total_pairs`` and ``chosen_tokens`` (default: ``batch``'s own); returns the result and
-        the chosen-token count used."""
-        if chosen_tokens is None:
-            chosen_tokens = float((batch["loss_mask"] * batch["chosen"][:, None]).sum())
-        loss_fn = functools.partial(
-            preference_loss,
-            config=self.config.preference,
-            total_pairs=total_pairs or len(batch) // 2,
-            chosen_tokens=max(chosen_tokens, 1.0),
-        )
-        return self.engine.forward_backward(batch, loss_fn, forward_only=forward_only), chosen_tokens
+    @staticmethod
+    def _chosen_tokens(batch: Batch) -> float:
+        """The chosen responses' token count (RPO's NLL divides by it), at least 1."""
+        return max(float((batch["loss_mask"] * batch["chosen"][:, None]).sum()), 1.0)
 
     # ------------------------------------------------------------------ the reference
     def _with_reference(self, batch: Batch, split: str) -> Batch:
@@ -203,32 +192,10 @@ class DPOTrainer(SFTTrainer):
         return batch.assign(tensors={"ref_log_prob": values})
 
     def _score_reference(self, batch: Batch) -> torch.Tensor:
-        """Summed response log-probs ``[2P]`` of ``batch`` under the reference model."""
-        with self._reference() as engine:
-            outputs = engine.forward_backward(batch, None, forward_only=True).outputs
-        return (outputs.log_probs * batch["loss_mask"]).sum(-1)
-
-    @contextlib.contextmanager
-    def _reference(self) -> Iterator[TorchTrainEngine]:
-        """The engine that scores as the reference: the policy with its adapter off (LoRA), the
-        policy itself before its first step (precompute, no ``ref_model_path``), else a frozen copy."""
-        if self.engine_config.lora.rank:
-            with self.engine.adapter_disabled():
-                yield self.engine
-            return
-        if self.step == 0 and not self.config.ref_model_path and self.config.reference == "precompute":
-            yield self.engine
-            return
-        if self.reference_engine is None:
-            path = self.config.ref_model_path or self.engine_config.model_path
-            self.reference_engine = TorchTrainEngine(
-                dataclasses.replace(
-                    self.engine_config, model_path=path, strategy="single", lr_schedule="constant"
-                )
-            )
-            self.reference_engine.initialize()
-            self.reference_engine.causal_lm.requires_grad_(False)
-        yield self.reference_engine
+        """Summed response log-probs ``[2P]`` of ``batch`` under the reference: the base model
+        with LoRA's adapter off, the policy itself before its first update, else a frozen copy
+        of ``ref_model_path`` (or ``model_path``) on each worker."""
+        return self.group.sequence_log_probs(batch, reference=True)["log_prob"].float()
 
     def _precompute_reference(self) -> None:
         """Score every training and validation pair under the reference once (or load the scores
@@ -250,7 +217,7 @@ class DPOTrainer(SFTTrainer):
             for start in range(0, len(dataset), size):
                 indices = list(range(start, min(start + size, len(dataset))))
                 batch = dataset.collate(indices, self.tokenizer.pad_token_id)
-                table[batch["pair"], 1 - batch["chosen"]] = self._score_reference(batch).float().cpu()
+                table[batch["pair"], 1 - batch["chosen"]] = self._score_reference(batch)
             self.reference[split] = table
         self.output_dir.mkdir(parents=True, exist_ok=True)
         torch.save(self.reference, path)

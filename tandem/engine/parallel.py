@@ -15,6 +15,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 
+def rank_strategy(configured: str, world_size: int) -> str:
+    """The strategy a worker of a group of ``world_size`` runs: ``single`` alone (DDP or FSDP2
+    over one rank is the single process), DDP when ``single`` was asked of several ranks."""
+    if world_size == 1:
+        return "single"
+    return "ddp" if configured == "single" else configured
+
+
 def data_parallel_size(strategy: str) -> int:
     return dist.get_world_size() if strategy != "single" else 1
 

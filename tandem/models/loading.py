@@ -88,7 +88,11 @@ def load_value_model(
 
 def check_vocab_compatible(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
     """Raise when the tokenizer can emit ids the model's embedding table does not have."""
-    embedding_rows = model.get_input_embeddings().weight.shape[0]
+    check_vocab_fits(model.get_input_embeddings().weight.shape[0], tokenizer)
+
+
+def check_vocab_fits(embedding_rows: int, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Raise when the tokenizer can emit ids an embedding table of ``embedding_rows`` does not have."""
     largest_id = max(len(tokenizer), max(tokenizer.all_special_ids, default=0) + 1)
     if largest_id > embedding_rows:
         raise ValueError(

@@ -24,6 +24,7 @@ from tandem.device import bind_device
 from tandem.engine import TorchTrainEngine
 from tandem.engine.base import TokenOutputs
 from tandem.engine.divergence import ModelHealth, SkippedUpdates
+from tandem.engine.parallel import rank_strategy
 from tandem.protocol import Batch
 from tandem.rl.config import TrainConfig
 from tandem.rl.derived import critic_engine_config
@@ -64,9 +65,7 @@ class CriticWorker(Worker):
         self.device = bind_device(config.trainer.device, self.local_rank)
         if self.world_size > 1:
             self.init_process_group(device=self.device)
-        strategy = config.critic.engine.strategy
-        if self.world_size > 1 and strategy == "single":
-            strategy = "ddp"
+        strategy = rank_strategy(config.critic.engine.strategy, self.world_size)
         self.engine = TorchTrainEngine(
             critic_engine_config(config, str(self.device), strategy, schedule_steps)
         )

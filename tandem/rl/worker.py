@@ -26,6 +26,7 @@ from tandem.device import bind_device, max_memory_allocated_gb, reset_peak_memor
 from tandem.dpo.loss import pair_metrics, preference_loss
 from tandem.engine import TorchTrainEngine
 from tandem.engine.divergence import ModelHealth, SkippedUpdates
+from tandem.engine.parallel import rank_strategy
 from tandem.models.loading import check_vocab_compatible, load_model, load_tokenizer
 from tandem.protocol import Batch
 from tandem.rl.actor_loss import make_actor_loss
@@ -73,9 +74,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         if self.world_size > 1:
             self.init_process_group(device=self.device)
         self.tokenizer = load_tokenizer(config.model_path)
-        strategy = config.actor.engine.strategy
-        if self.world_size > 1 and strategy == "single":
-            strategy = "ddp"
+        strategy = rank_strategy(config.actor.engine.strategy, self.world_size)
         engine_config = actor_engine_config(config, str(self.device), strategy, schedule_steps)
         self.engine = TorchTrainEngine(engine_config)
         self.engine.initialize()

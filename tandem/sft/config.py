@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.config.validation import check_positive, check_range
+from tandem.config.validation import check_choice, check_positive, check_range
+from tandem.controller.factory import BACKENDS
+from tandem.controller.resource_pool import ResourcePool
 from tandem.engine.config import EngineConfig
 from tandem.sft.data import SFTDataConfig
 
@@ -23,6 +25,11 @@ class SFTTrainerConfig:
         seed: data order.
         max_skipped_updates_in_a_row: the run stops (naming the step) after this many optimizer
             steps in a row skipped for a non-finite loss or gradient norm.
+        backend: ``local`` (in this process for one worker, spawned processes for more),
+            ``process`` (always spawned) or ``ray``.
+        n_workers: data-parallel workers on the CPU; each takes an equal share of every batch
+            (``engine.strategy=single`` becomes DDP; ``fsdp2`` shards the model over them).
+        n_gpus_per_node: GPUs to train on, one worker each (0: CPU workers, ``n_workers`` of them).
     """
 
     global_batch_size: int = 16
@@ -35,14 +42,41 @@ class SFTTrainerConfig:
     resume: bool = False
     seed: int = 0
     max_skipped_updates_in_a_row: int = 5
+    backend: str = "local"
+    n_workers: int = 1
+    n_gpus_per_node: int = 0
 
     def __post_init__(self) -> None:
         check_positive("trainer", "global_batch_size", self.global_batch_size)
+        check_choice("trainer", "backend", self.backend, BACKENDS)
+        check_positive("trainer", "n_workers", self.n_workers)
+        check_range("trainer", "n_gpus_per_node", self.n_gpus_per_node, low=0)
+        if self.n_gpus_per_node and self.n_workers not in (1, self.n_gpus_per_node):
+            raise ValueError(
+                f"trainer.n_gpus_per_node={self.n_gpus_per_node} sets one worker per GPU; leave "
+                f"trainer.n_workers (={self.n_workers}) unset, it counts CPU workers"
+            )
+        if self.global_batch_size % self.world_size:
+            raise ValueError(
+                f"trainer.global_batch_size={self.global_batch_size} must divide evenly over the "
+                f"{self.world_size} workers (trainer.n_workers or trainer.n_gpus_per_node)"
+            )
         check_positive("trainer", "max_skipped_updates_in_a_row", self.max_skipped_updates_in_a_row)
         check_positive("trainer", "epochs", self.epochs)
         check_positive("trainer", "log_every", self.log_every)
         for name in ("total_steps", "eval_every", "save_every"):
             check_range("trainer", name, getattr(self, name), low=0)
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel workers: one per GPU, or ``n_workers`` on the CPU."""
+        return self.n_gpus_per_node or self.n_workers
+
+    def resource_pool(self) -> ResourcePool:
+        """The workers' placement on this machine (one GPU each on GPUs)."""
+        return ResourcePool(
+            (self.world_size,), gpus_per_process=1.0 if self.n_gpus_per_node else 0.0, name="trainer"
+        )
 
 
 @dataclass(frozen=True)

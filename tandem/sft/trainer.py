@@ -1,23 +1,30 @@
-"""The SFT loop: sample conversations, one optimizer step per global batch, evaluate, checkpoint, export."""
+"""The SFT loop: sample conversations, one optimizer step per global batch, evaluate, checkpoint, export.
+
+The trainer is the controller; the engine runs in a worker group of ``trainer.n_workers``
+ranks (or one per GPU), each taking an equal share of every batch (:mod:`tandem.sft.engine_worker`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
-import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
 
-from tandem.engine import TorchTrainEngine
+from tandem.algos.aggregation import LossNormalizer
+from tandem.controller import WorkerGroup, create_worker_group
 from tandem.engine.divergence import SkippedUpdates, check_health
-from tandem.models.loading import check_vocab_compatible, load_tokenizer
+from tandem.models.loading import check_vocab_fits, load_tokenizer
 from tandem.protocol import Batch
-from tandem.run_dir import OutputDirLock, atomic_directory, check_output_dir
+from tandem.run_dir import OutputDirLock, check_output_dir
 from tandem.sft.config import SFTConfig
 from tandem.sft.data import SFTDataset
+from tandem.sft.engine_worker import EngineWorker, total_loss
 from tandem.sft.loss import sft_loss
 from tandem.sft.sampler import EpochSampler
 
@@ -36,8 +43,8 @@ class SFTResult:
 class SFTTrainer:
     """Supervised fine-tuning of a causal LM on chat data with the torch engine.
 
-    :class:`tandem.dpo.DPOTrainer` builds on it: the engine, checkpoints, resume, divergence
-    checks and export are shared; the data and the step differ."""
+    :class:`tandem.dpo.DPOTrainer` builds on it: the worker group, checkpoints, resume,
+    divergence checks and export are shared; the data and the step differ."""
 
     def __init__(self, config: SFTConfig, console: Console | None = None) -> None:
         self.config = config
@@ -51,7 +58,7 @@ class SFTTrainer:
         self.total_steps = config.trainer.total_steps or steps_per_epoch * config.trainer.epochs
         if self.engine_config.lr_schedule != "constant" and self.engine_config.total_steps == 0:
             self.engine_config = dataclasses.replace(self.engine_config, total_steps=self.total_steps)
-        self.engine = TorchTrainEngine(self.engine_config)
+        self.workers: WorkerGroup | None = None  # the engine group, while started()
         self.sampler = EpochSampler(len(self.train), config.trainer.seed)
         self.skipped = SkippedUpdates(
             config.trainer.max_skipped_updates_in_a_row, "trainer.max_skipped_updates_in_a_row"
@@ -69,13 +76,35 @@ class SFTTrainer:
 
         The run holds ``trainer.output_dir`` for its duration: a second run there is refused.
         """
-        with OutputDirLock(self.output_dir, "trainer.output_dir"):
+        with OutputDirLock(self.output_dir, "trainer.output_dir"), self.started():
             return self._fit()
+
+    @contextlib.contextmanager
+    def started(self) -> Iterator[WorkerGroup]:
+        """The engine's worker group, its models loaded, for the duration; shut down after."""
+        trainer = self.config.trainer
+        with create_worker_group(
+            EngineWorker, trainer.resource_pool(), trainer.backend, args=self.worker_args()
+        ) as group:
+            check_vocab_fits(group.init_engine()[0], self.tokenizer)
+            self.workers = group
+            try:
+                yield group
+            finally:
+                self.workers = None
+
+    def worker_args(self) -> tuple:
+        """What each :class:`EngineWorker` is built with."""
+        return (self.engine_config,)
+
+    @property
+    def group(self) -> WorkerGroup:
+        if self.workers is None:
+            raise RuntimeError("the trainer's workers are not running; call it inside trainer.started()")
+        return self.workers
 
     def _fit(self) -> SFTResult:
         trainer = self.config.trainer
-        self.engine.initialize()
-        check_vocab_compatible(self.engine.causal_lm, self.tokenizer)
         if trainer.resume:
             self._resume()
         self.console.print(
@@ -89,19 +118,19 @@ class SFTTrainer:
             batch = self.train.collate(
                 self.sampler.take(trainer.global_batch_size), self.tokenizer.pad_token_id
             )
-            normalizer = self.engine.global_normalizer(batch["loss_mask"])
-            result = self.engine.forward_backward(batch, functools.partial(sft_loss, normalizer=normalizer))
-            grad_norm = self.engine.optimizer_step(skip=not math.isfinite(result.loss))
-            self.engine.lr_step()
+            mask = batch["loss_mask"]
+            normalizer = LossNormalizer(float(mask.sum()), float((mask.sum(-1) > 0).sum()))
+            reports = self.group.train_step(batch, loss_fn=functools.partial(sft_loss, normalizer=normalizer))
+            loss = total_loss(reports)
             self.step += 1
-            self._check_divergence(batch[:1])
+            self._check_divergence(reports[0].skipped, batch[:1])
             tokens += int(batch["attention_mask"].sum())
-            train_losses.append(result.loss)
+            train_losses.append(loss)
             if self.step % trainer.log_every == 0 or self.step == self.total_steps:
                 rate = tokens / max(time.monotonic() - started, 1e-9)
                 self.console.print(
-                    f"step {self.step}/{self.total_steps}  loss {result.loss:.4f}  grad_norm {grad_norm:.3f}  "
-                    f"lr {self.engine.lr:.2e}  {rate:,.0f} tok/s"
+                    f"step {self.step}/{self.total_steps}  loss {loss:.4f}  grad_norm {reports[0].grad_norm:.3f}  "
+                    f"lr {reports[0].learning_rate:.2e}  {rate:,.0f} tok/s"
                 )
             if self.val is not None and trainer.eval_every and self.step % trainer.eval_every == 0:
                 eval_losses[self.step] = self.evaluate()
@@ -114,28 +143,26 @@ class SFTTrainer:
         self.save_checkpoint()
         return SFTResult(train_losses, eval_losses, self.export())
 
-    def _check_divergence(self, probe: Batch) -> None:
+    def _check_divergence(self, skipped: bool, probe: Batch) -> None:
         """Count a skipped step; stop (naming the step) after too many in a row, or when the
         weights or ``probe``'s log-probs are no longer finite, before anything is saved."""
-        self.skipped.record(self.engine.last_step_skipped)
-        if self.engine.last_step_skipped:
+        self.skipped.record(skipped)
+        if skipped:
             self.console.print(f"[yellow]step {self.step}: loss or gradient norm not finite; update skipped")
         self.skipped.check(self.step)
-        check_health([self.engine.health(probe)], self.step, self._latest_checkpoint)
+        check_health(self.group.health(probe), self.step, self._latest_checkpoint)
 
     def evaluate(self) -> float:
         """Mean assistant-token NLL over the whole validation set."""
         assert self.val is not None
         batch = self.val.collate(list(range(len(self.val))), self.tokenizer.pad_token_id)
-        normalizer = self.engine.global_normalizer(batch["loss_mask"])
-        return self.engine.forward_backward(
-            batch, functools.partial(sft_loss, normalizer=normalizer), forward_only=True
-        ).loss
+        summed = self.group.sequence_log_probs(batch)["log_prob"]
+        return float(-summed.sum() / batch["loss_mask"].sum())
 
     def save_checkpoint(self) -> Path:
         """Engine state plus the trainer's step and sampler position, under ``checkpoints/step_<n>``."""
-        path = self.output_dir / "checkpoints" / f"step_{self.step}"
-        self.engine.save(str(path))
+        path = self.output_dir.resolve() / "checkpoints" / f"step_{self.step}"
+        self.group.save_checkpoint(str(path))
         (path / STATE_FILE).write_text(json.dumps({"step": self.step, "sampler": self.sampler.state()}))
         return path
 
@@ -151,7 +178,7 @@ class SFTTrainer:
         if latest is None:
             self.console.print(f"no checkpoint in {self.output_dir}; starting fresh")
             return
-        self.engine.load(str(latest))
+        self.group.load_checkpoint(str(latest.resolve()))
         state = json.loads((latest / STATE_FILE).read_text())
         self.step = state["step"]
         self.sampler.load_state(state["sampler"])
@@ -160,10 +187,5 @@ class SFTTrainer:
     def export(self) -> Path:
         """Save the trained model (LoRA merged) and tokenizer as a plain HF directory."""
         target = self.output_dir / "hf_model"
-        model = self.engine.causal_lm
-        if self.engine_config.lora.rank:
-            model = model.merge_and_unload()
-        with atomic_directory(target) as staging:
-            model.save_pretrained(staging)
-            self.tokenizer.save_pretrained(staging)
+        self.group.export_hf(str(target.resolve()))
         return target

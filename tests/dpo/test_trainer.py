@@ -158,10 +158,10 @@ def test_validation_metrics_do_not_depend_on_the_batch_size(dpo_files, tmp_path)
                 "preference.rpo_alpha=0.5",
             )
         )
-        trainer.engine.initialize()
         trainer.reference = {
             "val": -torch.rand(len(trainer.val), 2, generator=torch.Generator().manual_seed(1))
         }
-        values.append(trainer.evaluate_pairs())
+        with trainer.started():
+            values.append(trainer.evaluate_pairs())
     assert values[1] == pytest.approx(values[0], rel=1e-5)
     assert set(values[0]) >= {"eval_loss", "eval_rewards/accuracies", "eval_nll_loss", "eval_logps/chosen"}

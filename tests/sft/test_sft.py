@@ -76,8 +76,8 @@ def test_sft_run_lowers_the_loss_and_exports_a_loadable_model(model_dir, tmp_pat
         ),
     )
     trainer = SFTTrainer(config)
-    trainer.engine.initialize()
-    before = trainer.evaluate()
+    with trainer.started():
+        before = trainer.evaluate()
     result = SFTTrainer(config).fit()
     after = result.eval_losses[40]
     assert after < 0.4 * before, (before, after)  # from ~ln(103) per token to well under half

@@ -1,0 +1,164 @@
+"""``EngineWorker``: one rank of the SFT and DPO trainers' worker group.
+
+The trainers (:mod:`tandem.sft.trainer`, :mod:`tandem.dpo.trainer`) are the controller: they
+sample and collate each step's batch and call the group. Each rank holds a
+:class:`~tandem.engine.TorchTrainEngine` on its own device (DDP or FSDP2 over the group when
+there are several ranks), runs the loss it is handed on its shard of the batch, and steps the
+optimizer; the loss divides by the whole batch's counts, so the ranks' shares add up to the
+loss of the whole batch however it was split. Scoring calls return each row's summed log-prob
+over its ``loss_mask`` tokens, from which the controller computes evaluation losses and the
+DPO reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from transformers.utils import logging as hf_logging
+
+from tandem.controller import Worker, register
+from tandem.device import bind_device
+from tandem.engine import EngineConfig, TorchTrainEngine
+from tandem.engine.base import LossFn
+from tandem.engine.divergence import ModelHealth
+from tandem.engine.parallel import rank_strategy
+from tandem.models.loading import load_model, load_tokenizer
+from tandem.protocol import Batch
+from tandem.rollout.weights import load_named_tensors
+from tandem.run_dir import atomic_directory
+
+
+@dataclass
+class StepReport:
+    """One rank's part of an optimizer step: its loss share, its micro-batches' metrics, the
+    global gradient norm (the same on every rank), the learning rate the step used, and
+    whether the update was skipped (agreed over the ranks)."""
+
+    loss: float
+    metrics: dict[str, list[float]]
+    grad_norm: float
+    learning_rate: float
+    skipped: bool
+
+
+class EngineWorker(Worker):
+    """One rank of the engine group (see the module docstring).
+
+    Args:
+        engine: the policy's engine settings; ``strategy=single`` becomes DDP on several ranks.
+        reference_path: the frozen model :meth:`sequence_log_probs` scores with as the reference
+            when it is not the policy itself (empty: the policy's starting weights).
+    """
+
+    def __init__(self, engine: EngineConfig, reference_path: str = "") -> None:
+        self.engine_config = engine
+        self.reference_path = reference_path
+
+    @register(dispatch="ONE_TO_ALL")
+    def init_engine(self) -> int:
+        """Bind this rank's device, join the group's process group, load the model; returns the
+        embedding table's row count (the vocabulary the tokenizer must fit in)."""
+        hf_logging.disable_progress_bar()
+        device = bind_device(self.engine_config.device, self.local_rank)
+        if self.world_size > 1:
+            self.init_process_group(device=device)
+        strategy = rank_strategy(self.engine_config.strategy, self.world_size)
+        self.engine = TorchTrainEngine(
+            dataclasses.replace(self.engine_config, device=str(device), strategy=strategy)
+        )
+        self.engine.initialize()
+        self.reference_engine: TorchTrainEngine | None = None
+        return int(self.engine.causal_lm.get_input_embeddings().weight.shape[0])
+
+    @register(dispatch="DP_COMPUTE")
+    def train_step(self, batch: Batch, *, loss_fn: LossFn) -> StepReport:
+        """Forward/backward of ``loss_fn`` on this rank's shard, then one optimizer step (skipped
+        on every rank when any rank's loss or the gradient norm is not finite) and one
+        learning-rate step."""
+        result = self.engine.forward_backward(batch, loss_fn)
+        learning_rate = self.engine.lr
+        grad_norm = self.engine.optimizer_step(skip=not math.isfinite(result.loss))
+        self.engine.lr_step()
+        return StepReport(
+            result.loss, result.metrics, grad_norm, learning_rate, self.engine.last_step_skipped
+        )
+
+    @register(dispatch="DP_COMPUTE")
+    def sequence_log_probs(self, batch: Batch, *, reference: bool = False) -> Batch:
+        """``log_prob [B]``: each row's log-prob summed over its ``loss_mask`` tokens, under the
+        policy or (``reference``) the reference: the base model with LoRA's adapter off, the
+        policy itself before its first update, else a frozen copy loaded once."""
+        if not reference:
+            engine = self.engine
+        elif self.engine_config.lora.rank:
+            with self.engine.adapter_disabled():
+                return self._summed(self.engine, batch)
+        elif self.engine.step_count == 0 and not self.reference_path:
+            engine = self.engine
+        else:
+            engine = self._reference_engine()
+        return self._summed(engine, batch)
+
+    def _summed(self, engine: TorchTrainEngine, batch: Batch) -> Batch:
+        outputs = engine.forward_backward(batch, None, forward_only=True).outputs
+        return Batch({"log_prob": (outputs.log_probs * batch["loss_mask"]).sum(-1)})
+
+    def _reference_engine(self) -> TorchTrainEngine:
+        if self.reference_engine is None:  # a full frozen copy per rank: forward only, no collectives
+            config = self.engine_config
+            self.reference_engine = TorchTrainEngine(
+                dataclasses.replace(
+                    config,
+                    model_path=self.reference_path or config.model_path,
+                    device=str(self.engine.device),
+                    strategy="single",
+                    lr_schedule="constant",
+                )
+            )
+            self.reference_engine.initialize()
+            self.reference_engine.causal_lm.requires_grad_(False)
+        return self.reference_engine
+
+    @register(dispatch="ONE_TO_ALL")
+    def health(self, probe: Batch) -> ModelHealth:
+        """This rank's weights and the log-probs of ``probe`` (a row or two): finite or not."""
+        return self.engine.health(probe)
+
+    @register(dispatch="ONE_TO_ALL")
+    def save_checkpoint(self, path: str) -> None:
+        """Model, optimizer, scheduler, step and RNG states under ``path`` (every rank writes its part)."""
+        self.engine.save(path)
+
+    @register(dispatch="ONE_TO_ALL")
+    def load_checkpoint(self, path: str) -> None:
+        self.engine.load(path)
+
+    @register(dispatch="ONE_TO_ALL")
+    def export_hf(self, path: str) -> None:
+        """The current policy (LoRA merged) with the tokenizer of ``engine.model_path`` as a plain
+        HF model directory; every rank joins the gather (FSDP2), rank 0 writes."""
+        named = list(self.engine.iter_parameters())
+        if self.rank != 0:
+            return
+        config = self.engine_config
+        model = load_model(config.model_path, config.param_dtype)
+        load_named_tensors(model, [(name, tensor.to("cpu")) for name, tensor in named])
+        with atomic_directory(path) as staging:
+            model.save_pretrained(staging)
+            load_tokenizer(config.model_path).save_pretrained(staging)
+
+
+def total_loss(reports: list[StepReport]) -> float:
+    """The step's loss: the ranks' shares add up."""
+    return sum(report.loss for report in reports)
+
+
+def merged_metrics(reports: list[StepReport]) -> dict[str, list[float]]:
+    """Every rank's micro-batch metrics, as one list per name."""
+    merged: dict[str, list[float]] = {}
+    for report in reports:
+        for name, values in report.metrics.items():
+            merged.setdefault(name, []).extend(values)
+    return merged

@@ -1,0 +1,88 @@
+"""SFT and DPO on several data-parallel workers equal one worker: the same losses, metrics,
+validation and exported weights (DDP and FSDP2, each worker a spawned process)."""
+
+import pytest
+import torch
+
+from tandem.dpo import DPOTrainer
+from tandem.engine import EngineConfig
+from tandem.models.loading import load_model
+from tandem.sft import SFTConfig, SFTDataConfig, SFTTrainer, SFTTrainerConfig
+from tests.dpo.conftest import dpo_config, write_jsonl
+from tests.sft.test_sft import addition_conversations
+
+
+def assert_same_weights(left, right):
+    left, right = load_model(left).state_dict(), load_model(right).state_dict()
+    assert left.keys() == right.keys()
+    for name, value in left.items():
+        torch.testing.assert_close(right[name], value, rtol=1e-4, atol=2e-5, msg=name)
+
+
+def assert_same_history(left: list[dict], right: list[dict]):
+    assert len(left) == len(right)
+    for one, two in zip(left, right, strict=True):
+        assert one.keys() == two.keys()
+        for name, value in one.items():
+            if name.startswith(("timing_s", "perf/")):
+                continue
+            assert two[name] == pytest.approx(value, rel=1e-4, abs=1e-6), (one["step"], name)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("engine.strategy=single",),  # DDP over the two workers
+        ("engine.strategy=fsdp2", "reference=model"),  # sharded policy, a frozen reference per worker
+    ],
+    ids=["ddp", "fsdp2-reference-model"],
+)
+def test_dpo_on_two_workers_equals_one(dpo_files, tmp_path, overrides):
+    results = [
+        DPOTrainer(
+            dpo_config(
+                dpo_files, tmp_path / f"workers{workers}", f"trainer.n_workers={workers}", "trainer.total_steps=3",
+                "preference.rpo_alpha=0.5", *overrides
+            )
+        ).fit()
+        for workers in (1, 2)
+    ]  # fmt: skip
+    one, two = results
+    assert_same_history(one.history, two.history)
+    assert two.validation["eval_rewards/accuracies"] == pytest.approx(
+        one.validation["eval_rewards/accuracies"]
+    )
+    assert_same_weights(one.hf_model_dir, two.hf_model_dir)
+
+
+def test_sft_on_two_workers_equals_one(dpo_files, tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", addition_conversations(24, 4))
+    val = write_jsonl(tmp_path / "val.jsonl", addition_conversations(6, 5))
+    results = []
+    for workers in (1, 2):
+        config = SFTConfig(
+            model_path=dpo_files["model"],
+            data=SFTDataConfig(train_path=train, val_path=val),
+            engine=EngineConfig(lr=3e-3, max_tokens_per_micro_batch=128),
+            trainer=SFTTrainerConfig(
+                global_batch_size=8,
+                total_steps=3,
+                eval_every=3,
+                n_workers=workers,
+                output_dir=str(tmp_path / f"workers{workers}"),
+            ),
+        )
+        results.append(SFTTrainer(config).fit())
+    one, two = results
+    assert two.train_losses == pytest.approx(one.train_losses, rel=1e-5)
+    assert two.eval_losses[3] == pytest.approx(one.eval_losses[3], rel=1e-5)
+    assert_same_weights(one.hf_model_dir, two.hf_model_dir)
+
+
+def test_the_batch_must_divide_over_the_workers():
+    with pytest.raises(
+        ValueError, match=r"trainer.global_batch_size=5 must divide evenly over the 2 workers"
+    ):
+        SFTTrainerConfig(global_batch_size=5, n_workers=2)
+    with pytest.raises(ValueError, match="trainer.n_workers"):
+        SFTTrainerConfig(n_gpus_per_node=2, n_workers=3, global_batch_size=6)
