@@ -1,4 +1,4 @@
-"""The ``tandem`` command line: ``demo``, ``train``, ``sft``, ``dpo``, ``serve``, ``report``, ``prepare-data`` and ``algos``."""
+"""The ``tandem`` command line: ``demo``, ``train``, ``sft``, ``dpo``, ``rm``, ``serve``, ``report``, ``prepare-data`` and ``algos``."""
 
 from __future__ import annotations
 
@@ -251,6 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     dpo.add_argument(
         "overrides", nargs="*", help="key=value settings, e.g. preference.name=ipo preference.beta=0.1"
     )
+    rm = commands.add_parser(
+        "rm",
+        help="a Bradley-Terry reward model on chosen/rejected pairs: tandem rm model_path=... data.train_path=...",
+    )
+    rm.add_argument("--config", help="a YAML file of overrides, applied before the command-line ones")
+    rm.add_argument(
+        "overrides", nargs="*", help="key=value settings, e.g. engine.lr=1e-5 trainer.total_steps=500"
+    )
     server = commands.add_parser("serve", help="an OpenAI-compatible HTTP server: tandem serve MODEL_PATH")
     server.add_argument("model_path", help="an HF model directory (config, weights, tokenizer)")
     server.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
@@ -320,11 +328,15 @@ def _run(args: argparse.Namespace, console: Console) -> None:
 
         result = SFTTrainer(config_from_overrides(SFTConfig, args.overrides, args.config), console).fit()
         console.print(f"model written to {result.hf_model_dir}")
-    elif args.command == "dpo":
+    elif args.command in ("dpo", "rm"):
         from tandem.config.overrides import config_from_overrides
         from tandem.dpo import DPOConfig, DPOTrainer
+        from tandem.rm import RewardModelConfig, RewardModelTrainer
 
-        result = DPOTrainer(config_from_overrides(DPOConfig, args.overrides, args.config), console).fit()
+        config_cls, trainer_cls = (
+            (DPOConfig, DPOTrainer) if args.command == "dpo" else (RewardModelConfig, RewardModelTrainer)
+        )
+        result = trainer_cls(config_from_overrides(config_cls, args.overrides, args.config), console).fit()
         if result.validation:
             console.print(
                 "final validation: " + ", ".join(f"{k} {v:.4f}" for k, v in result.validation.items())

@@ -15,6 +15,8 @@ Notation: ``π_c, π_r`` policy log-probs of chosen / rejected, ``ρ_c, ρ_r`` r
 ``hinge``      SLiC: ``max(0, 1 - βh)``
 ``robust``     robust DPO (unbiased under flip rate ε): ``((1-ε)(-log σ(βh)) + ε log σ(-βh)) / (1-2ε)``
 ``simpo``      SimPO, reference-free: ``-log σ(β(π_c/|c| - π_r/|r|) - γ)``
+``bradley_terry``  reference-free: ``-(1-ε) log σ(β(π_c - π_r)) - ε log σ(-β(π_c - π_r))``; with
+               a reward model's scores in place of ``π`` it is the reward-model loss (``tandem rm``)
 =============  ==============================================================================
 
 An NLL term on the chosen responses (RPO, ``rpo_alpha``) is added by the trainer, not here: it
@@ -38,7 +40,8 @@ class PreferenceLossConfig:
     """``preference.*`` (``tandem dpo``) / ``actor.preference.*`` (online DPO): the preference loss.
 
     Attributes:
-        name: a registered preference loss (``sigmoid``, ``ipo``, ``hinge``, ``robust``, ``simpo``).
+        name: a registered preference loss (``sigmoid``, ``ipo``, ``hinge``, ``robust``, ``simpo``,
+            ``bradley_terry``).
         beta: inverse temperature β (how far the policy may move from the reference).
         label_smoothing: ε, the assumed rate of flipped labels (``sigmoid``: cDPO; ``robust``); < 0.5.
         gamma: SimPO's target reward margin γ.
@@ -83,7 +86,7 @@ PreferenceLoss = Callable[
     [PreferenceInput, PreferenceLossConfig], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 ]
 PREFERENCE_LOSSES: Registry[PreferenceLoss] = Registry("preference loss")
-REFERENCE_FREE = frozenset({"simpo"})
+REFERENCE_FREE = frozenset({"simpo", "bradley_terry"})
 
 
 def _smoothed_logistic(logits: torch.Tensor, eps: float) -> torch.Tensor:
@@ -144,6 +147,17 @@ def simpo_loss(
     chosen = config.beta * x.policy_chosen / x.chosen_lengths
     rejected = config.beta * x.policy_rejected / x.rejected_lengths
     loss = _smoothed_logistic(chosen - rejected - config.gamma, config.label_smoothing)
+    return loss, chosen.detach(), rejected.detach()
+
+
+@PREFERENCE_LOSSES.register("bradley_terry")
+def bradley_terry_loss(
+    x: PreferenceInput, config: PreferenceLossConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Bradley–Terry logistic loss on the scaled score difference (label smoothing as in
+    cDPO), reference-free: a reward model's loss when the scores are its outputs."""
+    chosen, rejected = config.beta * x.policy_chosen, config.beta * x.policy_rejected
+    loss = _smoothed_logistic(chosen - rejected, config.label_smoothing)
     return loss, chosen.detach(), rejected.detach()
 
 

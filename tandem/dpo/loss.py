@@ -52,11 +52,11 @@ def preference_loss(
     """This micro-batch's share of the step's preference loss (see the module docstring).
 
     Shapes: ``outputs.log_probs, loss_mask: [2P, S]``; ``ref_log_prob: [2P]`` (summed response
-    log-probs under the reference; absent for reference-free losses).
+    log-probs under the reference; absent for reference-free losses). With a reward model's
+    ``outputs.scores`` (``tandem rm``) each response's score stands where its log-prob would.
     """
-    mask = micro["loss_mask"].to(outputs.log_probs.dtype)
     return summed_preference_loss(
-        micro, (outputs.log_probs * mask).sum(-1), config, total_pairs, chosen_tokens
+        micro, outputs.sequence_summary(micro["loss_mask"]), config, total_pairs, chosen_tokens
     )
 
 

@@ -64,7 +64,7 @@ class DPOTrainer(SFTTrainer):
         self.reference: dict[str, torch.Tensor] = {}  # split -> [pairs, 2] (chosen, rejected)
         self.run_info = RunInfo(
             self.output_dir,
-            trainer=f"DPO: {config.preference.name} loss, beta {config.preference.beta}, reference {config.reference}",
+            trainer=self.describe(),
             experiment=config.trainer.experiment,
             project=config.trainer.project,
             config=dataclasses.asdict(config),
@@ -72,6 +72,12 @@ class DPOTrainer(SFTTrainer):
             data_files={"train": config.data.train_path, "val": config.data.val_path},
             total_steps=self.total_steps,
         )
+
+    def describe(self) -> str:
+        """What this run trains, for the console and ``run.json``."""
+        loss = self.config.preference
+        reference = f", reference {self.config.reference}" if loss.needs_reference else ""
+        return f"DPO: {loss.name} loss, beta {loss.beta}{reference}"
 
     def load_data(self) -> tuple[PreferenceDataset, PreferenceDataset | None]:
         data = self.config.data
@@ -164,7 +170,7 @@ class DPOTrainer(SFTTrainer):
             batch = self._with_reference(self.val.collate(indices, self.tokenizer.pad_token_id), "val")
             part, metrics = summed_preference_loss(
                 batch,
-                self.group.sequence_log_probs(batch)["log_prob"],
+                self.group.sequence_scores(batch)["score"],
                 self.config.preference,
                 total_pairs=len(self.val),
                 chosen_tokens=chosen_total,
@@ -195,7 +201,7 @@ class DPOTrainer(SFTTrainer):
         """Summed response log-probs ``[2P]`` of ``batch`` under the reference: the base model
         with LoRA's adapter off, the policy itself before its first update, else a frozen copy
         of ``ref_model_path`` (or ``model_path``) on each worker."""
-        return self.group.sequence_log_probs(batch, reference=True)["log_prob"].float()
+        return self.group.sequence_scores(batch, reference=True)["score"].float()
 
     def _precompute_reference(self) -> None:
         """Score every training and validation pair under the reference once (or load the scores
@@ -243,9 +249,9 @@ class DPOTrainer(SFTTrainer):
             self.console.print(line)
 
     def _print_plan(self) -> None:
-        train, loss = self.train, self.config.preference
+        train = self.train
         self.console.print(
-            f"[bold]DPO[/] {loss.name} loss (beta {loss.beta}), reference {self.config.reference}; "
+            f"[bold]{self.describe()}[/]; "
             f"{len(train)} pairs ({train.invalid} invalid and {train.overlong} over data.max_length dropped), "
             f"{len(self.val) if self.val is not None else 0} validation pairs; {self.total_steps} steps of "
             f"{self.config.trainer.global_batch_size} pairs, starting at step {self.step}"

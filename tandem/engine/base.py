@@ -31,23 +31,44 @@ class TokenOutputs:
     (temperature-scaled) distribution, detached, when the caller asked for it.
     A critic (``engine.head=value``): ``values[:, t] = V(s_t)``, read from the hidden state at
     ``t - 1`` (0 where nothing predicts).
+    A reward model (``engine.head=reward``): ``scores[:, t]``, the reward of the sequence ending
+    at token ``t``, read from the hidden state at ``t`` (0 on padding).
     """
 
     log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     sum_pi_squared: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
 
     def fields(self) -> dict[str, torch.Tensor]:
         """The outputs present, by name."""
         return {name: getattr(self, name) for name in OUTPUT_NAMES if getattr(self, name) is not None}
+
+    def sequence_summary(self, mask: torch.Tensor) -> torch.Tensor:
+        """One number per row of ``mask [B, S]`` (a row's response tokens): a reward model's
+        score at the row's last ``mask`` token, else the log-prob summed over its ``mask``
+        tokens. ``[B]``; a row with no ``mask`` token gives 0."""
+        if self.scores is not None:
+            return last_token_values(self.scores, mask)
+        assert self.log_probs is not None
+        return (self.log_probs * mask.to(self.log_probs.dtype)).sum(-1)
 
     def detach(self) -> TokenOutputs:
         """The same outputs cut from the autograd graph."""
         return TokenOutputs(**{name: value.detach() for name, value in self.fields().items()})
 
 
-OUTPUT_NAMES = ("log_probs", "entropy", "sum_pi_squared", "values")
+def last_token_values(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's value at its last ``mask`` token: ``values, mask [B, S] -> [B]`` (0 for a row
+    without one)."""
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask.bool(), positions, -1).amax(-1)
+    picked = values.gather(1, last.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return torch.where(last >= 0, picked, torch.zeros_like(picked))
+
+
+OUTPUT_NAMES = ("log_probs", "entropy", "sum_pi_squared", "values", "scores")
 
 
 LossFn = Callable[[Batch, TokenOutputs], tuple[torch.Tensor, dict[str, torch.Tensor]]]

@@ -9,7 +9,7 @@ from tandem.device import check_device_setting
 from tandem.models.loading import DTYPES
 
 STRATEGIES = ("single", "ddp", "fsdp2")
-HEADS = ("lm", "value")
+HEADS = ("lm", "value", "reward")
 MIXED_PRECISION = ("none", "bf16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
@@ -42,7 +42,9 @@ class EngineConfig:
         model_path: a local HF model directory (``save_pretrained`` layout).
         head: ``lm`` (a policy: per-token log-probs through the LM head) or ``value`` (a
             critic: the decoder with a one-output ``score`` head, per-token values; a causal LM
-            directory loads with a fresh head).
+            directory loads with a fresh head) or ``reward`` (a reward model: the same head read
+            at each token, an HF ``...ForSequenceClassification`` model; see
+            :mod:`tandem.engine.reward_model`).
         device: ``auto`` (CUDA when a GPU is visible), ``cpu``, ``cuda`` (the GPU of this
             process's local rank) or ``cuda:N``; see :mod:`tandem.device`.
         strategy: ``single`` process, ``ddp`` or ``fsdp2`` data parallel over the default process group.

@@ -22,12 +22,13 @@ from tandem.engine.lr_schedule import build_scheduler
 from tandem.engine.micro_batch import token_budget_micro_batches
 from tandem.engine.packing import pack_sequences, pad_to_multiple, positions_from_mask, unpack
 from tandem.engine.parallel import data_parallel_size, wrap_data_parallel
+from tandem.engine.reward_model import TokenScoreModel
 from tandem.engine.shared_prompts import pack_shared_prompts, prompt_groups
 from tandem.engine.token_model import TokenLogProbModel
 from tandem.engine.value_model import TokenValueModel
 from tandem.engine.varlen_attention import VARLEN_ATTENTION
 from tandem.kernels.cpu import enable_cpu_kernels
-from tandem.models.loading import load_model, load_value_model, resolve_dtype
+from tandem.models.loading import load_head_model, resolve_dtype
 from tandem.protocol import Batch
 
 
@@ -42,7 +43,7 @@ class TorchTrainEngine:
     def __init__(self, config: EngineConfig, model: nn.Module | None = None) -> None:
         self.config = config
         self._given_model = model
-        self.module: TokenLogProbModel | TokenValueModel | None = None
+        self.module: TokenLogProbModel | TokenValueModel | TokenScoreModel | None = None
         self.step_count = 0
         self.last_step_skipped = False
         self.device = torch.device("cpu")  # bound by initialize()
@@ -58,11 +59,10 @@ class TorchTrainEngine:
             )
         self.device = bind_device(config.device)
         torch.manual_seed(config.seed)
-        load = load_value_model if config.head == "value" else load_model
         model = (
             self._given_model
             if self._given_model is not None
-            else load(config.model_path, config.param_dtype)
+            else load_head_model(config.model_path, config.head, config.param_dtype)
         )
         model = model.to(device=self.device, dtype=resolve_dtype(config.param_dtype))
         if config.gradient_checkpointing:
@@ -73,11 +73,12 @@ class TorchTrainEngine:
         if config.lora.rank:
             model = apply_lora(model, config.lora)
         enable_cpu_kernels(model, self.device)  # oneDNN linears and malloc settings, on the CPU only
-        self.module = (
-            TokenValueModel(model)
-            if config.head == "value"
-            else TokenLogProbModel(model, config.logprob_chunk_size, config.logprob_temperature)
-        )
+        if config.head == "value":
+            self.module = TokenValueModel(model)
+        elif config.head == "reward":
+            self.module = TokenScoreModel(model)
+        else:
+            self.module = TokenLogProbModel(model, config.logprob_chunk_size, config.logprob_temperature)
         self.wrapped = wrap_data_parallel(self.module, config.strategy, self.device, config.mixed_precision)
         self.dp_size = data_parallel_size(config.strategy)
         trainable = [p for p in self.module.parameters() if p.requires_grad]
@@ -96,7 +97,7 @@ class TorchTrainEngine:
         """The HF model being trained (the PEFT model when LoRA is on)."""
         return self._require_module().causal_lm
 
-    def _require_module(self) -> TokenLogProbModel | TokenValueModel:
+    def _require_module(self) -> TokenLogProbModel | TokenValueModel | TokenScoreModel:
         if self.module is None:
             raise RuntimeError("call initialize() first")
         return self.module

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
     PreTrainedModel,
@@ -84,6 +85,37 @@ def load_value_model(
         )
     finally:
         hf_logging.set_verbosity(previous)
+
+
+def load_reward_model(
+    path: str | Path, dtype: str = "float32", attn_implementation: str = "sdpa"
+) -> PreTrainedModel:
+    """The model in ``path`` as a one-output sequence classifier (a reward model): its decoder,
+    and its ``score`` head, freshly initialised when ``path`` holds a causal LM. The config
+    gets the tokenizer's pad id when it has none (HF finds each row's last token by it)."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"no model at {path}: config.json is missing (expected a save_pretrained directory)"
+        )
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "newly initialized: score.weight" is the point here
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            str(path), num_labels=1, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
+        )
+    finally:
+        hf_logging.set_verbosity(previous)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = load_tokenizer(path).pad_token_id
+    return model
+
+
+def load_head_model(path: str | Path, head: str, dtype: str = "float32") -> PreTrainedModel:
+    """The model an engine with ``engine.head=head`` trains: a causal LM (``lm``), a token
+    classifier (``value``) or a sequence classifier (``reward``)."""
+    loaders = {"lm": load_model, "value": load_value_model, "reward": load_reward_model}
+    return loaders[head](path, dtype)
 
 
 def check_vocab_compatible(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:

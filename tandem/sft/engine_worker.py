@@ -6,8 +6,8 @@ sample and collate each step's batch and call the group. Each rank holds a
 there are several ranks), runs the loss it is handed on its shard of the batch, and steps the
 optimizer; the loss divides by the whole batch's counts, so the ranks' shares add up to the
 loss of the whole batch however it was split. Scoring calls return each row's summed log-prob
-over its ``loss_mask`` tokens, from which the controller computes evaluation losses and the
-DPO reference.
+over its ``loss_mask`` tokens (a reward model's score at the last one), from which the
+controller computes evaluation losses and the DPO reference.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tandem.engine import EngineConfig, TorchTrainEngine
 from tandem.engine.base import LossFn
 from tandem.engine.divergence import ModelHealth
 from tandem.engine.parallel import rank_strategy
-from tandem.models.loading import load_model, load_tokenizer
+from tandem.models.loading import load_head_model, load_tokenizer
 from tandem.protocol import Batch
 from tandem.rollout.weights import load_named_tensors
 from tandem.run_dir import atomic_directory
@@ -48,7 +48,7 @@ class EngineWorker(Worker):
 
     Args:
         engine: the policy's engine settings; ``strategy=single`` becomes DDP on several ranks.
-        reference_path: the frozen model :meth:`sequence_log_probs` scores with as the reference
+        reference_path: the frozen model :meth:`sequence_scores` scores with as the reference
             when it is not the policy itself (empty: the policy's starting weights).
     """
 
@@ -86,10 +86,11 @@ class EngineWorker(Worker):
         )
 
     @register(dispatch="DP_COMPUTE")
-    def sequence_log_probs(self, batch: Batch, *, reference: bool = False) -> Batch:
-        """``log_prob [B]``: each row's log-prob summed over its ``loss_mask`` tokens, under the
-        policy or (``reference``) the reference: the base model with LoRA's adapter off, the
-        policy itself before its first update, else a frozen copy loaded once."""
+    def sequence_scores(self, batch: Batch, *, reference: bool = False) -> Batch:
+        """``score [B]``: each row's log-prob summed over its ``loss_mask`` tokens (a reward
+        model: its score at the last one), under the policy or (``reference``) the reference:
+        the base model with LoRA's adapter off, the policy itself before its first update, else
+        a frozen copy loaded once."""
         if not reference:
             engine = self.engine
         elif self.engine_config.lora.rank:
@@ -103,7 +104,7 @@ class EngineWorker(Worker):
 
     def _summed(self, engine: TorchTrainEngine, batch: Batch) -> Batch:
         outputs = engine.forward_backward(batch, None, forward_only=True).outputs
-        return Batch({"log_prob": (outputs.log_probs * batch["loss_mask"]).sum(-1)})
+        return Batch({"score": outputs.sequence_summary(batch["loss_mask"])})
 
     def _reference_engine(self) -> TorchTrainEngine:
         if self.reference_engine is None:  # a full frozen copy per rank: forward only, no collectives
@@ -143,7 +144,7 @@ class EngineWorker(Worker):
         if self.rank != 0:
             return
         config = self.engine_config
-        model = load_model(config.model_path, config.param_dtype)
+        model = load_head_model(config.model_path, config.head, config.param_dtype)
         load_named_tensors(model, [(name, tensor.to("cpu")) for name, tensor in named])
         with atomic_directory(path) as staging:
             model.save_pretrained(staging)

@@ -156,7 +156,7 @@ class SFTTrainer:
         """Mean assistant-token NLL over the whole validation set."""
         assert self.val is not None
         batch = self.val.collate(list(range(len(self.val))), self.tokenizer.pad_token_id)
-        summed = self.group.sequence_log_probs(batch)["log_prob"]
+        summed = self.group.sequence_scores(batch)["score"]
         return float(-summed.sum() / batch["loss_mask"].sum())
 
     def save_checkpoint(self) -> Path:

@@ -56,12 +56,20 @@ def reference_simpo(pc, pr, rc, rr, lc, lr, c):
     return -(1 - e) * log_sigmoid(z) - e * log_sigmoid(-z), d * c.beta / lc, -d * c.beta / lr
 
 
+def reference_bradley_terry(pc, pr, rc, rr, lc, lr, c):
+    z = c.beta * (pc - pr)
+    e = c.label_smoothing
+    d = c.beta * (-(1 - e) * sigmoid(-z) + e * sigmoid(z))
+    return -(1 - e) * log_sigmoid(z) - e * log_sigmoid(-z), d, -d
+
+
 REFERENCES = {
     "sigmoid": reference_sigmoid,
     "robust": reference_robust,
     "hinge": reference_hinge,
     "ipo": reference_ipo,
     "simpo": reference_simpo,
+    "bradley_terry": reference_bradley_terry,
 }
 
 
@@ -92,6 +100,9 @@ def test_loss_values_and_gradients_match_the_formula(name, smoothing):
         assert policy_r.grad[i].item() == pytest.approx(grad_r, rel=1e-9, abs=1e-12)
     if name == "simpo":  # reference-free: the rewards are the scaled length-normalised log-probs
         assert torch.allclose(chosen_rewards, 0.3 * policy_c.detach() / len_c)
+    elif name == "bradley_terry":  # reference-free: the rewards are the scaled scores
+        assert torch.allclose(chosen_rewards, 0.3 * policy_c.detach())
+        assert torch.allclose(rejected_rewards, 0.3 * policy_r.detach())
     elif name == "ipo":
         assert torch.allclose(chosen_rewards, 0.3 * (policy_c.detach() - ref_c) / len_c)
     else:
