@@ -47,7 +47,8 @@ from tandem.rl.data import RLDataset
 from tandem.rl.derived import derive_seed
 from tandem.rl.metrics import data_metrics, timed, timing_metrics, value_metrics
 from tandem.rl.preference_pairs import best_worst_pairs, with_reference_sums
-from tandem.rl.rewards import RewardManager
+from tandem.rl.rewards.model_worker import RewardModelWorker
+from tandem.rl.rewards.sources import RewardSources
 from tandem.rl.sequences import concat_sequences, decode_responses, trim_padding
 from tandem.rl.trackers import build_trackers
 from tandem.rl.worker import ActorRolloutRefWorker, reduce_metric
@@ -86,7 +87,7 @@ class RLTrainer:
             if data.val_path
             else None
         )
-        self.rewards = RewardManager(config.reward)
+        self.rewards = RewardSources(config.reward)
         self.rewards.check_sources([s.data_source for s in self.train_data.samples])
         if self.val_data is not None:
             self.rewards.check_sources([s.data_source for s in self.val_data.samples])
@@ -149,6 +150,19 @@ class RLTrainer:
                 params_critic = self.critics.init_model(critic_steps)[0]
                 self.console.print(
                     f"critic: {params_critic / 1e6:.2f}M parameters, {config.world_size} worker(s)"
+                )
+            if "model" in config.reward.sources:  # a pool of its own
+                model = config.reward.model
+                scorers = groups.enter_context(
+                    create_worker_group(
+                        RewardModelWorker, config.reward_model_resource_pool(), trainer.backend,
+                        args=(model, trainer.device),
+                    )
+                )  # fmt: skip
+                params_rm = scorers.init_model()[0]
+                self.rewards.model_group = scorers
+                self.console.print(
+                    f"reward model: {params_rm / 1e6:.2f}M parameters from {model.path}, {model.n_workers} worker(s)"
                 )
             resumed = self._resume()
             self._print_plan(params)
@@ -347,10 +361,7 @@ class RLTrainer:
         lengths = mask.sum(-1)
         texts = decode_responses(self.tokenizer, batch["responses"], mask)
         keys = self.config.algorithm.reward_component_keys if training else ()
-        result = self.rewards.score(
-            batch["data_source"], texts, batch["ground_truth"], batch["extra_info"],
-            lengths, self.config.rollout.max_response_length, keys,
-        )  # fmt: skip
+        result = self.rewards.score(batch, texts, lengths, self.config.rollout.max_response_length, keys)
         token_scores = torch.zeros(mask.shape, dtype=torch.float32)
         token_scores[torch.arange(len(batch)), (lengths - 1).clamp(min=0)] = result.scores
         if result.errors:

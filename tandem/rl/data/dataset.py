@@ -136,6 +136,7 @@ class RLDataset:
                 "data_source": [r.data_source for r in rows],
                 "ground_truth": [r.ground_truth for r in rows],
                 "extra_info": [r.extra_info for r in rows],
+                "raw_prompt": [r.raw_prompt for r in rows],
                 "index": list(indices),
             }
         )

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.rl.config import RewardConfig
+from tandem.rl.config import OverlongPenaltyConfig, RewardConfig
 from tandem.rl.rewards.components import reward_components
 from tandem.rl.rewards.custom import load_reward_function
 from tandem.rl.rewards.parallel import CallResult, run_with_timeouts
@@ -72,9 +72,11 @@ class RewardManager:
         response_lengths: torch.Tensor,
         max_response_length: int,
         component_keys: Sequence[str] = (),
+        apply_overlong: bool = True,
     ) -> RewardResult:
-        """Score each response; ``response_lengths [B]`` feeds the overlong penalty. ``component_keys``
-        names dict fields every result must carry, returned as ``components [B, K]``."""
+        """Score each response; ``response_lengths [B]`` feeds the overlong penalty (left to the
+        caller with ``apply_overlong=False``). ``component_keys`` names dict fields every result
+        must carry, returned as ``components [B, K]``."""
         items = list(zip(data_sources, solutions, ground_truths, extra_infos, strict=True))
         results = run_with_timeouts(self._score_one, items, self.config.num_workers, self.config.timeout_s)
         components = reward_components(results, component_keys, data_sources) if component_keys else None
@@ -86,16 +88,22 @@ class RewardManager:
             "reward/timeouts": float(sum(r.timeout for r in results)),
             "reward/invalid_fields": float(len(notes)),
         }
-        overlong = self.config.overlong
-        if overlong.enable:
-            expected = max_response_length - overlong.buffer
-            excess = (response_lengths.float() - expected).clamp(min=0)
-            penalty = -(excess / overlong.buffer).clamp(max=1.0) * overlong.penalty_factor
+        if apply_overlong and self.config.overlong.enable:
+            penalty = overlong_penalty(response_lengths, max_response_length, self.config.overlong)
             scores = scores + penalty
             metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
         for name, column in extras.items():
             metrics[f"reward/extra/{name}/mean"] = sum(column) / len(column)
         return RewardResult(scores, accuracy, metrics, errors, notes, components, raw_scores)
+
+
+def overlong_penalty(
+    response_lengths: torch.Tensor, max_response_length: int, overlong: OverlongPenaltyConfig
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment ``[B]`` (<= 0) of responses of ``response_lengths [B]``."""
+    expected = max_response_length - overlong.buffer
+    excess = (response_lengths.float() - expected).clamp(min=0)
+    return -(excess / overlong.buffer).clamp(max=1.0) * overlong.penalty_factor
 
 
 def _unpack(
