@@ -37,6 +37,7 @@ tandem train preset=ppo \
     actor.engine.max_tokens_per_micro_batch=4096 \
     actor.engine.warmup_from_zero=true \
     critic.model_path="$MODEL_PATH" \
+    critic.placement=colocated \
     critic.engine.lr=1e-5 \
     critic.engine.weight_decay=0.01 \
     critic.engine.gradient_checkpointing=true \

@@ -8,11 +8,13 @@ from tandem.algos import LOSS_AGG_MODES
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.engine.config import EngineConfig
 
+PLACEMENTS = ("separate", "colocated")
+
 
 @dataclass(frozen=True)
 class CriticConfig:
     """The critic (``critic.*``): runs only when ``algorithm.adv_estimator`` reads a critic's
-    values (``gae``), in a worker group of its own with the actor's worker count.
+    values (``gae``), with the actor's worker count, in processes of its own or the actor's.
 
     Attributes:
         model_path: the critic's HF directory (empty: the policy's ``model_path``). A causal LM
@@ -27,6 +29,9 @@ class CriticConfig:
         loss_agg_mode: how the value loss is aggregated (empty: the actor's ``loss_agg_mode``).
         warmup_steps: the first steps train only the critic; the actor waits (verl's
             ``trainer.critic_warmup=k`` is ``k - 1`` of them: verl's actor starts at step ``k``).
+        placement: ``separate`` (a worker group of its own: its own processes, and with Ray
+            GPUs of its own) or ``colocated`` (inside the actor's processes, one per rank, on
+            the actor's device and process group: no second set of processes or GPUs).
     """
 
     model_path: str = ""
@@ -36,11 +41,13 @@ class CriticConfig:
     cliprange_value: float | None = 0.5
     loss_agg_mode: str = ""
     warmup_steps: int = 0
+    placement: str = "separate"
 
     def __post_init__(self) -> None:
         check_range("critic", "ppo_epochs", self.ppo_epochs, low=0)
         check_range("critic", "ppo_mini_batch_size", self.ppo_mini_batch_size, low=0)
         check_range("critic", "warmup_steps", self.warmup_steps, low=0)
+        check_choice("critic", "placement", self.placement, PLACEMENTS)
         if self.cliprange_value is not None:
             check_positive("critic", "cliprange_value", self.cliprange_value)
         if self.loss_agg_mode:

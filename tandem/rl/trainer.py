@@ -31,7 +31,7 @@ from tandem.algos import (
     compute_advantage,
     compute_rollout_correction,
 )
-from tandem.controller import create_worker_group
+from tandem.controller import Role, create_colocated_group, create_worker_group
 from tandem.engine.divergence import check_health, check_skipped_in_a_row
 from tandem.models.loading import load_tokenizer
 from tandem.pipeline.colocated import ColocatedRollout
@@ -130,26 +130,37 @@ class RLTrainer:
         config, trainer = self.config, self.config.trainer
         pool = config.resource_pool()
         with contextlib.ExitStack() as groups:
-            workers = groups.enter_context(
-                create_worker_group(ActorRolloutRefWorker, pool, trainer.backend, args=(config,))
-            )
+            colocated = config.uses_critic and config.critic.placement == "colocated"
+            if colocated:  # the critic in the actor's processes: group.actor.<m>, group.critic.<m>
+                roles = {
+                    "actor": Role(ActorRolloutRefWorker, (config,)),
+                    "critic": Role(CriticWorker, (config,)),
+                }
+                fused = groups.enter_context(create_colocated_group(roles, pool, trainer.backend))
+                workers, self.critics = fused.actor, fused.critic
+            else:
+                workers = groups.enter_context(
+                    create_worker_group(ActorRolloutRefWorker, pool, trainer.backend, args=(config,))
+                )
+                self.critics = None
             self.workers = workers
             params = workers.init_model(
                 config.schedule_steps(self.total_steps, config.actor.ppo_epochs, config.mini_batch_prompts)
             )[0]
-            self.critics = None
-            if config.uses_critic:  # a group of its own, with the actor's worker count
+            if config.uses_critic and not colocated:  # a group of its own, with the actor's worker count
                 self.critics = groups.enter_context(
                     create_worker_group(
                         CriticWorker, config.critic_resource_pool(), trainer.backend, args=(config,)
                     )
                 )
+            if self.critics is not None:
                 critic_steps = config.schedule_steps(
                     self.total_steps, config.critic_epochs, config.critic_mini_batch_prompts
                 )
                 params_critic = self.critics.init_model(critic_steps)[0]
                 self.console.print(
-                    f"critic: {params_critic / 1e6:.2f}M parameters, {config.world_size} worker(s)"
+                    f"critic: {params_critic / 1e6:.2f}M parameters, {config.world_size} worker(s), "
+                    f"{config.critic.placement}"
                 )
             if "model" in config.reward.sources:  # a pool of its own
                 model = config.reward.model

@@ -193,6 +193,8 @@ def critic(ctx: Context, workers: int) -> None:
     ctx.out["critic.cliprange_value"] = None if clip is None else float(clip)
     # verl updates the actor once global_step (from 1) reaches critic_warmup: k - 1 critic-only steps
     ctx.out["critic.warmup_steps"] = max(0, int(ctx.get("trainer.critic_warmup") or 0) - 1)
+    # verl fuses the roles that share a resource pool (one pool by default) into one process per rank
+    ctx.out["critic.placement"] = "colocated"
     if ctx.get("critic.shuffle") is None and ctx.get(f"{ACTOR}.shuffle"):
         raise ValueError(
             f"{ACTOR}.shuffle=True also shuffles verl's critic mini-batches (critic.shuffle follows it); "
@@ -419,6 +421,18 @@ def rewards(ctx: Context) -> None:
             f"reward.reward_kwargs.max_resp_len={limit} differs from data.max_response_length="
             f"{ctx.get('data.max_response_length')}; tandem measures the overlong buffer from the latter"
         )
+    for prefix, path_key in (("reward_model", "model.path"), ("reward.reward_model", "model_path")):
+        if not ctx.get(f"{prefix}.enable"):
+            continue
+        path = ctx.get(f"{prefix}.{path_key}")
+        if path is None:
+            raise ValueError(f"{prefix}.enable=True needs {prefix}.{path_key} (a reward model directory)")
+        ctx.out["reward.sources"] = (
+            "model",
+        )  # verl's reward manager returns rm_scores in place of the rule's
+        ctx.out["reward.model.path"] = str(path)
+        if ctx.get(f"{prefix}.max_length") is not None:
+            ctx.out["reward.model.max_length"] = int(ctx.get(f"{prefix}.max_length"))
     for key in ("reward.num_workers", "reward_model.num_workers"):
         if ctx.get(key) is not None:
             ctx.out["reward.num_workers"] = int(ctx.get(key))

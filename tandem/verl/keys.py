@@ -490,12 +490,28 @@ RULES: tuple[Rule, ...] = (
     noted("reward_model.overlong_buffer.log", "tandem always logs reward/overlong_penalty_mean"),
     joint("reward.num_workers", "reward.num_workers", example=8),
     joint("reward_model.num_workers", "reward.num_workers", example=8),
-    only("reward_model.enable", (False, None), "reward models (score with a rule or custom_reward_function)"),
-    only(
-        "reward.reward_model.enable",
-        (False, None),
-        "reward models (score with a rule or custom_reward_function)",
+    joint(
+        "reward_model.enable",
+        "reward.sources=[model] (the model's score replaces the rule's)",
+        False,
+        example=True,
     ),
+    joint("reward_model.model.path", "reward.model.path", example="/models/rm"),
+    joint("reward_model.max_length", "reward.model.max_length", example=1024),
+    noted(
+        "reward_model.model.input_tokenizer", "tandem always re-renders with the reward model's own tokenizer"
+    ),
+    noted(
+        "reward_model.micro_batch_size_per_gpu",
+        "tandem's token budget: reward.model.max_tokens_per_micro_batch",
+    ),
+    joint(
+        "reward.reward_model.enable",
+        "reward.sources=[model] (the model's score replaces the rule's)",
+        False,
+        example=True,
+    ),
+    joint("reward.reward_model.model_path", "reward.model.path", example="/models/rm"),
     only("sandbox_fusion.url", (None,), "sandbox code execution"),
     # ---- critic (read when the estimator reads values: gae) ----
     joint("critic.model.path", "critic.model_path (unset: the policy's)", example="/models/critic"),

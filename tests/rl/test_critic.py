@@ -96,6 +96,24 @@ def test_a_diverging_critic_stops_the_run_naming_the_step(rl_files, tmp_path):
     assert not (tmp_path / "checkpoints" / "global_step_1").exists()
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_colocated_critic_trains_as_a_separate_one(rl_files, tmp_path, workers):
+    """The critic inside the actor's processes (or, alone, the controller's) computes what its
+    own processes do."""
+    runs = [
+        RLTrainer(
+            small_config(
+                rl_files, tmp_path / placement, *PPO, f"trainer.n_workers={workers}", f"critic.placement={placement}",
+                "data.val_path=",
+            )
+        ).fit().history
+        for placement in ("separate", "colocated")
+    ]  # fmt: skip
+    for separate, colocated in zip(*runs, strict=True):
+        for name in ("critic/vf_loss", "critic/values/mean", "critic/vf_explained_var", "actor/pg_loss"):
+            assert colocated[name] == pytest.approx(separate[name], rel=1e-5, abs=1e-7), name
+
+
 def test_two_workers_train_the_critic_like_one(rl_files, tmp_path):
     """The critic's group splits each step over its workers and divides by global counts: the
     same losses, values and returns as one worker (DDP over two processes)."""
