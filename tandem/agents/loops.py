@@ -1,0 +1,198 @@
+"""Agent loops, registered by name in ``AGENT_LOOPS``, and :func:`run_episodes` that runs many at once.
+
+A loop is ``async def loop(ctx, sample) -> Trajectory``: it asks ``ctx.generator`` for model
+turns (token ids in, token ids out) and builds the trajectory with
+:mod:`tandem.agents.trajectory`. The whole episode's response — model turns and the tool or
+user turns between them — shares one budget of ``ctx.sampling.max_tokens`` tokens.
+
+* ``single_turn``: one response (what RL does without agents).
+* ``tool_agent``: the model's turn is parsed for tool calls (``ctx.parser``); calls run
+  (``ctx.tools``, in parallel within a turn and at most ``agent.tool_concurrency`` across
+  episodes) and their results — or the errors of malformed calls, unknown tools and bad
+  arguments — return as ``tool`` messages; the episode ends at a turn without calls
+  (``stop``), at ``agent.max_turns`` (``max_turns``) or when the budget runs out (``length``).
+* ``interaction``: after each model turn a user function replies (a ``user`` message) or ends
+  the episode, optionally with a reward.
+
+Write a new loop as an async function taking ``(ctx, sample)`` and register it with
+``@AGENT_LOOPS.register("name")``; samples pick it with an ``agent_name`` column.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import statistics
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.agents.generators import TokenGenerator
+from tandem.agents.tool_calls import ToolCallParser
+from tandem.agents.tools import ToolRunner
+from tandem.agents.trajectory import Trajectory, TurnEncoder
+from tandem.registry import Registry
+from tandem.rollout.types import Completion, SamplingParams
+
+TURN_SEED_STRIDE = 1_000_003  # turn t of an episode samples with seed + t * stride
+
+
+@dataclass
+class AgentSample:
+    """One episode to run: the prompt as chat messages, its seed and id, the row's
+    ``extra_info`` (for interactions), and the loop to use (empty: the context's default)."""
+
+    messages: list[dict]
+    seed: int
+    request_id: str
+    extra_info: dict = field(default_factory=dict)
+    agent_name: str = ""
+
+
+@dataclass
+class AgentContext:
+    """What every loop may use: the model, the tokenizer, the sampling settings (``max_tokens``:
+    the episode's response budget), tools, parser, the turn limit and an interaction."""
+
+    generator: TokenGenerator
+    tokenizer: Any
+    sampling: SamplingParams
+    default_loop: str = "single_turn"
+    max_turns: int = 4
+    tools: ToolRunner | None = None
+    parser: ToolCallParser | None = None
+    interaction: Callable[[list[dict], dict], dict] | None = None
+    encoder: TurnEncoder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.encoder = TurnEncoder(self.tokenizer)
+
+    def prompt_ids(self, messages: list[dict]) -> tuple[int, ...]:
+        """The first prompt: the messages with the tools' schemas, rendered by the chat template."""
+        tools = self.tools.schemas() if self.tools is not None else None
+        ids = self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=True, add_generation_prompt=True
+        )
+        return tuple(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+class AgentError(RuntimeError):
+    """A model turn failed in the engine or server (the episode cannot go on)."""
+
+
+AgentLoop = Callable[[AgentContext, AgentSample], Awaitable[Trajectory]]
+AGENT_LOOPS: Registry[AgentLoop] = Registry("agent loop")
+
+
+async def model_turn(ctx: AgentContext, sample: AgentSample, trajectory: Trajectory) -> Completion | None:
+    """Sample the next model turn into ``trajectory`` (and its decoded text into ``messages``);
+    ``None`` when no budget is left (the trajectory then ends with ``length``)."""
+    remaining = ctx.sampling.max_tokens - len(trajectory.token_ids)
+    if remaining <= 0:
+        trajectory.finish_reason = "length"
+        return None
+    params = dataclasses.replace(
+        ctx.sampling, max_tokens=remaining, seed=sample.seed + trajectory.turns * TURN_SEED_STRIDE
+    )
+    completion = await ctx.generator.generate(
+        trajectory.context_ids, params, f"{sample.request_id}-turn{trajectory.turns}"
+    )
+    if completion.finish_reason == "error":
+        raise AgentError(f"episode {sample.request_id}, turn {trajectory.turns}: {completion.error}")
+    trajectory.add_model_turn(completion)
+    text = ctx.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    trajectory.messages.append({"role": "assistant", "content": text})
+    trajectory.finish_reason = completion.finish_reason or "stop"
+    return completion
+
+
+def append_turns(ctx: AgentContext, trajectory: Trajectory, messages: list[dict]) -> bool:
+    """Append non-model ``messages`` as template tokens; False (and ``length``) when they do not
+    fit in the budget with room for another model token."""
+    tokens = ctx.encoder.encode(messages)
+    trajectory.messages += messages
+    if len(trajectory.token_ids) + len(tokens) >= ctx.sampling.max_tokens:
+        trajectory.finish_reason = "length"
+        return False
+    trajectory.add_other_turn(tokens)
+    return True
+
+
+@AGENT_LOOPS.register("single_turn")
+async def single_turn(ctx: AgentContext, sample: AgentSample) -> Trajectory:
+    """One model turn."""
+    trajectory = Trajectory(ctx.prompt_ids(sample.messages), messages=list(sample.messages))
+    await model_turn(ctx, sample, trajectory)
+    return trajectory
+
+
+@AGENT_LOOPS.register("tool_agent")
+async def tool_agent(ctx: AgentContext, sample: AgentSample) -> Trajectory:
+    """Generate, call tools, append their results, until an answer (see the module docstring)."""
+    if ctx.tools is None or ctx.parser is None:
+        raise ValueError(
+            "the tool_agent loop needs tools and a tool-call parser (agent.tools / agent.tools_path)"
+        )
+    trajectory = Trajectory(ctx.prompt_ids(sample.messages), messages=list(sample.messages))
+    for _ in range(ctx.max_turns):
+        completion = await model_turn(ctx, sample, trajectory)
+        if completion is None or trajectory.finish_reason != "stop":
+            return trajectory
+        turn = ctx.parser(trajectory.messages[-1]["content"])
+        if not turn.calls and not turn.errors:
+            return trajectory  # an answer: the episode is done
+        results = await asyncio.to_thread(ctx.tools.run, turn.calls) if turn.calls else []
+        trajectory.tool_calls += len(turn.calls)
+        trajectory.tool_errors += len(turn.errors) + sum(result.startswith("error:") for result in results)
+        replies = [f"error: {error}" for error in turn.errors] + results
+        if not append_turns(ctx, trajectory, [{"role": "tool", "content": reply} for reply in replies]):
+            return trajectory
+    trajectory.finish_reason = "max_turns"
+    return trajectory
+
+
+@AGENT_LOOPS.register("interaction")
+async def interaction(ctx: AgentContext, sample: AgentSample) -> Trajectory:
+    """Model and user function take turns; the function ends the episode (with a reward)."""
+    if ctx.interaction is None:
+        raise ValueError("the interaction loop needs agent.interaction_path")
+    trajectory = Trajectory(ctx.prompt_ids(sample.messages), messages=list(sample.messages))
+    for _ in range(ctx.max_turns):
+        completion = await model_turn(ctx, sample, trajectory)
+        if completion is None or trajectory.finish_reason != "stop":
+            return trajectory
+        reply = await asyncio.to_thread(ctx.interaction, list(trajectory.messages), sample.extra_info)
+        if reply.get("reward") is not None:
+            trajectory.reward = float(reply["reward"])
+        if reply.get("done") or reply.get("content") is None:
+            return trajectory
+        if not append_turns(ctx, trajectory, [{"role": "user", "content": str(reply["content"])}]):
+            return trajectory
+    trajectory.finish_reason = "max_turns"
+    return trajectory
+
+
+def run_episodes(ctx: AgentContext, samples: list[AgentSample]) -> list[Trajectory]:
+    """Every sample's episode, all in flight at once; in the samples' order."""
+
+    async def run_all() -> list[Trajectory]:
+        loops = [AGENT_LOOPS.get(sample.agent_name or ctx.default_loop) for sample in samples]
+        return await asyncio.gather(*(loop(ctx, sample) for loop, sample in zip(loops, samples, strict=True)))
+
+    return asyncio.run(run_all())
+
+
+def agent_metrics(trajectories: list[Trajectory], tools: ToolRunner | None = None) -> dict[str, float]:
+    """``agent/turns/mean``, ``agent/tool_calls/mean``, ``agent/tool_errors``, the share of
+    episodes per finish reason (``agent/finish/<reason>``), and the tools' own counters."""
+    metrics = {
+        "agent/turns/mean": statistics.fmean(t.turns for t in trajectories),
+        "agent/tool_calls/mean": statistics.fmean(t.tool_calls for t in trajectories),
+        "agent/tool_errors": float(sum(t.tool_errors for t in trajectories)),
+    }
+    for reason, count in Counter(t.finish_reason for t in trajectories).items():
+        metrics[f"agent/finish/{reason}"] = count / len(trajectories)
+    if tools is not None:
+        metrics.update({k: v for k, v in tools.stats.metrics().items() if k != "agent/tool_errors"})
+    return metrics

@@ -1,0 +1,90 @@
+"""Multi-turn trajectories kept as tokens: the model's tokens as sampled, other turns as the
+chat template's tokens for them — never decoded and re-tokenised.
+
+A :class:`Trajectory` is the prompt's ids and, after them, every token of the episode with a
+``loss_mask`` (1 on the model's tokens, 0 on tool results and user replies), the model tokens'
+log-probs and weight versions (0 and -1 elsewhere). :class:`TurnEncoder` finds the tokens a
+non-model turn adds: it renders a fixed two-message conversation with and without the new
+messages and tokenises only the difference, plus whatever the template writes after the
+model's end-of-turn token (ChatML's newline), which the model never samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.rollout.types import Completion
+
+ANCHOR = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+
+@dataclass
+class Trajectory:
+    """One episode (see the module docstring); ``messages`` is the conversation as text, for
+    rewards and logs (the model's turns decoded once, never fed back)."""
+
+    prompt_ids: tuple[int, ...]
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    finish_reason: str = ""
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    reward: float | None = None  # from an interaction that ends the episode with one
+
+    def add_model_turn(self, completion: Completion) -> None:
+        """Append the model's sampled tokens (``loss_mask`` 1) with their log-probs and versions."""
+        self.token_ids += list(completion.token_ids)
+        self.loss_mask += [1] * len(completion.token_ids)
+        self.log_probs += [float(v) for v in completion.log_probs]
+        self.weight_versions += [int(v) for v in completion.weight_versions]
+        self.turns += 1
+
+    def add_other_turn(self, token_ids: list[int]) -> None:
+        """Append a tool result or user reply as template tokens (``loss_mask`` 0)."""
+        self.token_ids += token_ids
+        self.loss_mask += [0] * len(token_ids)
+        self.log_probs += [0.0] * len(token_ids)
+        self.weight_versions += [-1] * len(token_ids)
+
+    @property
+    def context_ids(self) -> tuple[int, ...]:
+        """What the model is prompted with next: the prompt and everything after it."""
+        return self.prompt_ids + tuple(self.token_ids)
+
+    def model_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+class TurnEncoder:
+    """The tokens of non-model turns appended after a model turn (see the module docstring)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.anchor = tokenizer.apply_chat_template(ANCHOR, tokenize=False)
+        end = tokenizer.eos_token
+        at = self.anchor.rfind(end) if end else -1
+        if at < 0 or not self.anchor[:at].endswith("y"):
+            raise ValueError(
+                f"the chat template does not end an assistant turn with the EOS token {end!r}; "
+                "an agent loop needs to know where the model's turn ends"
+            )
+        self.after_turn = self.anchor[at + len(end) :]  # e.g. ChatML's "\n" after <|im_end|>
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        """Tokens of ``messages`` (tool results, user replies) and the next generation prompt, as
+        they follow a model turn that ended with the EOS token."""
+        full = self.tokenizer.apply_chat_template(
+            [*ANCHOR, *messages], tokenize=False, add_generation_prompt=True
+        )
+        if not full.startswith(self.anchor):
+            raise ValueError(
+                "the chat template does not render a conversation as a prefix of its continuation"
+            )
+        return list(
+            self.tokenizer.encode(self.after_turn + full[len(self.anchor) :], add_special_tokens=False)
+        )
