@@ -40,6 +40,11 @@ class AgentConfig:
     interaction_name: str = "respond"
     python: SandboxLimits = field(default_factory=SandboxLimits)
 
+    @property
+    def enabled(self) -> bool:
+        """Whether generation runs episodes (a loop other than ``single_turn``, or tools)."""
+        return self.name != "single_turn" or bool(self.tools or self.tools_path or self.interaction_path)
+
     def __post_init__(self) -> None:
         from tandem.agents.loops import AGENT_LOOPS
         from tandem.agents.tool_calls import TOOL_CALL_PARSERS

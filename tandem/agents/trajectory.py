@@ -60,6 +60,11 @@ class Trajectory:
         return sum(self.loss_mask)
 
 
+def final_answer(messages: list[dict]) -> str:
+    """The text of the last model turn of a conversation (empty when there is none)."""
+    return next((str(m["content"]) for m in reversed(messages) if m.get("role") == "assistant"), "")
+
+
 class TurnEncoder:
     """The tokens of non-model turns appended after a model turn (see the module docstring)."""
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from tandem.agents.config import AgentConfig
 from tandem.algos import (
     ADVANTAGE_ESTIMATORS,
     AdvantageConfig,
@@ -503,6 +504,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -539,6 +541,11 @@ class TrainConfig:
         self._check_pipeline()
         self._check_preference()
         self._check_critic()
+        if self.agent.enabled and self.pipeline.disaggregated:
+            raise ValueError(
+                f"agent.name={self.agent.name!r}: agent loops run in pipeline.mode=sync for now "
+                f"(pipeline.mode={self.pipeline.mode!r} generates on rollout replicas)"
+            )
         from tandem.rl.derived import check_derived_fields  # derived.py builds on this module
 
         check_derived_fields(self)

@@ -4,6 +4,12 @@ Layout (``P`` = the batch's longest prompt, ``R`` = its longest response):
 ``prompts [B, P]`` left-padded, ``responses [B, R]`` right-padded, ``input_ids = cat(prompts,
 responses) [B, P+R]`` with its ``attention_mask`` and ``position_ids``; ``response_mask``,
 ``rollout_log_probs`` and ``weight_version`` are ``[B, R]``.
+
+``response_mask`` marks the tokens the policy sampled, the ones its loss covers. For a
+single-turn response it equals the response's attention mask; an agent episode's response also
+holds tool results and user replies between the model's turns, attended to but masked out. A
+response's length is therefore its attention span (:func:`response_lengths`), and its last
+sampled token (:func:`last_sampled_token`) is where a sequence reward goes.
 """
 
 from __future__ import annotations
@@ -46,10 +52,16 @@ def sequence_tensors(
         n = len(completion.token_ids)
         if n:
             responses[i, :n] = torch.as_tensor(completion.token_ids)
-            response_mask[i, :n] = 1
+            response_mask[i, :n] = (
+                1 if completion.token_mask is None else torch.as_tensor(completion.token_mask)
+            )
             log_probs[i, :n] = torch.as_tensor(completion.log_probs, dtype=torch.float32)
             versions[i, :n] = torch.as_tensor(completion.weight_versions)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    spans = (
+        torch.arange(length).expand(batch, length)
+        < torch.tensor([len(c.token_ids) for c in completions])[:, None]
+    )
+    attention_mask = torch.cat([prompt_mask, spans.long()], dim=1)
     return {
         "prompts": prompts,
         "responses": responses,
@@ -67,12 +79,22 @@ def response_part(per_token: torch.Tensor, prompt_width: int) -> torch.Tensor:
     return per_token[:, prompt_width:]
 
 
-def decode_responses(tokenizer, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-    """The text of each response (special tokens such as EOS dropped)."""
-    lengths = response_mask.sum(-1).tolist()
+def response_lengths(batch: Batch) -> torch.Tensor:
+    """``[B]``: each response's tokens, sampled or not (its attention span)."""
+    return batch["attention_mask"][:, batch["prompts"].shape[1] :].sum(-1)
+
+
+def last_sampled_token(response_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]``: the column of each response's last sampled token (0 for an empty response)."""
+    columns = torch.arange(response_mask.shape[1]).expand_as(response_mask)
+    return torch.where(response_mask.bool(), columns, 0).amax(-1)
+
+
+def decode_responses(tokenizer, responses: torch.Tensor, lengths: torch.Tensor) -> list[str]:
+    """The text of each response's first ``lengths`` tokens (special tokens such as EOS dropped)."""
     return [
         tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
-        for row, n in zip(responses, lengths, strict=True)
+        for row, n in zip(responses, lengths.tolist(), strict=True)
     ]
 
 
@@ -111,7 +133,7 @@ def resize_columns(
 def trim_padding(batch: Batch, pad_id: int) -> Batch:
     """The batch with prompt columns cut to its longest prompt and response columns to its longest response."""
     prompt_width = int(batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).max())
-    response_width = max(1, int(batch["response_mask"].sum(-1).max()))
+    response_width = max(1, int(response_lengths(batch).max()))
     tensors = resize_columns(dict(batch.tensors.items()), prompt_width, response_width, pad_id)
     return Batch(tensors, batch.non_tensors, batch.meta)
 

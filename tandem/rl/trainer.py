@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from tandem.agents.trajectory import final_answer
 from tandem.algos import (
     AdvantageInput,
     apply_kl_penalty,
@@ -45,11 +46,17 @@ from tandem.rl.config import TrainConfig
 from tandem.rl.critic_worker import CriticWorker
 from tandem.rl.data import RLDataset
 from tandem.rl.derived import derive_seed
-from tandem.rl.metrics import data_metrics, timed, timing_metrics, value_metrics
+from tandem.rl.metrics import data_metrics, episode_metrics, timed, timing_metrics, value_metrics
 from tandem.rl.preference_pairs import best_worst_pairs, with_reference_sums
 from tandem.rl.rewards.model_worker import RewardModelWorker
 from tandem.rl.rewards.sources import RewardSources
-from tandem.rl.sequences import concat_sequences, decode_responses, trim_padding
+from tandem.rl.sequences import (
+    concat_sequences,
+    decode_responses,
+    last_sampled_token,
+    response_lengths,
+    trim_padding,
+)
 from tandem.rl.trackers import build_trackers
 from tandem.rl.worker import ActorRolloutRefWorker, reduce_metric
 from tandem.run_dir import OutputDirLock, check_output_dir
@@ -251,6 +258,8 @@ class RLTrainer:
         memory = self.workers.memory_metrics()  # per phase on GPUs (the largest rank); empty on the CPU
         metrics.update({name: max(m[name] for m in memory) for name in memory[0]})
         metrics.update(data_metrics(batch, self.config.rollout.max_response_length))
+        if "agent_turns" in batch:
+            metrics.update(episode_metrics(batch, self.workers.agent_tool_metrics()))
         metrics.update(timing_metrics(timings, int(batch["attention_mask"].sum()), self.config.world_size))
         metrics["training/epoch"] = float(self.sampler.epoch)
         return metrics
@@ -366,15 +375,29 @@ class RLTrainer:
         return self.rollout.generate(prompts, seeds, sampling, self.step)
 
     def score(self, batch: Batch, training: bool = True) -> tuple[Batch, dict[str, float]]:
-        """``token_level_scores`` (the score on each response's last token) and ``acc [B]``; in
-        training also ``reward_components [B, K]`` when the advantage estimator reads them."""
+        """``token_level_scores`` (the score on each response's last sampled token) and ``acc [B]``;
+        in training also ``reward_components [B, K]`` when the advantage estimator reads them.
+
+        An agent episode is scored on its final answer (the last model turn's text); its whole
+        conversation is in the scorer's ``extra_info["messages"]``."""
         mask = batch["response_mask"]
-        lengths = mask.sum(-1)
-        texts = decode_responses(self.tokenizer, batch["responses"], mask)
+        lengths = response_lengths(batch)
+        if "agent_messages" in batch:
+            texts = [final_answer(messages) for messages in batch["agent_messages"]]
+            batch = batch.assign(
+                non_tensors={
+                    "extra_info": [
+                        {**info, "messages": messages}
+                        for info, messages in zip(batch["extra_info"], batch["agent_messages"], strict=True)
+                    ]
+                }
+            )
+        else:
+            texts = decode_responses(self.tokenizer, batch["responses"], lengths)
         keys = self.config.algorithm.reward_component_keys if training else ()
         result = self.rewards.score(batch, texts, lengths, self.config.rollout.max_response_length, keys)
         token_scores = torch.zeros(mask.shape, dtype=torch.float32)
-        token_scores[torch.arange(len(batch)), (lengths - 1).clamp(min=0)] = result.scores
+        token_scores[torch.arange(len(batch)), last_sampled_token(mask)] = result.scores
         if result.errors:
             self.console.print(f"[yellow]reward: {len(result.errors)} failed ({result.errors[0]}); scored 0")
         if result.notes:
@@ -459,7 +482,7 @@ class RLTrainer:
             metrics[f"val-aux/{source}/score/mean@{rollout.val_n}"] = float(
                 scored["token_level_scores"][rows].sum(-1).mean()
             )
-        metrics["val-aux/response_length/mean"] = float(scored["response_mask"].sum(-1).float().mean())
+        metrics["val-aux/response_length/mean"] = float(response_lengths(scored).float().mean())
         return metrics
 
     # ------------------------------------------------------------------ checkpoints and logging

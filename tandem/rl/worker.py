@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import torch
 from transformers.utils import logging as hf_logging
 
+from tandem.agents.rollout import AgentRollout
 from tandem.checkpoint_engine.roles import SendsWeights
 from tandem.controller import Worker, register
 from tandem.controller.profiling import ProfilesCalls
@@ -84,10 +85,13 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         )
         self._probe: Batch | None = None
         self.rollout = None
+        self.agents: AgentRollout | None = None
         if not config.pipeline.disaggregated:
             self.rollout = build_rollout_engine(
                 rollout_engine_config(config, str(self.device)), config.model_path
             )
+            if config.agent.enabled:
+                self.agents = AgentRollout(config.agent, self.tokenizer, self.rollout)
         self.reference: TorchTrainEngine | None = None
         if config.needs_reference and not config.actor.engine.lora.rank:
             # A frozen copy computing log-probs only; each rank scores its own shard, so no DP wrapper.
@@ -129,6 +133,10 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
             )
             for i, (ids, seed) in enumerate(zip(prompts["prompt_ids"], prompts["seed"], strict=True))
         ]
+        if self.agents is not None:  # multi-turn episodes: tool or user turns between the model's
+            with self._phase("gen"):
+                self.rollout.wake()
+                return self.agents.generate(prompts, sampling, prompt_width, self.rank)
         with self._phase("gen"):
             self.rollout.wake()
             completions = self.rollout.generate_batch(requests)
@@ -142,6 +150,11 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         return prompts.assign(
             tensors=tensors, non_tensors={"finish_reason": [c.finish_reason for c in completions]}
         )
+
+    @register(dispatch="ONE_TO_ALL")
+    def agent_tool_metrics(self) -> dict[str, float]:
+        """This rank's tool counters since the last call (``agent/tool/<name>/*``)."""
+        return self.agents.tool_metrics() if self.agents is not None else {}
 
     @register(dispatch="ONE_TO_ALL")
     def sync_rollout_weights(self, version: int) -> int:

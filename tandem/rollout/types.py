@@ -89,6 +89,8 @@ class Completion:
         finish_reason: ``stop`` (EOS/stop token/stop string), ``length`` (max_tokens or the
             context limit), ``abort`` or ``error``.
         error: the message when ``finish_reason == "error"``.
+        token_mask: 1 on the tokens the model sampled, 0 on tokens an agent loop put between
+            its turns (tool results, user replies); None: every token was sampled.
     """
 
     request_id: str
@@ -98,6 +100,7 @@ class Completion:
     weight_versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
+    token_mask: list[int] | None = None
 
 
 @dataclass

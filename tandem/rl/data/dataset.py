@@ -25,6 +25,7 @@ class PromptSample:
     ground_truth: str
     extra_info: dict
     raw_prompt: list
+    agent_name: str = ""  # the row's agent loop (empty: agent.name)
 
 
 REQUIRED = {  # what each required field must hold, for the messages
@@ -118,6 +119,7 @@ class RLDataset:
                     ground_truth=str(row["reward_model"]["ground_truth"]),
                     extra_info=dict(row.get("extra_info") or {}),
                     raw_prompt=list(row["prompt"]),
+                    agent_name=str(row.get("agent_name") or ""),
                 )
             )
         if not samples:
@@ -137,6 +139,7 @@ class RLDataset:
                 "ground_truth": [r.ground_truth for r in rows],
                 "extra_info": [r.extra_info for r in rows],
                 "raw_prompt": [r.raw_prompt for r in rows],
+                "agent_name": [r.agent_name for r in rows],
                 "index": list(indices),
             }
         )

@@ -1,0 +1,123 @@
+"""``AgentRollout``: a worker's generation when agent loops run (``agent.*``): episodes in, the
+data protocol's sequence tensors out.
+
+Each row of a prompt batch becomes an :class:`~tandem.agents.loops.AgentSample` (its
+``raw_prompt`` messages, seed, ``extra_info`` and ``agent_name`` when the data has that
+column); the episodes run at once over the worker's rollout engine; each trajectory becomes a
+completion whose ``token_mask`` keeps the model's tokens apart from the tool and user turns
+(``response_mask`` 0 there). The rows gain ``agent_messages`` (the conversation),
+``agent_turns``, ``agent_tool_calls``, ``agent_tool_errors`` and ``finish_reason``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tandem.agents.config import AgentConfig
+from tandem.agents.generators import EngineGenerator
+from tandem.agents.loops import AgentContext, AgentSample, run_episodes
+from tandem.agents.sandbox import sandbox_available
+from tandem.agents.tool_calls import TOOL_CALL_PARSERS
+from tandem.agents.tools import CALCULATOR, Tool, ToolRunner, load_user_tools, python_tool
+from tandem.protocol import Batch
+from tandem.rl.sequences import resize_columns, sequence_tensors
+from tandem.rollout.base import RolloutEngine
+from tandem.rollout.types import Completion, SamplingParams
+
+
+def build_tools(config: AgentConfig) -> list[Tool]:
+    """The built-in tools named in ``agent.tools`` and the user tools of ``agent.tools_path``."""
+    tools: list[Tool] = []
+    for name in config.tools:
+        if name == "calculator":
+            tools.append(CALCULATOR)
+        elif name == "python":
+            reason = sandbox_available()
+            if reason:
+                raise RuntimeError(f"agent.tools has 'python', but no sandbox can run here: {reason}")
+            tools.append(python_tool(config.python))
+    if config.tools_path:
+        tools += load_user_tools(config.tools_path)
+    return tools
+
+
+def load_interaction(config: AgentConfig) -> Callable[[list[dict], dict], dict] | None:
+    """The ``interaction`` loop's function from ``agent.interaction_path`` (None without one)."""
+    if not config.interaction_path:
+        return None
+    path = Path(config.interaction_path)
+    spec = importlib.util.spec_from_file_location(f"tandem_interaction_{path.stem}", path)
+    if spec is None or spec.loader is None or not path.is_file():
+        raise ValueError(f"agent.interaction_path={str(path)!r}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    function = getattr(module, config.interaction_name, None)
+    if not callable(function):
+        raise ValueError(f"agent.interaction_path={str(path)!r} has no function {config.interaction_name!r}")
+    return function
+
+
+class AgentRollout:
+    """Episodes on one worker's engine (see the module docstring)."""
+
+    def __init__(self, config: AgentConfig, tokenizer: Any, engine: RolloutEngine) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.generator = EngineGenerator(engine)
+        tools = build_tools(config)
+        self.tools = ToolRunner(tools, config.tool_concurrency) if tools else None
+        self.parser = TOOL_CALL_PARSERS.get(config.tool_parser)
+        self.interaction = load_interaction(config)
+
+    def generate(self, prompts: Batch, sampling: SamplingParams, prompt_width: int, rank: int) -> Batch:
+        """The rows of ``prompts`` (with ``raw_prompt`` and ``seed``) completed by their episodes,
+        as sequence tensors padded to ``prompt_width`` and ``sampling.max_tokens``."""
+        names = prompts["agent_name"] if "agent_name" in prompts else [""] * len(prompts)
+        samples = [
+            AgentSample(list(messages), int(seed), f"{rank}-{i}", dict(info or {}), str(name or ""))
+            for i, (messages, seed, info, name) in enumerate(
+                zip(prompts["raw_prompt"], prompts["seed"], prompts["extra_info"], names, strict=True)
+            )
+        ]
+        ctx = AgentContext(
+            self.generator, self.tokenizer, sampling, self.config.name, self.config.max_turns,
+            self.tools, self.parser, self.interaction,
+        )  # fmt: skip
+        trajectories = run_episodes(ctx, samples)
+        longest = max(len(t.prompt_ids) for t in trajectories)
+        if longest > prompt_width:
+            raise ValueError(
+                f"an agent prompt (with the tools' schemas) has {longest} tokens, more than the batch's "
+                f"{prompt_width}: raise data.max_prompt_length or offer fewer tools"
+            )
+        completions = [
+            Completion(
+                sample.request_id, t.prompt_ids, t.token_ids, t.log_probs, t.weight_versions,
+                t.finish_reason, token_mask=t.loss_mask,
+            )
+            for sample, t in zip(samples, trajectories, strict=True)
+        ]  # fmt: skip
+        pad = self.tokenizer.pad_token_id
+        tensors = sequence_tensors([t.prompt_ids for t in trajectories], completions, pad)
+        tensors = resize_columns(tensors, prompt_width, sampling.max_tokens, pad)
+        return prompts.assign(
+            tensors=tensors,
+            non_tensors={
+                "finish_reason": [t.finish_reason for t in trajectories],
+                "agent_messages": [t.messages for t in trajectories],
+                "agent_turns": [t.turns for t in trajectories],
+                "agent_tool_calls": [t.tool_calls for t in trajectories],
+                "agent_tool_errors": [t.tool_errors for t in trajectories],
+            },
+        )
+
+    def tool_metrics(self) -> dict[str, float]:
+        """The tools' counters since the last call (``agent/tool/<name>/*``), then reset."""
+        if self.tools is None:
+            return {}
+        metrics = self.tools.stats.metrics()
+        self.tools.stats = type(self.tools.stats)()
+        return metrics

@@ -1,0 +1,78 @@
+"""Agent loops inside ``tandem train``: multi-turn episodes become training rows whose
+``response_mask`` covers only the model's tokens, the trainer's log-probs match the sampler's
+on them, rewards see the whole conversation, and the agent metrics are logged."""
+
+import json
+
+import pytest
+
+from tandem.config.overrides import config_from_overrides
+from tandem.rl.data.arithmetic import ArithmeticTaskConfig, arithmetic_rows
+from tandem.rl.trainer import RLTrainer
+from tandem.sft import SFTConfig, SFTTrainer
+from tests.rl.conftest import small_config
+
+INTERACTION = """
+def respond(messages, extra_info):
+    turns = sum(m["role"] == "assistant" for m in messages)
+    if turns >= 2:
+        return {"content": None, "done": True}
+    return {"content": "again: " + extra_info["expression"] + "=", "done": False}
+"""
+
+REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info):
+    turns = sum(m["role"] == "assistant" for m in extra_info["messages"])
+    return {"score": float(solution_str.strip() == ground_truth), "turns": float(turns)}
+"""
+
+
+@pytest.fixture(scope="module")
+def answering_model(rl_files, tmp_path_factory):
+    """The tiny policy after a short SFT on the RL prompts: it answers, then ends its turn."""
+    root = tmp_path_factory.mktemp("agent_sft")
+    rows = arithmetic_rows(256, ArithmeticTaskConfig(max_digits=2), seed=5)
+    conversations = [
+        {"messages": [*row["prompt"], {"role": "assistant", "content": row["reward_model"]["ground_truth"]}]}
+        for row in rows
+    ]
+    (root / "sft.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations))
+    config = config_from_overrides(
+        SFTConfig,
+        [
+            f"model_path={rl_files['model']}", f"data.train_path={root / 'sft.jsonl'}", "engine.lr=3e-3",
+            "trainer.total_steps=60", "trainer.global_batch_size=16", f"trainer.output_dir={root / 'sft'}",
+        ],
+    )  # fmt: skip
+    return str(SFTTrainer(config).fit().hf_model_dir)
+
+
+def test_grpo_on_multi_turn_interaction_episodes(answering_model, rl_files, tmp_path):
+    (tmp_path / "interaction.py").write_text(INTERACTION)
+    (tmp_path / "reward.py").write_text(REWARD)
+    config = small_config(
+        {**rl_files, "model": answering_model}, tmp_path / "run",
+        "agent.name=interaction", f"agent.interaction_path={tmp_path / 'interaction.py'}", "agent.max_turns=3",
+        f"reward.custom_path={tmp_path / 'reward.py'}", "rollout.max_response_length=40",
+        "trainer.total_steps=2", "data.val_path=",
+    )  # fmt: skip
+    history = RLTrainer(config).fit().history
+    for entry in history:
+        assert entry["agent/turns/mean"] > 1.5  # most episodes have two model turns
+        assert entry["reward/extra/turns/mean"] == pytest.approx(
+            entry["agent/turns/mean"]
+        )  # the reward saw them
+        assert entry["rollout_corr/max_abs_log_prob_diff"] <= 1e-5  # trainer == sampler on model tokens
+        assert sum(v for k, v in entry.items() if k.startswith("agent/finish/")) == pytest.approx(1.0)
+        assert entry["response_length/mean"] > entry["agent/turns/mean"] * 2  # the user turns count as length
+
+
+def test_agent_loops_are_refused_in_the_asynchronous_pipelines(rl_files, tmp_path):
+    with pytest.raises(ValueError, match="agent loops run in pipeline.mode=sync"):
+        small_config(
+            rl_files,
+            tmp_path,
+            "agent.name=tool_agent",
+            "agent.tools=[calculator]",
+            "pipeline.mode=one_step_off",
+        )
