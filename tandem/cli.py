@@ -170,10 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--output-dir", default="outputs/demo")
     demo.add_argument(
         "--method",
-        choices=["grpo", "ppo", "online_dpo", "dpo"],
+        choices=["grpo", "ppo", "online_dpo", "dpo", "tool_agent"],
         default="grpo",
         help="after the warm-up: GRPO, PPO with a critic, or online DPO (all from a verifier's reward on "
-        "sampled responses), or offline DPO on fixed right-vs-slip pairs",
+        "sampled responses), or offline DPO on fixed right-vs-slip pairs; tool_agent: another task, "
+        "3-digit multiplication learnt with a calculator tool (SFT on an imperfect teacher, then GRPO)",
     )
     demo.add_argument(
         "--pipeline",
@@ -308,7 +309,11 @@ def _run(args: argparse.Namespace, console: Console) -> None:
 
         preset = args.method if args.method in ("ppo", "online_dpo") else "grpo"
         settings = DemoSettings(output_dir=args.output_dir, pipeline=args.pipeline, preset=preset)
-        if args.method == "dpo":
+        if args.method == "tool_agent":
+            from tandem.agents.demo import ToolDemoSettings, run_tool_demo
+
+            run_tool_demo(ToolDemoSettings(output_dir=args.output_dir), console)
+        elif args.method == "dpo":
             from tandem.dpo.demo import DPODemoSettings, run_dpo_demo
 
             run_dpo_demo(DPODemoSettings(warm_up=settings), console)
