@@ -154,8 +154,8 @@ def main() -> None:
         sys.stdout.flush()
         code_ = exit_.code
         os._exit(code_ if isinstance(code_, int) else (0 if code_ is None else 1))
-    except BaseException:  # noqa: BLE001 - report as Python would, then exit 1
-        traceback.print_exc()
+    except BaseException as error:  # noqa: BLE001 - report as Python would (the code's frames only), then exit 1
+        traceback.print_exception(type(error), error, error.__traceback__.tb_next)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

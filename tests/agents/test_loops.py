@@ -1,13 +1,16 @@
 """Agent loops: token-in-token-out trajectories with exact masks, multi-turn log-prob parity
 with the trainer, the same episodes through ``tandem serve`` over HTTP, and agent metrics."""
 
+import json
+
 import pytest
 import torch
 
 from tandem.agents.generators import EngineGenerator, ServerGenerator
 from tandem.agents.loops import AgentContext, AgentSample, agent_metrics, run_episodes
+from tandem.agents.sandbox import SandboxLimits, sandbox_available
 from tandem.agents.tool_calls import parse_hermes
-from tandem.agents.tools import CALCULATOR, ToolRunner
+from tandem.agents.tools import CALCULATOR, ToolRunner, python_tool
 from tandem.agents.trajectory import TurnEncoder
 from tandem.engine import EngineConfig, TorchTrainEngine
 from tandem.models import load_tokenizer, save_tiny_model
@@ -198,3 +201,29 @@ def test_the_turn_encoder_refuses_a_template_without_an_end_of_turn_token(model_
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     with pytest.raises(ValueError, match="does not end an assistant turn"):
         TurnEncoder(tokenizer)
+
+
+@pytest.mark.skipif(bool(sandbox_available()), reason=f"no sandbox here: {sandbox_available()}")
+def test_hostile_python_is_contained_and_the_episode_goes_on(model_dir):
+    tokenizer = load_tokenizer(model_dir)
+
+    def python_call(code):
+        return "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}}) + "</tool_call>"
+
+    hostile = [
+        "while True:\n    pass",
+        "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=3)",
+        "import os\nwhile True:\n    os.fork()",
+    ]
+    model = ScriptedModel(tokenizer, [python_call(code) for code in hostile] + ["done"])
+    limits = SandboxLimits(cpu_seconds=1, wall_seconds=5, processes=8, memory_mb=256)
+    runner = ToolRunner([python_tool(limits)])
+    ctx = AgentContext(
+        model, tokenizer, SamplingParams(max_tokens=2000), "tool_agent", 5, runner, parse_hermes
+    )
+    (trajectory,) = run_episodes(ctx, [AgentSample([{"role": "user", "content": "hi"}], 0, "e0")])
+    results = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
+    assert "killed" in results[0] and "Network is unreachable" in results[1]
+    assert "Resource temporarily unavailable" in results[2]  # the fork bomb hit the process limit
+    assert "sandbox_child" not in results[1]  # tracebacks show the program's frames only
+    assert trajectory.finish_reason == "stop" and trajectory.turns == 4  # the episode went on to its answer
