@@ -156,7 +156,8 @@ def run_tool_demo(settings: ToolDemoSettings | None = None, console: Console | N
     curve = [(r["step"], r[ACCURACY_KEY]) for r in result.history if ACCURACY_KEY in r]
     calls = [r["agent/tool_calls/mean"] for r in result.history if "agent/tool_calls/mean" in r]
     table = Table(
-        title=f"held-out greedy accuracy ({settings.val_prompts} unseen 3-digit products)", title_justify="left"
+        title=f"held-out greedy accuracy ({settings.val_prompts} unseen 3-digit products)",
+        title_justify="left",
     )
     table.add_column("stage")
     table.add_column("accuracy", justify="right")

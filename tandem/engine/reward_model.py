@@ -16,6 +16,7 @@ from torch import nn
 
 from tandem.engine.packing import Predictions
 from tandem.engine.token_model import decoder_hidden_states
+from tandem.engine.value_model import scalar_head
 from tandem.engine.varlen_attention import AttentionPlan
 
 
@@ -55,8 +56,4 @@ class TokenScoreModel(nn.Module):
         hidden = decoder_hidden_states(
             self.reward_model.base_model, input_ids, position_ids, attention_mask, cu_seqlens, attention_plan
         )
-        head = self.reward_model.score
-        scores = nn.functional.linear(
-            hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float()
-        )
-        return {"scores": scores.squeeze(-1)}
+        return {"scores": scalar_head(self.reward_model.score, hidden).squeeze(-1)}

@@ -60,9 +60,13 @@ class TokenValueModel(nn.Module):
         if predictions is None:
             predictions = next_token_predictions(position_ids)
         states = hidden.reshape(-1, hidden.shape[-1]).index_select(0, predictions.sources)
-        head = self.value_model.score
-        values = nn.functional.linear(
-            states.float(), head.weight.float(), None if head.bias is None else head.bias.float()
-        )
+        values = scalar_head(self.value_model.score, states)
         placed = values.new_zeros(input_ids.numel()).index_put((predictions.targets,), values.squeeze(-1))
         return {"values": placed.view_as(input_ids)}
+
+
+def scalar_head(head: nn.Linear, states: torch.Tensor) -> torch.Tensor:
+    """A one-output ``score`` head on ``states [..., H]`` in fp32 -> ``[..., 1]`` (its weights
+    upcast, as the policy's output head is)."""
+    bias = None if head.bias is None else head.bias.float()
+    return nn.functional.linear(states.float(), head.weight.float(), bias)

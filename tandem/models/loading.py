@@ -72,19 +72,7 @@ def load_value_model(
 ) -> PreTrainedModel:
     """The model in ``path`` as a one-output token classifier (a critic): its decoder, and its
     ``score`` head, freshly initialised when ``path`` holds a causal LM."""
-    path = Path(path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"no model at {path}: config.json is missing (expected a save_pretrained directory)"
-        )
-    previous = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # "newly initialized: score.weight" is the point here
-    try:
-        return AutoModelForTokenClassification.from_pretrained(
-            str(path), num_labels=1, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
-        )
-    finally:
-        hf_logging.set_verbosity(previous)
+    return _with_scalar_head(AutoModelForTokenClassification, path, dtype, attn_implementation)
 
 
 def load_reward_model(
@@ -93,6 +81,16 @@ def load_reward_model(
     """The model in ``path`` as a one-output sequence classifier (a reward model): its decoder,
     and its ``score`` head, freshly initialised when ``path`` holds a causal LM. The config
     gets the tokenizer's pad id when it has none (HF finds each row's last token by it)."""
+    model = _with_scalar_head(AutoModelForSequenceClassification, path, dtype, attn_implementation)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = load_tokenizer(path).pad_token_id
+    return model
+
+
+def _with_scalar_head(
+    auto_class: type, path: str | Path, dtype: str, attn_implementation: str
+) -> PreTrainedModel:
+    """``auto_class`` (a classifier) with one label from ``path``; a causal LM gets a fresh head."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(
@@ -101,14 +99,11 @@ def load_reward_model(
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "newly initialized: score.weight" is the point here
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(
+        return auto_class.from_pretrained(
             str(path), num_labels=1, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
         )
     finally:
         hf_logging.set_verbosity(previous)
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = load_tokenizer(path).pad_token_id
-    return model
 
 
 def load_head_model(path: str | Path, head: str, dtype: str = "float32") -> PreTrainedModel:
