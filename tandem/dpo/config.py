@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.algos.preference import PreferenceLossConfig
-from tandem.config.validation import check_range
 from tandem.dpo.data import PreferenceDataConfig
 from tandem.engine.config import EngineConfig
 from tandem.sft.config import SFTTrainerConfig
@@ -15,24 +14,11 @@ REFERENCES = ("precompute", "model")
 
 @dataclass(frozen=True)
 class DPOTrainerConfig(SFTTrainerConfig):
-    """The loop (``trainer.*``): the SFT loop's settings (``global_batch_size`` counts pairs) plus
-    the run's names and its report.
-
-    Attributes:
-        experiment / project: the names in ``run.json`` and the report.
-        report: keep ``report.html`` (docs/report.md) beside ``metrics.jsonl``.
-        report_every: redraw it every this many steps (0: only at the end).
-    """
+    """The loop (``trainer.*``): the SFT loop's settings (``global_batch_size`` counts pairs),
+    under another directory and name."""
 
     output_dir: str = "outputs/dpo"
     experiment: str = "dpo"
-    project: str = "tandem"
-    report: bool = True
-    report_every: int = 10
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_range("trainer", "report_every", self.report_every, low=0)
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,6 @@ from tandem.dpo.config import DPOConfig
 from tandem.dpo.data import PreferenceDataset
 from tandem.dpo.loss import pair_metrics, preference_loss, summed_preference_loss
 from tandem.protocol import Batch
-from tandem.report import RunInfo
-from tandem.report.tracker import ReportTracker
-from tandem.rl.trackers import JsonlTracker
 from tandem.run_dir import OutputDirLock
 from tandem.sft.engine_worker import merged_metrics, total_loss
 from tandem.sft.trainer import SFTTrainer
@@ -62,16 +59,6 @@ class DPOTrainer(SFTTrainer):
         self.history: list[dict[str, float]] = []
         self.validation: dict[str, float] = {}  # the last validation's metrics
         self.reference: dict[str, torch.Tensor] = {}  # split -> [pairs, 2] (chosen, rejected)
-        self.run_info = RunInfo(
-            self.output_dir,
-            trainer=self.describe(),
-            experiment=config.trainer.experiment,
-            project=config.trainer.project,
-            config=dataclasses.asdict(config),
-            model_path=self.engine_config.model_path,
-            data_files={"train": config.data.train_path, "val": config.data.val_path},
-            total_steps=self.total_steps,
-        )
 
     def describe(self) -> str:
         """What this run trains, for the console and ``run.json``."""
@@ -99,22 +86,15 @@ class DPOTrainer(SFTTrainer):
         self._print_plan()
         if self.config.preference.needs_reference and self.config.reference == "precompute":
             self._precompute_reference()
-        trackers: list = [JsonlTracker(self.output_dir / "metrics.jsonl", self.step if self.step else None)]
-        report = ReportTracker(self.output_dir, trainer.report_every) if trainer.report else None
-        if report is not None:
-            trackers.append(report)
-        try:
-            with self.run_info.running(self.step):  # status.json: running, then finished or failed
-                self._train_loop(trackers)
-        finally:
-            for tracker in trackers:
-                tracker.close()
+        with self.tracked() as trackers:  # status.json: running, then finished or failed
+            self._train_loop(trackers)
         hf_dir = self.export()
+        report = self.report.path if self.report is not None else None
         if report is not None:
-            self.console.print(f"report: {report.path}")
-        return DPOResult(self.history, self.validation, self.output_dir, hf_dir, report and report.path)
+            self.console.print(f"report: {report}")
+        return DPOResult(self.history, self.validation, self.output_dir, hf_dir, report)
 
-    def _train_loop(self, trackers: list) -> None:
+    def _train_loop(self, trackers: list) -> None:  # type: ignore[override]
         """Step, evaluate and checkpoint on schedule (evaluation and a checkpoint at the end too)."""
         trainer = self.config.trainer
         while self.step < self.total_steps:

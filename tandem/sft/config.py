@@ -30,6 +30,9 @@ class SFTTrainerConfig:
         n_workers: data-parallel workers on the CPU; each takes an equal share of every batch
             (``engine.strategy=single`` becomes DDP; ``fsdp2`` shards the model over them).
         n_gpus_per_node: GPUs to train on, one worker each (0: CPU workers, ``n_workers`` of them).
+        experiment / project: the names in ``run.json`` and the report.
+        report: keep ``report.html`` (docs/report.md) beside ``metrics.jsonl``.
+        report_every: redraw it every this many steps (0: only at the end).
     """
 
     global_batch_size: int = 16
@@ -45,6 +48,10 @@ class SFTTrainerConfig:
     backend: str = "local"
     n_workers: int = 1
     n_gpus_per_node: int = 0
+    experiment: str = "sft"
+    project: str = "tandem"
+    report: bool = True
+    report_every: int = 10
 
     def __post_init__(self) -> None:
         check_positive("trainer", "global_batch_size", self.global_batch_size)
@@ -64,7 +71,7 @@ class SFTTrainerConfig:
         check_positive("trainer", "max_skipped_updates_in_a_row", self.max_skipped_updates_in_a_row)
         check_positive("trainer", "epochs", self.epochs)
         check_positive("trainer", "log_every", self.log_every)
-        for name in ("total_steps", "eval_every", "save_every"):
+        for name in ("total_steps", "eval_every", "save_every", "report_every"):
             check_range("trainer", name, getattr(self, name), low=0)
 
     @property

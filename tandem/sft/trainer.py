@@ -2,6 +2,9 @@
 
 The trainer is the controller; the engine runs in a worker group of ``trainer.n_workers``
 ranks (or one per GPU), each taking an equal share of every batch (:mod:`tandem.sft.engine_worker`).
+Every step's metrics (``loss``, ``grad_norm``, ``learning_rate``, ``eval_loss`` when it
+evaluates, throughput) go to ``metrics.jsonl``, with ``run.json``, ``status.json`` and
+``report.html`` beside it (docs/report.md).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from tandem.controller import WorkerGroup, create_worker_group
 from tandem.engine.divergence import SkippedUpdates, check_health
 from tandem.models.loading import check_vocab_fits, load_tokenizer
 from tandem.protocol import Batch
+from tandem.report import RunInfo
+from tandem.report.tracker import ReportTracker
 from tandem.run_dir import OutputDirLock, check_output_dir
 from tandem.sft.config import SFTConfig
 from tandem.sft.data import SFTDataset
@@ -64,6 +69,21 @@ class SFTTrainer:
             config.trainer.max_skipped_updates_in_a_row, "trainer.max_skipped_updates_in_a_row"
         )
         self.step = 0
+        self.run_info = RunInfo(
+            self.output_dir,
+            trainer=self.describe(),
+            experiment=config.trainer.experiment,
+            project=config.trainer.project,
+            config=dataclasses.asdict(config),
+            model_path=self.engine_config.model_path,
+            data_files={"train": config.data.train_path, "val": config.data.val_path},
+            total_steps=self.total_steps,
+        )
+        self.report: ReportTracker | None = None
+
+    def describe(self) -> str:
+        """What this run trains, for the console and ``run.json``."""
+        return "SFT"
 
     def load_data(self) -> tuple[SFTDataset, SFTDataset | None]:
         """The training and (when ``data.val_path`` is set) validation sets."""
@@ -103,6 +123,25 @@ class SFTTrainer:
             raise RuntimeError("the trainer's workers are not running; call it inside trainer.started()")
         return self.workers
 
+    @contextlib.contextmanager
+    def tracked(self) -> Iterator[list]:
+        """The run's trackers (``metrics.jsonl``, and the report unless ``trainer.report`` is
+        off), inside ``status.json``'s running/finished/failed bracket; closed after."""
+        # tandem.rl imports this module (its demo warms up with SFT): import its tracker late
+        from tandem.rl.trackers import JsonlTracker
+
+        trainer = self.config.trainer
+        trackers: list = [JsonlTracker(self.output_dir / "metrics.jsonl", self.step if self.step else None)]
+        self.report = ReportTracker(self.output_dir, trainer.report_every) if trainer.report else None
+        if self.report is not None:
+            trackers.append(self.report)
+        try:
+            with self.run_info.running(self.step):
+                yield trackers
+        finally:
+            for tracker in trackers:
+                tracker.close()
+
     def _fit(self) -> SFTResult:
         trainer = self.config.trainer
         if trainer.resume:
@@ -111,10 +150,18 @@ class SFTTrainer:
             f"[bold]SFT[/] {len(self.train)} conversations ({self.train.dropped} dropped as too long), "
             f"{self.total_steps} steps of {trainer.global_batch_size}, starting at step {self.step}"
         )
+        with self.tracked() as trackers:
+            train_losses, eval_losses = self._train_loop(trackers)
+        return SFTResult(train_losses, eval_losses, self.export())
+
+    def _train_loop(self, trackers: list) -> tuple[list[float], dict[int, float]]:
+        """Step, log, evaluate and checkpoint on schedule; returns the losses."""
+        trainer = self.config.trainer
         train_losses: list[float] = []
         eval_losses: dict[int, float] = {}
         started, tokens = time.monotonic(), 0
         while self.step < self.total_steps:
+            step_started = time.perf_counter()
             batch = self.train.collate(
                 self.sampler.take(trainer.global_batch_size), self.tokenizer.pad_token_id
             )
@@ -124,24 +171,36 @@ class SFTTrainer:
             loss = total_loss(reports)
             self.step += 1
             self._check_divergence(reports[0].skipped, batch[:1])
-            tokens += int(batch["attention_mask"].sum())
+            step_tokens = int(batch["attention_mask"].sum())
+            tokens += step_tokens
             train_losses.append(loss)
+            seconds = time.perf_counter() - step_started
+            metrics = {
+                "loss": loss,
+                "grad_norm": reports[0].grad_norm,
+                "learning_rate": reports[0].learning_rate,
+                "timing_s/step": seconds,
+                "perf/throughput": step_tokens / seconds,
+                "epoch": float(self.sampler.epoch),
+            }
             if self.step % trainer.log_every == 0 or self.step == self.total_steps:
                 rate = tokens / max(time.monotonic() - started, 1e-9)
                 self.console.print(
                     f"step {self.step}/{self.total_steps}  loss {loss:.4f}  grad_norm {reports[0].grad_norm:.3f}  "
                     f"lr {reports[0].learning_rate:.2e}  {rate:,.0f} tok/s"
                 )
-            if self.val is not None and trainer.eval_every and self.step % trainer.eval_every == 0:
-                eval_losses[self.step] = self.evaluate()
+            last = self.step == self.total_steps
+            if self.val is not None and (
+                (trainer.eval_every and self.step % trainer.eval_every == 0) or last
+            ):
+                eval_losses[self.step] = metrics["eval_loss"] = self.evaluate()
                 self.console.print(f"step {self.step}  eval_loss {eval_losses[self.step]:.4f}")
-            if trainer.save_every and self.step % trainer.save_every == 0:
+            for tracker in trackers:
+                tracker.log(metrics, self.step)
+            self.run_info.progress(self.step)
+            if (trainer.save_every and self.step % trainer.save_every == 0) or last:
                 self.save_checkpoint()
-        if self.val is not None and self.total_steps not in eval_losses:
-            eval_losses[self.total_steps] = self.evaluate()
-            self.console.print(f"final eval_loss {eval_losses[self.total_steps]:.4f}")
-        self.save_checkpoint()
-        return SFTResult(train_losses, eval_losses, self.export())
+        return train_losses, eval_losses
 
     def _check_divergence(self, skipped: bool, probe: Batch) -> None:
         """Count a skipped step; stop (naming the step) after too many in a row, or when the

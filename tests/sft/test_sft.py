@@ -10,6 +10,7 @@ import torch
 from tandem.config.overrides import config_from_overrides
 from tandem.engine import EngineConfig
 from tandem.models import build_char_tokenizer, load_model, save_tiny_model
+from tandem.rl.trackers import read_jsonl
 from tandem.sft import (
     SFTConfig,
     SFTDataConfig,
@@ -83,6 +84,16 @@ def test_sft_run_lowers_the_loss_and_exports_a_loadable_model(model_dir, tmp_pat
     assert after < 0.4 * before, (before, after)  # from ~ln(103) per token to well under half
     assert result.train_losses[-1] < result.train_losses[0]
     assert load_model(result.hf_model_dir).config.model_type == "qwen2"
+    # the run's record: every step's metrics, the evaluations among them, status and report
+    out = tmp_path / "out"
+    logged = read_jsonl(out / "metrics.jsonl")
+    assert [entry["step"] for entry in logged] == list(range(1, 41))
+    assert [entry["loss"] for entry in logged] == pytest.approx(result.train_losses)
+    assert {entry["step"]: entry["eval_loss"] for entry in logged if "eval_loss" in entry} == pytest.approx(
+        result.eval_losses
+    )
+    assert json.loads((out / "status.json").read_text())["status"] == "finished"
+    assert (out / "report.html").exists() and json.loads((out / "run.json").read_text())["trainer"] == "SFT"
 
 
 def test_resume_reproduces_the_uninterrupted_run(model_dir, tmp_path):
