@@ -34,6 +34,7 @@ from tandem.agents.tools import ToolRunner
 from tandem.agents.trajectory import Trajectory, TurnEncoder
 from tandem.registry import Registry
 from tandem.rollout.types import Completion, SamplingParams
+from tandem.sft.data import template_ids
 
 TURN_SEED_STRIDE = 1_000_003  # turn t of an episode samples with seed + t * stride
 
@@ -71,10 +72,7 @@ class AgentContext:
     def prompt_ids(self, messages: list[dict]) -> tuple[int, ...]:
         """The first prompt: the messages with the tools' schemas, rendered by the chat template."""
         tools = self.tools.schemas() if self.tools is not None else None
-        ids = self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=True, add_generation_prompt=True
-        )
-        return tuple(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return tuple(template_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools))
 
 
 class AgentError(RuntimeError):

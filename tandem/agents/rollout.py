@@ -11,9 +11,6 @@ completion whose ``token_mask`` keeps the model's tokens apart from the tool and
 
 from __future__ import annotations
 
-import importlib.util
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from tandem.agents.config import AgentConfig
@@ -22,6 +19,7 @@ from tandem.agents.loops import AgentContext, AgentSample, run_episodes
 from tandem.agents.sandbox import sandbox_available
 from tandem.agents.tool_calls import TOOL_CALL_PARSERS
 from tandem.agents.tools import CALCULATOR, Tool, ToolRunner, load_user_tools, python_tool
+from tandem.config.user_code import load_user_function
 from tandem.protocol import Batch
 from tandem.rl.sequences import resize_columns, sequence_tensors
 from tandem.rollout.base import RolloutEngine
@@ -44,22 +42,6 @@ def build_tools(config: AgentConfig) -> list[Tool]:
     return tools
 
 
-def load_interaction(config: AgentConfig) -> Callable[[list[dict], dict], dict] | None:
-    """The ``interaction`` loop's function from ``agent.interaction_path`` (None without one)."""
-    if not config.interaction_path:
-        return None
-    path = Path(config.interaction_path)
-    spec = importlib.util.spec_from_file_location(f"tandem_interaction_{path.stem}", path)
-    if spec is None or spec.loader is None or not path.is_file():
-        raise ValueError(f"agent.interaction_path={str(path)!r}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    function = getattr(module, config.interaction_name, None)
-    if not callable(function):
-        raise ValueError(f"agent.interaction_path={str(path)!r} has no function {config.interaction_name!r}")
-    return function
-
-
 class AgentRollout:
     """Episodes on one worker's engine (see the module docstring)."""
 
@@ -70,7 +52,16 @@ class AgentRollout:
         tools = build_tools(config)
         self.tools = ToolRunner(tools, config.tool_concurrency) if tools else None
         self.parser = TOOL_CALL_PARSERS.get(config.tool_parser)
-        self.interaction = load_interaction(config)
+        self.interaction = (
+            load_user_function(
+                config.interaction_path,
+                config.interaction_name,
+                "agent.interaction_path",
+                "agent.interaction_name",
+            )
+            if config.interaction_path
+            else None
+        )
 
     def generate(self, prompts: Batch, sampling: SamplingParams, prompt_width: int, rank: int) -> Batch:
         """The rows of ``prompts`` (with ``raw_prompt`` and ``seed``) completed by their episodes,

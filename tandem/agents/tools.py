@@ -16,7 +16,6 @@ calls, errors and seconds feed the ``agent/*`` metrics.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import inspect
 import operator
 import threading
@@ -25,10 +24,10 @@ from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tandem.agents.sandbox import SandboxLimits, run_python
 from tandem.agents.tool_calls import ToolCall
+from tandem.config.user_code import load_user_module
 
 UNKNOWN_TOOL = "unknown_tool"
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
@@ -142,15 +141,7 @@ def python_tool(limits: SandboxLimits | None = None) -> Tool:
 # ---------------------------------------------------------------------------- user tools
 def load_user_tools(path: str) -> list[Tool]:
     """The tools of the file at ``path``: its ``TOOLS`` list of functions (or :class:`Tool`)."""
-    spec = importlib.util.spec_from_file_location(f"tandem_user_tools_{Path(path).stem}", path)
-    if spec is None or spec.loader is None or not Path(path).is_file():
-        raise ValueError(f"agent.tools_path={path!r}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as error:
-        raise ValueError(f"agent.tools_path={path!r}: {type(error).__name__}: {error}") from None
-    listed = getattr(module, "TOOLS", None)
+    listed = getattr(load_user_module(path, "agent.tools_path"), "TOOLS", None)
     if not isinstance(listed, (list, tuple)) or not listed:
         raise ValueError(f"agent.tools_path={path!r}: define TOOLS = [function, ...] in the file")
     return [item if isinstance(item, Tool) else tool_from_function(item) for item in listed]

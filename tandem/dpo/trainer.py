@@ -30,7 +30,7 @@ from tandem.dpo.data import PreferenceDataset
 from tandem.dpo.loss import pair_metrics, preference_loss, summed_preference_loss
 from tandem.protocol import Batch
 from tandem.run_dir import OutputDirLock
-from tandem.sft.engine_worker import merged_metrics, total_loss
+from tandem.sft.engine_worker import merged_metrics
 from tandem.sft.trainer import SFTTrainer
 
 REFERENCE_FILE = "reference_logps.pt"
@@ -56,8 +56,6 @@ class DPOTrainer(SFTTrainer):
 
     def __init__(self, config: DPOConfig, console: Console | None = None) -> None:
         super().__init__(config, console)  # type: ignore[arg-type]
-        self.history: list[dict[str, float]] = []
-        self.validation: dict[str, float] = {}  # the last validation's metrics
         self.reference: dict[str, torch.Tensor] = {}  # split -> [pairs, 2] (chosen, rejected)
 
     def describe(self) -> str:
@@ -94,21 +92,6 @@ class DPOTrainer(SFTTrainer):
             self.console.print(f"report: {report}")
         return DPOResult(self.history, self.validation, self.output_dir, hf_dir, report)
 
-    def _train_loop(self, trackers: list) -> None:  # type: ignore[override]
-        """Step, evaluate and checkpoint on schedule (evaluation and a checkpoint at the end too)."""
-        trainer = self.config.trainer
-        while self.step < self.total_steps:
-            metrics = self.train_step()
-            last = self.step == self.total_steps
-            if self.val is not None and (
-                (trainer.eval_every and self.step % trainer.eval_every == 0) or last
-            ):
-                self.validation = self.evaluate_pairs()
-                metrics.update(self.validation)
-            self._log(trackers, metrics)
-            if (trainer.save_every and self.step % trainer.save_every == 0) or last:
-                self.save_checkpoint()
-
     # ------------------------------------------------------------------ the step
     def train_step(self) -> dict[str, float]:
         """One optimizer step on ``global_batch_size`` pairs; returns its metrics."""
@@ -123,19 +106,13 @@ class DPOTrainer(SFTTrainer):
             chosen_tokens=chosen_tokens,
         )
         reports = self.group.train_step(batch, loss_fn=loss_fn)  # each rank: whole pairs
-        self.step += 1
-        self._check_divergence(reports[0].skipped, batch[:2])
-        seconds = time.perf_counter() - started
-        tokens = int(batch["attention_mask"].sum())
         return {
-            "loss": total_loss(reports),
+            **self._finish_step(reports, batch, started),
             **pair_metrics(merged_metrics(reports), chosen_tokens),
-            "grad_norm": reports[0].grad_norm,
-            "learning_rate": reports[0].learning_rate,
-            "timing_s/step": seconds,
-            "perf/throughput": tokens / seconds,
-            "epoch": float(self.sampler.epoch),
         }
+
+    def validate(self) -> dict[str, float]:
+        return self.evaluate_pairs()
 
     def evaluate_pairs(self) -> dict[str, float]:
         """The validation pairs' loss and metrics (``eval_*``), scored in batches of
@@ -212,21 +189,15 @@ class DPOTrainer(SFTTrainer):
         )
 
     # ------------------------------------------------------------------ logging
-    def _log(self, trackers: list, metrics: dict[str, float]) -> None:
-        self.history.append({"step": self.step, **metrics})
-        for tracker in trackers:
-            tracker.log(metrics, self.step)
-        self.run_info.progress(self.step)
-        trainer = self.config.trainer
-        if self.step % trainer.log_every == 0 or self.step == self.total_steps or "eval_loss" in metrics:
-            line = (
-                f"step {self.step}/{self.total_steps}  loss {metrics['loss']:.4f}  "
-                f"accuracy {metrics['rewards/accuracies']:.3f}  margin {metrics['rewards/margins']:.4f}  "
-                f"grad_norm {metrics['grad_norm']:.3f}  lr {metrics['learning_rate']:.2e}"
-            )
-            if "eval_loss" in metrics:
-                line += f"  eval_loss {metrics['eval_loss']:.4f}  eval_accuracy {metrics['eval_rewards/accuracies']:.3f}"
-            self.console.print(line)
+    def console_line(self, metrics: dict[str, float]) -> str:
+        line = (
+            f"step {self.step}/{self.total_steps}  loss {metrics['loss']:.4f}  "
+            f"accuracy {metrics['rewards/accuracies']:.3f}  margin {metrics['rewards/margins']:.4f}  "
+            f"grad_norm {metrics['grad_norm']:.3f}  lr {metrics['learning_rate']:.2e}"
+        )
+        if "eval_loss" in metrics:
+            line += f"  eval_loss {metrics['eval_loss']:.4f}  eval_accuracy {metrics['eval_rewards/accuracies']:.3f}"
+        return line
 
     def _print_plan(self) -> None:
         train = self.train

@@ -30,6 +30,8 @@ from tandem.engine.varlen_attention import VARLEN_ATTENTION
 from tandem.kernels.cpu import enable_cpu_kernels
 from tandem.models.loading import load_head_model, resolve_dtype
 from tandem.protocol import Batch
+from tandem.rollout.weights import load_named_tensors
+from tandem.run_dir import atomic_directory
 
 
 class TorchTrainEngine:
@@ -368,6 +370,20 @@ class TorchTrainEngine:
         for name, param in model.named_parameters():
             tensor = param.detach()
             yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+    def export_hf(self, path: str, tokenizer: Any, write: bool) -> None:
+        """The model being trained (LoRA merged) with ``tokenizer`` as a plain HF directory at
+        ``path``, in the head's class (a causal LM, or a token or sequence classifier). Every
+        data-parallel rank must call it (FSDP2 gathers the weights); the one with ``write`` saves,
+        into a fresh copy of ``config.model_path``'s architecture, whole or not at all."""
+        named = [(name, tensor.to("cpu")) for name, tensor in self.iter_parameters()]
+        if not write:
+            return
+        model = load_head_model(self.config.model_path, self.config.head, self.config.param_dtype)
+        load_named_tensors(model, named)
+        with atomic_directory(path) as staging:
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
 
     def to(
         self, device: str | torch.device, model: bool = True, optimizer: bool = True, grads: bool = True

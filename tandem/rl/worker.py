@@ -28,7 +28,7 @@ from tandem.dpo.loss import pair_metrics, preference_loss
 from tandem.engine import TorchTrainEngine
 from tandem.engine.divergence import ModelHealth, SkippedUpdates
 from tandem.engine.parallel import rank_strategy
-from tandem.models.loading import check_vocab_compatible, load_model, load_tokenizer
+from tandem.models.loading import check_vocab_compatible, load_tokenizer
 from tandem.protocol import Batch
 from tandem.rl.actor_loss import make_actor_loss
 from tandem.rl.config import TrainConfig
@@ -36,8 +36,6 @@ from tandem.rl.derived import actor_engine_config, derive_seed, rollout_engine_c
 from tandem.rl.sequences import resize_columns, response_part, sequence_tensors
 from tandem.rollout import RolloutRequest, SamplingParams
 from tandem.rollout.factory import build_rollout_engine
-from tandem.rollout.weights import load_named_tensors
-from tandem.run_dir import atomic_directory
 
 SUMMED_METRICS = (
     "actor/pg_loss",
@@ -297,14 +295,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
     @register(dispatch="ONE_TO_ALL")
     def export_hf(self, path: str) -> None:
         """Write the current policy (LoRA merged) with its tokenizer as a plain HF model directory (rank 0 writes)."""
-        named = list(self.engine.iter_parameters())  # every rank joins (FSDP2 gathers)
-        if self.rank != 0:
-            return
-        model = load_model(self.config.model_path, self.config.actor.engine.param_dtype)
-        load_named_tensors(model, named)
-        with atomic_directory(path) as staging:
-            model.save_pretrained(staging)
-            self.tokenizer.save_pretrained(staging)
+        self.engine.export_hf(path, self.tokenizer, write=self.rank == 0)
 
     @register(dispatch="ONE_TO_ALL")
     def shutdown_engines(self) -> None:

@@ -81,9 +81,13 @@ def check_message(message: Any, where: str) -> None:
         raise ValueError(f"{where} ({message['role']}) has empty content")
 
 
-def template_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    """Token ids of ``messages`` rendered with the tokenizer's chat template."""
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+def template_ids(
+    tokenizer: Any, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+) -> list[int]:
+    """Token ids of ``messages`` (and the ``tools``' schemas) rendered with the tokenizer's chat template."""
+    ids = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt
+    )
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 

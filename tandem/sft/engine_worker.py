@@ -24,10 +24,8 @@ from tandem.engine import EngineConfig, TorchTrainEngine
 from tandem.engine.base import LossFn
 from tandem.engine.divergence import ModelHealth
 from tandem.engine.parallel import rank_strategy
-from tandem.models.loading import load_head_model, load_tokenizer
+from tandem.models.loading import load_tokenizer
 from tandem.protocol import Batch
-from tandem.rollout.weights import load_named_tensors
-from tandem.run_dir import atomic_directory
 
 
 @dataclass
@@ -140,15 +138,7 @@ class EngineWorker(Worker):
     def export_hf(self, path: str) -> None:
         """The current policy (LoRA merged) with the tokenizer of ``engine.model_path`` as a plain
         HF model directory; every rank joins the gather (FSDP2), rank 0 writes."""
-        named = list(self.engine.iter_parameters())
-        if self.rank != 0:
-            return
-        config = self.engine_config
-        model = load_head_model(config.model_path, config.head, config.param_dtype)
-        load_named_tensors(model, [(name, tensor.to("cpu")) for name, tensor in named])
-        with atomic_directory(path) as staging:
-            model.save_pretrained(staging)
-            load_tokenizer(config.model_path).save_pretrained(staging)
+        self.engine.export_hf(path, load_tokenizer(self.engine_config.model_path), write=self.rank == 0)
 
 
 def total_loss(reports: list[StepReport]) -> float:

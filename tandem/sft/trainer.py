@@ -29,7 +29,7 @@ from tandem.report.tracker import ReportTracker
 from tandem.run_dir import OutputDirLock, check_output_dir
 from tandem.sft.config import SFTConfig
 from tandem.sft.data import SFTDataset
-from tandem.sft.engine_worker import EngineWorker, total_loss
+from tandem.sft.engine_worker import EngineWorker, StepReport, total_loss
 from tandem.sft.loss import sft_loss
 from tandem.sft.sampler import EpochSampler
 
@@ -80,6 +80,8 @@ class SFTTrainer:
             total_steps=self.total_steps,
         )
         self.report: ReportTracker | None = None
+        self.history: list[dict[str, float]] = []  # every step's metrics
+        self.validation: dict[str, float] = {}  # the last validation's metrics
 
     def describe(self) -> str:
         """What this run trains, for the console and ``run.json``."""
@@ -151,56 +153,74 @@ class SFTTrainer:
             f"{self.total_steps} steps of {trainer.global_batch_size}, starting at step {self.step}"
         )
         with self.tracked() as trackers:
-            train_losses, eval_losses = self._train_loop(trackers)
-        return SFTResult(train_losses, eval_losses, self.export())
+            self._train_loop(trackers)
+        eval_losses = {entry["step"]: entry["eval_loss"] for entry in self.history if "eval_loss" in entry}
+        return SFTResult([entry["loss"] for entry in self.history], eval_losses, self.export())
 
-    def _train_loop(self, trackers: list) -> tuple[list[float], dict[int, float]]:
-        """Step, log, evaluate and checkpoint on schedule; returns the losses."""
+    def _train_loop(self, trackers: list) -> None:
+        """Step, evaluate and checkpoint on schedule (evaluation and a checkpoint at the end too)."""
         trainer = self.config.trainer
-        train_losses: list[float] = []
-        eval_losses: dict[int, float] = {}
-        started, tokens = time.monotonic(), 0
         while self.step < self.total_steps:
-            step_started = time.perf_counter()
-            batch = self.train.collate(
-                self.sampler.take(trainer.global_batch_size), self.tokenizer.pad_token_id
-            )
-            mask = batch["loss_mask"]
-            normalizer = LossNormalizer(float(mask.sum()), float((mask.sum(-1) > 0).sum()))
-            reports = self.group.train_step(batch, loss_fn=functools.partial(sft_loss, normalizer=normalizer))
-            loss = total_loss(reports)
-            self.step += 1
-            self._check_divergence(reports[0].skipped, batch[:1])
-            step_tokens = int(batch["attention_mask"].sum())
-            tokens += step_tokens
-            train_losses.append(loss)
-            seconds = time.perf_counter() - step_started
-            metrics = {
-                "loss": loss,
-                "grad_norm": reports[0].grad_norm,
-                "learning_rate": reports[0].learning_rate,
-                "timing_s/step": seconds,
-                "perf/throughput": step_tokens / seconds,
-                "epoch": float(self.sampler.epoch),
-            }
-            if self.step % trainer.log_every == 0 or self.step == self.total_steps:
-                rate = tokens / max(time.monotonic() - started, 1e-9)
-                self.console.print(
-                    f"step {self.step}/{self.total_steps}  loss {loss:.4f}  grad_norm {reports[0].grad_norm:.3f}  "
-                    f"lr {reports[0].learning_rate:.2e}  {rate:,.0f} tok/s"
-                )
+            metrics = self.train_step()
             last = self.step == self.total_steps
             if self.val is not None and (
                 (trainer.eval_every and self.step % trainer.eval_every == 0) or last
             ):
-                eval_losses[self.step] = metrics["eval_loss"] = self.evaluate()
-                self.console.print(f"step {self.step}  eval_loss {eval_losses[self.step]:.4f}")
-            for tracker in trackers:
-                tracker.log(metrics, self.step)
-            self.run_info.progress(self.step)
+                self.validation = self.validate()
+                metrics.update(self.validation)
+            self._log(trackers, metrics)
             if (trainer.save_every and self.step % trainer.save_every == 0) or last:
                 self.save_checkpoint()
-        return train_losses, eval_losses
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step on ``global_batch_size`` conversations; returns its metrics."""
+        started = time.perf_counter()
+        batch = self.train.collate(
+            self.sampler.take(self.config.trainer.global_batch_size), self.tokenizer.pad_token_id
+        )
+        mask = batch["loss_mask"]
+        normalizer = LossNormalizer(float(mask.sum()), float((mask.sum(-1) > 0).sum()))
+        reports = self.group.train_step(batch, loss_fn=functools.partial(sft_loss, normalizer=normalizer))
+        return self._finish_step(reports, batch, started)
+
+    def _finish_step(self, reports: list[StepReport], batch: Batch, started: float) -> dict[str, float]:
+        """Count the step, check it for divergence (probing ``batch``'s first pair of rows), and
+        return the metrics every step has: loss, gradient norm, learning rate, time, throughput."""
+        self.step += 1
+        self._check_divergence(reports[0].skipped, batch[:2])
+        seconds = time.perf_counter() - started
+        return {
+            "loss": total_loss(reports),
+            "grad_norm": reports[0].grad_norm,
+            "learning_rate": reports[0].learning_rate,
+            "timing_s/step": seconds,
+            "perf/throughput": int(batch["attention_mask"].sum()) / seconds,
+            "epoch": float(self.sampler.epoch),
+        }
+
+    def validate(self) -> dict[str, float]:
+        """The validation metrics logged with a step: ``eval_loss``."""
+        return {"eval_loss": self.evaluate()}
+
+    def _log(self, trackers: list, metrics: dict[str, float]) -> None:
+        """Keep the step's metrics, hand them to the trackers, and print every ``log_every`` steps."""
+        self.history.append({"step": self.step, **metrics})
+        for tracker in trackers:
+            tracker.log(metrics, self.step)
+        self.run_info.progress(self.step)
+        if (
+            self.step % self.config.trainer.log_every == 0
+            or self.step == self.total_steps
+            or "eval_loss" in metrics
+        ):
+            self.console.print(self.console_line(metrics))
+
+    def console_line(self, metrics: dict[str, float]) -> str:
+        line = (
+            f"step {self.step}/{self.total_steps}  loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}  "
+            f"lr {metrics['learning_rate']:.2e}  {metrics['perf/throughput']:,.0f} tok/s"
+        )
+        return line + (f"  eval_loss {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else "")
 
     def _check_divergence(self, skipped: bool, probe: Batch) -> None:
         """Count a skipped step; stop (naming the step) after too many in a row, or when the

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import traceback
 from collections.abc import Callable
-from pathlib import Path
+
+from tandem.config.user_code import load_user_function
 
 
 def load_reward_function(path: str, name: str) -> Callable:
@@ -13,28 +12,4 @@ def load_reward_function(path: str, name: str) -> Callable:
 
     The function returns a float, or a dict with a ``score`` key and further numbers to log.
     """
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"reward.custom_path={path!r} is not a file")
-    spec = importlib.util.spec_from_file_location(f"tandem_user_reward_{file.stem}", file)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"reward.custom_path={path!r} cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except SyntaxError as error:
-        raise ValueError(
-            f"reward.custom_path={path!r}: line {error.lineno}: SyntaxError: {error.msg}"
-        ) from None
-    except Exception as error:  # a failing import or top-level statement in the user's file
-        lines = [
-            frame.lineno
-            for frame in traceback.extract_tb(error.__traceback__)
-            if Path(frame.filename) == file
-        ]
-        where = f"line {lines[-1]}" if lines else "while loading"
-        raise ValueError(f"reward.custom_path={path!r}: {where}: {type(error).__name__}: {error}") from error
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"reward.custom_path={path!r} defines no function {name!r} (reward.custom_name)")
-    return fn
+    return load_user_function(path, name, "reward.custom_path", "reward.custom_name")
