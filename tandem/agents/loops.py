@@ -24,13 +24,13 @@ import asyncio
 import dataclasses
 import statistics
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.agents.generators import TokenGenerator
 from tandem.agents.tool_calls import ToolCallParser
-from tandem.agents.tools import ToolRunner
+from tandem.agents.tools import ToolRunner, tool_metrics
 from tandem.agents.trajectory import Trajectory, TurnEncoder
 from tandem.registry import Registry
 from tandem.rollout.types import Completion, SamplingParams
@@ -182,15 +182,32 @@ def run_episodes(ctx: AgentContext, samples: list[AgentSample]) -> list[Trajecto
 
 
 def agent_metrics(trajectories: list[Trajectory], tools: ToolRunner | None = None) -> dict[str, float]:
-    """``agent/turns/mean``, ``agent/tool_calls/mean``, ``agent/tool_errors``, the share of
-    episodes per finish reason (``agent/finish/<reason>``), and the tools' own counters."""
+    """:func:`episode_metrics` of ``trajectories`` and ``tools``' counters."""
+    return episode_metrics(
+        [t.turns for t in trajectories],
+        [t.tool_calls for t in trajectories],
+        [t.tool_errors for t in trajectories],
+        [t.finish_reason for t in trajectories],
+        [tools.stats.totals()] if tools is not None else [],
+    )
+
+
+def episode_metrics(
+    turns: Sequence[int],
+    tool_calls: Sequence[int],
+    tool_errors: Sequence[int],
+    finish_reasons: Sequence[str],
+    tool_totals: list[dict[str, tuple[int, int, float]]],
+) -> dict[str, float]:
+    """``agent/turns/mean``, ``agent/tool_calls/mean``, ``agent/tool_errors`` (malformed calls
+    included), the share of episodes per finish reason (``agent/finish/<reason>``), and per tool
+    ``agent/tool/<name>/{calls,errors,latency_s}`` from the workers' :meth:`ToolStats.totals`."""
     metrics = {
-        "agent/turns/mean": statistics.fmean(t.turns for t in trajectories),
-        "agent/tool_calls/mean": statistics.fmean(t.tool_calls for t in trajectories),
-        "agent/tool_errors": float(sum(t.tool_errors for t in trajectories)),
+        **{k: v for k, v in tool_metrics(tool_totals).items() if k != "agent/tool_errors"},
+        "agent/turns/mean": statistics.fmean(turns),
+        "agent/tool_calls/mean": statistics.fmean(tool_calls),
+        "agent/tool_errors": float(sum(tool_errors)),
     }
-    for reason, count in Counter(t.finish_reason for t in trajectories).items():
-        metrics[f"agent/finish/{reason}"] = count / len(trajectories)
-    if tools is not None:
-        metrics.update({k: v for k, v in tools.stats.metrics().items() if k != "agent/tool_errors"})
+    for reason, count in Counter(finish_reasons).items():
+        metrics[f"agent/finish/{reason}"] = count / len(finish_reasons)
     return metrics

@@ -105,10 +105,10 @@ class AgentRollout:
             },
         )
 
-    def tool_metrics(self) -> dict[str, float]:
-        """The tools' counters since the last call (``agent/tool/<name>/*``), then reset."""
+    def tool_totals(self) -> dict[str, tuple[int, int, float]]:
+        """The tools' ``(calls, errors, seconds)`` since the last call, then reset."""
         if self.tools is None:
             return {}
-        metrics = self.tools.stats.metrics()
+        totals = self.tools.stats.totals()
         self.tools.stats = type(self.tools.stats)()
-        return metrics
+        return totals

@@ -163,14 +163,28 @@ class ToolStats:
             self.errors[name] += int(failed)
             self.seconds[name] += seconds
 
+    def totals(self) -> dict[str, tuple[int, int, float]]:
+        """``{tool: (calls, errors, seconds)}``: plain numbers, to add up over workers."""
+        return {name: (calls, self.errors[name], self.seconds[name]) for name, calls in self.calls.items()}
+
     def metrics(self) -> dict[str, float]:
         """``agent/tool_errors`` and per tool ``agent/tool/<name>/{calls,errors,latency_s}``."""
-        metrics = {"agent/tool_errors": float(sum(self.errors.values()))}
-        for name, calls in self.calls.items():
-            metrics[f"agent/tool/{name}/calls"] = float(calls)
-            metrics[f"agent/tool/{name}/errors"] = float(self.errors[name])
-            metrics[f"agent/tool/{name}/latency_s"] = self.seconds[name] / calls
-        return metrics
+        return tool_metrics([self.totals()])
+
+
+def tool_metrics(totals: list[dict[str, tuple[int, int, float]]]) -> dict[str, float]:
+    """``agent/tool_errors`` and per tool ``agent/tool/<name>/{calls,errors,latency_s}`` of
+    :meth:`ToolStats.totals` from one or several workers."""
+    merged: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
+    for worker in totals:
+        for name, counts in worker.items():
+            merged[name] = [a + b for a, b in zip(merged[name], counts, strict=True)]
+    metrics = {"agent/tool_errors": float(sum(errors for _, errors, _ in merged.values()))}
+    for name, (calls, errors, seconds) in merged.items():
+        metrics[f"agent/tool/{name}/calls"] = float(calls)
+        metrics[f"agent/tool/{name}/errors"] = float(errors)
+        metrics[f"agent/tool/{name}/latency_s"] = seconds / max(calls, 1)
+    return metrics
 
 
 class ToolRunner:

@@ -76,29 +76,3 @@ def timing_metrics(timings: dict[str, float], num_tokens: int, num_workers: int)
     if step > 0:
         metrics["perf/throughput"] = num_tokens / step / num_workers
     return metrics
-
-
-def episode_metrics(batch: Batch, tool_metrics: list[dict[str, float]]) -> dict[str, float]:
-    """Agent episodes of a step (``agent/turns/mean``, ``agent/tool_calls/mean``,
-    ``agent/tool_errors``, ``agent/finish/<reason>``) and each worker's tool counters merged
-    (calls and errors added, latency weighted by calls)."""
-    turns, calls = batch["agent_turns"], batch["agent_tool_calls"]
-    metrics = {
-        "agent/turns/mean": sum(turns) / len(turns),
-        "agent/tool_calls/mean": sum(calls) / len(calls),
-        "agent/tool_errors": float(sum(batch["agent_tool_errors"])),
-    }
-    reasons = list(batch["finish_reason"])
-    for reason in sorted(set(reasons)):
-        metrics[f"agent/finish/{reason}"] = reasons.count(reason) / len(reasons)
-    merged: dict[str, float] = {}
-    for worker in tool_metrics:
-        for name, value in worker.items():
-            if name.endswith("/latency_s"):
-                count = worker[name.replace("/latency_s", "/calls")]
-                merged[name] = merged.get(name, 0.0) + value * count
-            elif name != "agent/tool_errors":
-                merged[name] = merged.get(name, 0.0) + value
-    for name in [n for n in merged if n.endswith("/latency_s")]:
-        merged[name] /= max(merged[name.replace("/latency_s", "/calls")], 1.0)
-    return {**metrics, **merged}

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from tandem.agents.loops import episode_metrics
 from tandem.agents.trajectory import final_answer
 from tandem.algos import (
     AdvantageInput,
@@ -46,7 +47,7 @@ from tandem.rl.config import TrainConfig
 from tandem.rl.critic_worker import CriticWorker
 from tandem.rl.data import RLDataset
 from tandem.rl.derived import derive_seed
-from tandem.rl.metrics import data_metrics, episode_metrics, timed, timing_metrics, value_metrics
+from tandem.rl.metrics import data_metrics, timed, timing_metrics, value_metrics
 from tandem.rl.preference_pairs import best_worst_pairs, with_reference_sums
 from tandem.rl.rewards.model_worker import RewardModelWorker
 from tandem.rl.rewards.sources import RewardSources
@@ -259,7 +260,12 @@ class RLTrainer:
         metrics.update({name: max(m[name] for m in memory) for name in memory[0]})
         metrics.update(data_metrics(batch, self.config.rollout.max_response_length))
         if "agent_turns" in batch:
-            metrics.update(episode_metrics(batch, self.workers.agent_tool_metrics()))
+            metrics.update(
+                episode_metrics(
+                    batch["agent_turns"], batch["agent_tool_calls"], batch["agent_tool_errors"],
+                    batch["finish_reason"], self.workers.agent_tool_totals(),
+                )
+            )  # fmt: skip
         metrics.update(timing_metrics(timings, int(batch["attention_mask"].sum()), self.config.world_size))
         metrics["training/epoch"] = float(self.sampler.epoch)
         return metrics

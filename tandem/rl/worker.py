@@ -123,23 +123,22 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         ``prompt_width``, responses right-padded to ``sampling.max_tokens``) and a
         ``finish_reason`` column.
         """
-        requests = [
-            RolloutRequest(
-                request_id=f"{self.rank}-{i}",
-                prompt_ids=tuple(ids),
-                params=dataclasses.replace(sampling, seed=int(seed)),
-            )
-            for i, (ids, seed) in enumerate(zip(prompts["prompt_ids"], prompts["seed"], strict=True))
-        ]
-        if self.agents is not None:  # multi-turn episodes: tool or user turns between the model's
-            with self._phase("gen"):
-                self.rollout.wake()
-                return self.agents.generate(prompts, sampling, prompt_width, self.rank)
         with self._phase("gen"):
             self.rollout.wake()
-            completions = self.rollout.generate_batch(requests)
+            if self.agents is not None:  # multi-turn episodes: tool or user turns between the model's
+                out = self.agents.generate(prompts, sampling, prompt_width, self.rank)
+            else:
+                out = self._single_turn(prompts, sampling, prompt_width)
             if self.config.rollout.free_cache_between_generations:
                 self.rollout.sleep()  # the update gets the KV-cache memory; the next generation wakes it
+        return out
+
+    def _single_turn(self, prompts: Batch, sampling: SamplingParams, prompt_width: int) -> Batch:
+        requests = [
+            RolloutRequest(f"{self.rank}-{i}", tuple(ids), dataclasses.replace(sampling, seed=int(seed)))
+            for i, (ids, seed) in enumerate(zip(prompts["prompt_ids"], prompts["seed"], strict=True))
+        ]
+        completions = self.rollout.generate_batch(requests)
         failed = [c for c in completions if c.finish_reason == "error"]
         if failed:
             raise RuntimeError(f"{len(failed)} rollout requests failed; first: {failed[0].error}")
@@ -150,9 +149,9 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         )
 
     @register(dispatch="ONE_TO_ALL")
-    def agent_tool_metrics(self) -> dict[str, float]:
-        """This rank's tool counters since the last call (``agent/tool/<name>/*``)."""
-        return self.agents.tool_metrics() if self.agents is not None else {}
+    def agent_tool_totals(self) -> dict[str, tuple[int, int, float]]:
+        """This rank's tools' ``(calls, errors, seconds)`` since the last call."""
+        return self.agents.tool_totals() if self.agents is not None else {}
 
     @register(dispatch="ONE_TO_ALL")
     def sync_rollout_weights(self, version: int) -> int:
