@@ -13,17 +13,25 @@ Futures chain without the controller waiting:
   future becomes one derived handle that resolves to the collected value on the backend;
 * anything else (e.g. splitting a ``RANK_ZERO`` result with ``DP_COMPUTE``) waits for the
   future on the controller first.
+
+Batches sent to workers in other processes on the controller's host travel as shared-memory
+files (:mod:`tandem.protocol.shared`): only a path crosses the pipe or Ray's object store, and
+the worker's tensors are views of the file. Which ranks can read the controller's
+``/dev/shm`` is asked once, with a probe file; the others get the batch pickled.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tandem.controller.decorator import MethodSpec, registered_methods
 from tandem.controller.dispatch import ONE_TO_ALL, DispatchError, DispatchMode, MeshRank
+from tandem.protocol import Batch
+from tandem.protocol.shared import BatchSharer, write_probe
 
 
 class Backend(Protocol):
@@ -124,10 +132,19 @@ class WorkerGroup:
     of the worker class becomes a method of the group.
     """
 
-    def __init__(self, backend: Backend, worker_cls: type, roles: dict[str, type] | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        worker_cls: type,
+        roles: dict[str, type] | None = None,
+        sharer: BatchSharer | None = None,
+    ) -> None:
         self.backend = backend
         self.worker_cls = worker_cls
         self._meshes: dict[str, list[MeshRank]] = {}
+        # Workers in the controller's own process take the batch object itself.
+        self.sharer = None if getattr(backend, "same_process", False) else (sharer or BatchSharer())
+        self._shared_ranks: set[int] | None = None  # ranks that read the controller's /dev/shm (probed once)
         for name, spec in registered_methods(worker_cls).items():
             if hasattr(WorkerGroup, name):
                 raise ValueError(
@@ -178,9 +195,42 @@ class WorkerGroup:
         # A backend that can run a blocking call on this thread does (the in-process one).
         submit = getattr(self.backend, "submit_here", None) if spec.blocking else None
         submit = submit or self.backend.submit
-        handles = [submit(r, path, tuple(per_args[r]), dict(per_kwargs[r] or {})) for r in ranks]
+        handles = [
+            submit(r, path, *self._shared(r, tuple(per_args[r]), dict(per_kwargs[r] or {}))) for r in ranks
+        ]
         future = GroupFuture(self, mode, ranks, handles, context)
         return future if not spec.blocking else future.result()
+
+    def _shared(self, rank: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``args`` and ``kwargs`` for ``rank`` with each large batch replaced by a shared-memory file
+        when the rank can read it (see the module docstring)."""
+        if self.sharer is None or not any(isinstance(v, Batch) for v in (*args, *kwargs.values())):
+            return args, kwargs
+        if rank not in self.shared_memory_ranks():
+            return args, kwargs
+        share = self.sharer.share
+        return (
+            tuple(share(v) if isinstance(v, Batch) else v for v in args),
+            {k: share(v) if isinstance(v, Batch) else v for k, v in kwargs.items()},
+        )
+
+    def shared_memory_ranks(self) -> set[int]:
+        """The ranks whose process sees this process's shared-memory directory (asked once)."""
+        if self._shared_ranks is None:
+            if self.sharer is None:
+                self._shared_ranks = set()
+                return self._shared_ranks
+            path, token = write_probe(str(self.sharer.directory))
+            try:
+                handles = [
+                    self.backend.submit(r, "_tandem_read_probe", (path, token), {})
+                    for r in range(self.world_size)
+                ]
+                seen = [self.backend.result(r, h, None) for r, h in enumerate(handles)]
+            finally:
+                os.unlink(path)
+            self._shared_ranks = {r for r, ok in enumerate(seen) if ok}
+        return self._shared_ranks
 
     def _split(self, mode: DispatchMode, args: tuple, kwargs: dict) -> tuple[list, list, Any]:
         values = [*args, *kwargs.values()]
@@ -208,8 +258,10 @@ class WorkerGroup:
         return self.backend.derive(future.handles, collect)
 
     def shutdown(self) -> None:
-        """Stop every worker (idempotent)."""
+        """Stop every worker (idempotent) and delete batch files no worker opened."""
         self.backend.shutdown()
+        if self.sharer is not None:
+            self.sharer.discard_all()
 
     def __enter__(self) -> WorkerGroup:
         return self

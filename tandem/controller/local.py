@@ -126,6 +126,8 @@ class InProcessBackend(_LocalBackendBase):
     """A single worker living in the controller's process (world size 1): non-blocking calls run on
     a mailbox thread, blocking ones on the caller's thread."""
 
+    same_process = True  # arguments reach the worker as the objects themselves
+
     def __init__(self, worker_cls: type, args: tuple = (), kwargs: dict | None = None) -> None:
         self.world_size = 1
         self.worker = construct_worker(worker_cls, DistInfo(master_port=free_port()), args, kwargs or {})

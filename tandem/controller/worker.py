@@ -14,6 +14,7 @@ import torch.distributed as dist
 from tandem.controller.dispatch import MeshRank
 from tandem.controller.errors import WorkerError
 from tandem.device import process_group_backend
+from tandem.protocol.shared import SharedBatch, read_probe
 
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -128,6 +129,11 @@ class Worker:
             )
         return ranks[mesh]
 
+    def _tandem_read_probe(self, path: str, token: str) -> bool:
+        """Whether this process sees the controller's shared-memory probe file (same host and
+        ``/dev/shm``): then batches may reach it as :class:`~tandem.protocol.shared.SharedBatch`."""
+        return read_probe(path, token)
+
     def _tandem_claim_master(self) -> tuple[str, int]:
         """Rank 0 picks the rendezvous address (its own host and a free port) for the whole group."""
         host = socket.gethostbyname(socket.gethostname()) if self.world_size > 1 else "127.0.0.1"
@@ -147,10 +153,17 @@ class Worker:
         try:
             for part in method.split("."):
                 target = getattr(target, part)
+            args = tuple(_opened(value) for value in args)
+            kwargs = {key: _opened(value) for key, value in kwargs.items()}
             with torch.profiler.record_function(method):  # a named range in profiler traces
                 return target(*args, **kwargs)
         except Exception:
             raise WorkerError(self.rank, method, traceback.format_exc()) from None
+
+
+def _opened(value: Any) -> Any:
+    """A :class:`SharedBatch` argument as the batch it stands for (views of the mapped file)."""
+    return value.open() if isinstance(value, SharedBatch) else value
 
 
 def construct_worker(cls: type, dist_info: DistInfo, args: tuple, kwargs: dict) -> Any:
