@@ -217,20 +217,24 @@ class WorkerGroup:
     def shared_memory_ranks(self) -> set[int]:
         """The ranks whose process sees this process's shared-memory directory (asked once)."""
         if self._shared_ranks is None:
-            if self.sharer is None:
-                self._shared_ranks = set()
-                return self._shared_ranks
-            path, token = write_probe(str(self.sharer.directory))
-            try:
-                handles = [
-                    self.backend.submit(r, "_tandem_read_probe", (path, token), {})
-                    for r in range(self.world_size)
-                ]
-                seen = [self.backend.result(r, h, None) for r, h in enumerate(handles)]
-            finally:
-                os.unlink(path)
-            self._shared_ranks = {r for r, ok in enumerate(seen) if ok}
+            self._shared_ranks = (
+                set() if self.sharer is None else self.ranks_seeing(str(self.sharer.directory))
+            )
         return self._shared_ranks
+
+    def ranks_seeing(self, directory: str) -> set[int]:
+        """The ranks whose process sees the files this process writes in ``directory`` (a probe
+        file with a random token: same host, same mount)."""
+        path, token = write_probe(directory)
+        try:
+            handles = [
+                self.backend.submit(r, "_tandem_read_probe", (path, token), {})
+                for r in range(self.world_size)
+            ]
+            seen = [self.backend.result(r, h, None) for r, h in enumerate(handles)]
+        finally:
+            os.unlink(path)
+        return {r for r, ok in enumerate(seen) if ok}
 
     def _split(self, mode: DispatchMode, args: tuple, kwargs: dict) -> tuple[list, list, Any]:
         values = [*args, *kwargs.values()]

@@ -9,6 +9,7 @@ from tandem.config.validation import check_choice, check_positive, check_range
 
 MODES = ("sync", "one_step_off", "fully_async")
 OLD_LOG_PROBS = ("recompute", "rollout")
+SAMPLE_STORES = ("auto", "shared_memory", "inline")
 
 
 def _shared_memory() -> CheckpointEngineConfig:
@@ -37,6 +38,12 @@ class PipelineConfig:
             (0: PyTorch's default). On a CPU machine give each side its share of the cores.
         checkpoint_engine: how weights reach the replicas (``pipeline.checkpoint_engine.backend``
             and its settings; see docs/checkpoint_engine.md).
+        sample_store: where finished prompt groups' tensors wait for the trainer:
+            ``shared_memory`` (files in the replica's ``/dev/shm``; only metadata reaches the
+            controller, which maps the files), ``inline`` (the tensors travel with the metadata,
+            through the process pipe or Ray's object store: for replicas on other hosts) or
+            ``auto`` (shared memory for the replicas that see the controller's ``/dev/shm``,
+            inline for the others).
         replica_timeout_s: a replica that does not answer a call for this long is reported as hung.
         old_log_probs: where PPO's old log-probs come from in the asynchronous modes:
             ``recompute`` (a forward with the trainer's current weights, which then act as the
@@ -54,6 +61,7 @@ class PipelineConfig:
     trainer_threads: int = 0
     rollout_threads: int = 0
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=_shared_memory)
+    sample_store: str = "auto"
     replica_timeout_s: float = 30.0
     old_log_probs: str = "recompute"
 
@@ -66,6 +74,7 @@ class PipelineConfig:
         check_range("pipeline", "rollout_threads", self.rollout_threads, low=0)
         check_positive("pipeline", "replica_timeout_s", self.replica_timeout_s)
         check_choice("pipeline", "old_log_probs", self.old_log_probs, OLD_LOG_PROBS)
+        check_choice("pipeline", "sample_store", self.sample_store, SAMPLE_STORES)
         if self.mode != "sync" and self.checkpoint_engine.backend == "naive":
             raise ValueError(
                 f"pipeline.mode={self.mode} puts the rollout in other processes; pipeline.checkpoint_engine.backend "

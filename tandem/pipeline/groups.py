@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.pipeline.sample_queue import GroupMeta
-from tandem.pipeline.sample_store import SampleWriter
+from tandem.pipeline.sample_store import InlineWriter, SampleWriter
 from tandem.rollout import RolloutRequest, SamplingParams
 from tandem.rollout.types import Completion
 
@@ -48,7 +48,7 @@ class _Pending:
 class GroupTracker:
     """The replica side of the sample queue (see the module docstring)."""
 
-    def __init__(self, replica: int, writer: SampleWriter) -> None:
+    def __init__(self, replica: int, writer: SampleWriter | InlineWriter) -> None:
         self.replica = replica
         self.writer = writer
         self._pending: dict[str, _Pending] = {}

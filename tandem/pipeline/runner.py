@@ -87,6 +87,9 @@ class AsyncRollout:
             _replica_class(), pool, backend,
             args=(engine, config.model_path, config.trainer.device, pipeline.rollout_threads, self._sample_dir),
         )  # fmt: skip
+        inline = self._replicas_sending_inline()
+        if inline:
+            self.replicas.write_samples_inline(inline)
         connect_weight_sync(self.trainer, self.replicas, pipeline.checkpoint_engine)
         self.fleet = RolloutFleet(self.replicas, self.queue, pipeline.replica_timeout_s)
         self._start_version = trainer_version
@@ -179,6 +182,20 @@ class AsyncRollout:
         return trim_padding(batch, self.pad_id)
 
     # ------------------------------------------------------------------ internals
+    def _replicas_sending_inline(self) -> list[int]:
+        """The replicas whose samples travel with their metadata (``pipeline.sample_store``)."""
+        everyone = list(range(self.replicas.world_size))
+        if self.pipeline.sample_store == "inline":
+            return everyone
+        seen = self.replicas.ranks_seeing(self._sample_dir)
+        blind = [rank for rank in everyone if rank not in seen]
+        if blind and self.pipeline.sample_store == "shared_memory":
+            raise ValueError(
+                f"pipeline.sample_store=shared_memory, but rollout replica {blind[0]} cannot read files this "
+                f"process writes in {self._sample_dir} (another host or container); use auto or inline"
+            )
+        return blind
+
     def _allowance(self) -> int:
         """Prompt groups that may have been handed out by now (see the module docstring)."""
         if self.pipeline.mode == "one_step_off":

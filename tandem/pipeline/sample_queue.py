@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tandem.pipeline.sample_store import SampleRef, release
+from tandem.pipeline.sample_store import InlineSample, SampleRef, release
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class GroupMeta:
         uid: the group's id (its responses share it, for group-relative advantages).
         index: the prompt's row in the training data.
         replica: the rollout replica that generated it.
-        ref: where its tensors are: ``token_ids`` (all responses, concatenated), ``log_probs``,
+        ref: where its tensors are (a shared-memory file, or inline from another host): ``token_ids`` (all responses, concatenated), ``log_probs``,
             ``versions`` (one per token) and ``lengths [n]``.
         min_version / max_version: the oldest and newest weight version among its tokens.
         finish_reasons: one per response.
@@ -36,7 +36,7 @@ class GroupMeta:
     uid: str
     index: int
     replica: int
-    ref: SampleRef
+    ref: SampleRef | InlineSample
     min_version: int
     max_version: int
     finish_reasons: tuple[str, ...]

@@ -5,6 +5,11 @@ memory-backed directory (``/dev/shm``) with the checkpoint engine's bucket layou
 only a :class:`SampleRef` — the file and each field's dtype, shape and offset. A consumer on
 the same host maps the file and gets views of the fields it asks for: no pickling, no copy
 (the views share the producer's pages). :func:`release` deletes the file once consumed.
+
+A producer on another host (or in a container with its own ``/dev/shm``) cannot hand over a
+file; :class:`InlineWriter` keeps its tensors in the entry itself (:class:`InlineSample`), which
+then travels with the metadata — through the process pipe, or Ray's object store across
+hosts. Consumers read either kind with :func:`read_fields`.
 """
 
 from __future__ import annotations
@@ -32,6 +37,27 @@ class SampleRef:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(spec.name for spec in self.fields)
+
+
+@dataclass(frozen=True)
+class InlineSample:
+    """One entry whose tensors travel with it (the producer cannot share files with the consumer)."""
+
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.tensors)
+
+
+class InlineWriter:
+    """A :class:`SampleWriter` for a producer on another host: entries carry their tensors."""
+
+    def write(self, key: str, tensors: dict[str, torch.Tensor]) -> InlineSample:
+        return InlineSample({name: t.detach().contiguous() for name, t in tensors.items()})
+
+    def discard_all(self) -> None:
+        """Nothing is stored outside the entries."""
 
 
 class SampleWriter:
@@ -66,12 +92,18 @@ def discard_files_of(pid: int, directory: str = "/dev/shm", prefix: str = PREFIX
     return len(paths)
 
 
-def read_fields(ref: SampleRef, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
-    """Views of ``names`` (default: all fields) in the mapped file; they share its memory."""
+def read_fields(
+    ref: SampleRef | InlineSample, names: tuple[str, ...] | None = None
+) -> dict[str, torch.Tensor]:
+    """Views of ``names`` (default: all fields) in the mapped file (they share its memory), or
+    an inline entry's own tensors."""
     wanted = set(ref.names if names is None else names)
     missing = sorted(wanted - set(ref.names))
     if missing:
-        raise KeyError(f"sample {ref.path} has no fields {missing} (it has {list(ref.names)})")
+        where = ref.path if isinstance(ref, SampleRef) else "(inline)"
+        raise KeyError(f"sample {where} has no fields {missing} (it has {list(ref.names)})")
+    if isinstance(ref, InlineSample):
+        return {name: ref.tensors[name] for name in ref.names if name in wanted}
     if not os.path.exists(ref.path):
         raise FileNotFoundError(f"sample {ref.path} is gone (released twice, or its producer cleaned up)")
     size = max(ref.nbytes, ALIGN)
@@ -80,6 +112,8 @@ def read_fields(ref: SampleRef, names: tuple[str, ...] | None = None) -> dict[st
     return dict(unpack(buffer, BucketMeta(0, ref.nbytes, specs)))
 
 
-def release(ref: SampleRef) -> None:
-    """Delete the entry's file (mappings already made stay valid until dropped)."""
-    Path(ref.path).unlink(missing_ok=True)
+def release(ref: SampleRef | InlineSample) -> None:
+    """Delete the entry's file (mappings already made stay valid until dropped); nothing for an
+    inline entry."""
+    if isinstance(ref, SampleRef):
+        Path(ref.path).unlink(missing_ok=True)

@@ -575,7 +575,7 @@ class TrainConfig:
             )
 
     def _check_critic(self) -> None:
-        """The critic's batch sizes divide like the actor's; the roles it cannot join yet, named by key."""
+        """The critic's batch sizes divide like the actor's, named by key."""
         if not self.uses_critic:
             return
         mini = self.critic_mini_batch_prompts
@@ -587,11 +587,6 @@ class TrainConfig:
             raise ValueError(
                 f"a critic mini-batch of critic.ppo_mini_batch_size * rollout.n = {mini * self.rollout.n} sequences "
                 f"must divide evenly over the {self.world_size} workers"
-            )
-        if self.pipeline.disaggregated:
-            raise ValueError(
-                f"algorithm.adv_estimator={self.algorithm.adv_estimator} trains a critic, which runs with "
-                f"pipeline.mode=sync for now (got pipeline.mode={self.pipeline.mode})"
             )
 
     @property

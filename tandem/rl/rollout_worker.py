@@ -5,7 +5,9 @@ one rank of this group, receiving every weight version from trainer rank 0 throu
 :mod:`tandem.checkpoint_engine` and applying it between pause and resume. In the asynchronous
 pipelines (:mod:`tandem.pipeline`) a replica generates prompt groups on its engine's own
 thread while its calls return at once; finished groups go into the shared-memory sample store
-and only their metadata travels back (``start_groups`` / ``collect``).
+and only their metadata travels back (``start_groups`` / ``collect``); a replica that cannot
+share files with the controller (another host) sends the tensors with it
+(``write_samples_inline``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from tandem.controller.profiling import ProfilesCalls
 from tandem.device import bind_device
 from tandem.pipeline.groups import GroupRequest, GroupTracker
 from tandem.pipeline.sample_queue import GroupMeta
-from tandem.pipeline.sample_store import SampleWriter
+from tandem.pipeline.sample_store import InlineWriter, SampleWriter
 from tandem.rollout import RolloutRequest, SamplingParams
 from tandem.rollout.config import RolloutEngineConfig
 from tandem.rollout.factory import build_rollout_engine
@@ -70,6 +72,14 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
             return self.engine.update_weights(self.receiver.receive(version), version)
         finally:
             self.engine.resume()
+
+    @register(dispatch="ONE_TO_ALL")
+    def write_samples_inline(self, ranks: list[int]) -> None:
+        """The replicas ``ranks`` (those the controller cannot share files with) send finished
+        groups' tensors with their metadata instead of storing them in shared memory."""
+        if self.rank in ranks:
+            self.groups.writer.discard_all()
+            self.groups.writer = InlineWriter()
 
     @register(dispatch="ONE_TO_ALL")
     def start_groups(self, groups: list[GroupRequest]) -> int:

@@ -10,8 +10,10 @@ import time
 import pytest
 import torch
 
+from tandem.controller.group import WorkerGroup
 from tandem.errors import RolloutReplicaError
 from tandem.pipeline import runner
+from tandem.pipeline.sample_store import PREFIX as SAMPLE_PREFIX
 from tandem.rl import RLTrainer
 from tests.pipeline.replicas import DelayedReplica, DyingReplica
 from tests.rl.conftest import small_config
@@ -105,6 +107,39 @@ def test_one_step_off_trains_batch_k_on_weights_k_minus_2(rl_files, tmp_path):
     )  # fmt: skip
     lags = _token_staleness(trainer.trained)
     assert lags == {1: (0, 0), 2: (1, 1), 3: (1, 1), 4: (1, 1), 5: (1, 1)}
+
+
+def test_replicas_that_cannot_share_files_send_samples_inline(rl_files, tmp_path, monkeypatch):
+    """As if the replica ran on another host: ``auto`` finds it blind to our /dev/shm and the
+    samples travel with their metadata; ``shared_memory`` refuses, naming the replica."""
+    monkeypatch.setattr(WorkerGroup, "ranks_seeing", lambda self, directory: set())
+    before = {name for name in os.listdir("/dev/shm") if name.startswith(SAMPLE_PREFIX)}
+    trainer, result = _train(
+        rl_files, tmp_path, "pipeline.mode=one_step_off", "trainer.total_steps=3", "data.val_path=",
+    )  # fmt: skip
+    assert [h["step"] for h in result.history] == [1, 2, 3]
+    assert _token_staleness(trainer.trained) == {1: (0, 0), 2: (1, 1), 3: (1, 1)}
+    after = {name for name in os.listdir("/dev/shm") if name.startswith(SAMPLE_PREFIX)}
+    assert after == before
+    with pytest.raises(ValueError, match="sample_store=shared_memory, but rollout replica 0 cannot read"):
+        _train(
+            rl_files, tmp_path / "again", "pipeline.mode=one_step_off", "pipeline.sample_store=shared_memory"
+        )
+    assert not multiprocessing.active_children()
+
+
+def test_inline_samples_train_like_shared_memory(rl_files, tmp_path):
+    """one_step_off is deterministic: the same run with each sample store logs the same numbers."""
+    runs = {}
+    for store in ("shared_memory", "inline"):
+        _, result = _train(
+            rl_files, tmp_path / store, "pipeline.mode=one_step_off", f"pipeline.sample_store={store}",
+            "trainer.total_steps=3", "data.val_path=",
+        )  # fmt: skip
+        runs[store] = result.history
+    for a, b in zip(runs["shared_memory"], runs["inline"], strict=True):
+        for name in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm"):
+            assert a[name] == pytest.approx(b[name], rel=1e-6, abs=1e-7), name
 
 
 def _shared_memory_files(pids):

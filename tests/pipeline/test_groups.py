@@ -7,7 +7,14 @@ import torch
 
 from tandem.models import save_tiny_model
 from tandem.pipeline.groups import GroupRequest, GroupTracker
-from tandem.pipeline.sample_store import SampleWriter, read_fields
+from tandem.pipeline.sample_store import (
+    InlineSample,
+    InlineWriter,
+    SampleRef,
+    SampleWriter,
+    read_fields,
+    release,
+)
 from tandem.rollout import RolloutRequest, SamplingParams
 from tandem.rollout.native import NativeEngineConfig, NativeRolloutEngine
 
@@ -32,13 +39,16 @@ def _collect_all(tracker, expected):
     raise AssertionError(f"only {len(metas)} of {expected} groups finished")
 
 
-def test_stored_groups_equal_a_direct_generation_with_the_same_seeds(model_dir, tmp_path):
+@pytest.mark.parametrize("store", ["shared_memory", "inline"])
+def test_stored_groups_equal_a_direct_generation_with_the_same_seeds(model_dir, tmp_path, store):
+    """In shared memory, and inline (a replica on another host sends the tensors with the metadata)."""
     groups = [
         GroupRequest(f"u{g}", g, (5 + g, 9, 11, 3), tuple(100 * g + i for i in range(3)), PARAMS)
         for g in range(4)
     ]
     engine = _engine(model_dir)
-    tracker = GroupTracker(replica=2, writer=SampleWriter(str(tmp_path)))
+    writer = SampleWriter(str(tmp_path)) if store == "shared_memory" else InlineWriter()
+    tracker = GroupTracker(replica=2, writer=writer)
     tracker.start(engine, groups)
     metas = {m.uid: m for m in _collect_all(tracker, len(groups))}
     engine.close()
@@ -60,6 +70,9 @@ def test_stored_groups_equal_a_direct_generation_with_the_same_seeds(model_dir, 
         )
         assert set(fields["versions"].tolist()) == {0} and meta.min_version == meta.max_version == 0
         assert meta.finish_reasons == tuple(c.finish_reason for c in expected)
+        assert isinstance(meta.ref, SampleRef if store == "shared_memory" else InlineSample)
+        release(meta.ref)
+    assert not list(tmp_path.iterdir())  # files released; inline entries never made one
     reference.close()
     assert tracker.in_flight == 0 and tracker.idle_seconds() >= 0
 

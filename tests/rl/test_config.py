@@ -99,10 +99,6 @@ def test_overrides_apply_and_bad_ones_name_the_key():
             ["rollout.engine.native.max_model_len=99"],
             r"rollout.engine.native.max_model_len=99 would be overwritten: it follows data.max_prompt_length",
         ),
-        (
-            ["algorithm.adv_estimator=gae", "pipeline.mode=one_step_off"],
-            "trains a critic, which runs with pipeline.mode=sync for now",
-        ),
         (["preset=ppo", "critic.ppo_mini_batch_size=3"], "critic.ppo_mini_batch_size=3 must divide"),
         (["preset=ppo", "critic.engine.seed=4"], "critic.engine.seed=4 would be overwritten"),
         (["critic.engine.lora.rank=4"], "critic.engine.lora.rank"),
