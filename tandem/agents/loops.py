@@ -23,8 +23,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import statistics
+import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +85,11 @@ AgentLoop = Callable[[AgentContext, AgentSample], Awaitable[Trajectory]]
 AGENT_LOOPS: Registry[AgentLoop] = Registry("agent loop")
 
 
+def turn_request_id(episode_id: str, turn: int) -> str:
+    """The engine request id of an episode's ``turn``-th model turn."""
+    return f"{episode_id}-turn{turn}"
+
+
 async def model_turn(ctx: AgentContext, sample: AgentSample, trajectory: Trajectory) -> Completion | None:
     """Sample the next model turn into ``trajectory`` (and its decoded text into ``messages``);
     ``None`` when no budget is left (the trajectory then ends with ``length``)."""
@@ -94,7 +101,7 @@ async def model_turn(ctx: AgentContext, sample: AgentSample, trajectory: Traject
         ctx.sampling, max_tokens=remaining, seed=sample.seed + trajectory.turns * TURN_SEED_STRIDE
     )
     completion = await ctx.generator.generate(
-        trajectory.context_ids, params, f"{sample.request_id}-turn{trajectory.turns}"
+        trajectory.context_ids, params, turn_request_id(sample.request_id, trajectory.turns)
     )
     if completion.finish_reason == "error":
         raise AgentError(f"episode {sample.request_id}, turn {trajectory.turns}: {completion.error}")
@@ -171,14 +178,37 @@ async def interaction(ctx: AgentContext, sample: AgentSample) -> Trajectory:
     return trajectory
 
 
+def run_episode(ctx: AgentContext, sample: AgentSample) -> Awaitable[Trajectory]:
+    """The sample's episode, with its loop (the row's ``agent_name`` or the context's default)."""
+    return AGENT_LOOPS.get(sample.agent_name or ctx.default_loop)(ctx, sample)
+
+
 def run_episodes(ctx: AgentContext, samples: list[AgentSample]) -> list[Trajectory]:
     """Every sample's episode, all in flight at once; in the samples' order."""
 
     async def run_all() -> list[Trajectory]:
-        loops = [AGENT_LOOPS.get(sample.agent_name or ctx.default_loop) for sample in samples]
-        return await asyncio.gather(*(loop(ctx, sample) for loop, sample in zip(loops, samples, strict=True)))
+        return await asyncio.gather(*(run_episode(ctx, sample) for sample in samples))
 
     return asyncio.run(run_all())
+
+
+class EpisodeThread:
+    """An asyncio loop on a thread of its own, for episodes that start and end at any time (a
+    rollout replica's): :meth:`submit` returns a ``concurrent.futures.Future`` of the trajectory."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-episodes", daemon=True)
+        self._thread.start()
+
+    def submit(self, ctx: AgentContext, sample: AgentSample) -> Future:
+        return asyncio.run_coroutine_threadsafe(run_episode(ctx, sample), self._loop)
+
+    def close(self) -> None:
+        """Stop the loop (episodes still running are abandoned with it)."""
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5.0)
 
 
 def agent_metrics(trajectories: list[Trajectory], tools: ToolRunner | None = None) -> dict[str, float]:

@@ -11,11 +11,12 @@ completion whose ``token_mask`` keeps the model's tokens apart from the tool and
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
 from tandem.agents.config import AgentConfig
 from tandem.agents.generators import EngineGenerator
-from tandem.agents.loops import AgentContext, AgentSample, run_episodes
+from tandem.agents.loops import AgentContext, AgentSample, EpisodeThread, run_episodes, turn_request_id
 from tandem.agents.sandbox import sandbox_available
 from tandem.agents.tool_calls import TOOL_CALL_PARSERS
 from tandem.agents.tools import CALCULATOR, Tool, ToolRunner, load_user_tools, python_tool
@@ -48,7 +49,10 @@ class AgentRollout:
     def __init__(self, config: AgentConfig, tokenizer: Any, engine: RolloutEngine) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.engine = engine
         self.generator = EngineGenerator(engine)
+        self._contexts: dict[SamplingParams, AgentContext] = {}
+        self._episodes: EpisodeThread | None = None  # started by the first submit_episode
         tools = build_tools(config)
         self.tools = ToolRunner(tools, config.tool_concurrency) if tools else None
         self.parser = TOOL_CALL_PARSERS.get(config.tool_parser)
@@ -73,11 +77,7 @@ class AgentRollout:
                 zip(prompts["raw_prompt"], prompts["seed"], prompts["extra_info"], names, strict=True)
             )
         ]
-        ctx = AgentContext(
-            self.generator, self.tokenizer, sampling, self.config.name, self.config.max_turns,
-            self.tools, self.parser, self.interaction,
-        )  # fmt: skip
-        trajectories = run_episodes(ctx, samples)
+        trajectories = run_episodes(self.context(sampling), samples)
         longest = max(len(t.prompt_ids) for t in trajectories)
         if longest > prompt_width:
             raise ValueError(
@@ -104,6 +104,32 @@ class AgentRollout:
                 "agent_tool_errors": [t.tool_errors for t in trajectories],
             },
         )
+
+    def context(self, sampling: SamplingParams) -> AgentContext:
+        """The loops' context for ``sampling`` (one per distinct setting, kept)."""
+        if sampling not in self._contexts:
+            self._contexts[sampling] = AgentContext(
+                self.generator, self.tokenizer, sampling, self.config.name, self.config.max_turns,
+                self.tools, self.parser, self.interaction,
+            )  # fmt: skip
+        return self._contexts[sampling]
+
+    def submit_episode(self, sample: AgentSample, sampling: SamplingParams) -> Future:
+        """Start ``sample``'s episode on a background loop (while other episodes and calls go on);
+        a ``concurrent.futures.Future`` of its :class:`~tandem.agents.trajectory.Trajectory`."""
+        if self._episodes is None:
+            self._episodes = EpisodeThread()
+        return self._episodes.submit(self.context(sampling), sample)
+
+    def abort_episode(self, episode_id: str) -> None:
+        """End the model turn the episode ``episode_id`` is waiting for (or will start): the episode
+        then finishes with ``abort``."""
+        for turn in range(self.config.max_turns + 1):
+            self.engine.abort(turn_request_id(episode_id, turn))
+
+    def close(self) -> None:
+        if self._episodes is not None:
+            self._episodes.close()
 
     def tool_totals(self) -> dict[str, tuple[int, int, float]]:
         """The tools' ``(calls, errors, seconds)`` since the last call, then reset."""

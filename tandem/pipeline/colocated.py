@@ -39,6 +39,10 @@ class ColocatedRollout:
         self.workers.sync_rollout_weights(version)
         return {}
 
+    def agent_tool_totals(self) -> list[dict[str, tuple[int, int, float]]]:
+        """Each worker's tool ``(calls, errors, seconds)`` since the last call."""
+        return self.workers.agent_tool_totals()
+
     def start_profile(self, directory: str) -> None:
         """Nothing more to profile: the engines run inside the (profiled) trainer workers."""
 

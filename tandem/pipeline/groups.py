@@ -5,6 +5,11 @@ responses to the engine (which generates on its own thread), and :meth:`GroupTra
 packs every group whose responses have all finished into the sample store and returns its
 :class:`~tandem.pipeline.sample_queue.GroupMeta`. It also keeps the replica's idle time: the
 seconds with nothing to generate.
+
+A group with an :class:`EpisodePrompt` runs agent episodes instead of single requests (through
+the replica's :class:`~tandem.agents.rollout.AgentRollout`); its stored tensors then also hold
+each episode's prompt (rendered with the tools' schemas) and ``token_mask`` (1 on the model's
+tokens, 0 on tool and user turns), and its metadata the conversations.
 """
 
 from __future__ import annotations
@@ -14,24 +19,40 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.pipeline.sample_queue import GroupMeta
+from tandem.agents.loops import AgentSample
+from tandem.agents.trajectory import Trajectory
+from tandem.pipeline.sample_queue import EpisodeInfo, GroupMeta
 from tandem.pipeline.sample_store import InlineWriter, SampleWriter
 from tandem.rollout import RolloutRequest, SamplingParams
 from tandem.rollout.types import Completion
 
+if TYPE_CHECKING:
+    from tandem.agents.rollout import AgentRollout
+
+
+@dataclass(frozen=True)
+class EpisodePrompt:
+    """What an agent episode starts from: the row's chat messages, ``extra_info`` and loop name."""
+
+    messages: tuple[dict, ...]
+    extra_info: dict
+    agent_name: str = ""
+
 
 @dataclass(frozen=True)
 class GroupRequest:
-    """One prompt to answer ``len(seeds)`` times (one response per seed)."""
+    """One prompt to answer ``len(seeds)`` times (one response, or agent episode, per seed)."""
 
     uid: str
     index: int
     prompt_ids: tuple[int, ...]
     seeds: tuple[int, ...]
     params: SamplingParams
+    episode: EpisodePrompt | None = None
 
 
 @dataclass
@@ -40,6 +61,7 @@ class _Pending:
     started: float
     futures: list[Future] = field(default_factory=list)
     remaining: int = field(init=False)
+    aborted: bool = False
 
     def __post_init__(self) -> None:
         self.remaining = len(self.request.seeds)
@@ -48,9 +70,12 @@ class _Pending:
 class GroupTracker:
     """The replica side of the sample queue (see the module docstring)."""
 
-    def __init__(self, replica: int, writer: SampleWriter | InlineWriter) -> None:
+    def __init__(
+        self, replica: int, writer: SampleWriter | InlineWriter, agents: AgentRollout | None = None
+    ) -> None:
         self.replica = replica
         self.writer = writer
+        self.agents = agents
         self._pending: dict[str, _Pending] = {}
         self._finished: list[_Pending] = []
         self._changed = threading.Condition()
@@ -70,10 +95,23 @@ class GroupTracker:
             with self._changed:
                 self._pending[group.uid] = pending
             for i, seed in enumerate(group.seeds):
-                params = dataclasses.replace(group.params, seed=int(seed))
-                future = engine.submit(RolloutRequest(f"{group.uid}/{i}", group.prompt_ids, params))
+                future = self._submit(engine, group, f"{group.uid}/{i}", int(seed))
                 pending.futures.append(future)
                 future.add_done_callback(lambda _, p=pending: self._one_done(p))
+
+    def _submit(self, engine, group: GroupRequest, request_id: str, seed: int) -> Future:
+        if group.episode is None:
+            params = dataclasses.replace(group.params, seed=seed)
+            return engine.submit(RolloutRequest(request_id, group.prompt_ids, params))
+        if self.agents is None:
+            raise ValueError(
+                f"prompt group {group.uid!r} is an agent episode, but replica {self.replica} has no agents"
+            )
+        episode = group.episode
+        sample = AgentSample(
+            list(episode.messages), seed, request_id, dict(episode.extra_info), episode.agent_name
+        )
+        return self.agents.submit_episode(sample, group.params)
 
     def _one_done(self, pending: _Pending) -> None:
         with self._changed:
@@ -107,42 +145,73 @@ class GroupTracker:
             finished, self._finished = self._finished, []
         metas = []
         for pending in finished:
-            completions: list[Completion] = [f.result() for f in pending.futures]
-            failed = [c for c in completions if c.finish_reason == "error"]
+            if pending.aborted:
+                continue
+            responses = []
+            for i, future in enumerate(pending.futures):
+                try:
+                    responses.append(future.result())
+                except Exception as error:  # an episode that raised (the engine reports errors as results)
+                    raise RuntimeError(
+                        f"rollout replica {self.replica}: episode {pending.request.uid}/{i} failed: {error}"
+                    ) from error
+            failed = [c for c in responses if c.finish_reason == "error"]
             if failed:
                 raise RuntimeError(
                     f"rollout replica {self.replica}: request {failed[0].request_id} failed: {failed[0].error}"
                 )
-            if any(c.finish_reason == "abort" for c in completions):
+            if any(c.finish_reason == "abort" for c in responses):
                 continue
-            metas.append(self._store(pending, completions))
+            metas.append(self._store(pending, responses))
         return metas
 
-    def _store(self, pending: _Pending, completions: list[Completion]) -> GroupMeta:
-        versions = [v for c in completions for v in c.weight_versions]
+    def _store(self, pending: _Pending, responses: list[Completion | Trajectory]) -> GroupMeta:
+        """Pack the group's responses (completions, or an agent group's trajectories)."""
+        versions = [v for c in responses for v in c.weight_versions]
         tensors = {
-            "token_ids": torch.tensor([t for c in completions for t in c.token_ids], dtype=torch.int64),
-            "log_probs": torch.tensor([p for c in completions for p in c.log_probs], dtype=torch.float32),
+            "token_ids": torch.tensor([t for c in responses for t in c.token_ids], dtype=torch.int64),
+            "log_probs": torch.tensor([p for c in responses for p in c.log_probs], dtype=torch.float32),
             "versions": torch.tensor(versions, dtype=torch.int64),
-            "lengths": torch.tensor([len(c.token_ids) for c in completions], dtype=torch.int64),
+            "lengths": torch.tensor([len(c.token_ids) for c in responses], dtype=torch.int64),
         }
+        episodes: tuple[EpisodeInfo, ...] = ()
+        if pending.request.episode is not None:  # trajectories
+            tensors["token_mask"] = torch.tensor(
+                [m for t in responses for m in t.loss_mask], dtype=torch.int64
+            )
+            tensors["prompt_ids"] = torch.tensor(
+                [p for t in responses for p in t.prompt_ids], dtype=torch.int64
+            )
+            tensors["prompt_lengths"] = torch.tensor(
+                [len(t.prompt_ids) for t in responses], dtype=torch.int64
+            )
+            episodes = tuple(EpisodeInfo(t.messages, t.turns, t.tool_calls, t.tool_errors) for t in responses)
+        sampled = [v for v in versions if v >= 0]  # tool and user tokens carry -1
         group = pending.request
         return GroupMeta(
             uid=group.uid,
             index=group.index,
             replica=self.replica,
             ref=self.writer.write(group.uid, tensors),
-            min_version=min(versions, default=0),
-            max_version=max(versions, default=0),
-            finish_reasons=tuple(str(c.finish_reason) for c in completions),
+            min_version=min(sampled, default=0),
+            max_version=max(sampled, default=0),
+            finish_reasons=tuple(str(c.finish_reason) for c in responses),
             seconds=time.monotonic() - pending.started,
+            episodes=episodes,
         )
 
     def abort_all(self, engine) -> int:
-        """Abort every request in flight (their groups are dropped); returns how many groups."""
+        """Abort every request in flight (their groups are dropped); returns how many groups.
+        An agent episode's current model turn is aborted, which ends the episode."""
         with self._changed:
             groups = list(self._pending.values())
+            for pending in groups:
+                pending.aborted = True
         for pending in groups:
             for i in range(len(pending.futures)):
-                engine.abort(f"{pending.request.uid}/{i}")
+                request_id = f"{pending.request.uid}/{i}"
+                if pending.request.episode is None:
+                    engine.abort(request_id)
+                elif self.agents is not None:
+                    self.agents.abort_episode(request_id)
         return len(groups)

@@ -34,7 +34,7 @@ from tandem.controller import create_worker_group
 from tandem.controller.local import InProcessBackend
 from tandem.controller.resource_pool import ResourcePool
 from tandem.pipeline.fleet import RolloutFleet
-from tandem.pipeline.groups import GroupRequest
+from tandem.pipeline.groups import EpisodePrompt, GroupRequest
 from tandem.pipeline.sample_queue import GroupMeta, SampleQueue, wait_until
 from tandem.pipeline.sample_store import discard_files_of, read_fields, release
 from tandem.protocol import Batch
@@ -85,7 +85,10 @@ class AsyncRollout:
         )
         self.replicas = create_worker_group(
             _replica_class(), pool, backend,
-            args=(engine, config.model_path, config.trainer.device, pipeline.rollout_threads, self._sample_dir),
+            args=(
+                engine, config.model_path, config.trainer.device, pipeline.rollout_threads, self._sample_dir,
+                config.agent if config.agent.enabled else None,
+            ),
         )  # fmt: skip
         inline = self._replicas_sending_inline()
         if inline:
@@ -166,10 +169,19 @@ class AsyncRollout:
 
     def generate(self, prompts: Batch, seeds: list[int], sampling: SamplingParams, version: int) -> Batch:
         """Responses of each row of ``prompts`` under weights ``version`` (validation): the replicas
-        are brought up to ``version`` first, letting their running requests finish on the old ones."""
+        are brought up to ``version`` first, letting their running requests finish on the old ones.
+        With agent loops each row is an episode."""
         assert self.fleet is not None, "start() first"
         if self.rollout_version < version:
             self._send(version, "wait")
+        if self.config.agent.enabled:
+            with self.fleet.hold():
+                out = self.replicas.generate_episodes(
+                    prompts.assign(non_tensors={"seed": seeds}),
+                    sampling=sampling,
+                    prompt_width=max(len(p) for p in prompts["prompt_ids"]),
+                )
+            return trim_padding(out, self.pad_id)
         requests = [
             RolloutRequest(f"val-{version}-{i}", tuple(ids), dataclasses.replace(sampling, seed=int(seed)))
             for i, (ids, seed) in enumerate(zip(prompts["prompt_ids"], seeds, strict=True))
@@ -180,6 +192,11 @@ class AsyncRollout:
             tensors=tensors, non_tensors={"finish_reason": [c.finish_reason for c in completions]}
         )
         return trim_padding(batch, self.pad_id)
+
+    def agent_tool_totals(self) -> list[dict[str, tuple[int, int, float]]]:
+        """Each replica's tool ``(calls, errors, seconds)`` since the last call."""
+        with self.fleet.hold():
+            return self.replicas.agent_tool_totals()
 
     # ------------------------------------------------------------------ internals
     def _replicas_sending_inline(self) -> list[int]:
@@ -216,8 +233,15 @@ class AsyncRollout:
             seeds = tuple(
                 derive_seed(self.config.trainer.seed, GROUP_SEED_TAG, serial, i) for i in range(rollout.n)
             )
-            prompt = tuple(self.dataset.samples[index].prompt_ids)
-            requests.append(GroupRequest(f"g{serial}", index, prompt, seeds, params))
+            sample = self.dataset.samples[index]
+            episode = (
+                EpisodePrompt(tuple(sample.raw_prompt), dict(sample.extra_info or {}), sample.agent_name)
+                if self.config.agent.enabled
+                else None
+            )
+            requests.append(
+                GroupRequest(f"g{serial}", index, tuple(sample.prompt_ids), seeds, params, episode)
+            )
         self.fleet.submit(requests)
 
     def _send(self, version: int, pause: str) -> dict[str, float]:
@@ -253,16 +277,18 @@ class AsyncRollout:
 
 
 def assemble_batch(groups: list[GroupMeta], dataset: Any, n: int, pad_id: int) -> Batch:
-    """The training rows of ``groups`` (``n`` responses each): their prompts from ``dataset`` and
-    their responses pulled from the sample store (whose files are released). Each response is
-    a view of the mapped file until it is copied once, into the padded batch."""
+    """The training rows of ``groups`` (``n`` responses each): their prompts from ``dataset`` (an
+    agent episode's own prompt, rendered with the tools' schemas) and their responses pulled from
+    the sample store (whose files are released). Each response is a view of the mapped file until
+    it is copied once, into the padded batch."""
     prompts = dataset.collate([g.index for g in groups]).repeat(n, interleave=True)
+    prompt_ids: list[Any] = list(prompts["prompt_ids"])
     completions: list[Completion] = []
-    for group in groups:
+    for g, group in enumerate(groups):
         fields = read_fields(group.ref)
-        ends = fields["lengths"].cumsum(0).tolist()
-        starts = [0, *ends[:-1]]
-        for i, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        spans = _spans(fields["lengths"])
+        prompt_spans = _spans(fields["prompt_lengths"]) if group.episodes else []
+        for i, (start, end) in enumerate(spans):
             completions.append(
                 Completion(
                     f"{group.uid}/{i}",
@@ -271,15 +297,34 @@ def assemble_batch(groups: list[GroupMeta], dataset: Any, n: int, pad_id: int) -
                     fields["log_probs"][start:end],  # type: ignore[arg-type]
                     fields["versions"][start:end],  # type: ignore[arg-type]
                     group.finish_reasons[i],  # type: ignore[arg-type]
+                    token_mask=fields["token_mask"][start:end] if group.episodes else None,  # type: ignore[arg-type]
                 )
             )
+            if group.episodes:
+                begin, stop = prompt_spans[i]
+                prompt_ids[g * n + i] = fields["prompt_ids"][begin:stop].tolist()
         release(group.ref)
-    tensors = sequence_tensors(prompts["prompt_ids"], completions, pad_id)
-    uids = [g.uid for g in groups for _ in range(n)]
-    batch = prompts.assign(
-        tensors=tensors, non_tensors={"uid": uids, "finish_reason": [c.finish_reason for c in completions]}
-    )
+    tensors = sequence_tensors(prompt_ids, completions, pad_id)
+    non_tensors: dict[str, list] = {
+        "uid": [g.uid for g in groups for _ in range(n)],
+        "finish_reason": [c.finish_reason for c in completions],
+    }
+    if groups and groups[0].episodes:
+        episodes = [e for g in groups for e in g.episodes]
+        non_tensors.update(
+            agent_messages=[e.messages for e in episodes],
+            agent_turns=[e.turns for e in episodes],
+            agent_tool_calls=[e.tool_calls for e in episodes],
+            agent_tool_errors=[e.tool_errors for e in episodes],
+        )
+    batch = prompts.assign(tensors=tensors, non_tensors=non_tensors)
     return trim_padding(batch, pad_id)
+
+
+def _spans(lengths: torch.Tensor) -> list[tuple[int, int]]:
+    """``(start, end)`` of each of the consecutive pieces of ``lengths``."""
+    ends = lengths.cumsum(0).tolist()
+    return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
 def _local_pids(group: Any) -> list[int]:

@@ -19,6 +19,16 @@ from tandem.pipeline.sample_store import InlineSample, SampleRef, release
 
 
 @dataclass(frozen=True)
+class EpisodeInfo:
+    """An agent episode's conversation and counts (what its tensors do not hold)."""
+
+    messages: list[dict]
+    turns: int
+    tool_calls: int
+    tool_errors: int
+
+
+@dataclass(frozen=True)
 class GroupMeta:
     """One finished prompt group (its ``n`` responses) as the controller sees it.
 
@@ -31,6 +41,7 @@ class GroupMeta:
         min_version / max_version: the oldest and newest weight version among its tokens.
         finish_reasons: one per response.
         seconds: from submission to the last response finishing.
+        episodes: an agent group's episodes, one per response (empty otherwise).
     """
 
     uid: str
@@ -41,6 +52,7 @@ class GroupMeta:
     max_version: int
     finish_reasons: tuple[str, ...]
     seconds: float
+    episodes: tuple[EpisodeInfo, ...] = ()
 
     def staleness(self, trainer_version: int) -> int:
         """How many versions the group's oldest token lags ``trainer_version``."""

@@ -541,11 +541,6 @@ class TrainConfig:
         self._check_pipeline()
         self._check_preference()
         self._check_critic()
-        if self.agent.enabled and self.pipeline.disaggregated:
-            raise ValueError(
-                f"agent.name={self.agent.name!r}: agent loops run in pipeline.mode=sync for now "
-                f"(pipeline.mode={self.pipeline.mode!r} generates on rollout replicas)"
-            )
         from tandem.rl.derived import check_derived_fields  # derived.py builds on this module
 
         check_derived_fields(self)

@@ -15,13 +15,17 @@ from __future__ import annotations
 import torch
 from transformers.utils import logging as hf_logging
 
+from tandem.agents.config import AgentConfig
+from tandem.agents.rollout import AgentRollout
 from tandem.checkpoint_engine import CheckpointEngineConfig, SenderAddress, WeightReceiver
 from tandem.controller import Worker, register
 from tandem.controller.profiling import ProfilesCalls
 from tandem.device import bind_device
+from tandem.models.loading import load_tokenizer
 from tandem.pipeline.groups import GroupRequest, GroupTracker
 from tandem.pipeline.sample_queue import GroupMeta
 from tandem.pipeline.sample_store import InlineWriter, SampleWriter
+from tandem.protocol import Batch
 from tandem.rollout import RolloutRequest, SamplingParams
 from tandem.rollout.config import RolloutEngineConfig
 from tandem.rollout.factory import build_rollout_engine
@@ -31,7 +35,8 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
     """One rollout replica (see the module docstring); profiled as ``replica<rank>.json``.
 
     ``device``: ``auto``, ``cpu`` or ``cuda``; ``threads``: CPU threads (0: PyTorch's default);
-    ``sample_dir``: the memory-backed directory of the sample store.
+    ``sample_dir``: the memory-backed directory of the sample store; ``agent``: the agent loops'
+    settings when prompt groups run as agent episodes (``agent.*``).
     """
 
     profile_name = "replica"
@@ -43,6 +48,7 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
         device: str = "auto",
         threads: int = 0,
         sample_dir: str = "/dev/shm",
+        agent: AgentConfig | None = None,
     ) -> None:
         hf_logging.disable_progress_bar()
         self.device = bind_device(device, self.local_rank)
@@ -50,7 +56,10 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
             torch.set_num_threads(threads)
         self.engine = build_rollout_engine(engine.on_device(str(self.device)), model_path)
         self.receiver: WeightReceiver | None = None
-        self.groups = GroupTracker(self.rank, SampleWriter(sample_dir))
+        self.agents = (
+            AgentRollout(agent, load_tokenizer(model_path), self.engine) if agent is not None else None
+        )
+        self.groups = GroupTracker(self.rank, SampleWriter(sample_dir), self.agents)
 
     @register(dispatch="ONE_TO_ALL", blocking=False)
     def connect_weights(self, config: CheckpointEngineConfig, address: SenderAddress) -> None:
@@ -104,6 +113,19 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
         futures = [self.engine.submit(r) for r in requests]
         return [f.result() for f in futures]
 
+    @register(dispatch="DP_COMPUTE")
+    def generate_episodes(self, prompts: Batch, sampling: SamplingParams, prompt_width: int) -> Batch:
+        """Each row's agent episode (``raw_prompt``, ``seed``) as sequence tensors (validation),
+        alongside any groups in flight."""
+        if self.agents is None:
+            raise RuntimeError("this replica was built without agent.* settings")
+        return self.agents.generate(prompts, sampling, prompt_width, self.rank)
+
+    @register(dispatch="ONE_TO_ALL")
+    def agent_tool_totals(self) -> dict[str, tuple[int, int, float]]:
+        """The tools' ``(calls, errors, seconds)`` since the last call (empty without agents)."""
+        return self.agents.tool_totals() if self.agents is not None else {}
+
     @register(dispatch="ONE_TO_ALL")
     def generate_greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         """Greedy completions of ``prompts`` (token ids), for checks of what the weights say."""
@@ -125,5 +147,7 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
         """Close the weight receiver and the engine, and delete this replica's stored samples."""
         if self.receiver is not None:
             self.receiver.close()
+        if self.agents is not None:
+            self.agents.close()
         self.engine.close()
         self.groups.writer.discard_all()

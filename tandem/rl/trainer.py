@@ -263,7 +263,7 @@ class RLTrainer:
             metrics.update(
                 episode_metrics(
                     batch["agent_turns"], batch["agent_tool_calls"], batch["agent_tool_errors"],
-                    batch["finish_reason"], self.workers.agent_tool_totals(),
+                    batch["finish_reason"], self.rollout.agent_tool_totals(),
                 )
             )  # fmt: skip
         metrics.update(timing_metrics(timings, int(batch["attention_mask"].sum()), self.config.world_size))

@@ -5,8 +5,11 @@ import dataclasses
 import pytest
 import torch
 
-from tandem.models import save_tiny_model
-from tandem.pipeline.groups import GroupRequest, GroupTracker
+from tandem.agents.config import AgentConfig
+from tandem.agents.loops import AgentSample, run_episodes
+from tandem.agents.rollout import AgentRollout
+from tandem.models import load_tokenizer, save_tiny_model
+from tandem.pipeline.groups import EpisodePrompt, GroupRequest, GroupTracker
 from tandem.pipeline.sample_store import (
     InlineSample,
     InlineWriter,
@@ -26,8 +29,8 @@ def model_dir(tmp_path_factory):
     return str(save_tiny_model(tmp_path_factory.mktemp("groups") / "model"))
 
 
-def _engine(model_dir):
-    return NativeRolloutEngine.from_pretrained(model_dir, NativeEngineConfig(max_model_len=64))
+def _engine(model_dir, max_model_len=64):
+    return NativeRolloutEngine.from_pretrained(model_dir, NativeEngineConfig(max_model_len=max_model_len))
 
 
 def _collect_all(tracker, expected):
@@ -89,3 +92,59 @@ def test_aborted_groups_are_left_out_and_duplicates_refused(model_dir, tmp_path)
     engine.resume()
     assert tracker.collect(wait_s=1.0) == [] and tracker.in_flight == 0
     engine.close()
+
+
+INTERACTION = """
+def respond(messages, extra_info):
+    if sum(m["role"] == "assistant" for m in messages) >= 2:
+        return {"content": None, "done": True}
+    return {"content": "once more, " + extra_info["who"], "done": False}
+"""
+
+
+def test_agent_groups_store_what_the_episodes_give_on_a_fresh_engine(model_dir, tmp_path):
+    """Two-turn interaction episodes on the tracker: tokens, log-probs, masks, prompts and the
+    conversations equal the same episodes (same seeds) run directly on a fresh engine."""
+    (tmp_path / "interaction.py").write_text(INTERACTION)
+    config = AgentConfig(name="interaction", interaction_path=str(tmp_path / "interaction.py"), max_turns=3)
+    tokenizer = load_tokenizer(model_dir)
+    params = SamplingParams(temperature=1.0, max_tokens=64, stop=tuple("aeiou0123456789 "))  # short turns
+    groups = [
+        GroupRequest(
+            f"u{g}", g, (), tuple(50 * g + i for i in range(2)), params,
+            EpisodePrompt(({"role": "user", "content": f"hello {g}"},), {"who": f"w{g}"}),
+        )
+        for g in range(3)
+    ]  # fmt: skip
+    engine = _engine(model_dir, 256)
+    agents = AgentRollout(config, tokenizer, engine)
+    tracker = GroupTracker(replica=0, writer=InlineWriter(), agents=agents)
+    tracker.start(engine, groups)
+    metas = {m.uid: m for m in _collect_all(tracker, len(groups))}
+    agents.close()
+    engine.close()
+
+    reference = _engine(model_dir, 256)
+    ctx = AgentRollout(config, tokenizer, reference).context(params)
+    for group in groups:
+        samples = [
+            AgentSample(
+                list(group.episode.messages), seed, f"{group.uid}/{i}", dict(group.episode.extra_info)
+            )
+            for i, seed in enumerate(group.seeds)
+        ]
+        expected = run_episodes(ctx, samples)
+        meta = metas[group.uid]
+        fields = read_fields(meta.ref)
+        assert fields["lengths"].tolist() == [len(t.token_ids) for t in expected]
+        assert fields["token_ids"].tolist() == [x for t in expected for x in t.token_ids]
+        assert fields["token_mask"].tolist() == [m for t in expected for m in t.loss_mask]
+        assert fields["prompt_ids"].tolist() == [p for t in expected for p in t.prompt_ids]
+        torch.testing.assert_close(
+            fields["log_probs"], torch.tensor([p for t in expected for p in t.log_probs]), rtol=0, atol=1e-5
+        )
+        assert [e.messages for e in meta.episodes] == [t.messages for t in expected]
+        assert [e.turns for e in meta.episodes] == [t.turns for t in expected]
+        assert 0 in fields["token_mask"].tolist()  # the user's turns are in the tokens, masked out
+        assert meta.min_version == meta.max_version == 0  # tool/user tokens (version -1) do not count
+    reference.close()
