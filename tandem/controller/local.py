@@ -12,6 +12,7 @@ import contextlib
 import multiprocessing
 import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -147,7 +148,17 @@ class InProcessBackend(_LocalBackendBase):
 
 
 def _process_main(conn: Any, worker_cls: type, args: tuple, kwargs: dict, env: dict[str, str]) -> None:
-    """Entry point of a spawned worker process: build the worker, then serve calls until told to stop."""
+    """Entry point of a spawned worker process: build the worker, then serve calls until told to stop.
+
+    The controller starts workers as daemons (they end with it), and Python forbids a daemon to
+    start processes of its own; a worker's engine may need to (vLLM runs its engine core in a
+    child process), so the worker clears the flag on its side. The worker leads a process group of
+    its own, which its children join: the controller's shutdown ends the whole group, so even a
+    worker killed outright leaves no engine process behind (and Ctrl-C reaches the controller
+    alone, which then stops the workers).
+    """
+    multiprocessing.current_process()._config["daemon"] = False  # noqa: SLF001 (see the docstring)
+    os.setpgid(0, 0)
     os.environ.update(env)
     rank = int(env["RANK"])
     try:
@@ -250,6 +261,8 @@ class ProcessBackend(_LocalBackendBase):
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # what the worker started
+                os.killpg(process.pid, signal.SIGKILL)
         for mailbox in getattr(self, "_mailboxes", []):
             mailbox.stop()
         for conn in self._conns:

@@ -21,7 +21,7 @@ from tandem.controller import (
     register_dispatch_mode,
 )
 from tandem.protocol import Batch
-from tests.controller.workers import ActorRole, BrokenWorker, EchoWorker, RolloutRole
+from tests.controller.workers import ActorRole, BrokenWorker, EchoWorker, ParentWorker, RolloutRole
 
 
 def numbered(size: int) -> Batch:
@@ -124,6 +124,29 @@ def test_killed_worker_is_detected(fresh_echo_group, backend_world):
         echo_group.sleep(0.1)
     assert time.monotonic() - start < 30
     assert info.value.rank == echo_group.world_size - 1
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_killed_workers_children_end_with_the_group():
+    """A worker may start processes (vLLM's engine core); killed outright, it cannot stop them,
+    so the group's shutdown ends the worker's whole process group."""
+    group = create_worker_group(ParentWorker, ResourcePool((1,)), "process")
+    worker, *children = group.start_children()[0]
+    os.kill(worker, signal.SIGKILL)
+    time.sleep(0.5)
+    assert all(_running(pid) for pid in children)  # orphans, until the shutdown
+    group.shutdown()
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(pid) for pid in children)
 
 
 def test_killed_worker_during_a_call_is_detected(fresh_echo_group, backend_world):

@@ -1,6 +1,8 @@
 """Worker classes the controller tests run (importable, so spawned processes and Ray actors can load them)."""
 
+import multiprocessing
 import os
+import subprocess
 import threading
 import time
 
@@ -98,6 +100,17 @@ class EchoWorker(Worker):
     @register(dispatch=mesh_dispatch("tp"))
     def mesh_double(self, batch: Batch) -> Batch:
         return self._double(batch)
+
+
+class ParentWorker(Worker):
+    """Starts processes of its own, as an engine such as vLLM does."""
+
+    @register(dispatch="ONE_TO_ALL")
+    def start_children(self) -> list[int]:
+        child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(120,), daemon=True)
+        child.start()  # a daemon's child: allowed because the worker clears its daemon flag
+        self.children = [child, subprocess.Popen(["sleep", "120"])]
+        return [os.getpid(), child.pid, self.children[1].pid]
 
 
 class ActorRole(Worker):
