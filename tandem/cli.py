@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         "--pipeline",
         choices=["sync", "one_step_off", "fully_async"],
         default="sync",
-        help="GRPO's pipeline: colocated (sync) or a rollout process beside the trainer, one thread each",
+        help="the RL pipeline: colocated (sync) or a rollout process beside the trainer, one thread each",
     )
     train = commands.add_parser(
         "train", help="RL training: tandem train preset=grpo model_path=... data.train_path=..."
@@ -312,7 +312,7 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         if args.method == "tool_agent":
             from tandem.agents.demo import ToolDemoSettings, run_tool_demo
 
-            run_tool_demo(ToolDemoSettings(output_dir=args.output_dir), console)
+            run_tool_demo(ToolDemoSettings(output_dir=args.output_dir, pipeline=args.pipeline), console)
         elif args.method == "dpo":
             from tandem.dpo.demo import DPODemoSettings, run_dpo_demo
 

@@ -25,6 +25,7 @@ from tandem.engine import EngineConfig
 from tandem.models import TinyModelConfig, save_tiny_model
 from tandem.rl.config_loader import load_train_config
 from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows, write_parquet
+from tandem.rl.demo import pipeline_overrides
 from tandem.rl.trainer import RLResult, RLTrainer
 from tandem.sft import SFTConfig, SFTTrainer
 from tandem.sft.config import SFTTrainerConfig
@@ -49,7 +50,8 @@ def calculator_call(expression: str) -> str:
 class ToolDemoSettings:
     """Sizes of the tool demo (the defaults are what the README's numbers were measured with).
 
-    ``tool_rate``: share of the teacher's demonstrations that use the calculator.
+    ``tool_rate``: share of the teacher's demonstrations that use the calculator; ``pipeline``:
+    GRPO's ``pipeline.mode`` (in the asynchronous ones the episodes run on a rollout process).
     """
 
     output_dir: str = "outputs/demo"
@@ -64,6 +66,7 @@ class ToolDemoSettings:
     val_every: int = 5
     tool_rate: float = 0.3
     seed: int = 0
+    pipeline: str = "sync"
 
 
 def write_tool_data(root: Path, settings: ToolDemoSettings) -> dict[str, Path]:
@@ -127,7 +130,7 @@ def run_tool_demo(settings: ToolDemoSettings | None = None, console: Console | N
     ).fit()  # fmt: skip
     console.rule(
         f"2. GRPO with the tool_agent loop ({settings.rl_steps} steps of {settings.prompts_per_step} "
-        f"prompts x {settings.responses_per_prompt} episodes)"
+        f"prompts x {settings.responses_per_prompt} episodes, pipeline {settings.pipeline})"
     )
     config = load_train_config(
         [
@@ -150,6 +153,7 @@ def run_tool_demo(settings: ToolDemoSettings | None = None, console: Console | N
             "trainer.resume=disable",
             f"trainer.seed={settings.seed}",
             "trainer.experiment=demo-tool-agent-multiplication",
+            *pipeline_overrides(settings.pipeline),
         ]
     )
     result = RLTrainer(config, console).fit()

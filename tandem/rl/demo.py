@@ -128,6 +128,14 @@ def warm_up(settings: DemoSettings, base: Path, paths: dict[str, Path], root: Pa
 PPO_DEMO = ("critic.engine.lr=1e-3", "critic.warmup_steps=3")
 
 
+def pipeline_overrides(mode: str) -> list[str]:
+    """``pipeline.mode=<mode>``; the asynchronous modes give each side one thread (of 2 cores)."""
+    overrides = [f"pipeline.mode={mode}"]
+    if mode != "sync":
+        overrides += ["pipeline.trainer_threads=1", "pipeline.rollout_threads=1"]
+    return overrides
+
+
 def run_demo(settings: DemoSettings | None = None, console: Console | None = None) -> RLResult:
     """Build, warm up with SFT, train with GRPO, and print held-out accuracy before and after."""
     settings = settings or DemoSettings()
@@ -145,9 +153,7 @@ def run_demo(settings: DemoSettings | None = None, console: Console | None = Non
         f"2. {settings.preset} ({settings.rl_steps} steps of {settings.prompts_per_step} prompts x {settings.responses_per_prompt}"
         f", pipeline {settings.pipeline})"
     )
-    pipeline = [f"pipeline.mode={settings.pipeline}"]
-    if settings.pipeline != "sync":
-        pipeline += ["pipeline.trainer_threads=1", "pipeline.rollout_threads=1"]
+    pipeline = pipeline_overrides(settings.pipeline)
     config = load_train_config(
         [
             f"preset={settings.preset}",
