@@ -154,6 +154,9 @@ def run_tool_demo(settings: ToolDemoSettings | None = None, console: Console | N
             f"trainer.seed={settings.seed}",
             "trainer.experiment=demo-tool-agent-multiplication",
             *pipeline_overrides(settings.pipeline),
+            # Asynchronous: the PPO ratio against the policy that sampled (recomputing it with the
+            # trainer's newer weights, uncorrected, degenerated here: 74% at step 5, 0% at 10).
+            *(["pipeline.old_log_probs=rollout"] if settings.pipeline != "sync" else []),
         ]
     )
     result = RLTrainer(config, console).fit()

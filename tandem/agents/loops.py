@@ -198,6 +198,8 @@ class EpisodeThread:
 
     def __init__(self) -> None:
         self._loop = asyncio.new_event_loop()
+        self._closed = False
+        self._loop.set_exception_handler(self._report)
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-episodes", daemon=True)
         self._thread.start()
 
@@ -205,10 +207,16 @@ class EpisodeThread:
         return asyncio.run_coroutine_threadsafe(run_episode(ctx, sample), self._loop)
 
     def close(self) -> None:
-        """Stop the loop (episodes still running are abandoned with it)."""
+        """Stop the loop; episodes still running (aborted ones between turns) are abandoned."""
+        self._closed = True
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5.0)
+
+    def _report(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        """The loop's error reports, but not the abandoned episodes' "destroyed while pending"."""
+        if not self._closed:
+            loop.default_exception_handler(context)
 
 
 def agent_metrics(trajectories: list[Trajectory], tools: ToolRunner | None = None) -> dict[str, float]:
