@@ -10,6 +10,7 @@ carry the sender's address; the buckets go through the chosen backend.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from tandem.checkpoint_engine.config import CheckpointEngineConfig
@@ -40,14 +41,15 @@ class SendsWeights:
             self._weight_sender.connect()
 
     @register(dispatch="ONE_TO_ALL", blocking=False)
-    def send_weights(self, version: int) -> SyncStats | None:
-        """Send the current weights as ``version`` (rank 0's stats; other ranks return None)."""
+    def send_weights(self, version: int, wait_for_receivers: bool = True) -> SyncStats | None:
+        """Send the current weights as ``version`` (rank 0's stats; other ranks return None);
+        see :meth:`WeightSender.send` for ``wait_for_receivers``."""
         tensors = self.engine.iter_parameters()
         if self._weight_sender is None:
             for _ in tensors:  # take part in each gather
                 pass
             return None
-        return self._weight_sender.send(tensors, version)
+        return self._weight_sender.send(tensors, version, wait_for_receivers)
 
     @register(dispatch="ONE_TO_ALL")
     def close_weight_sender(self) -> None:
@@ -70,16 +72,37 @@ def sync_weights(trainer: Any, rollout: Any, version: int, pause: str = "keep") 
 
     A replica that fails or dies meanwhile raises :class:`RolloutReplicaError` naming it.
     """
-    sent = trainer.send_weights(version)
+    pending = start_weight_sync(trainer, rollout, version, pause, wait_for_receivers=True)
+    pending.finish()
+    return pending.stats
+
+
+@dataclass
+class PendingSync:
+    """A weight sync the trainer has finished sending: :meth:`finish` waits until every replica
+    has applied it (raising :class:`RolloutReplicaError` for one that failed)."""
+
+    version: int
+    stats: SyncStats
+    received: Any  # the replicas' pending receive_weights call
+
+    def finish(self) -> None:
+        _replicas_result(self.received, self.version)
+
+
+def start_weight_sync(
+    trainer: Any, rollout: Any, version: int, pause: str = "keep", wait_for_receivers: bool = False
+) -> PendingSync:
+    """Send weights ``version``; returns once the trainer's part is done. Without
+    ``wait_for_receivers`` that is when the buckets are posted (shared memory, files): the replicas
+    load them while the trainer trains on, and the trainer's next send waits for them first."""
+    sent = trainer.send_weights(version, wait_for_receivers)
     received = rollout.receive_weights(version, pause)
-    while not (sent.done() and received.done()):  # a failure on either side surfaces at once
-        if sent.done():
-            sent.result()
+    while not sent.done():  # a failure on either side surfaces at once
         if received.done():
             _replicas_result(received, version)
         time.sleep(0.001)
-    _replicas_result(received, version)
-    return sent.result()[0]
+    return PendingSync(version, sent.result()[0], received)
 
 
 def _replicas_result(received: Any, version: int) -> None:

@@ -77,6 +77,8 @@ class WeightSender:
         group_backend = "nccl" if device.type == "cuda" else "gloo"
         self.address = SenderAddress(config.host, self.control.port, config.backend, receivers, group_backend)
         self.transport = None
+        self._in_flight: list[BucketMeta | None] = [None] * SLOTS  # posted, not yet read by every receiver
+        self._in_flight_version = 0
 
     def connect(self) -> None:
         config = self.config
@@ -90,20 +92,29 @@ class WeightSender:
         else:
             self.transport = FileSender(config.directory)
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
-        """Send every tensor as weight ``version``; returns when every receiver has the bytes."""
+    def send(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, wait_for_receivers: bool = True
+    ) -> SyncStats:
+        """Send every tensor as weight ``version``; returns when every receiver has the bytes.
+
+        ``wait_for_receivers=False`` returns once the last bucket is posted: the receivers read
+        while the caller goes on (the tensors are already copied into the buckets), and the next
+        send, or :meth:`settle`, first waits for them. The broadcast backend always waits (a
+        broadcast returns when every receiver has taken part).
+        """
         if self.transport is None:
             raise RuntimeError("WeightSender.connect() first")
         transport, control = self.transport, self.control
+        self.settle()
         # A replica may not have read the previous version's closing meta yet; by now every one
         # has read all of the version before it (it took part in, or acknowledged, the last send).
         control.forget(keep_version=version - 1)
         started, total = time.perf_counter(), 0
-        in_flight: list[BucketMeta | None] = [None] * SLOTS
+        self._in_flight_version = version
         index = 0
         for group in group_tensors(named_tensors, self.config.bucket_bytes):
             slot = index % SLOTS
-            self._release(slot, in_flight, version)
+            self._release(slot)
             specs, nbytes = layout(group)
             buffer = transport.buffer(slot, nbytes)
             pack(buffer, group, specs)
@@ -114,22 +125,27 @@ class WeightSender:
             if nbytes:  # receivers skip empty buckets too
                 meta = transport.post(slot, meta, version)
             control.publish(version, meta)
-            in_flight[slot] = meta
+            self._in_flight[slot] = meta
             total += nbytes
             index += 1
         control.publish(version, BucketMeta(index, 0, (), last=True))
-        for slot in range(SLOTS):
-            self._release(slot, in_flight, version)
+        if wait_for_receivers:
+            self.settle()
         return SyncStats(version, time.perf_counter() - started, total, index)
 
-    def _release(self, slot: int, in_flight: list[BucketMeta | None], version: int) -> None:
-        meta = in_flight[slot]
+    def settle(self) -> None:
+        """Wait until every receiver has read the buckets still in flight; reclaim their slots."""
+        for slot in range(SLOTS):
+            self._release(slot)
+
+    def _release(self, slot: int) -> None:
+        meta = self._in_flight[slot]
         if meta is None:
             return
         if self.transport.flow_controlled:
-            self.control.wait_acks(version, meta.index, self.receivers)
+            self.control.wait_acks(self._in_flight_version, meta.index, self.receivers)
         self.transport.reclaim(slot, meta)
-        in_flight[slot] = None
+        self._in_flight[slot] = None
 
     def close(self) -> None:
         if self.transport is not None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from tandem.checkpoint_engine.roles import connect_weight_sync, sync_weights
+from tandem.checkpoint_engine.roles import PendingSync, connect_weight_sync, start_weight_sync
 from tandem.checkpoint_engine.transports import SLOT_PREFIX
 from tandem.controller import create_worker_group
 from tandem.controller.local import InProcessBackend
@@ -67,6 +67,7 @@ class AsyncRollout:
         self.replicas: Any = None
         self._sample_dir = self._weights_dir = "/dev/shm"
         self.fleet: RolloutFleet | None = None
+        self._pending_sync: PendingSync | None = None  # sent; the replicas may still be loading it
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, trainer_version: int) -> None:
@@ -114,6 +115,7 @@ class AsyncRollout:
         replica_pids = getattr(self.replicas.backend, "pids", [])
         try:
             if not failed:
+                self._settle()
                 self.trainer.close_weight_sender()
                 self.replicas.close_engine()
         finally:
@@ -245,16 +247,28 @@ class AsyncRollout:
         self.fleet.submit(requests)
 
     def _send(self, version: int, pause: str) -> dict[str, float]:
-        """Sync weights ``version`` to every replica (``pause``: what their running requests do)."""
+        """Sync weights ``version`` to every replica (``pause``: what their running requests do).
+
+        The trainer goes on as soon as the buckets are posted; the replicas load them meanwhile.
+        A replica runs its calls in order, so every request started after this runs on the new
+        weights; the next sync first waits until every replica has applied this one.
+        """
         assert self.fleet is not None
         started = time.monotonic()
         with self.fleet.hold():
-            stats = sync_weights(self.trainer, self.replicas, version, pause)
+            self._settle()
+            self._pending_sync = start_weight_sync(self.trainer, self.replicas, version, pause)
         self.rollout_version = version
         return {
             "pipeline/weight_sync_s": time.monotonic() - started,
-            "pipeline/weight_sync_gbps": stats.gb_per_s,
+            "pipeline/weight_sync_gbps": self._pending_sync.stats.gb_per_s,
         }
+
+    def _settle(self) -> None:
+        """Wait until the replicas have applied the last sync (a failed replica raises, named)."""
+        pending, self._pending_sync = self._pending_sync, None
+        if pending is not None:
+            pending.finish()
 
     def _step_metrics(self, batch: Batch, trainer_version: int) -> dict[str, float]:
         assert self.fleet is not None
