@@ -33,6 +33,7 @@ from tandem.checkpoint_engine.transports import SLOT_PREFIX
 from tandem.controller import create_worker_group
 from tandem.controller.local import InProcessBackend
 from tandem.controller.resource_pool import ResourcePool
+from tandem.errors import RolloutReplicaError
 from tandem.pipeline.fleet import RolloutFleet
 from tandem.pipeline.groups import EpisodePrompt, GroupRequest
 from tandem.pipeline.sample_queue import GroupMeta, SampleQueue, wait_until
@@ -146,12 +147,12 @@ class AsyncRollout:
         assert self.fleet is not None, "start() first"
         trainer_version = step - 1
         started = time.monotonic()
-        groups = self.queue.take(self.groups_per_step, trainer_version, self.fleet.check)
+        groups = self.queue.take(self.groups_per_step, trainer_version, self._check)
         waited = time.monotonic() - started
         metrics = {"pipeline/trainer_idle_s": waited, "pipeline/queue_depth": float(len(self.queue))}
         if self.pipeline.mode == "one_step_off":
             if self.rollout_version < trainer_version:
-                wait_until(lambda: self.fleet.outstanding == 0, self.fleet.check)  # all handed out is done
+                wait_until(lambda: self.fleet.outstanding == 0, self._check)  # all handed out is done
                 metrics.update(self._send(trainer_version, "keep"))
             self._hand_out(self.groups_per_step)
         batch = assemble_batch(groups, self.dataset, self.config.rollout.n, self.pad_id)
@@ -263,6 +264,16 @@ class AsyncRollout:
             "pipeline/weight_sync_s": time.monotonic() - started,
             "pipeline/weight_sync_gbps": self._pending_sync.stats.gb_per_s,
         }
+
+    def _check(self) -> None:
+        """Raise a replica's failure; one that died while loading the last sync is named with it."""
+        try:
+            self.fleet.check()
+        except RolloutReplicaError:
+            pending = self._pending_sync
+            if pending is not None and pending.received.done():
+                self._settle()  # raises, naming the weight version it failed to receive
+            raise
 
     def _settle(self) -> None:
         """Wait until the replicas have applied the last sync (a failed replica raises, named)."""
