@@ -50,17 +50,19 @@ def answering_model(rl_files, tmp_path_factory):
 @pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async"])
 def test_grpo_on_multi_turn_interaction_episodes(answering_model, rl_files, tmp_path, mode):
     """In every pipeline: in the asynchronous ones the episodes run on a rollout replica and reach
-    the trainer through the sample queue."""
+    the trainer through the sample queue (validation episodes too)."""
     (tmp_path / "interaction.py").write_text(INTERACTION)
     (tmp_path / "reward.py").write_text(REWARD)
     config = small_config(
         {**rl_files, "model": answering_model}, tmp_path / "run",
         "agent.name=interaction", f"agent.interaction_path={tmp_path / 'interaction.py'}", "agent.max_turns=3",
         f"reward.custom_path={tmp_path / 'reward.py'}", "rollout.max_response_length=40",
-        "trainer.total_steps=2", "data.val_path=", f"pipeline.mode={mode}",
+        "trainer.total_steps=2", "trainer.val_before_train=false", f"pipeline.mode={mode}",
         "pipeline.trainer_threads=1", "pipeline.rollout_threads=1",
     )  # fmt: skip
-    history = RLTrainer(config).fit().history
+    result = RLTrainer(config).fit()
+    history = result.history
+    assert result.validation["val-aux/response_length/mean"] > 2 * 1.5  # two-turn validation episodes
     for entry in history:
         assert entry["agent/turns/mean"] > 1.5  # most episodes have two model turns
         assert entry["reward/extra/turns/mean"] == pytest.approx(
