@@ -480,6 +480,8 @@ class RLTrainer:
         scored, _ = self.score(
             self.generate(prompts, seeds, rollout.val_temperature, validation=True), training=False
         )
+        if self.config.agent.enabled:  # the validation episodes' tool calls are not the next step's
+            self.rollout.agent_tool_totals()
         metrics: dict[str, float] = {}
         sources = scored["data_source"]
         for source in sorted(set(sources)):
