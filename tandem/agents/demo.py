@@ -21,15 +21,11 @@ from rich.console import Console
 from rich.table import Table
 from transformers.utils import logging as hf_logging
 
-from tandem.engine import EngineConfig
 from tandem.models import TinyModelConfig, save_tiny_model
 from tandem.rl.config_loader import load_train_config
 from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows, write_parquet
-from tandem.rl.demo import pipeline_overrides
+from tandem.rl.demo import pipeline_overrides, sft_warm_up
 from tandem.rl.trainer import RLResult, RLTrainer
-from tandem.sft import SFTConfig, SFTTrainer
-from tandem.sft.config import SFTTrainerConfig
-from tandem.sft.data import SFTDataConfig
 
 TASK = ArithmeticTaskConfig(min_digits=3, max_digits=3, operators="*")
 MODEL = TinyModelConfig(
@@ -116,18 +112,7 @@ def run_tool_demo(settings: ToolDemoSettings | None = None, console: Console | N
         f"1. SFT warm-up ({settings.sft_steps} steps) on a teacher that uses the calculator "
         f"{settings.tool_rate:.0%} of the time and guesses otherwise"
     )
-    sft = SFTTrainer(
-        SFTConfig(
-            model_path=str(base),
-            data=SFTDataConfig(train_path=str(paths["sft"]), max_length=200),
-            engine=EngineConfig(lr=settings.sft_lr, seed=settings.seed),
-            trainer=SFTTrainerConfig(
-                global_batch_size=settings.sft_batch_size, total_steps=settings.sft_steps,
-                log_every=50, output_dir=str(root / "tool_sft"), seed=settings.seed,
-            ),
-        ),
-        console,
-    ).fit()  # fmt: skip
+    sft_model = sft_warm_up(settings, base, paths["sft"], 200, root / "tool_sft", 50, console)
     console.rule(
         f"2. GRPO with the tool_agent loop ({settings.rl_steps} steps of {settings.prompts_per_step} "
         f"prompts x {settings.responses_per_prompt} episodes, pipeline {settings.pipeline})"
@@ -135,7 +120,7 @@ def run_tool_demo(settings: ToolDemoSettings | None = None, console: Console | N
     config = load_train_config(
         [
             "preset=grpo",
-            f"model_path={sft.hf_model_dir}",
+            f"model_path={sft_model}",
             f"data.train_path={paths['train']}",
             f"data.val_path={paths['val']}",
             f"data.train_batch_size={settings.prompts_per_step}",

@@ -19,6 +19,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -32,6 +33,9 @@ from tandem.rl.trainer import RLResult, RLTrainer
 from tandem.sft import SFTConfig, SFTTrainer
 from tandem.sft.config import SFTTrainerConfig
 from tandem.sft.data import SFTDataConfig
+
+if TYPE_CHECKING:
+    from tandem.agents.demo import ToolDemoSettings
 
 TASK = ArithmeticTaskConfig(min_digits=1, max_digits=2, num_operands=2, operators="+")
 MODEL = TinyModelConfig(
@@ -108,18 +112,35 @@ def warm_up(settings: DemoSettings, base: Path, paths: dict[str, Path], root: Pa
         f"1. SFT warm-up ({settings.sft_steps} steps) on a teacher that answers one too high "
         f"{settings.teacher_error_rate:.0%} of the time"
     )
+    return sft_warm_up(settings, base, paths["sft"], 64, root / "sft", 60, console)
+
+
+def sft_warm_up(
+    settings: DemoSettings | ToolDemoSettings,
+    base: Path,
+    data: Path,
+    max_length: int,
+    output_dir: Path,
+    log_every: int,
+    console: Console,
+) -> Path:
+    """SFT of ``base`` on the conversations in ``data`` with the demo's ``sft_*`` sizes and seed;
+    returns the fine-tuned model directory."""
     sft = SFTTrainer(
         SFTConfig(
             model_path=str(base),
-            data=SFTDataConfig(train_path=str(paths["sft"]), max_length=64),
+            data=SFTDataConfig(train_path=str(data), max_length=max_length),
             engine=EngineConfig(lr=settings.sft_lr, seed=settings.seed),
             trainer=SFTTrainerConfig(
-                global_batch_size=settings.sft_batch_size, total_steps=settings.sft_steps,
-                log_every=60, output_dir=str(root / "sft"), seed=settings.seed,
+                global_batch_size=settings.sft_batch_size,
+                total_steps=settings.sft_steps,
+                log_every=log_every,
+                output_dir=str(output_dir),
+                seed=settings.seed,
             ),
         ),
         console,
-    ).fit()  # fmt: skip
+    ).fit()
     return sft.hf_model_dir
 
 

@@ -90,6 +90,17 @@ def test_two_fsdp2_trainer_ranks_feed_a_replica(rl_files, tmp_path):
     assert not multiprocessing.active_children()
 
 
+def test_hf_engine_replicas(rl_files, tmp_path):
+    """The HF reference engine on the replicas (vLLM's are in test_vllm_replicas.py, slow tier)."""
+    trainer, result = _train(
+        rl_files, tmp_path, "pipeline.mode=fully_async", "rollout.engine.name=hf", "data.val_path=",
+        "trainer.total_steps=3",
+    )  # fmt: skip
+    assert [h["step"] for h in result.history] == [1, 2, 3]
+    assert all(high <= 1 for _, high in _token_staleness(trainer.trained).values())
+    assert result.history[0]["rollout_corr/max_abs_log_prob_diff"] < 1e-4  # staleness 0: same weights
+
+
 def test_fully_async_on_ray_actors(rl_files, tmp_path, ray_cluster):
     trainer, result = _train(
         rl_files, tmp_path, "pipeline.mode=fully_async", "trainer.backend=ray", "data.val_path=",
