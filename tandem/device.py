@@ -97,3 +97,11 @@ def reset_peak_memory(device: torch.device | str) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def release_cached_memory(device: torch.device | str) -> None:
+    """Hand a CUDA ``device``'s cached free blocks back to the driver (nothing elsewhere), so
+    another allocator in the process (vLLM's, say) can use the memory an offload freed."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

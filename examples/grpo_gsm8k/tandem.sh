@@ -34,6 +34,7 @@ tandem train preset=grpo \
     actor.engine.max_tokens_per_micro_batch=16384 \
     actor.engine.warmup_from_zero=true \
     actor.ppo_mini_batch_size=64 \
+    actor.offload.reference=true \
     algorithm.kl.use_kl_loss=true \
     algorithm.kl.kl_loss_coef=0.001 \
     algorithm.kl.estimator=k3 \

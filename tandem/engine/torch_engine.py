@@ -385,15 +385,22 @@ class TorchTrainEngine:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
 
-    def to(
-        self, device: str | torch.device, model: bool = True, optimizer: bool = True, grads: bool = True
-    ) -> None:
-        """Move parameters, optimizer state and/or gradients to ``device`` (offload and reload)."""
-        for param in self._require_module().parameters():
-            if model:
-                param.data = param.data.to(device)
-            if grads and param.grad is not None:
-                param.grad = param.grad.to(device)
+    def to(self, device: str | torch.device, model: bool = True, optimizer: bool = True) -> None:
+        """Move the parameters (with their gradients) and/or the optimizer state to ``device``:
+        offload to the CPU and load back (:mod:`tandem.engine.offload`).
+
+        The parameters move through ``Module.to``, which FSDP2 follows (its shards are
+        re-registered), and stay the same ``Parameter`` objects, so the optimizer keeps
+        training them; the optimizer's step counters stay where they are.
+        """
+        module = self._require_module()
+        if model:
+            before = [id(param) for param in module.parameters()]
+            module.to(device)
+            if [id(param) for param in module.parameters()] != before:
+                raise RuntimeError(
+                    "moving the model replaced its parameters; the optimizer would train stale ones"
+                )
         if optimizer:
             for state in self.optimizer.state.values():
                 for key, value in state.items():

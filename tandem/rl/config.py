@@ -83,6 +83,28 @@ OBJECTIVES = ("policy_gradient", "preference")
 
 
 @dataclass(frozen=True)
+class OffloadConfig:
+    """What the colocated loop keeps on the CPU while it is not needed (``actor.offload.*``),
+    so that generation, and the rollout engine's KV cache, get the GPU's memory.
+
+    Attributes:
+        params: the actor's parameters (and gradients) leave the GPU while it generates and come
+            back before the next log-prob pass or update (verl's ``param_offload``).
+        optimizer: the actor's optimizer state stays on the CPU except during the update
+            (verl's ``optimizer_offload``).
+        reference: the reference model stays on the CPU except while it computes log-probs
+            (verl's ``ref.fsdp_config.param_offload``; with LoRA there is no separate reference).
+
+    On the CPU there is nothing to offload and these change nothing. The results never depend
+    on them: only where the state waits between phases changes.
+    """
+
+    params: bool = False
+    optimizer: bool = False
+    reference: bool = False
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     """The policy and its update (``actor.*``).
 
@@ -110,6 +132,8 @@ class ActorConfig:
             with ``preference``, one optimizer step per step; see docs/dpo.md).
         preference: the preference loss when ``objective=preference``
             (:class:`~tandem.algos.preference.PreferenceLossConfig`: ``name``, ``beta``, ...).
+        offload: what the colocated loop keeps on the CPU between the phases that need it
+            (:class:`OffloadConfig`: ``params``, ``optimizer``, ``reference``).
     """
 
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(lr=1e-6))
@@ -121,6 +145,7 @@ class ActorConfig:
     recompute_old_log_probs: bool = False
     objective: str = "policy_gradient"
     preference: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
         check_choice("actor", "objective", self.objective, OBJECTIVES)
@@ -629,6 +654,13 @@ class TrainConfig:
         if self.rollout.free_cache_between_generations:
             raise ValueError(
                 f"{mode} generates continuously; rollout.free_cache_between_generations must be off"
+            )
+        offload = self.actor.offload
+        if offload.params or offload.optimizer:
+            key = "actor.offload.params" if offload.params else "actor.offload.optimizer"
+            raise ValueError(
+                f"{mode} generates on replicas of its own, so the trainer never waits on a generation; "
+                f"{key} frees memory for a colocated rollout and must be off (actor.offload.reference may stay on)"
             )
         if pipeline.old_log_probs == "rollout" and self.algorithm.needs_sum_pi_squared:
             raise ValueError(

@@ -3,7 +3,9 @@
 The "hybrid engine": each rank binds its device (:mod:`tandem.device`), trains its shard of
 the batch with the torch engine (DDP/FSDP2 across ranks), generates its shard with the
 configured rollout engine (``rollout.engine.name``), and syncs weights from the trainer into
-its own rollout engine by an in-process copy. The controller (:mod:`tandem.rl.trainer`) calls
+its own rollout engine by an in-process copy. ``actor.offload.*`` keeps the actor's parameters
+and optimizer state, and the reference, on the CPU while the phases at hand do not read them
+(:mod:`tandem.engine.offload`). The controller (:mod:`tandem.rl.trainer`) calls
 these methods; ``@register`` declares how batches are split over ranks and collected.
 """
 
@@ -27,6 +29,7 @@ from tandem.device import bind_device, max_memory_allocated_gb, reset_peak_memor
 from tandem.dpo.loss import pair_metrics, preference_loss
 from tandem.engine import TorchTrainEngine
 from tandem.engine.divergence import ModelHealth, SkippedUpdates
+from tandem.engine.offload import Residency
 from tandem.engine.parallel import rank_strategy
 from tandem.models.loading import check_vocab_compatible, load_tokenizer
 from tandem.protocol import Batch
@@ -96,6 +99,15 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
             self.reference = TorchTrainEngine(dataclasses.replace(engine_config, strategy="single"))
             self.reference.initialize()
             self.reference.causal_lm.requires_grad_(False)
+        offload = config.actor.offload
+        self.actor_residency = Residency(self.engine, self.device, offload.params, offload.optimizer)
+        self.reference_residency = (
+            Residency(self.reference, self.device, offload.reference, optimizer=False)
+            if self.reference is not None
+            else None
+        )
+        if self.reference_residency is not None:
+            self.reference_residency.offload()  # waits on the CPU between its log-prob passes
         return sum(p.numel() for p in self.engine.causal_lm.parameters())
 
     @contextlib.contextmanager
@@ -124,6 +136,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         ``finish_reason`` column.
         """
         with self._phase("gen"):
+            self.actor_residency.offload()
             self.rollout.wake()
             if self.agents is not None:  # multi-turn episodes: tool or user turns between the model's
                 out = self.agents.generate(prompts, sampling, prompt_width, self.rank)
@@ -160,6 +173,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         An engine put to sleep after generation (``rollout.free_cache_between_generations``)
         wakes first: vLLM loads weights only when awake.
         """
+        self.actor_residency.load()
         self.rollout.wake()
         return self.rollout.update_weights(self.engine.iter_parameters(), version)
 
@@ -170,6 +184,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         [B, R]`` (``sum_v pi_old(v)^2`` per response token) when the advantage estimator reads it."""
         with_sum_pi_squared = self.config.algorithm.needs_sum_pi_squared
         with self._phase("old_log_prob"):
+            self.actor_residency.load()
             outputs = self.engine.forward_backward(
                 batch, None, forward_only=True, with_sum_pi_squared=with_sum_pi_squared
             ).outputs
@@ -184,8 +199,11 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         """``ref_log_probs [B, R]`` under the frozen reference (the base model when LoRA is on)."""
         with self._phase("ref"):
             if self.reference is not None:
+                self.reference_residency.load()
                 outputs = self.reference.forward_backward(batch, None, forward_only=True).outputs
+                self.reference_residency.offload()
             else:
+                self.actor_residency.load()
                 with self.engine.adapter_disabled():
                     outputs = self.engine.forward_backward(batch, None, forward_only=True).outputs
         return Batch({"ref_log_probs": response_part(outputs.log_probs, batch["prompts"].shape[1])})
@@ -205,6 +223,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         collected: dict[str, list[float]] = defaultdict(list)
         skipped_before = self.skipped.total
         with self._phase("update_actor"):
+            self.actor_residency.load(optimizer=True)
             for epoch in range(actor.ppo_epochs):
                 if config.prefers:
                     self._update_preference(batch, collected)
@@ -212,6 +231,9 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
                     self._update_epoch(batch, step, epoch, local_mini, collected)
         if config.trainer.lr_schedule_unit == "step":
             self.engine.lr_step()
+        self.actor_residency.offload(
+            params=False
+        )  # the optimizer state waits on the CPU until the next update
         self._probe = batch[:1]
         metrics = {name: reduce_metric(name, values, over_steps=True) for name, values in collected.items()}
         metrics["actor/skipped_updates"] = float(self.skipped.total - skipped_before)
@@ -222,6 +244,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
     def actor_health(self) -> ModelHealth:
         """The actor's weights (this rank's shards) and the log-probs of the last update's first
         sequence: finite or not (:mod:`tandem.engine.divergence`)."""
+        self.actor_residency.load()
         return self.engine.health(self._probe)
 
     def _update_epoch(
@@ -282,11 +305,13 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
     @register(dispatch="ONE_TO_ALL")
     def save_checkpoint(self, path: str) -> None:
         """The actor's model, optimizer, scheduler and RNG states under ``path`` (atomically)."""
+        self.actor_residency.load(optimizer=True)
         self.engine.save(path)
 
     @register(dispatch="ONE_TO_ALL")
     def load_checkpoint(self, path: str, version: int) -> None:
         """Restore the actor from ``path`` and push its weights to the rollout engine as ``version``."""
+        self.actor_residency.load(optimizer=True)
         self.engine.load(path)
         if self.rollout is not None:  # replicas get the weights from the pipeline
             self.rollout.update_weights(self.engine.iter_parameters(), version)
@@ -294,6 +319,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
     @register(dispatch="ONE_TO_ALL")
     def export_hf(self, path: str) -> None:
         """Write the current policy (LoRA merged) with its tokenizer as a plain HF model directory (rank 0 writes)."""
+        self.actor_residency.load()
         self.engine.export_hf(path, self.tokenizer, write=self.rank == 0)
 
     @register(dispatch="ONE_TO_ALL")

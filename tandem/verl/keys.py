@@ -121,7 +121,7 @@ _WITH_KL_PENALTY = (f"{ALGO}.use_kl_in_reward", (True,))
 _WITH_LORA = (f"{MODEL}.lora_rank", tuple(range(1, 4097)))
 
 _MEMORY = "a memory or speed setting; tandem decides it itself and the results do not depend on it"
-_OFFLOAD = "offloading: tandem keeps parameters and optimizer state on the worker's device"
+_OFFLOAD = "offloading within a phase: tandem keeps what a phase computes with on the worker's device"
 _LOGPROB_MICRO = "forward-only passes use the actor's micro-batch budget in tandem"
 _SEQUENCE_PARALLEL = "tandem has no sequence parallelism: each worker holds whole sequences (memory only)"
 _RAY = "tandem starts Ray itself (trainer.backend=ray)"
@@ -292,8 +292,8 @@ RULES: tuple[Rule, ...] = (
     joint(f"{ACTOR}.fsdp_config.dtype", "actor.engine.mixed_precision", "bfloat16"),
     noted(f"{ACTOR}.strategy", "tandem picks DDP or FSDP2 by the number of workers"),
     noted(f"{ACTOR}.fsdp_config.strategy", "tandem picks DDP or FSDP2 by the number of workers"),
-    noted(f"{ACTOR}.fsdp_config.param_offload", _OFFLOAD),
-    noted(f"{ACTOR}.fsdp_config.optimizer_offload", _OFFLOAD),
+    mapped(f"{ACTOR}.fsdp_config.param_offload", "actor.offload.params", False, bool, example=True),
+    mapped(f"{ACTOR}.fsdp_config.optimizer_offload", "actor.offload.optimizer", False, bool, example=True),
     noted(f"{ACTOR}.fsdp_config.offload_policy", _OFFLOAD),
     noted(f"{ACTOR}.fsdp_config.reshard_after_forward", _MEMORY),
     noted(f"{ACTOR}.fsdp_config.fsdp_size", _MEMORY),
@@ -325,7 +325,7 @@ RULES: tuple[Rule, ...] = (
     noted(f"{REF}.log_prob_micro_batch_size_per_gpu", _LOGPROB_MICRO),
     noted(f"{REF}.log_prob_use_dynamic_bsz", _LOGPROB_MICRO),
     noted(f"{REF}.log_prob_max_token_len_per_gpu", _LOGPROB_MICRO),
-    noted(f"{REF}.fsdp_config.param_offload", _OFFLOAD),
+    mapped(f"{REF}.fsdp_config.param_offload", "actor.offload.reference", False, bool, example=True),
     noted(f"{REF}.fsdp_config.reshard_after_forward", _MEMORY),
     noted(f"{REF}.fsdp_config.wrap_policy.min_num_params", _MEMORY),
     noted(f"{REF}.ulysses_sequence_parallel_size", _SEQUENCE_PARALLEL),

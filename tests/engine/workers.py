@@ -65,6 +65,12 @@ class EngineWorker(SendsWeights, Worker):
         params = self.engine.causal_lm.parameters()
         return [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in params]
 
+    @register(dispatch="ONE_TO_ALL")
+    def offload_and_load(self) -> None:
+        """Move parameters and optimizer state to the CPU and back (an offload round trip)."""
+        self.engine.to("cpu")
+        self.engine.to(self.engine.device)
+
     @register(
         dispatch="ONE_TO_ALL"
     )  # under FSDP2 gathering full tensors is a collective: every rank calls it
