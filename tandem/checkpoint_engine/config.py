@@ -24,14 +24,15 @@ class CheckpointEngineConfig:
         directory: where ``files`` writes its buckets (required for it); ``shared_memory``
             uses ``/dev/shm`` unless this names another memory-backed directory.
         host: the sender's address as the replicas reach it (the control plane and the
-            broadcast rendezvous listen there).
+            broadcast rendezvous listen there). Empty (the default): the sender's node address
+            in Ray's cluster with the Ray backend, the loopback address otherwise.
         timeout_s: how long either side waits for the other before raising, naming what it waited for.
     """
 
     backend: str = "naive"
     bucket_mb: float = 512
     directory: str = ""
-    host: str = "127.0.0.1"
+    host: str = ""
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:

@@ -30,6 +30,7 @@ from tandem.checkpoint_engine.transports import (
     SharedMemorySender,
     broadcast_group,
 )
+from tandem.controller.worker import rendezvous_host
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,10 @@ class WeightSender:
         self.config, self.receivers, self.device = config, receivers, device
         # The store binds a free port itself: picking one first and binding it later races with
         # every other process on the machine (EADDRINUSE).
-        self.control = ControlPlane(config.host, 0, is_sender=True, timeout_s=config.timeout_s)
+        host = config.host or rendezvous_host()
+        self.control = ControlPlane(host, 0, is_sender=True, timeout_s=config.timeout_s)
         group_backend = "nccl" if device.type == "cuda" else "gloo"
-        self.address = SenderAddress(config.host, self.control.port, config.backend, receivers, group_backend)
+        self.address = SenderAddress(host, self.control.port, config.backend, receivers, group_backend)
         self.transport = None
         self._in_flight: list[BucketMeta | None] = [None] * SLOTS  # posted, not yet read by every receiver
         self._in_flight_version = 0

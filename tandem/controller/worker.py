@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 from dataclasses import dataclass, replace
 from typing import Any
@@ -61,6 +62,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def rendezvous_host() -> str:
+    """The address this process's peers reach it at: inside a Ray actor, the node's address in
+    Ray's cluster (what Ray itself uses between nodes; a hostname may resolve to a loopback
+    address such as Debian's ``127.0.1.1``, which other nodes cannot reach); otherwise the
+    loopback address, since spawned worker processes share their controller's host."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"
 
 
 class Worker:
@@ -136,7 +148,7 @@ class Worker:
 
     def _tandem_claim_master(self) -> tuple[str, int]:
         """Rank 0 picks the rendezvous address (its own host and a free port) for the whole group."""
-        host = socket.gethostbyname(socket.gethostname()) if self.world_size > 1 else "127.0.0.1"
+        host = rendezvous_host() if self.world_size > 1 else "127.0.0.1"
         info = replace(self.dist_info, master_addr=host, master_port=free_port(host))
         self.__dict__["_tandem_dist_info"] = info
         os.environ.update(info.as_env())
