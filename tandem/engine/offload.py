@@ -14,12 +14,30 @@ is already where an offload would put it, so both calls do nothing.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
 
 from tandem.device import release_cached_memory
 from tandem.engine.base import TrainEngine
 
 HOST = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """What of one model's training state may wait on the CPU while the model does not compute
+    (``actor.offload.*``, ``critic.offload.*``).
+
+    Attributes:
+        params: the parameters (with their gradients).
+        optimizer: the optimizer state (AdamW's moments); needed only by the update.
+    """
+
+    params: bool = False
+    optimizer: bool = False
 
 
 class Residency:
@@ -60,6 +78,14 @@ class Residency:
             self.engine.to(self.device, model=move_params, optimizer=move_optimizer)
         self.params_resident = True
         self.optimizer_resident |= optimizer
+
+    @contextlib.contextmanager
+    def computing(self, optimizer: bool = False) -> Iterator[None]:
+        """On the device for the block (the optimizer state too when ``optimizer``), offloaded
+        again after it: for a model that waits on the CPU between its passes."""
+        self.load(optimizer=optimizer)
+        yield
+        self.offload()
 
     @property
     def state(self) -> str:

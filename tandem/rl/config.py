@@ -35,6 +35,7 @@ from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.controller.resource_pool import ResourcePool
 from tandem.device import check_device_setting
 from tandem.engine.config import EngineConfig
+from tandem.engine.offload import OffloadConfig
 from tandem.pipeline.config import PipelineConfig
 from tandem.rl.critic_config import CriticConfig
 from tandem.rl.judge_config import JudgeConfig
@@ -83,7 +84,7 @@ OBJECTIVES = ("policy_gradient", "preference")
 
 
 @dataclass(frozen=True)
-class OffloadConfig:
+class ActorOffloadConfig(OffloadConfig):
     """What the colocated loop keeps on the CPU while it is not needed (``actor.offload.*``),
     so that generation, and the rollout engine's KV cache, get the GPU's memory.
 
@@ -99,8 +100,6 @@ class OffloadConfig:
     on them: only where the state waits between phases changes.
     """
 
-    params: bool = False
-    optimizer: bool = False
     reference: bool = False
 
 
@@ -133,7 +132,7 @@ class ActorConfig:
         preference: the preference loss when ``objective=preference``
             (:class:`~tandem.algos.preference.PreferenceLossConfig`: ``name``, ``beta``, ...).
         offload: what the colocated loop keeps on the CPU between the phases that need it
-            (:class:`OffloadConfig`: ``params``, ``optimizer``, ``reference``).
+            (:class:`ActorOffloadConfig`: ``params``, ``optimizer``, ``reference``).
     """
 
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(lr=1e-6))
@@ -145,7 +144,7 @@ class ActorConfig:
     recompute_old_log_probs: bool = False
     objective: str = "policy_gradient"
     preference: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
-    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    offload: ActorOffloadConfig = field(default_factory=ActorOffloadConfig)
 
     def __post_init__(self) -> None:
         check_choice("actor", "objective", self.objective, OBJECTIVES)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from tandem.algos import LOSS_AGG_MODES
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.engine.config import EngineConfig
+from tandem.engine.offload import OffloadConfig
 
 PLACEMENTS = ("separate", "colocated")
 
@@ -32,6 +33,10 @@ class CriticConfig:
         placement: ``separate`` (a worker group of its own: its own processes, and with Ray
             GPUs of its own) or ``colocated`` (inside the actor's processes, one per rank, on
             the actor's device and process group: no second set of processes or GPUs).
+        offload: what of the critic waits on the CPU except while it computes values or updates
+            (``critic.offload.params``, ``critic.offload.optimizer``; verl's
+            ``critic.model.fsdp_config.param_offload`` / ``optimizer_offload``). On the CPU, and
+            for the results, it changes nothing.
     """
 
     model_path: str = ""
@@ -42,6 +47,7 @@ class CriticConfig:
     loss_agg_mode: str = ""
     warmup_steps: int = 0
     placement: str = "separate"
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
         check_range("critic", "ppo_epochs", self.ppo_epochs, low=0)

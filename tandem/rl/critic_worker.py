@@ -24,6 +24,7 @@ from tandem.device import bind_device
 from tandem.engine import TorchTrainEngine
 from tandem.engine.base import TokenOutputs
 from tandem.engine.divergence import ModelHealth, SkippedUpdates
+from tandem.engine.offload import Residency
 from tandem.engine.parallel import rank_strategy
 from tandem.protocol import Batch
 from tandem.rl.config import TrainConfig
@@ -74,21 +75,36 @@ class CriticWorker(Worker):
             config.trainer.max_skipped_updates_in_a_row, "trainer.max_skipped_updates_in_a_row"
         )
         self._probe: Batch | None = None
+        offload = config.critic.offload
+        self.residency = Residency(self.engine, self.device, offload.params, offload.optimizer)
+        self.residency.offload()  # waits on the CPU between its passes (when asked, on a GPU)
         return sum(p.numel() for p in self.engine.causal_lm.parameters())
 
     @register(dispatch="DP_COMPUTE")
     def compute_values(self, batch: Batch) -> Batch:
         """``values [B, R]``: ``V(s_t)`` of each response token under the current critic."""
-        outputs = self.engine.forward_backward(batch, None, forward_only=True).outputs
+        with self.residency.computing():
+            outputs = self.engine.forward_backward(batch, None, forward_only=True).outputs
         return Batch({"values": response_part(outputs.values, batch["prompts"].shape[1])})
 
     @register(dispatch="DP_COMPUTE")
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Clipped value-loss updates on this rank's shard (needs ``values`` and ``returns``);
         returns the metrics averaged over the optimizer steps."""
-        critic, config = self.config.critic, self.config
+        config = self.config
         local_mini = config.critic_mini_batch_prompts * config.rollout.n // self.world_size
         collected: dict[str, list[float]] = defaultdict(list)
+        with self.residency.computing(optimizer=True):
+            self._update_epochs(batch, local_mini, collected)
+        self._probe = batch[:1]
+        metrics = {name: sum(values) / len(values) for name, values in collected.items()}
+        metrics["critic/skipped_updates_in_a_row"] = float(self.skipped.in_a_row)
+        return metrics
+
+    def _update_epochs(self, batch: Batch, local_mini: int, collected: dict[str, list[float]]) -> None:
+        """``critic_epochs`` passes over this rank's mini-batches, one optimizer step each; metrics
+        go into ``collected``."""
+        critic, config = self.config.critic, self.config
         for _ in range(config.critic_epochs):
             for mini in batch.split(local_mini):
                 normalizer = self.engine.global_normalizer(mini["response_mask"])
@@ -109,22 +125,21 @@ class CriticWorker(Worker):
                     collected[name].append(sum(values) if name in SUMMED else sum(values) / len(values))
         if config.trainer.lr_schedule_unit == "step":
             self.engine.lr_step()
-        self._probe = batch[:1]
-        metrics = {name: sum(values) / len(values) for name, values in collected.items()}
-        metrics["critic/skipped_updates_in_a_row"] = float(self.skipped.in_a_row)
-        return metrics
 
     @register(dispatch="ONE_TO_ALL")
     def critic_health(self) -> ModelHealth:
         """The critic's weights (this rank's shards) and the values of the last update's first
         sequence: finite or not (:mod:`tandem.engine.divergence`)."""
-        return self.engine.health(self._probe)
+        with self.residency.computing():
+            return self.engine.health(self._probe)
 
     @register(dispatch="ONE_TO_ALL")
     def save_checkpoint(self, path: str) -> None:
         """The critic's model, optimizer, scheduler and RNG states under ``path``."""
-        self.engine.save(path)
+        with self.residency.computing(optimizer=True):
+            self.engine.save(path)
 
     @register(dispatch="ONE_TO_ALL")
     def load_checkpoint(self, path: str) -> None:
-        self.engine.load(path)
+        with self.residency.computing(optimizer=True):
+            self.engine.load(path)

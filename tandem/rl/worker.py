@@ -199,9 +199,8 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         """``ref_log_probs [B, R]`` under the frozen reference (the base model when LoRA is on)."""
         with self._phase("ref"):
             if self.reference is not None:
-                self.reference_residency.load()
-                outputs = self.reference.forward_backward(batch, None, forward_only=True).outputs
-                self.reference_residency.offload()
+                with self.reference_residency.computing():
+                    outputs = self.reference.forward_backward(batch, None, forward_only=True).outputs
             else:
                 self.actor_residency.load()
                 with self.engine.adapter_disabled():

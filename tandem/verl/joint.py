@@ -183,6 +183,8 @@ def critic(ctx: Context, workers: int) -> None:
     ctx.out["critic.engine.gradient_checkpointing"] = bool(
         ctx.get("critic.model.enable_gradient_checkpointing")
     )
+    ctx.out["critic.offload.params"] = bool(ctx.get("critic.model.fsdp_config.param_offload"))
+    ctx.out["critic.offload.optimizer"] = bool(ctx.get("critic.model.fsdp_config.optimizer_offload"))
     optimizer(ctx, "critic", "critic.engine")
     micro_batches(ctx, workers, "critic", "critic.engine")
     for name in CRITIC_INHERITS:

@@ -546,6 +546,8 @@ RULES: tuple[Rule, ...] = (
     ),
     joint("critic.cliprange_value", "critic.cliprange_value", 0.5, example=0.2),
     joint("trainer.critic_warmup", "critic.warmup_steps (k - 1)", 0, example=2),
+    joint("critic.model.fsdp_config.param_offload", "critic.offload.params", False, example=True),
+    joint("critic.model.fsdp_config.optimizer_offload", "critic.offload.optimizer", False, example=True),
     noted("critic.strategy", "tandem picks DDP or FSDP2 by the number of workers"),
     noted("critic.model.use_remove_padding", "tandem always packs sequences without padding"),
     noted("critic.forward_micro_batch_size_per_gpu", _LOGPROB_MICRO),

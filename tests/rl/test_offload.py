@@ -1,9 +1,9 @@
-"""``actor.offload.*`` in the colocated loop: each phase finds the state it reads on the device,
-generation runs with the actor (and the reference) offloaded, and the run's numbers are those
-of a run that offloads nothing.
+"""``actor.offload.*`` and ``critic.offload.*``: each phase finds the state it reads on the
+device, generation runs with the rest offloaded, and the run's numbers are those of a run that
+offloads nothing.
 
 On the CPU an offload moves nothing, so these runs force the moves (CPU to CPU) to follow the
-loop's bookkeeping; the GPU tier (tests/gpu) runs the real moves on CUDA.
+loops' bookkeeping; the GPU tier (tests/gpu) runs the real moves on CUDA.
 """
 
 import pytest
@@ -21,11 +21,11 @@ WITH_REFERENCE = (
     "actor.recompute_old_log_probs=true",
     "trainer.device=cpu",
 )
+PPO = ("preset=ppo", "critic.engine.lr=1e-3", "data.val_path=", "trainer.device=cpu")
 
 
 class ForcedResidency(Residency):
-    """A residency that moves on the CPU as it would on a GPU; each one made is remembered
-    (the worker makes the actor's first, then the reference's)."""
+    """A residency that moves on the CPU as it would on a GPU; each one made is remembered."""
 
     made: list[Residency] = []
 
@@ -35,6 +35,39 @@ class ForcedResidency(Residency):
         ForcedResidency.made.append(self)
 
 
+def _role(engine) -> str:
+    """``actor``, ``reference`` or ``critic``: the worker makes the actor's residency before the reference's."""
+    if engine.config.head == "value":
+        return "critic"
+    causal = [r.engine for r in ForcedResidency.made if r.engine.config.head != "value"]
+    return "actor" if engine is causal[0] else "reference"
+
+
+def _record_phases(monkeypatch) -> list[tuple[str, dict[str, str]]]:
+    """Force the moves, and record each engine pass and generation with every model's state then."""
+    seen: list[tuple[str, dict[str, str]]] = []
+    forward_backward = TorchTrainEngine.forward_backward
+    generate_batch = NativeRolloutEngine.generate_batch
+
+    def states() -> dict[str, str]:
+        return {_role(r.engine): r.state for r in ForcedResidency.made}
+
+    def recording_forward_backward(self, batch, loss_fn, forward_only=False, **kwargs):
+        seen.append((f"{_role(self)} {'forward' if forward_only else 'update'}", states()))
+        return forward_backward(self, batch, loss_fn, forward_only=forward_only, **kwargs)
+
+    def recording_generate_batch(self, requests, *args, **kwargs):
+        seen.append(("generate", states()))
+        return generate_batch(self, requests, *args, **kwargs)
+
+    monkeypatch.setattr(ForcedResidency, "made", [])
+    monkeypatch.setattr("tandem.rl.worker.Residency", ForcedResidency)
+    monkeypatch.setattr("tandem.rl.critic_worker.Residency", ForcedResidency)
+    monkeypatch.setattr(TorchTrainEngine, "forward_backward", recording_forward_backward)
+    monkeypatch.setattr(NativeRolloutEngine, "generate_batch", recording_generate_batch)
+    return seen
+
+
 def _numbers(history: list[dict]) -> list[dict]:
     return [
         {k: v for k, v in h.items() if not k.startswith(("timing_s/", "perf/throughput"))} for h in history
@@ -42,42 +75,42 @@ def _numbers(history: list[dict]) -> list[dict]:
 
 
 def test_each_phase_finds_what_it_reads_and_the_numbers_do_not_change(rl_files, tmp_path, monkeypatch):
-    seen: list[tuple[str, str, str]] = []  # (what ran, actor state, reference state)
-    forward_backward = TorchTrainEngine.forward_backward
-    generate_batch = NativeRolloutEngine.generate_batch
-
-    def states() -> tuple[str, str]:
-        actor, reference = ForcedResidency.made
-        return actor.state, reference.state
-
-    def recording_forward_backward(self, batch, loss_fn, forward_only=False, **kwargs):
-        role = "actor" if self is ForcedResidency.made[0].engine else "reference"
-        seen.append((f"{role} {'forward' if forward_only else 'update'}", *states()))
-        return forward_backward(self, batch, loss_fn, forward_only=forward_only, **kwargs)
-
-    def recording_generate_batch(self, requests, *args, **kwargs):
-        if len(ForcedResidency.made) == 2:
-            seen.append(("generate", *states()))
-        return generate_batch(self, requests, *args, **kwargs)
-
     plain = RLTrainer(small_config(rl_files, tmp_path / "plain", *WITH_REFERENCE)).fit().history
-    monkeypatch.setattr(ForcedResidency, "made", [])
-    monkeypatch.setattr("tandem.rl.worker.Residency", ForcedResidency)
-    monkeypatch.setattr(TorchTrainEngine, "forward_backward", recording_forward_backward)
-    monkeypatch.setattr(NativeRolloutEngine, "generate_batch", recording_generate_batch)
+    seen = _record_phases(monkeypatch)
     offloaded = RLTrainer(small_config(rl_files, tmp_path / "offloaded", *WITH_REFERENCE, *OFFLOAD_ALL)).fit()
 
     assert _numbers(offloaded.history) == _numbers(plain)
-    phases = {what for what, _, _ in seen}
-    assert phases == {"generate", "actor forward", "actor update", "reference forward"}
-    for what, actor, reference in seen:
-        expected = {
-            "generate": ("offloaded", "parameters offloaded"),
-            "actor forward": ("optimizer offloaded", "parameters offloaded"),
-            "actor update": ("resident", "parameters offloaded"),
-            "reference forward": ("optimizer offloaded", "resident"),
-        }[what]
-        assert (actor, reference) == expected, what
+    expected = {
+        "generate": {"actor": "offloaded", "reference": "parameters offloaded"},
+        "actor forward": {"actor": "optimizer offloaded", "reference": "parameters offloaded"},
+        "actor update": {"actor": "resident", "reference": "parameters offloaded"},
+        "reference forward": {"actor": "optimizer offloaded", "reference": "resident"},
+    }
+    assert {what for what, _ in seen} == set(expected)
+    for what, states in seen:
+        assert states == expected[what], what
+
+
+def test_the_critic_waits_offloaded_except_while_it_computes(rl_files, tmp_path, monkeypatch):
+    plain = RLTrainer(small_config(rl_files, tmp_path / "plain", *PPO)).fit().history
+    seen = _record_phases(monkeypatch)
+    offloaded = RLTrainer(
+        small_config(
+            rl_files,
+            tmp_path / "offloaded",
+            *PPO,
+            "critic.offload.params=true",
+            "critic.offload.optimizer=true",
+        )
+    ).fit()
+
+    assert _numbers(offloaded.history) == _numbers(plain)
+    expected = {"generate": "offloaded", "actor update": "offloaded", "critic forward": "optimizer offloaded",
+                "critic update": "resident"}  # fmt: skip
+    assert {what for what, _ in seen} >= set(expected)
+    for what, states in seen:
+        if what in expected:
+            assert states["critic"] == expected[what], what
 
 
 def test_offloading_the_actor_is_refused_where_the_rollout_runs_on_replicas(rl_files, tmp_path):

@@ -182,6 +182,8 @@ JOINT = {
     "reward.reward_model.model_path": {"reward.sources": ("model",), "reward.model.path": "/models/rm"},
     "critic.model.path": {"critic.model_path": "/models/critic"},
     "critic.model.enable_gradient_checkpointing": {"critic.engine.gradient_checkpointing": False},
+    "critic.model.fsdp_config.param_offload": {"critic.offload.params": True},
+    "critic.model.fsdp_config.optimizer_offload": {"critic.offload.optimizer": True},
     "critic.optim.lr": {"critic.engine.lr": 2e-5},
     "critic.optim.weight_decay": {"critic.engine.weight_decay": 0.1},
     "critic.optim.betas": {"critic.engine.betas": (0.9, 0.95)},
