@@ -6,7 +6,8 @@ Each row of a prompt batch becomes an :class:`~tandem.agents.loops.AgentSample` 
 column); the episodes run at once over the worker's rollout engine; each trajectory becomes a
 completion whose ``token_mask`` keeps the model's tokens apart from the tool and user turns
 (``response_mask`` 0 there). The rows gain ``agent_messages`` (the conversation),
-``agent_turns``, ``agent_tool_calls``, ``agent_tool_errors`` and ``finish_reason``.
+``agent_turns``, ``agent_tool_calls``, ``agent_tool_errors``, ``agent_reward`` (an interaction's
+reward, None where none ended the episode) and ``finish_reason``.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class AgentRollout:
                 "agent_turns": [t.turns for t in trajectories],
                 "agent_tool_calls": [t.tool_calls for t in trajectories],
                 "agent_tool_errors": [t.tool_errors for t in trajectories],
+                "agent_reward": [t.reward for t in trajectories],
             },
         )
 

@@ -341,6 +341,7 @@ def assemble_batch(groups: list[GroupMeta], dataset: Any, n: int, pad_id: int) -
             agent_turns=[e.turns for e in episodes],
             agent_tool_calls=[e.tool_calls for e in episodes],
             agent_tool_errors=[e.tool_errors for e in episodes],
+            agent_reward=[e.reward for e in episodes],
         )
     batch = prompts.assign(tensors=tensors, non_tensors=non_tensors)
     return trim_padding(batch, pad_id)

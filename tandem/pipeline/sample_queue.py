@@ -26,6 +26,7 @@ class EpisodeInfo:
     turns: int
     tool_calls: int
     tool_errors: int
+    reward: float | None = None  # an interaction's, when it ended the episode with one
 
 
 @dataclass(frozen=True)

@@ -357,7 +357,7 @@ class RewardModelSourceConfig:
         check_choice("reward.model", "param_dtype", self.param_dtype, ("float32", "bfloat16"))
 
 
-REWARD_SOURCES = ("rule", "model", "judge")
+REWARD_SOURCES = ("rule", "model", "judge", "interaction")
 
 
 @dataclass(frozen=True)
@@ -368,7 +368,9 @@ class RewardConfig:
         sources: what scores each response, combined by ``weights``: ``rule`` (the function
             below or the built-in scorer of its ``data_source``), ``model`` (a reward model,
             ``reward.model.*``) and ``judge`` (an LLM behind an OpenAI-compatible endpoint,
-            ``reward.judge.*``). Each is logged as ``reward/<source>/mean``.
+            ``reward.judge.*``) and ``interaction`` (the reward the ``interaction`` agent loop's
+            user function ends an episode with; 0 where it gave none). Each is logged as
+            ``reward/<source>/mean``.
         weights: one per source (empty: 1 each); the score is the weighted sum.
         custom_path: a Python file with a scoring function (empty: the built-in scorers by ``data_source``).
         custom_name: the function's name in that file: ``fn(data_source, solution_str, ground_truth, extra_info) -> float | dict``.
@@ -562,6 +564,11 @@ class TrainConfig:
             )
         if self.algorithm.kl.use_kl_loss and self.algorithm.kl.kl_loss_coef == 0:
             raise ValueError("algorithm.kl.use_kl_loss is on but algorithm.kl.kl_loss_coef is 0")
+        if "interaction" in self.reward.sources and not self.agent.interaction_path:
+            raise ValueError(
+                "reward.sources has 'interaction': set agent.interaction_path (the user function whose "
+                "reward ends an episode) and agent.name=interaction"
+            )
         self._check_pipeline()
         self._check_preference()
         self._check_critic()

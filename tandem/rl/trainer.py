@@ -385,7 +385,8 @@ class RLTrainer:
         in training also ``reward_components [B, K]`` when the advantage estimator reads them.
 
         An agent episode is scored on its final answer (the last model turn's text); its whole
-        conversation is in the scorer's ``extra_info["messages"]``."""
+        conversation is in the scorer's ``extra_info["messages"]``, and the reward an interaction
+        ended it with (or None) in ``extra_info["interaction_reward"]``."""
         mask = batch["response_mask"]
         lengths = response_lengths(batch)
         if "agent_messages" in batch:
@@ -393,8 +394,10 @@ class RLTrainer:
             batch = batch.assign(
                 non_tensors={
                     "extra_info": [
-                        {**info, "messages": messages}
-                        for info, messages in zip(batch["extra_info"], batch["agent_messages"], strict=True)
+                        {**info, "messages": messages, "interaction_reward": reward}
+                        for info, messages, reward in zip(
+                            batch["extra_info"], batch["agent_messages"], batch["agent_reward"], strict=True
+                        )
                     ]
                 }
             )

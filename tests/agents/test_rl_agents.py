@@ -1,6 +1,7 @@
 """Agent loops inside ``tandem train``: multi-turn episodes become training rows whose
 ``response_mask`` covers only the model's tokens, the trainer's log-probs match the sampler's
-on them, rewards see the whole conversation, and the agent metrics are logged."""
+on them, rewards see the whole conversation and the interaction's own reward (as
+``extra_info`` and as the ``interaction`` reward source), and the agent metrics are logged."""
 
 import json
 
@@ -15,15 +16,19 @@ from tests.rl.conftest import small_config
 INTERACTION = """
 def respond(messages, extra_info):
     turns = sum(m["role"] == "assistant" for m in messages)
-    if turns >= 2:
-        return {"content": None, "done": True}
+    if turns >= 2:  # ends the episode with a reward of its own: a tenth of the last answer's length
+        return {"content": None, "done": True, "reward": len(messages[-1]["content"]) / 10}
     return {"content": "again: " + extra_info["expression"] + "=", "done": False}
 """
 
 REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info):
-    turns = sum(m["role"] == "assistant" for m in extra_info["messages"])
-    return {"score": float(solution_str.strip() == ground_truth), "turns": float(turns)}
+    messages = extra_info["messages"]
+    turns = sum(m["role"] == "assistant" for m in messages)
+    given = extra_info["interaction_reward"]  # None: the episode ended otherwise (length, max_turns)
+    matches = given is None or given == len(messages[-1]["content"]) / 10
+    return {"score": float(solution_str.strip() == ground_truth), "turns": float(turns),
+            "interaction": given or 0.0, "interaction_matches": float(matches)}
 """
 
 
@@ -56,7 +61,8 @@ def test_grpo_on_multi_turn_interaction_episodes(answering_model, rl_files, tmp_
     config = small_config(
         {**rl_files, "model": answering_model}, tmp_path / "run",
         "agent.name=interaction", f"agent.interaction_path={tmp_path / 'interaction.py'}", "agent.max_turns=3",
-        f"reward.custom_path={tmp_path / 'reward.py'}", "rollout.max_response_length=40",
+        f"reward.custom_path={tmp_path / 'reward.py'}", "reward.sources=[rule,interaction]",
+        "rollout.max_response_length=40",
         "trainer.total_steps=2", "trainer.val_before_train=false", f"pipeline.mode={mode}",
         "pipeline.trainer_threads=1", "pipeline.rollout_threads=1",
     )  # fmt: skip
@@ -68,6 +74,10 @@ def test_grpo_on_multi_turn_interaction_episodes(answering_model, rl_files, tmp_
         assert entry["reward/extra/turns/mean"] == pytest.approx(
             entry["agent/turns/mean"]
         )  # the reward saw them
+        # each row's interaction reward is its own episode's, and the source scores the same values
+        assert entry["reward/extra/interaction_matches/mean"] == 1.0
+        assert entry["reward/interaction/mean"] == pytest.approx(entry["reward/extra/interaction/mean"])
+        assert entry["reward/interaction/mean"] > 0
         if entry.get("pipeline/staleness/max", 0) == 0:  # sampled with the trainer's weights
             assert entry["rollout_corr/max_abs_log_prob_diff"] <= 1e-5  # trainer == sampler on model tokens
         assert sum(v for k, v in entry.items() if k.startswith("agent/finish/")) == pytest.approx(1.0)

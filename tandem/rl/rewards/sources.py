@@ -7,6 +7,9 @@
   (:class:`~tandem.rl.rewards.model_worker.RewardModelWorker`), reading the decoded prompt and
   response with its own tokenizer and chat template.
 * ``judge``: an LLM behind an OpenAI-compatible endpoint (:class:`~tandem.rl.rewards.judge.LLMJudge`).
+* ``interaction``: the reward the ``interaction`` agent loop's user function ended the episode
+  with (``agent_reward``); an episode it did not end with one scores 0 for this source and
+  counts in ``reward/interaction/missing``.
 
 Each source is logged as ``reward/<source>/mean`` (when there is more than the rule alone);
 failures of any source score 0 for that source and count in ``reward/errors``. DAPO's
@@ -82,6 +85,10 @@ class RewardSources:
                 f"item {row} ({texts[row][:40]!r}): the reward model's tokenizer cannot encode it; scored 0"
                 for row in failed.nonzero().flatten().tolist()
             ]
+        if "interaction" in self.weights:
+            given = list(batch["agent_reward"])
+            parts["interaction"] = torch.tensor([0.0 if r is None else float(r) for r in given])
+            metrics["reward/interaction/missing"] = float(sum(r is None for r in given))
         if self.judge is not None:
             prompts = [prompt_text(messages) for messages in batch["raw_prompt"]]
             judged = self.judge.score(prompts, texts, list(batch["ground_truth"]))
