@@ -185,7 +185,9 @@ class GroupTracker:
             tensors["prompt_lengths"] = torch.tensor(
                 [len(t.prompt_ids) for t in responses], dtype=torch.int64
             )
-            episodes = tuple(EpisodeInfo(t.messages, t.turns, t.tool_calls, t.tool_errors, t.reward) for t in responses)
+            episodes = tuple(
+                EpisodeInfo(t.messages, t.turns, t.tool_calls, t.tool_errors, t.reward) for t in responses
+            )
         sampled = [v for v in versions if v >= 0]  # tool and user tokens carry -1
         group = pending.request
         return GroupMeta(

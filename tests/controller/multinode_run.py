@@ -71,7 +71,10 @@ def main(files: dict, output_dir: str) -> None:
         )
         async_history = RLTrainer(pipeline).fit().history
         node_ip = ray.util.get_node_ip_address()
-        print(json.dumps({"places": places, "history": history, "async": async_history, "node_ip": node_ip}), flush=True)
+        print(
+            json.dumps({"places": places, "history": history, "async": async_history, "node_ip": node_ip}),
+            flush=True,
+        )
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -40,9 +40,11 @@ def test_two_nodes_place_one_rank_each_and_train_like_one_worker(rl_files, tmp_p
     assert all(p["master_addr"] == result["node_ip"] for p in places)  # Ray's node address, not a hostname's
 
     (two,) = result["history"]
-    (one,) = RLTrainer(
-        small_config(rl_files, tmp_path / "one", "trainer.total_steps=1", "data.val_path=")
-    ).fit().history
+    (one,) = (
+        RLTrainer(small_config(rl_files, tmp_path / "one", "trainer.total_steps=1", "data.val_path="))
+        .fit()
+        .history
+    )
     for name in SAME:
         assert two[name] == one[name], name
     for name in CLOSE:
@@ -51,4 +53,6 @@ def test_two_nodes_place_one_rank_each_and_train_like_one_worker(rl_files, tmp_p
     async_steps = result["async"]
     assert [h["step"] for h in async_steps] == [1, 2]
     assert all(h["pipeline/weight_sync_gbps"] > 0 for h in async_steps)
-    assert async_steps[0]["rollout_corr/max_abs_log_prob_diff"] < 1e-4  # the replica had the trainer's weights
+    assert (
+        async_steps[0]["rollout_corr/max_abs_log_prob_diff"] < 1e-4
+    )  # the replica had the trainer's weights

@@ -105,7 +105,10 @@ def test_overrides_apply_and_bad_ones_name_the_key():
         (["rollout.val_n=4"], "rollout.val_n=4 needs rollout.val_temperature > 0"),
         (["trainer.loggers=[console,neptune]"], "trainer.loggers='neptune'"),
         (["model_path="], "model_path is required"),
-        (["reward.sources=[rule,interaction]"], "reward.sources has 'interaction': set agent.interaction_path"),
+        (
+            ["reward.sources=[rule,interaction]"],
+            "reward.sources has 'interaction': set agent.interaction_path",
+        ),
     ],
 )
 def test_impossible_combinations_are_rejected_naming_the_fields(overrides, message):
