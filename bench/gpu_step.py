@@ -13,6 +13,9 @@ initialised — nothing is downloaded. The step's two phases run as the RL worke
   torch engine: bf16 compute (autocast), fp32 master weights and AdamW, packed sequences in
   token-budget micro-batches. Reported: tokens/s and MFU (6 x parameters x tokens, plus the
   attention products).
+- **offload**: after the update, the actor's parameters and AdamW state go to the CPU and back
+  (what ``actor.offload.params`` / ``optimizer`` do around generation). Reported: seconds each
+  way and the GPU memory the offload freed.
 
 Peak GPU memory per phase comes from ``torch.cuda.max_memory_allocated``. MFU is against
 ``--peak-tflops`` (the dense bf16 peak; 989 for an H100 SXM) and bandwidth against
@@ -187,6 +190,8 @@ def measure_update(args, model, device, prompts, completions, pad_id: int) -> di
     update()
     synchronize(device)
     seconds = time.perf_counter() - start
+    update_peak = peak_memory_gb(device)
+    offload = measure_offload(engine, device)
     params = sum(p.numel() for p in model.parameters())
     tokens = int(batch["attention_mask"].sum())
     lengths = batch["attention_mask"].sum(-1).float()
@@ -197,7 +202,31 @@ def measure_update(args, model, device, prompts, completions, pad_id: int) -> di
         "update_seconds": seconds,
         "update_tokens_per_s": tokens / seconds,
         "update_mfu": flops / seconds / (args.peak_tflops * 1e12),
-        "update_peak_memory_gb": peak_memory_gb(device),
+        "update_peak_memory_gb": update_peak,
+        **offload,
+    }
+
+
+def measure_offload(engine: TorchTrainEngine, device: torch.device) -> dict:
+    """Seconds to move the engine's parameters and optimizer state to the CPU and back, and the
+    GPU memory the move freed (0 on the CPU, where nothing moves)."""
+    engine.zero_grad()
+    synchronize(device)
+    resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    start = time.perf_counter()
+    engine.to("cpu")
+    synchronize(device)
+    offload_seconds = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    freed = resident - (torch.cuda.memory_allocated(device) if device.type == "cuda" else 0)
+    start = time.perf_counter()
+    engine.to(device)
+    synchronize(device)
+    return {
+        "offload_seconds": offload_seconds,
+        "reload_seconds": time.perf_counter() - start,
+        "offload_freed_gb": freed / 1e9,
     }
 
 
