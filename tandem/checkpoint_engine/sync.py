@@ -30,7 +30,7 @@ from tandem.checkpoint_engine.transports import (
     SharedMemorySender,
     broadcast_group,
 )
-from tandem.controller.worker import rendezvous_host
+from tandem.controller.network import rendezvous_host
 
 
 @dataclass(frozen=True)

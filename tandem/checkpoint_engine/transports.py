@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.checkpoint_engine.buckets import BucketMeta
+from tandem.controller.network import rendezvous_host, route_gloo_through
 
 SLOTS = 2  # a bucket is packed while the previous one is in flight
 
@@ -41,6 +42,7 @@ def broadcast_group(
     prefixed = dist.PrefixStore("weight-broadcast", store)
     if backend == "nccl":
         return dist.ProcessGroupNCCL(prefixed, rank, size)
+    route_gloo_through(rendezvous_host())
     return dist.ProcessGroupGloo(prefixed, rank, size, datetime.timedelta(seconds=timeout_s))
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import traceback
 from dataclasses import dataclass, replace
 from typing import Any
@@ -14,6 +13,7 @@ import torch.distributed as dist
 
 from tandem.controller.dispatch import MeshRank
 from tandem.controller.errors import WorkerError
+from tandem.controller.network import rendezvous_host, route_gloo_through
 from tandem.device import process_group_backend
 from tandem.protocol.shared import SharedBatch, read_probe
 
@@ -64,17 +64,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def rendezvous_host() -> str:
-    """The address this process's peers reach it at: inside a Ray actor, the node's address in
-    Ray's cluster (what Ray itself uses between nodes; a hostname may resolve to a loopback
-    address such as Debian's ``127.0.1.1``, which other nodes cannot reach); otherwise the
-    loopback address, since spawned worker processes share their controller's host."""
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        return ray.util.get_node_ip_address()
-    return "127.0.0.1"
-
-
 class Worker:
     """Base class for workers: knows its place in the group and can join a collective group.
 
@@ -116,6 +105,8 @@ class Worker:
         if dist.is_initialized():
             return
         backend = backend or process_group_backend(device)
+        if backend == "gloo":
+            route_gloo_through(rendezvous_host())
         info = self.dist_info
         from datetime import timedelta
 

@@ -10,6 +10,7 @@ Usage: python -m tests.controller.multinode_run FILES_JSON OUTPUT_DIR
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import ray
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from ray.cluster_utils import Cluster
 
 from tandem.controller import ResourcePool, Worker, create_worker_group, register
+from tandem.controller.network import interface_of
 from tandem.rl import RLTrainer
 from tests.rl.conftest import small_config
 
@@ -37,6 +39,7 @@ class PlacementReporter(Worker):
             "local_rank": self.local_rank,
             "local_world_size": info.local_world_size,
             "master_addr": info.master_addr,
+            "gloo_interface": os.environ.get("GLOO_SOCKET_IFNAME"),
             "rank_sum": total.item(),
         }
 
@@ -71,10 +74,8 @@ def main(files: dict, output_dir: str) -> None:
         )
         async_history = RLTrainer(pipeline).fit().history
         node_ip = ray.util.get_node_ip_address()
-        print(
-            json.dumps({"places": places, "history": history, "async": async_history, "node_ip": node_ip}),
-            flush=True,
-        )
+        result = {"places": places, "history": history, "async": async_history, "node_ip": node_ip}
+        print(json.dumps({**result, "interface": interface_of(node_ip)}), flush=True)
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -38,6 +38,9 @@ def test_two_nodes_place_one_rank_each_and_train_like_one_worker(rl_files, tmp_p
     assert all(p["local_rank"] == 0 and p["local_world_size"] == 1 for p in places)
     assert all(p["rank_sum"] == 3.0 for p in places)  # the all-reduce crossed the nodes
     assert all(p["master_addr"] == result["node_ip"] for p in places)  # Ray's node address, not a hostname's
+    if not result["node_ip"].startswith("127."):  # gloo sent through the interface holding it
+        assert result["interface"] is not None
+        assert all(p["gloo_interface"] == result["interface"] for p in places)
 
     (two,) = result["history"]
     (one,) = (
