@@ -95,8 +95,10 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
                 self.agents = AgentRollout(config.agent, self.tokenizer, self.rollout)
         self.reference: TorchTrainEngine | None = None
         if config.needs_reference and not config.actor.engine.lora.rank:
-            # A frozen copy computing log-probs only; each rank scores its own shard, so no DP wrapper.
-            self.reference = TorchTrainEngine(dataclasses.replace(engine_config, strategy="single"))
+            # A frozen copy computing log-probs only: sharded like the actor under FSDP2; a whole copy
+            # per rank otherwise (each rank scores its own rows, so DDP would add nothing).
+            reference_strategy = "fsdp2" if strategy == "fsdp2" else "single"
+            self.reference = TorchTrainEngine(dataclasses.replace(engine_config, strategy=reference_strategy))
             self.reference.initialize()
             self.reference.causal_lm.requires_grad_(False)
         offload = config.actor.offload

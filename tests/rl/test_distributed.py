@@ -20,8 +20,9 @@ def single_worker_run(rl_files, tmp_path_factory):
     return RLTrainer(small_config(rl_files, out, "trainer.total_steps=1", "data.val_path=")).fit().history
 
 
-@pytest.mark.parametrize("backend", ["local", "ray"])
-def test_two_workers_match_one(rl_files, tmp_path, single_worker_run, backend, request):
+@pytest.mark.parametrize("backend,strategy", [("local", "single"), ("ray", "single"), ("local", "fsdp2")])
+def test_two_workers_match_one(rl_files, tmp_path, single_worker_run, backend, strategy, request):
+    """DDP (``single`` over two ranks), and FSDP2, whose reference model is sharded too."""
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
     config = small_config(
@@ -31,6 +32,7 @@ def test_two_workers_match_one(rl_files, tmp_path, single_worker_run, backend, r
         "data.val_path=",
         "trainer.n_workers=2",
         f"trainer.backend={backend}",
+        f"actor.engine.strategy={strategy}",
     )
     (two,) = RLTrainer(config).fit().history
     (one,) = single_worker_run
