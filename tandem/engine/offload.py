@@ -8,6 +8,12 @@ parameters and optimizer state are and moves them on demand: :meth:`Residency.of
 the CPU (then hands the freed blocks back to the driver, so the rollout engine's allocator
 can use them) and :meth:`Residency.load` back, before the engine computes.
 
+The move itself is :class:`HostCopies`: each tensor's device storage is copied to host memory
+and resized to nothing *in place*, then resized and refilled on the way back. The tensors never
+change device, shape or identity, so everything holding them stays valid: the optimizer's
+references, FSDP2's shards and, unlike ``Module.to``, DDP's gradient hooks (autograd drops a
+parameter's gradient accumulator, where DDP's hooks live, when its data changes device).
+
 Only what the configuration allows moves, and only on an accelerator: on the CPU the state
 is already where an offload would put it, so both calls do nothing.
 """
@@ -15,15 +21,14 @@ is already where an offload would put it, so both calls do nothing.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from tandem.device import release_cached_memory
 from tandem.engine.base import TrainEngine
-
-HOST = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -40,11 +45,56 @@ class OffloadConfig:
     optimizer: bool = False
 
 
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
+    """The storage holding ``tensor``'s data (a DTensor's: its local shard's)."""
+    return (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).untyped_storage()
+
+
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A byte tensor over all of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class HostCopies:
+    """The storages of ``tensors`` copied to host memory and freed in place; :meth:`restore`
+    reallocates them on their device and copies the data back.
+
+    A storage shared by several tensors moves once. Storages that cannot be resized (weights
+    memory-mapped from a file, on the CPU) stay where they are.
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        self._saved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+        seen: set[int] = set()
+        for tensor in tensors:
+            storage = _storage(tensor)
+            if storage.nbytes() == 0 or storage.data_ptr() in seen or not storage.resizable():
+                continue
+            seen.add(storage.data_ptr())
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8)
+            host.copy_(_as_bytes(storage))
+            self._saved.append((storage, host))
+        for storage, _ in self._saved:
+            storage.resize_(0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held on the host."""
+        return sum(host.numel() for _, host in self._saved)
+
+    def restore(self) -> None:
+        """Reallocate every storage and copy its data back (once; later calls do nothing)."""
+        for storage, host in self._saved:
+            storage.resize_(host.numel())
+            _as_bytes(storage).copy_(host)
+        self._saved = []
+
+
 class Residency:
     """Where ``engine``'s parameters and optimizer state live: on ``device`` or on the CPU.
 
     Args:
-        engine: the engine whose state moves (its :meth:`~TrainEngine.to`).
+        engine: the engine whose state moves (its :meth:`~TrainEngine.offload` and ``reload``).
         device: the engine's compute device.
         params: the parameters (with their gradients) may be offloaded.
         optimizer: the optimizer state may be offloaded.
@@ -65,7 +115,7 @@ class Residency:
         move_optimizer = optimizer and self.offloads_optimizer and self.optimizer_resident
         if not (move_params or move_optimizer):
             return
-        self.engine.to(HOST, model=move_params, optimizer=move_optimizer)
+        self.engine.offload(model=move_params, optimizer=move_optimizer)
         self.params_resident &= not move_params
         self.optimizer_resident &= not move_optimizer
         release_cached_memory(self.device)
@@ -75,7 +125,7 @@ class Residency:
         move_params = not self.params_resident
         move_optimizer = optimizer and not self.optimizer_resident
         if move_params or move_optimizer:
-            self.engine.to(self.device, model=move_params, optimizer=move_optimizer)
+            self.engine.reload(model=move_params, optimizer=move_optimizer)
         self.params_resident = True
         self.optimizer_resident |= optimizer
 

@@ -20,6 +20,7 @@ from tandem.engine.divergence import ModelHealth
 from tandem.engine.lora import apply_lora, iter_merged_lora_parameters
 from tandem.engine.lr_schedule import build_scheduler
 from tandem.engine.micro_batch import token_budget_micro_batches
+from tandem.engine.offload import HostCopies
 from tandem.engine.packing import pack_sequences, pad_to_multiple, positions_from_mask, unpack
 from tandem.engine.parallel import data_parallel_size, wrap_data_parallel
 from tandem.engine.reward_model import TokenScoreModel
@@ -49,6 +50,7 @@ class TorchTrainEngine:
         self.step_count = 0
         self.last_step_skipped = False
         self.device = torch.device("cpu")  # bound by initialize()
+        self._offloaded: dict[str, HostCopies] = {}  # "model" / "optimizer": state held in host memory
 
     # ------------------------------------------------------------------ set-up
     def initialize(self) -> None:
@@ -385,27 +387,22 @@ class TorchTrainEngine:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
 
-    def to(self, device: str | torch.device, model: bool = True, optimizer: bool = True) -> None:
-        """Move the parameters (with their gradients) and/or the optimizer state to ``device``:
-        offload to the CPU and load back (:mod:`tandem.engine.offload`).
+    def offload(self, model: bool = True, optimizer: bool = True) -> None:
+        """Copy the parameters and/or the optimizer state to host memory and free their device
+        memory (:class:`~tandem.engine.offload.HostCopies`: in place, so DDP, FSDP2 and the
+        optimizer keep working on the same tensors once :meth:`reload` brings them back).
+        Gradients stay: the loops offload between optimizer steps, when there are none."""
+        if model and "model" not in self._offloaded:
+            self._offloaded["model"] = HostCopies(self._require_module().parameters())
+        if optimizer and "optimizer" not in self._offloaded:
+            state = [value for entry in self.optimizer.state.values() for value in entry.values()]
+            self._offloaded["optimizer"] = HostCopies(v for v in state if isinstance(v, torch.Tensor))
 
-        The parameters move through ``Module.to``, which FSDP2 follows (its shards are
-        re-registered), and stay the same ``Parameter`` objects, so the optimizer keeps
-        training them; the optimizer's step counters stay where they are.
-        """
-        module = self._require_module()
-        if model:
-            before = [id(param) for param in module.parameters()]
-            module.to(device)
-            if [id(param) for param in module.parameters()] != before:
-                raise RuntimeError(
-                    "moving the model replaced its parameters; the optimizer would train stale ones"
-                )
-        if optimizer:
-            for state in self.optimizer.state.values():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and key != "step":
-                        state[key] = value.to(device)
+    def reload(self, model: bool = True, optimizer: bool = True) -> None:
+        """Bring back what :meth:`offload` moved to host memory (what was not offloaded stays)."""
+        for part, wanted in (("model", model), ("optimizer", optimizer)):
+            if wanted and part in self._offloaded:
+                self._offloaded.pop(part).restore()
 
     def save(self, path: str) -> None:
         """Write model, optimizer, scheduler, step and RNG state under ``path`` (atomically)."""
@@ -447,7 +444,7 @@ def _reassemble(collected: list[tuple[list[int], TokenOutputs]], shape: torch.Si
     for rows, outputs in collected:
         index = torch.tensor(rows)
         for name, values in outputs.fields().items():
-            whole[name][index] = values.to(whole[name].device)
+            whole[name][index] = values.to(whole[name].device, whole[name].dtype)
     return TokenOutputs(**whole)
 
 

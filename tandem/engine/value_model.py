@@ -67,6 +67,7 @@ class TokenValueModel(nn.Module):
 
 def scalar_head(head: nn.Linear, states: torch.Tensor) -> torch.Tensor:
     """A one-output ``score`` head on ``states [..., H]`` in fp32 -> ``[..., 1]`` (its weights
-    upcast, as the policy's output head is)."""
-    bias = None if head.bias is None else head.bias.float()
-    return nn.functional.linear(states.float(), head.weight.float(), bias)
+    upcast, as the policy's output head is; outside autocast, which would run it in bf16)."""
+    with torch.autocast(states.device.type, enabled=False):
+        bias = None if head.bias is None else head.bias.float()
+        return nn.functional.linear(states.float(), head.weight.float(), bias)

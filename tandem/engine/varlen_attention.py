@@ -176,7 +176,7 @@ def varlen_sdpa_attention(
             raise ValueError(
                 f"{VARLEN_ATTENTION} attention needs cu_seq_lens_q (the packed sequence boundaries) or {PLAN_KEYWORD}"
             )
-        plan = contiguous_plan(cu_seq_lens_q)
+        plan = contiguous_plan(cu_seq_lens_q).to(query.device)
     if query.shape[0] != 1:
         raise ValueError(f"{VARLEN_ATTENTION} attention expects one packed row, got batch {query.shape[0]}")
     dropout_p = dropout if module.training else 0.0

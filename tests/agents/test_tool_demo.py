@@ -14,7 +14,9 @@ def test_grpo_with_the_calculator_raises_held_out_accuracy(tmp_path):
     assert calls[-1] > 2 * calls[0], calls  # the policy learnt to call the tool
     episodes = settings.prompts_per_step * settings.responses_per_prompt
     for r in result.history:  # the tools ran no more calls than the step's own episodes made
-        if "agent/tool_calls/mean" in r:  # (validation's are not counted; a call to an unknown tool is not run)
+        if (
+            "agent/tool_calls/mean" in r
+        ):  # (validation's are not counted; a call to an unknown tool is not run)
             ran = sum(v for k, v in r.items() if k.startswith("agent/tool/") and k.endswith("/calls"))
             made = r["agent/tool_calls/mean"] * episodes
             assert 0.9 * made <= ran <= made + 1e-6

@@ -1,8 +1,9 @@
 """Offloading a training engine's state and loading it back changes nothing about training.
 
-On the CPU the round trip moves nothing, but it runs the same code a GPU run does: FSDP2's
-``Module.to`` path (its shards re-registered) and the optimizer state's moves, and it checks
-the parameters stay the objects the optimizer trains. The GPU tier repeats this on CUDA.
+The weights are given storage of their own (not memory-mapped from the checkpoint), so on the
+CPU the offload frees it and the reload refills it, as on a GPU: the same tensors, with DDP's
+gradient hooks, FSDP2's shards and the optimizer's references intact. The GPU tier repeats
+this on CUDA.
 """
 
 import pytest
@@ -16,10 +17,12 @@ from tests.engine.workers import EngineWorker
 
 def _two_steps(config: EngineConfig, offload_between: bool) -> dict[str, torch.Tensor]:
     batch = random_batch(0, batch=8)
-    with create_worker_group(EngineWorker, ResourcePool((2,)), "process", kwargs={"config": config}) as group:
+    kwargs = {"config": config, "own_storage": True}
+    with create_worker_group(EngineWorker, ResourcePool((2,)), "process", kwargs=kwargs) as group:
         group.train_step(batch)
         if offload_between:
-            group.offload_and_load()
+            for held in group.offload_and_load():
+                assert held and not any(held)  # every parameter and moment was freed
         group.train_step(batch)
         return group.parameters()[0]
 

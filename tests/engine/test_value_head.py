@@ -78,3 +78,17 @@ def test_a_value_head_has_no_token_distribution(model_dir):
     engine = value_engine(model_dir)
     with pytest.raises(ValueError, match="with_sum_pi_squared"):
         engine.forward_backward(random_batch(0, vocab=50), None, forward_only=True, with_sum_pi_squared=True)
+
+
+def test_the_value_head_stays_fp32_under_bf16_autocast(model_dir):
+    """With ``mixed_precision=bf16`` outside FSDP2 the decoder runs under autocast, but the
+    head computes in fp32 (as the policy's does): the values equal the head applied in fp32 to
+    the bf16 decoder's hidden states, not their bf16 rounding."""
+    engine = value_engine(
+        model_dir, use_packing=True, max_tokens_per_micro_batch=4096, mixed_precision="bf16"
+    )
+    batch = random_batch(3, batch=4, length=20, vocab=50)
+    values = engine.forward_backward(batch, None, forward_only=True).outputs.values
+    assert values.dtype == torch.float32
+    rounded = values.to(torch.bfloat16).float()
+    assert not torch.equal(values, rounded)  # carries more than bf16's 8 significant bits

@@ -7,15 +7,24 @@ import torch
 from tandem.checkpoint_engine.roles import SendsWeights
 from tandem.controller import Worker, register
 from tandem.engine import EngineConfig, TorchTrainEngine
+from tandem.engine.offload import _storage
+from tandem.models import load_model
 from tandem.protocol import Batch
 from tandem.sft.loss import sft_loss
 
 
 class EngineWorker(SendsWeights, Worker):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, own_storage: bool = False) -> None:
+        """``own_storage``: the weights in storage of their own, not memory-mapped from the
+        checkpoint (so an offload can free it on the CPU, as it does on a GPU)."""
         if config.strategy != "single":
             self.init_process_group("gloo")
-        self.engine = TorchTrainEngine(config)
+        model = None
+        if own_storage:
+            model = load_model(config.model_path)
+            for param in model.parameters():
+                param.data = param.data.clone()
+        self.engine = TorchTrainEngine(config, model=model)
         self.engine.initialize()
 
     @register(dispatch="DP_COMPUTE")
@@ -66,10 +75,15 @@ class EngineWorker(SendsWeights, Worker):
         return [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in params]
 
     @register(dispatch="ONE_TO_ALL")
-    def offload_and_load(self) -> None:
-        """Move parameters and optimizer state to the CPU and back (an offload round trip)."""
-        self.engine.to("cpu")
-        self.engine.to(self.engine.device)
+    def offload_and_load(self) -> list[int]:
+        """Offload parameters and optimizer state and reload them; returns the bytes the
+        parameters' and the optimizer state's storages held while offloaded (0 each: freed)."""
+        self.engine.offload()
+        params = [p for p in self.engine.causal_lm.parameters()]
+        state = [v for entry in self.engine.optimizer.state.values() for v in entry.values() if v.dim()]
+        held = [_storage(t).nbytes() for t in params + state]
+        self.engine.reload()
+        return held
 
     @register(
         dispatch="ONE_TO_ALL"

@@ -122,10 +122,10 @@ def _fsdp2_two_steps(model_dir: str, offload_between: bool) -> tuple[dict[str, t
     for step in range(2):
         if step and offload_between:
             resident = torch.cuda.memory_allocated()
-            engine.to("cpu")
+            engine.offload()
             freed = resident - torch.cuda.memory_allocated()
-            assert all(not p.is_cuda for p in engine.causal_lm.parameters())
-            engine.to("cuda")
+            assert all(p.is_cuda for p in engine.causal_lm.parameters())  # the same tensors, storage freed
+            engine.reload()
         normalizer = engine.global_normalizer(batch["loss_mask"])
         engine.forward_backward(batch, functools.partial(sft_loss, normalizer=normalizer))
         engine.optimizer_step()
