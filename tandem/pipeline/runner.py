@@ -33,6 +33,7 @@ from tandem.checkpoint_engine.transports import SLOT_PREFIX
 from tandem.controller import create_worker_group
 from tandem.controller.local import InProcessBackend
 from tandem.controller.resource_pool import ResourcePool
+from tandem.device import cuda_device_count
 from tandem.errors import RolloutReplicaError
 from tandem.pipeline.fleet import RolloutFleet
 from tandem.pipeline.groups import EpisodePrompt, GroupRequest
@@ -85,11 +86,12 @@ class AsyncRollout:
             gpus_per_process=1.0 if config.trainer.n_gpus_per_node else 0.0,
             name="rollout",
         )
+        first_gpu = replica_first_gpu(config)
         self.replicas = create_worker_group(
             _replica_class(), pool, backend,
             args=(
                 engine, config.model_path, config.trainer.device, pipeline.rollout_threads, self._sample_dir,
-                config.agent if config.agent.enabled else None,
+                config.agent if config.agent.enabled else None, first_gpu,
             ),
         )  # fmt: skip
         inline = self._replicas_sending_inline()
@@ -358,6 +360,27 @@ def _local_pids(group: Any) -> list[int]:
     if isinstance(group.backend, InProcessBackend):
         return [os.getpid()]
     return list(getattr(group.backend, "pids", []))
+
+
+def replica_first_gpu(config: Any) -> int:
+    """The local GPU index replica 0 binds: with the local backend the trainer's workers hold GPUs
+    ``0 .. W-1`` of this machine, so the replicas take the next ones (Ray gives each replica a GPU
+    of its own instead). A machine without enough GPUs wraps around, replicas sharing the trainer's;
+    the broadcast backend cannot, since NCCL refuses two ranks of one group on one GPU: an error
+    naming the keys."""
+    if config.trainer.backend == "ray":
+        return 0
+    trainer = config.workers_per_node
+    gpus = cuda_device_count()
+    on_gpu = gpus > 0 and config.trainer.device != "cpu"
+    wanted = trainer + config.pipeline.rollout_replicas
+    if on_gpu and wanted > gpus and config.pipeline.checkpoint_engine.backend == "broadcast":
+        raise ValueError(
+            f"{trainer} trainer worker(s) and pipeline.rollout_replicas={config.pipeline.rollout_replicas} need "
+            f"{wanted} GPUs for pipeline.checkpoint_engine.backend=broadcast (NCCL needs a GPU per rank), and this "
+            f"machine has {gpus}; use fewer replicas or pipeline.checkpoint_engine.backend=shared_memory"
+        )
+    return trainer
 
 
 def _replica_class() -> type:

@@ -36,7 +36,9 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
 
     ``device``: ``auto``, ``cpu`` or ``cuda``; ``threads``: CPU threads (0: PyTorch's default);
     ``sample_dir``: the memory-backed directory of the sample store; ``agent``: the agent loops'
-    settings when prompt groups run as agent episodes (``agent.*``).
+    settings when prompt groups run as agent episodes (``agent.*``); ``first_gpu``: the local GPU
+    index of replica 0 (the GPUs before it are the trainer's; see
+    :func:`tandem.pipeline.runner.replica_first_gpu`).
     """
 
     profile_name = "replica"
@@ -49,9 +51,10 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
         threads: int = 0,
         sample_dir: str = "/dev/shm",
         agent: AgentConfig | None = None,
+        first_gpu: int = 0,
     ) -> None:
         hf_logging.disable_progress_bar()
-        self.device = bind_device(device, self.local_rank)
+        self.device = bind_device(device, first_gpu + self.local_rank)
         if threads and self.device.type == "cpu":
             torch.set_num_threads(threads)
         self.engine = build_rollout_engine(engine.on_device(str(self.device)), model_path)

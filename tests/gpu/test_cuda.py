@@ -3,6 +3,7 @@
 - an FSDP2 bf16 mixed-precision train step on CUDA agrees with the fp32 CPU step;
 - the native engine's log-probs on CUDA (fp32) match the trainer's on CUDA;
 - GRPO end to end on CUDA with 1 worker, and with 2 when the machine has 2 GPUs;
+- a one-step-off run whose replica syncs by NCCL broadcast binds the GPU after the trainer's;
 - offloading: an FSDP2 engine's state leaves the GPU and comes back without changing the next
   step, and the colocated loop with ``actor.offload.*`` generates with less memory allocated
   and logs the numbers of a run that offloads nothing.
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from tandem.controller.worker import free_port
 from tandem.engine import EngineConfig, TorchTrainEngine
 from tandem.models import TinyModelConfig, load_model, save_tiny_model
+from tandem.pipeline.runner import replica_first_gpu
 from tandem.rl import RLTrainer
 from tandem.rollout import NativeEngineConfig, NativeRolloutEngine, RolloutRequest, SamplingParams
 from tandem.sft.loss import sft_loss
@@ -175,3 +177,24 @@ def test_offloading_in_the_colocated_loop_on_cuda_saves_generation_memory_and_ch
             "rollout_corr/kl",
         ):
             assert b[name] == pytest.approx(a[name], rel=1e-5, abs=1e-7), name
+
+
+def test_a_replica_broadcasting_by_nccl_binds_the_gpu_after_the_trainers(rl_files, tmp_path):
+    """NCCL refuses two ranks of one group on one GPU: with two GPUs the replica takes the second
+    and the run trains; with one, the run is refused up front, naming the keys."""
+    overrides = [
+        "trainer.total_steps=2",
+        "trainer.device=cuda",
+        "trainer.n_gpus_per_node=1",
+        "data.val_path=",
+        "pipeline.mode=one_step_off",
+        "pipeline.checkpoint_engine.backend=broadcast",
+    ]
+    config = small_config(rl_files, tmp_path, *overrides)
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(ValueError, match="pipeline.checkpoint_engine.backend=broadcast"):
+            replica_first_gpu(config)
+        return
+    history = RLTrainer(config).fit().history
+    assert [h["step"] for h in history] == [1, 2]
+    assert all(h["pipeline/weight_sync_gbps"] > 0 for h in history)

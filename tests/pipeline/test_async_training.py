@@ -237,3 +237,11 @@ def test_an_async_run_resumes_from_its_checkpoint(rl_files, tmp_path):
 def test_unsupported_pipeline_settings_are_named(rl_files, tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         small_config(rl_files, tmp_path, "pipeline.mode=fully_async", *overrides)
+
+
+def test_local_replicas_take_the_gpus_after_the_trainers(rl_files, tmp_path):
+    """With spawned processes the trainer holds GPUs 0..W-1 and replica 0 binds GPU W (on the CPU
+    the index changes nothing); Ray assigns each replica a GPU of its own."""
+    shape = ("pipeline.mode=one_step_off", "trainer.n_workers=2", "pipeline.rollout_replicas=2")
+    assert runner.replica_first_gpu(small_config(rl_files, tmp_path, *shape)) == 2
+    assert runner.replica_first_gpu(small_config(rl_files, tmp_path, *shape, "trainer.backend=ray")) == 0
