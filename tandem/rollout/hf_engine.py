@@ -76,32 +76,35 @@ class HFRolloutEngine:
             raise ValueError(f"request {request.request_id!r}: the prompt is empty")
         eos = [] if params.ignore_eos else [self.tokenizer.eos_token_id]
         stop_ids = list(params.stop_token_ids) + eos
-        generator_state = torch.get_rng_state()
-        if params.seed is not None:
-            torch.manual_seed(params.seed)
-        warpers = LogitsProcessorList()
-        if not params.greedy:
-            warpers.append(TemperatureLogitsWarper(params.temperature))
-            if params.top_k:
-                warpers.append(TopKLogitsWarper(params.top_k))
-            if params.top_p < 1:
-                warpers.append(TopPLogitsWarper(params.top_p))
-        output = self.model.generate(
-            torch.tensor([request.prompt_ids], device=self.device),
-            attention_mask=torch.ones(1, len(request.prompt_ids), dtype=torch.long, device=self.device),
-            do_sample=not params.greedy,
-            max_new_tokens=params.max_tokens,
-            eos_token_id=stop_ids or None,
-            pad_token_id=self.tokenizer.pad_token_id,
-            logits_processor=warpers,
-            output_scores=True,
-            output_logits=True,
-            return_dict_in_generate=True,
-            temperature=None,
-            top_k=None,
-            top_p=None,
-        )
-        torch.set_rng_state(generator_state)
+        # The request's seed drives sampling without disturbing the process's RNGs (CPU and CUDA).
+        cuda = []
+        if self.device.type == "cuda":
+            cuda = [torch.cuda.current_device() if self.device.index is None else self.device.index]
+        with torch.random.fork_rng(devices=cuda):
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            warpers = LogitsProcessorList()
+            if not params.greedy:
+                warpers.append(TemperatureLogitsWarper(params.temperature))
+                if params.top_k:
+                    warpers.append(TopKLogitsWarper(params.top_k))
+                if params.top_p < 1:
+                    warpers.append(TopPLogitsWarper(params.top_p))
+            output = self.model.generate(
+                torch.tensor([request.prompt_ids], device=self.device),
+                attention_mask=torch.ones(1, len(request.prompt_ids), dtype=torch.long, device=self.device),
+                do_sample=not params.greedy,
+                max_new_tokens=params.max_tokens,
+                eos_token_id=stop_ids or None,
+                pad_token_id=self.tokenizer.pad_token_id,
+                logits_processor=warpers,
+                output_scores=True,
+                output_logits=True,
+                return_dict_in_generate=True,
+                temperature=None,
+                top_k=None,
+                top_p=None,
+            )
         tokens = output.sequences[0, len(request.prompt_ids) :].tolist()
         scores = output.scores if params.logprobs_mode == "processed" else output.logits
         log_probs = [

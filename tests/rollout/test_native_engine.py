@@ -523,3 +523,15 @@ def test_on_token_sees_every_token_and_a_broken_listener_ends_only_its_request(q
     )
     assert len(seen) == 20 and completion.finish_reason == "length"
     assert failed.finish_reason == "error" and "listener bug" in failed.error and len(calls) == 1
+
+
+def test_a_seeded_hf_request_samples_by_its_seed_and_leaves_the_process_rng_alone(model_dir):
+    hf = HFRolloutEngine.from_pretrained(model_dir)
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    first = hf.generate_batch([RolloutRequest("a", (5, 6, 7), params)])[0]
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(456)  # another process state: the request's seed alone decides
+    again = hf.generate_batch([RolloutRequest("b", (5, 6, 7), params)])[0]
+    assert first.token_ids == again.token_ids
