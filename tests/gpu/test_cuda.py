@@ -117,7 +117,10 @@ def test_grpo_steps_end_to_end_on_cuda(rl_files, tmp_path, gpus):
 
 def _fsdp2_two_steps(model_dir: str, offload_between: bool) -> tuple[dict[str, torch.Tensor], int]:
     """Parameters after two FSDP2 steps on CUDA, and the bytes an offload between them freed (or 0)."""
-    engine = TorchTrainEngine(EngineConfig(model_path=model_dir, lr=1e-3, device="cuda", strategy="fsdp2"))
+    # eps=1e-3: run-to-run float noise (CUDA's atomic index_add) is not blown up to lr-sized steps by
+    # Adam's near-sign first update of tiny gradients
+    config = EngineConfig(model_path=model_dir, lr=1e-3, eps=1e-3, device="cuda", strategy="fsdp2")
+    engine = TorchTrainEngine(config)
     engine.initialize()
     batch = random_batch(0)
     freed = 0
@@ -140,7 +143,7 @@ def test_an_fsdp2_offload_round_trip_frees_the_gpu_and_changes_nothing(model_dir
     parameters = sum(p.numel() for p in load_model(model_dir).parameters())
     assert freed >= 0.9 * 12 * parameters  # fp32 parameters and AdamW's two moments left the GPU
     for name, tensor in kept.items():
-        torch.testing.assert_close(moved[name], tensor, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(moved[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("gpus,strategy", [(1, "single"), (2, "ddp"), (2, "fsdp2")])
@@ -160,6 +163,7 @@ def test_offloading_in_the_colocated_loop_on_cuda_saves_generation_memory_and_ch
         f"actor.engine.strategy={strategy}",
         "data.val_path=",
         "algorithm.kl.use_kl_loss=true",
+        "actor.engine.eps=1e-3",  # see _fsdp2_two_steps: two CUDA runs agree to float noise, not bits
     ]
     offload = ["actor.offload.params=true", "actor.offload.optimizer=true", "actor.offload.reference=true"]
     plain = RLTrainer(small_config(rl_files, tmp_path / "plain", *overrides)).fit().history
@@ -176,7 +180,7 @@ def test_offloading_in_the_colocated_loop_on_cuda_saves_generation_memory_and_ch
             "actor/kl_loss",
             "rollout_corr/kl",
         ):
-            assert b[name] == pytest.approx(a[name], rel=1e-5, abs=1e-7), name
+            assert b[name] == pytest.approx(a[name], rel=1e-4, abs=1e-6), name
 
 
 def test_a_replica_broadcasting_by_nccl_binds_the_gpu_after_the_trainers(rl_files, tmp_path):
