@@ -98,17 +98,22 @@ def test_native_engine_log_probs_on_cuda_match_the_trainers(model_dir):
     assert worst <= 1e-4
 
 
-@pytest.mark.parametrize("gpus", [1, 2])
-def test_grpo_steps_end_to_end_on_cuda(rl_files, tmp_path, gpus):
+def _on_gpus(gpus: int, steps: int) -> list[str]:
+    """Overrides for a run of ``steps`` steps on ``gpus`` GPUs without validation (skips when the
+    machine has fewer)."""
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
-    overrides = [
-        "trainer.total_steps=3",
+    return [
+        f"trainer.total_steps={steps}",
         "trainer.device=cuda",
         f"trainer.n_gpus_per_node={gpus}",
         "data.val_path=",
     ]
-    history = RLTrainer(small_config(rl_files, tmp_path, *overrides)).fit().history
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_grpo_steps_end_to_end_on_cuda(rl_files, tmp_path, gpus):
+    history = RLTrainer(small_config(rl_files, tmp_path, *_on_gpus(gpus, steps=3))).fit().history
     assert [h["step"] for h in history] == [1, 2, 3]
     for metrics in history:
         assert math.isfinite(metrics["actor/pg_loss"]) and math.isfinite(metrics["actor/grad_norm"])
@@ -155,14 +160,9 @@ def test_offloading_in_the_colocated_loop_on_cuda_saves_generation_memory_and_ch
     generation phase's peak falls by about their size (16 bytes per parameter at step 2, once
     AdamW has its moments; FSDP2 shards the actor's 12 over the ranks), and the metrics equal a
     run that offloads nothing."""
-    if torch.cuda.device_count() < gpus:
-        pytest.skip(f"needs {gpus} GPUs")
     overrides = [
-        "trainer.total_steps=2",
-        "trainer.device=cuda",
-        f"trainer.n_gpus_per_node={gpus}",
+        *_on_gpus(gpus, steps=2),
         f"actor.engine.strategy={strategy}",
-        "data.val_path=",
         "algorithm.kl.use_kl_loss=true",
         "actor.engine.eps=1e-3",  # see _fsdp2_two_steps: two CUDA runs agree to float noise, not bits
     ]
