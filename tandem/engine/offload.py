@@ -37,7 +37,7 @@ class OffloadConfig:
     (``actor.offload.*``, ``critic.offload.*``).
 
     Attributes:
-        params: the parameters (with their gradients).
+        params: the parameters (gradients stay: offloads happen between optimizer steps, when there are none).
         optimizer: the optimizer state (AdamW's moments); needed only by the update.
     """
 
@@ -96,7 +96,7 @@ class Residency:
     Args:
         engine: the engine whose state moves (its :meth:`~TrainEngine.offload` and ``reload``).
         device: the engine's compute device.
-        params: the parameters (with their gradients) may be offloaded.
+        params: the parameters may be offloaded.
         optimizer: the optimizer state may be offloaded.
     """
 

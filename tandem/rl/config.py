@@ -89,7 +89,7 @@ class ActorOffloadConfig(OffloadConfig):
     so that generation, and the rollout engine's KV cache, get the GPU's memory.
 
     Attributes:
-        params: the actor's parameters (and gradients) leave the GPU while it generates and come
+        params: the actor's parameters leave the GPU while it generates and come
             back before the next log-prob pass or update (verl's ``param_offload``).
         optimizer: the actor's optimizer state stays on the CPU except during the update
             (verl's ``optimizer_offload``).
