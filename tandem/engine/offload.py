@@ -45,7 +45,7 @@ class OffloadConfig:
     optimizer: bool = False
 
 
-def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
+def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage:
     """The storage holding ``tensor``'s data (a DTensor's: its local shard's)."""
     return (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).untyped_storage()
 
@@ -67,7 +67,7 @@ class HostCopies:
         self._saved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
         seen: set[int] = set()
         for tensor in tensors:
-            storage = _storage(tensor)
+            storage = storage_of(tensor)
             if storage.nbytes() == 0 or storage.data_ptr() in seen or not storage.resizable():
                 continue
             seen.add(storage.data_ptr())

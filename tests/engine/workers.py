@@ -7,7 +7,7 @@ import torch
 from tandem.checkpoint_engine.roles import SendsWeights
 from tandem.controller import Worker, register
 from tandem.engine import EngineConfig, TorchTrainEngine
-from tandem.engine.offload import _storage
+from tandem.engine.offload import storage_of
 from tandem.models import load_model
 from tandem.protocol import Batch
 from tandem.sft.loss import sft_loss
@@ -81,7 +81,7 @@ class EngineWorker(SendsWeights, Worker):
         self.engine.offload()
         params = [p for p in self.engine.causal_lm.parameters()]
         state = [v for entry in self.engine.optimizer.state.values() for v in entry.values() if v.dim()]
-        held = [_storage(t).nbytes() for t in params + state]
+        held = [storage_of(t).nbytes() for t in params + state]
         self.engine.reload()
         return held
 
