@@ -17,6 +17,10 @@ initialised — nothing is downloaded. The step's two phases run as the RL worke
   (what ``actor.offload.params`` / ``optimizer`` do around generation). Reported: seconds each
   way and the GPU memory the offload freed.
 
+``--profile DIR`` then runs each phase once more under ``torch.profiler`` (see
+``bench/phase_profile.py``): the operators that took the time, and how busy the GPU was —
+the profile that says why a goal is missed.
+
 Peak GPU memory per phase comes from ``torch.cuda.max_memory_allocated``. MFU is against
 ``--peak-tflops`` (the dense bf16 peak; 989 for an H100 SXM) and bandwidth against
 ``--peak-gbps`` (3350 GB/s for an H100 SXM's HBM3). The goals (issue #18): update MFU >= 35%,
@@ -35,9 +39,11 @@ import platform
 import time
 
 import torch
+from phase_profile import profile_phase
 
 from tandem.algos import LossNormalizer, PolicyLossConfig
 from tandem.engine import EngineConfig, TorchTrainEngine
+from tandem.kernels.cuda.varlen import installed_varlen_kernel
 from tandem.models import TinyModelConfig, build_tiny_model
 from tandem.models.tokenizer import build_char_tokenizer
 from tandem.protocol import Batch
@@ -69,6 +75,12 @@ def parse_args() -> argparse.Namespace:
     machine.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
     machine.add_argument("--peak-gbps", type=float, default=3350.0, help="memory bandwidth of the GPU")
     machine.add_argument("--json", default="", help="also write the results to this file")
+    machine.add_argument(
+        "--profile",
+        default="",
+        help="after timing, profile one more round of each phase (top operators, device-busy "
+        "fraction, Chrome traces into this folder)",
+    )
     return parser.parse_args()
 
 
@@ -139,6 +151,11 @@ def measure_generation(args, model, tokenizer, device, prompts) -> tuple[dict, l
         synchronize(device)
         seconds = time.perf_counter() - start
         memory = peak_memory_gb(device)
+        profiled = (
+            profile_phase(lambda: generate(args, engine, prompts, "profiled"), device, "gen", args.profile)
+            if args.profile
+            else {}
+        )
     finally:
         engine.close()
     params = sum(p.numel() for p in model.parameters())
@@ -157,6 +174,7 @@ def measure_generation(args, model, tokenizer, device, prompts) -> tuple[dict, l
         "gen_bandwidth_fraction": (weight_bytes * new + kv_read) / seconds / 1e9 / args.peak_gbps,
         "gen_mfu": flops / seconds / (args.peak_tflops * 1e12),
         "gen_peak_memory_gb": memory,
+        **profiled,
     }, completions
 
 
@@ -191,6 +209,7 @@ def measure_update(args, model, device, prompts, completions, pad_id: int) -> di
     synchronize(device)
     seconds = time.perf_counter() - start
     update_peak = peak_memory_gb(device)
+    profiled = profile_phase(update, device, "update", args.profile) if args.profile else {}
     offload = measure_offload(engine, device)
     params = sum(p.numel() for p in model.parameters())
     tokens = int(batch["attention_mask"].sum())
@@ -203,6 +222,7 @@ def measure_update(args, model, device, prompts, completions, pad_id: int) -> di
         "update_tokens_per_s": tokens / seconds,
         "update_mfu": flops / seconds / (args.peak_tflops * 1e12),
         "update_peak_memory_gb": update_peak,
+        **profiled,
         **offload,
     }
 
@@ -252,7 +272,13 @@ def main() -> None:
         for _ in range(args.prompts)
     ]
     prompts = [prompt for prompt in unique for _ in range(args.n)]
-    results = {"device": str(device), "params": params, "decode_batch": len(prompts)}
+    kernel = installed_varlen_kernel() if device.type == "cuda" else None
+    results = {
+        "device": str(device),
+        "params": params,
+        "decode_batch": len(prompts),
+        "update_attention": f"varlen kernel ({kernel.provider})" if kernel else "bucketed SDPA",
+    }
     generation, completions = measure_generation(args, model, tokenizer, device, prompts)
     results.update(generation)
     del model  # the rollout's bf16 copy; the trainer loads its own fp32 master weights

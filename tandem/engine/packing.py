@@ -141,12 +141,11 @@ def pad_to_multiple(packed: PackedSequences, multiple: int) -> PackedSequences:
     pad = -total % multiple
     if pad == 0 or total == 0:
         return packed
-    plan = packed.attention_plan
     filler = packed.input_ids.new_zeros(1, pad)
     return dataclasses.replace(
         packed,
         input_ids=torch.cat([packed.input_ids, filler], 1),
         position_ids=torch.cat([packed.position_ids, filler], 1),
-        attention_plan=dataclasses.replace(plan, select=torch.cat([plan.select, plan.select.new_zeros(pad)])),
+        attention_plan=packed.attention_plan.with_fillers(pad),
         token_index=packed.token_index if packed.token_index is not None else torch.arange(total),
     )

@@ -31,9 +31,71 @@ import torch
 from transformers import AttentionInterface
 
 from tandem.engine.causal_attention import QueryOffsets, causal_attention
+from tandem.kernels.cuda.varlen import VarlenKernel, varlen_kernel_for
 
 VARLEN_ATTENTION = "tandem_varlen"
 PLAN_KEYWORD = "tandem_attention_plan"
+
+
+@dataclass(frozen=True)
+class VarlenLayout:
+    """The plan's sequences unpadded, one after another: flash-attention's varlen layout.
+
+    Attributes:
+        key_index: ``[K]`` the packed positions read as keys, sequence after sequence.
+        query_index: ``[Q]`` the packed positions of the queries (each sequence's last ones).
+        cu_keys, cu_queries: ``[n + 1]`` int32 cumulative key and query counts.
+        max_keys, max_queries: the longest sequence's key and query counts.
+        select: ``[T]`` for each packed position, the row of the ``[Q]`` outputs that holds it.
+        contiguous: the keys and queries are positions ``0 .. T-1`` in order (a plain packed
+            row): no gather is needed.
+    """
+
+    key_index: torch.Tensor
+    query_index: torch.Tensor
+    cu_keys: torch.Tensor
+    cu_queries: torch.Tensor
+    max_keys: int
+    max_queries: int
+    select: torch.Tensor
+    contiguous: bool
+
+    def to(self, device: torch.device) -> VarlenLayout:
+        return dataclasses.replace(
+            self,
+            key_index=self.key_index.to(device),
+            query_index=self.query_index.to(device),
+            cu_keys=self.cu_keys.to(device),
+            cu_queries=self.cu_queries.to(device),
+            select=self.select.to(device),
+        )
+
+
+def varlen_layout(sequences: Sequence[torch.Tensor], query_counts: Sequence[int]) -> VarlenLayout:
+    """The layout of ``sequences[s] [L_s]`` (packed positions) computing queries at their last
+    ``query_counts[s]`` positions; sequences with no query are left out. The queries must
+    cover each packed position exactly once (as :func:`plan_sequences` checks)."""
+    kept = [(keys, count) for keys, count in zip(sequences, query_counts, strict=True) if count]
+    empty = torch.zeros(0, dtype=torch.long)
+    key_index = torch.cat([keys for keys, _ in kept]) if kept else empty
+    query_index = torch.cat([keys[len(keys) - count :] for keys, count in kept]) if kept else empty
+
+    def cumulative(counts: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+    key_counts, query_counts_kept = [len(keys) for keys, _ in kept], [count for _, count in kept]
+    total = len(query_index)
+    return VarlenLayout(
+        key_index=key_index,
+        query_index=query_index,
+        cu_keys=cumulative(key_counts),
+        cu_queries=cumulative(query_counts_kept),
+        max_keys=max(key_counts, default=0),
+        max_queries=max(query_counts_kept, default=0),
+        select=torch.argsort(query_index),
+        contiguous=len(key_index) == total and torch.equal(key_index, torch.arange(total))
+        and torch.equal(query_index, key_index),
+    )
 
 
 @dataclass(frozen=True)
@@ -54,6 +116,7 @@ class AttentionPlan:
             (``L_q == L_k``), else where each sequence's queries start among its keys.
         select: ``[T]`` for each packed position, the row of the ``[M_q]`` outputs that holds
             its output.
+        varlen: the same sequences unpadded, for flash-attention's varlen kernel.
     """
 
     index: torch.Tensor
@@ -61,6 +124,7 @@ class AttentionPlan:
     buckets: tuple[tuple[int, int, int], ...]
     offsets: tuple[QueryOffsets | None, ...]
     select: torch.Tensor
+    varlen: VarlenLayout
 
     def to(self, device: torch.device) -> AttentionPlan:
         """The plan with its index tensors on ``device`` (plans are built on the CPU)."""
@@ -69,6 +133,18 @@ class AttentionPlan:
             index=self.index.to(device),
             query_index=self.query_index.to(device),
             select=self.select.to(device),
+            varlen=self.varlen.to(device),
+        )
+
+    def with_fillers(self, count: int) -> AttentionPlan:
+        """The plan of the row with ``count`` filler tokens appended: they are read by no
+        query and take their output from row 0."""
+        return dataclasses.replace(
+            self,
+            select=torch.cat([self.select, self.select.new_zeros(count)]),
+            varlen=dataclasses.replace(
+                self.varlen, select=torch.cat([self.varlen.select, self.varlen.select.new_zeros(count)])
+            ),
         )
 
 
@@ -117,9 +193,10 @@ def plan_sequences(
         buckets.append((len(members), q_len, k_len))
         plain = q_len == k_len and not any(starts)
         offsets.append(None if plain else QueryOffsets(torch.tensor(starts)))
+    layout = varlen_layout(sequences, query_counts)
     if not buckets:
         empty = torch.zeros(0, dtype=torch.long)
-        return AttentionPlan(empty, empty, (), (), empty)
+        return AttentionPlan(empty, empty, (), (), empty, layout)
     query_all = torch.cat(query_index)
     kept_rows = torch.cat(keep).nonzero().flatten()  # rows of the [M_q] outputs that are kept
     kept_positions = query_all[kept_rows]
@@ -128,7 +205,12 @@ def plan_sequences(
     ):
         raise ValueError(f"the sequences must own each of the {num_tokens} packed positions exactly once")
     return AttentionPlan(
-        torch.cat(index), query_all, tuple(buckets), tuple(offsets), kept_rows[torch.argsort(kept_positions)]
+        torch.cat(index),
+        query_all,
+        tuple(buckets),
+        tuple(offsets),
+        kept_rows[torch.argsort(kept_positions)],
+        layout,
     )
 
 
@@ -153,7 +235,7 @@ def _sequences(
     return [piece.unflatten(0, shape).transpose(1, 2) for piece, shape in zip(pieces, shapes, strict=True)]
 
 
-def varlen_sdpa_attention(
+def packed_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -165,7 +247,9 @@ def varlen_sdpa_attention(
     tandem_attention_plan: AttentionPlan | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Causal attention within each sequence of the plan (or of ``cu_seq_lens_q``).
+    """Causal attention within each sequence of the plan (or of ``cu_seq_lens_q``): by
+    flash-attention's varlen kernel where it applies (CUDA, fp16/bf16, installed:
+    :func:`~tandem.kernels.cuda.varlen.varlen_kernel_for`), else bucket by bucket.
 
     Shapes: ``query [1, H, T, D]``, ``key, value [1, H_kv, T, D]`` (grouped-query heads are
     shared), ``cu_seq_lens_q [n + 1]`` -> output ``[1, T, H, D]``.
@@ -176,14 +260,64 @@ def varlen_sdpa_attention(
             raise ValueError(
                 f"{VARLEN_ATTENTION} attention needs cu_seq_lens_q (the packed sequence boundaries) or {PLAN_KEYWORD}"
             )
-        plan = contiguous_plan(cu_seq_lens_q).to(query.device)
+        plan = contiguous_plan(cu_seq_lens_q.cpu()).to(query.device)
     if query.shape[0] != 1:
         raise ValueError(f"{VARLEN_ATTENTION} attention expects one packed row, got batch {query.shape[0]}")
     dropout_p = dropout if module.training else 0.0
+    kernel = varlen_kernel_for(query, dropout_p, scaling)
+    if kernel is not None:
+        return varlen_kernel_attention(kernel, query, key, value, plan.varlen, scaling, dropout_p), None
+    return bucketed_attention(query, key, value, plan, scaling, dropout_p), None
+
+
+def varlen_kernel_attention(
+    kernel: VarlenKernel,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: VarlenLayout,
+    scale: float | None,
+    dropout_p: float,
+) -> torch.Tensor:
+    """The sequences of ``layout`` through a varlen kernel: gather them unpadded, run, put the
+    outputs back in packed order. Shapes as :func:`packed_attention`'s -> ``[1, T, H, D]``."""
+    q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # [T, heads, D]
+    total = layout.query_index.shape[0]
+    if layout.contiguous:  # fillers past the sequences are read by no query
+        q, k, v = q[:total], k[:total], v[:total]
+    else:
+        q = q.index_select(0, layout.query_index)
+        k, v = k.index_select(0, layout.key_index), v.index_select(0, layout.key_index)
+    out = kernel.run(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        layout.cu_queries,
+        layout.cu_keys,
+        layout.max_queries,
+        layout.max_keys,
+        scale,
+        dropout_p,
+    )  # [Q, H, D]
+    if not layout.contiguous or total != layout.select.shape[0]:  # fillers take row 0
+        out = out.index_select(0, layout.select)
+    return out.unsqueeze(0)
+
+
+def bucketed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float | None,
+    dropout_p: float,
+) -> torch.Tensor:
+    """The plan's length buckets, one :func:`causal_attention` call each (SDPA on GPUs, the
+    CPU kernel's batched products on the CPU). Shapes as :func:`packed_attention`'s."""
     query_shapes = [(n, q_len) for n, q_len, _ in plan.buckets]
     key_shapes = [(n, k_len) for n, _, k_len in plan.buckets]
     pieces = [
-        causal_attention(q, k, v, scaling, dropout_p, offsets)
+        causal_attention(q, k, v, scale, dropout_p, offsets)
         .transpose(1, 2)
         .flatten(0, 1)  # [n, H, L_q, D] -> [n * L_q, H, D]
         for q, k, v, offsets in zip(
@@ -195,8 +329,7 @@ def varlen_sdpa_attention(
         )
     ]
     # Put the owned rows back in packed order with one gather (its backward is one scatter).
-    output = torch.cat(pieces).index_select(0, plan.select)
-    return output.unsqueeze(0), None
+    return torch.cat(pieces).index_select(0, plan.select).unsqueeze(0)
 
 
-AttentionInterface.register(VARLEN_ATTENTION, varlen_sdpa_attention)
+AttentionInterface.register(VARLEN_ATTENTION, packed_attention)

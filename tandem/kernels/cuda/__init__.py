@@ -1,0 +1,5 @@
+"""GPU kernels that are not PyTorch's defaults, each taken per call only where it applies.
+
+* :mod:`~tandem.kernels.cuda.varlen` — flash-attention's variable-length kernel for the
+  trainer's packed rows (from the ``flash-attn`` package when installed, else PyTorch's own).
+"""

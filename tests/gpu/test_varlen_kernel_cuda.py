@@ -1,0 +1,49 @@
+"""The GPU tier for the trainer's packed attention: flash-attention's varlen kernel (flash-attn
+or PyTorch's ``varlen_attn``) against the bucketed SDPA route on the same bf16 inputs, for
+plain and shared-prompt plans with fillers, forward and backward. Skipped without CUDA or
+without a varlen kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.engine.packing import pack_sequences, pad_to_multiple
+from tandem.engine.shared_prompts import pack_shared_prompts
+from tandem.engine.varlen_attention import bucketed_attention, varlen_kernel_attention
+from tandem.kernels.cuda.varlen import installed_varlen_kernel, varlen_kernel_for
+from tests.engine.test_shared_prompts import PROMPT_WIDTH, grouped_batch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_the_varlen_kernel_equals_bucketed_sdpa_on_cuda(share):
+    kernel = installed_varlen_kernel()
+    if kernel is None:
+        pytest.skip("neither flash-attn nor torch.nn.attention.varlen is installed")
+    batch = grouped_batch(7, groups=8, n=4)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    packed = pack_shared_prompts(ids, mask, PROMPT_WIDTH) if share else pack_sequences(ids, mask)
+    packed = pad_to_multiple(packed, 64).to(torch.device("cuda"))
+    plan, tokens = packed.attention_plan, packed.num_tokens
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [
+        torch.randn(1, heads, tokens, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
+        for heads in (8, 2, 2)
+    ]
+    assert varlen_kernel_for(inputs[0], 0.0, 0.125) is kernel
+    weights = torch.randn(1, tokens, 8, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for run in (
+        lambda q, k, v: varlen_kernel_attention(kernel, q, k, v, plan.varlen, 0.125, 0.0),
+        lambda q, k, v: bucketed_attention(q, k, v, plan, 0.125, 0.0),
+    ):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = run(*leaves)
+        (out.float() * weights.float()).sum().backward()
+        results.append((out.float(), [t.grad.float() for t in leaves]))
+    (flash_out, flash_grads), (sdpa_out, sdpa_grads) = results
+    torch.testing.assert_close(flash_out, sdpa_out, atol=2e-2, rtol=2e-2)
+    for got, want in zip(flash_grads, sdpa_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
