@@ -14,6 +14,8 @@ Everything else asks this module instead of probing ``torch.cuda`` itself:
   Never a mismatch (NCCL with CPU tensors fails at the first collective).
 * :func:`uses_cpu_kernels` is true only for the CPU: the CPU speed work
   (:mod:`tandem.kernels.cpu`) is never switched on for a GPU run.
+* :func:`uses_cuda_graphs` is true only for CUDA: the native engine's decode steps replay
+  CUDA graphs there (:mod:`tandem.rollout.decode_graphs`).
 """
 
 from __future__ import annotations
@@ -82,6 +84,11 @@ def process_group_backend(device: torch.device | str) -> str:
 def uses_cpu_kernels(device: torch.device | str) -> bool:
     """Whether the CPU kernels package applies to a model computing on ``device``."""
     return torch.device(device).type == "cpu"
+
+
+def uses_cuda_graphs(device: torch.device | str) -> bool:
+    """Whether the native engine's decode steps may replay CUDA graphs on ``device``."""
+    return torch.device(device).type == "cuda"
 
 
 def max_memory_allocated_gb(device: torch.device | str) -> float | None:

@@ -49,10 +49,15 @@ class StepPlan:
     decode_start: int
     decode_positions: torch.Tensor  # [D] int64
     shared: SharedPrefixes | None = None  # decode tokens grouped by a shared prefix, read once
+    attend_length: int | None = None  # the decode's attended length when the caller fixes it
 
     # Derived once per step (not once per layer): the attended length, the bias, the cache rows.
     @functools.cached_property
     def decode_length(self) -> int:
+        """Cache positions the decode tokens attend over: ``attend_length`` when given (a
+        CUDA graph's fixed shape), else up to the furthest decode position."""
+        if self.attend_length is not None:
+            return self.attend_length
         return int(self.decode_positions.max()) + 1
 
     @functools.cached_property

@@ -79,11 +79,17 @@ class RotaryTable:
         self.cacheable = isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope"
         self._cos = self._signed_sin = None
 
-    def __call__(self, position_ids: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``position_ids [T]``, ``like`` (dtype and device of the hidden states) -> two ``[T, 1, d]``."""
+    def __call__(
+        self, position_ids: torch.Tensor, like: torch.Tensor, max_position: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``position_ids [T]``, ``like`` (dtype and device of the hidden states) -> two ``[T, 1, d]``.
+
+        ``max_position``: a bound on the positions known to the caller, so that none is read
+        back from the device (a CUDA graph cannot wait for one).
+        """
         if not self.cacheable:
             return self._compute(position_ids, like)
-        needed = int(position_ids.max()) + 1
+        needed = (int(position_ids.max()) if max_position is None else max_position) + 1
         if self._cos is None or needed > self._cos.shape[0] or self._cos.dtype != like.dtype:
             size = max(needed, 256, 2 * (0 if self._cos is None else self._cos.shape[0]))
             self._cos, self._signed_sin = self._compute(torch.arange(size, device=like.device), like)
@@ -146,10 +152,17 @@ class LeanDecoder:
             q, k = _rms_norm(q, attention.q_norm), _rms_norm(k, attention.k_norm)
         return _rotate(q, cos, signed_sin), _rotate(k, cos, signed_sin), v
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        plan: StepPlan,
+        max_position: int | None = None,
+    ) -> torch.Tensor:
+        """``max_position``: a bound on ``position_ids`` (see :class:`RotaryTable`)."""
         decoder = self.decoder
         hidden = F.embedding(input_ids, decoder.embed_tokens.weight)
-        cos, signed_sin = self.rotary(position_ids, hidden)  # [T, 1, head_dim]
+        cos, signed_sin = self.rotary(position_ids, hidden, max_position)  # [T, 1, head_dim]
         tokens = input_ids.shape[0]
         for index, layer in enumerate(decoder.layers):
             attention, mlp = layer.self_attn, layer.mlp

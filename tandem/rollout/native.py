@@ -38,10 +38,11 @@ from dataclasses import dataclass
 import torch
 
 from tandem.config.validation import check_choice, check_positive
-from tandem.device import bind_device, check_device_setting, uses_cpu_kernels
+from tandem.device import bind_device, check_device_setting, uses_cpu_kernels, uses_cuda_graphs
 from tandem.kernels.cpu import enable_cpu_kernels
 from tandem.kernels.cpu.linear import PackedLinears
 from tandem.models.loading import load_model, load_tokenizer, resolve_dtype
+from tandem.rollout.decode_graphs import DecodeGraphs
 from tandem.rollout.kv_cache import KV_ATTENTION, PrefillSegment, SlotKVCache, StepPlan
 from tandem.rollout.lean import LeanDecoder, lean_unsupported_reason
 from tandem.rollout.sampling import counter_uniforms, processed_logits, sample_tokens
@@ -74,6 +75,9 @@ class NativeEngineConfig:
         share_prefix_reads: when running requests share long prompts (the n samples of a
             GRPO prompt), decode attention reads each prompt's keys/values once per step
             instead of once per request (:mod:`tandem.rollout.shared_prefix`).
+        cuda_graphs: on CUDA, decode-only steps replay CUDA graphs, one per (batch, length)
+            bucket, captured on first use (:mod:`tandem.rollout.decode_graphs`); needs the
+            lean forward. Such steps read each prompt once per request (no shared reads).
     """
 
     max_num_seqs: int = 256
@@ -86,6 +90,7 @@ class NativeEngineConfig:
     lean_forward: bool = True
     prepack_weights: bool = True
     share_prefix_reads: bool = True
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_prefill_tokens"):
@@ -155,6 +160,13 @@ class NativeRolloutEngine:
             resolve_dtype(self.config.dtype),
             self.device,
         )
+        graphs = (
+            self.config.cuda_graphs
+            and uses_cuda_graphs(self.device)
+            and self._lean is not None
+            and self._lean.rotary.cacheable
+        )
+        self.decode_graphs = DecodeGraphs(self._lean, self.cache) if graphs else None
         self.version = 0
         self.stats = EngineStats()
         self._waiting: collections.deque[_Sequence] = collections.deque()
@@ -170,6 +182,11 @@ class NativeRolloutEngine:
         self._asleep = False
         self._closed = False
         self._thread: threading.Thread | None = None
+
+    @property
+    def lean_decoder(self) -> LeanDecoder | None:
+        """The lean forward the engine runs, or ``None`` when the model needs HF's."""
+        return self._lean
 
     @staticmethod
     def from_pretrained(path: str, config: NativeEngineConfig | None = None) -> NativeRolloutEngine:
@@ -352,6 +369,8 @@ class NativeRolloutEngine:
                     f"sleep needs no running requests ({len(self._running)} are); pause(mode='abort' or 'wait') first"
                 )
             self.cache.free()
+            if self.decode_graphs is not None:
+                self.decode_graphs.clear()  # they write the freed cache
             self._prefix.clear()
             self._asleep = True
 
@@ -428,7 +447,16 @@ class NativeRolloutEngine:
         decode_ids = [s.completion.token_ids[-1] for s in old]
         decode_pos = [s.cached_len for s in old]
         tokens = prefill_ids + decode_ids
-        if tokens:
+        if tokens and not prefill_ids and self.decode_graphs is not None:
+            hidden = self.decode_graphs.run(
+                torch.tensor(decode_ids, dtype=torch.long, device=self.device),
+                torch.tensor(decode_pos, dtype=torch.long, device=self.device),
+                max(decode_pos) + 1,
+            )
+            for sequence in old:
+                sequence.cached_len += 1
+            self.stats.graph_steps += 1
+        elif tokens:
             plan = StepPlan(
                 self.cache,
                 tuple(seg for _, seg in segments),

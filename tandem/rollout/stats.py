@@ -21,6 +21,7 @@ class EngineStats:
     prefilled_tokens: int = 0
     prefix_hits: int = 0
     shared_prefix_steps: int = 0  # decode steps that read each shared prompt once
+    graph_steps: int = 0  # decode steps replayed from a CUDA graph (or its eager stand-in)
     finished: dict[str, int] = field(default_factory=collections.Counter)
     recent: collections.deque = field(default_factory=collections.deque)
 
