@@ -41,11 +41,12 @@ from tandem.config.validation import check_choice, check_positive
 from tandem.device import bind_device, check_device_setting, uses_cpu_kernels, uses_cuda_graphs
 from tandem.kernels.cpu import enable_cpu_kernels
 from tandem.kernels.cpu.linear import PackedLinears
+from tandem.kernels.cuda.head import half_head_logits
 from tandem.models.loading import load_model, load_tokenizer, resolve_dtype
 from tandem.rollout.decode_graphs import DecodeGraphs
 from tandem.rollout.kv_cache import KV_ATTENTION, PrefillSegment, SlotKVCache, StepPlan
 from tandem.rollout.lean import LeanDecoder, lean_unsupported_reason
-from tandem.rollout.sampling import counter_uniforms, processed_logits, sample_tokens
+from tandem.rollout.sampling import draw_step
 from tandem.rollout.shared_prefix import SharedPrefixes, group_by_prefix
 from tandem.rollout.stats import EngineStats
 from tandem.rollout.types import Completion, EngineMetrics, RolloutRequest, TokenCallback, prompt_problem
@@ -537,30 +538,21 @@ class NativeRolloutEngine:
             self._prefix.popitem(last=False)
 
     def _sample_and_append(self, batch: list[_Sequence], hidden: torch.Tensor) -> None:
-        # The fp32 head, as in the trainer.
-        logits = self._packed.forward(self.model.get_output_embeddings(), hidden.float())  # [B, V]
-        params = [s.request.params for s in batch]
-        device = self.device
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-        greedy = temperature == 0
-        processed = processed_logits(logits, temperature, top_k, top_p)
-        seeds = torch.tensor([s.seed for s in batch], dtype=torch.int64, device=device)
-        steps = torch.tensor([len(s.completion.token_ids) for s in batch], dtype=torch.int64, device=device)
-        tokens = sample_tokens(processed, greedy, counter_uniforms(seeds, steps))
-        picked = tokens.unsqueeze(-1)
-        processed_lp = torch.log_softmax(processed, -1).gather(-1, picked).squeeze(-1).tolist()
-        need_raw = any(p.logprobs_mode == "raw" for p in params)
-        raw_lp = (
-            torch.log_softmax(logits, -1).gather(-1, picked).squeeze(-1).tolist()
-            if need_raw
-            else processed_lp
+        # The fp32 head, as in the trainer (half-precision inputs: their products, summed in fp32).
+        head = self.model.get_output_embeddings()
+        logits = half_head_logits(hidden, head.weight) if head.bias is None else None
+        if logits is None:
+            logits = self._packed.forward(head, hidden.float())  # [B, V]
+        draws = draw_step(
+            logits,
+            [s.request.params for s in batch],
+            [s.seed for s in batch],
+            [len(s.completion.token_ids) for s in batch],
         )
-        for i, (sequence, token) in enumerate(zip(batch, tokens.tolist(), strict=True)):
+        for sequence, token, log_prob in zip(batch, draws.tokens, draws.log_probs, strict=True):
             completion = sequence.completion
             completion.token_ids.append(token)
-            completion.log_probs.append(raw_lp[i] if params[i].logprobs_mode == "raw" else processed_lp[i])
+            completion.log_probs.append(log_prob)
             completion.weight_versions.append(self.version)
             if sequence.on_token is not None:
                 try:

@@ -4,38 +4,52 @@ All rows of a decode step are processed together; each row keeps its own tempera
 top-k, top-p and random stream. The log-probability reported for a token is taken from the
 same processed distribution the token was drawn from, so on-policy the trainer (computing
 the same processing) sees a ratio of exactly 1.
+
+:func:`draw_step` is what the engine calls once per step: every setting it knows on the
+host stays on the host (whether any row truncates), and the step's tokens and log-probs come
+back in one device-to-host transfer, the step's only synchronisation on a GPU.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
+
+from tandem.rollout.types import SamplingParams
 
 NEG_INF = float("-inf")
 
 
 def processed_logits(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
 ) -> torch.Tensor:
     """Apply temperature, then top-k, then top-p; removed tokens get ``-inf``.
 
     Shapes: ``logits [B, V]`` fp32, ``temperature [B]`` (0 means greedy: treated as 1 here),
-    ``top_k [B]`` (0: off), ``top_p [B]`` (1: off) -> ``[B, V]``.
+    ``top_k [B]`` (0: off for that row; ``None``: off for all), ``top_p [B]`` (1: off for that
+    row; ``None``: off for all) -> ``[B, V]``. A row's result never depends on the other rows'
+    settings, and nothing is read back from the device.
     """
     scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     logits = logits / scale.unsqueeze(-1)
-    use_k, use_p = bool((top_k > 0).any()), bool((top_p < 1).any())
-    if not (use_k or use_p):
+    if top_k is None and top_p is None:
         return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if use_k:
+    if top_k is not None:
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, logits.shape[-1]))
         remove |= rank >= k.unsqueeze(-1)
-    if use_p:
+    if top_p is not None:
         probs = torch.softmax(sorted_logits.masked_fill(remove, NEG_INF), dim=-1)
         mass_before = probs.cumsum(-1) - probs
-        remove |= (mass_before >= top_p.unsqueeze(-1)) & (rank > 0)  # always keep the most likely token
+        truncating = (top_p < 1).unsqueeze(-1)  # a row at 1 keeps every token (no rounding at the tail)
+        remove |= (mass_before >= top_p.unsqueeze(-1)) & (rank > 0) & truncating  # always keep the top token
     sorted_logits = sorted_logits.masked_fill(remove, NEG_INF)
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
@@ -76,7 +90,7 @@ def splitmix64_int(x: int) -> int:
 
 def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """``splitmix64(splitmix64(seed) ^ step)`` per row: ``[B]`` int64 (Python ints for small batches)."""
-    if seeds.numel() > SMALL_BATCH_KEYS:
+    if seeds.numel() > SMALL_BATCH_KEYS or seeds.device.type != "cpu":  # no read-back from a GPU
         return _splitmix64(_splitmix64(seeds) ^ steps)
     keys = [
         _to_signed(splitmix64_int(splitmix64_int(seed & _MASK64) ^ (step & _MASK64)))
@@ -97,7 +111,9 @@ def counter_uniforms(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     return (mantissa.double() + 0.5) / float(1 << 53)
 
 
-def sample_tokens(processed: torch.Tensor, greedy: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def draw_tokens(
+    processed: torch.Tensor, greedy: torch.Tensor, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from ``softmax(processed)`` by inverting its CDF at ``uniforms``, or argmax.
 
     The CDF is accumulated in float64 (exact enough that a token's chance is its fp32
@@ -106,21 +122,77 @@ def sample_tokens(processed: torch.Tensor, greedy: torch.Tensor, uniforms: torch
     so the last kept token is the furthest it can reach. One uniform per row, so the cost is
     a softmax, a cumulative sum and a search over the vocabulary (Gumbel-max would need a
     random number per vocabulary entry: ~8x slower at a 150k vocabulary on CPU).
-    Shapes: ``processed [B, V]``, ``greedy [B]`` bool, ``uniforms [B]`` float64 in (0, 1) -> ``[B]`` int64.
-
-    Raises ``ValueError`` naming the rows whose probabilities are not finite (NaN or inf:
-    e.g. logits divided by a temperature so small they overflow) instead of letting the
-    search run off the end of the vocabulary; greedy rows are exempt (argmax needs no CDF).
+    Shapes: ``processed [B, V]``, ``greedy [B]`` bool, ``uniforms [B]`` float64 in (0, 1) ->
+    tokens ``[B]`` int64 and ``[B]`` bool: the sampled rows whose probabilities are not finite
+    (their token is meaningless; :func:`check_finite` names them).
     """
     cdf = torch.softmax(processed, dim=-1).double().cumsum(dim=-1)  # [B, V]
     total = cdf[:, -1:]
     broken = ~torch.isfinite(total.squeeze(-1)) & ~greedy
-    if bool(broken.any()):
-        rows = broken.nonzero().squeeze(-1).tolist()
-        raise ValueError(
-            f"sampling probabilities are not finite (NaN or inf) in batch rows {rows}: a temperature "
-            "too small for float32 logits, or non-finite logits"
-        )
     target = torch.minimum(uniforms.unsqueeze(-1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    sampled = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    return torch.where(greedy, torch.argmax(processed, dim=-1), sampled)
+    sampled = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=processed.shape[-1] - 1)
+    return torch.where(greedy, torch.argmax(processed, dim=-1), sampled), broken
+
+
+def check_finite(broken_rows: Sequence[int]) -> None:
+    """Raise ``ValueError`` naming the batch rows whose sampling probabilities are not finite."""
+    if broken_rows:
+        raise ValueError(
+            f"sampling probabilities are not finite (NaN or inf) in batch rows {list(broken_rows)}: a "
+            "temperature too small for float32 logits, or non-finite logits"
+        )
+
+
+def sample_tokens(processed: torch.Tensor, greedy: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """:func:`draw_tokens`, raising ``ValueError`` naming the rows whose probabilities are not
+    finite (NaN or inf: e.g. logits divided by a temperature so small they overflow) instead
+    of returning a meaningless token; greedy rows are exempt (argmax needs no CDF)."""
+    tokens, broken = draw_tokens(processed, greedy, uniforms)
+    check_finite(broken.nonzero().flatten().tolist())
+    return tokens
+
+
+@dataclass(frozen=True)
+class StepDraws:
+    """One step's draws on the host: a token per row and its log-probability under the row's
+    ``logprobs_mode``."""
+
+    tokens: list[int]
+    log_probs: list[float]
+
+
+def draw_step(
+    logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int]
+) -> StepDraws:
+    """Process, sample and score one step: row ``i`` under ``params[i]`` with the counter
+    stream ``(seeds[i], steps[i])``. ``logits [B, V]`` fp32 on any device.
+
+    Truncation is skipped entirely when no row asks for it (known from ``params``), and the
+    tokens, their log-probs and the finiteness check come back in one transfer. Raises
+    ``ValueError`` naming the rows whose probabilities are not finite.
+    """
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    top_k = top_p = None
+    if any(p.top_k > 0 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
+    if any(p.top_p < 1 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    processed = processed_logits(logits, temperature, top_k, top_p)
+    uniforms = counter_uniforms(
+        torch.tensor(seeds, dtype=torch.int64, device=device),
+        torch.tensor(steps, dtype=torch.int64, device=device),
+    )
+    tokens, broken = draw_tokens(processed, temperature == 0, uniforms)
+    picked = tokens.unsqueeze(-1)
+    log_probs = torch.log_softmax(processed, -1).gather(-1, picked).squeeze(-1)
+    raw_rows = [p.logprobs_mode == "raw" for p in params]
+    if any(raw_rows):
+        raw = torch.log_softmax(logits, -1).gather(-1, picked).squeeze(-1)
+        log_probs = torch.where(torch.tensor(raw_rows, device=device), raw, log_probs)
+    # fp32 log-probs and token ids (< 2^53) are exact in float64: one transfer for all three.
+    host_tokens, host_log_probs, host_broken = torch.stack(
+        [tokens.double(), log_probs.double(), broken.double()]
+    ).tolist()
+    check_finite([row for row, flag in enumerate(host_broken) if flag])
+    return StepDraws([int(token) for token in host_tokens], host_log_probs)

@@ -1,7 +1,7 @@
-"""The GPU tier for the trainer's packed attention: flash-attention's varlen kernel (flash-attn
-or PyTorch's ``varlen_attn``) against the bucketed SDPA route on the same bf16 inputs, for
-plain and shared-prompt plans with fillers, forward and backward. Skipped without CUDA or
-without a varlen kernel."""
+"""The GPU tier for ``tandem.kernels.cuda``: flash-attention's varlen kernel (flash-attn or
+PyTorch's ``varlen_attn``) against the bucketed SDPA route on the same bf16 inputs, for plain
+and shared-prompt plans with fillers, forward and backward; the rollout head's fp32-output
+half matmul against the upcast fp32 product. Skipped without CUDA (or without the kernel)."""
 
 from __future__ import annotations
 
@@ -47,3 +47,17 @@ def test_the_varlen_kernel_equals_bucketed_sdpa_on_cuda(share):
     torch.testing.assert_close(flash_out, sdpa_out, atol=2e-2, rtol=2e-2)
     for got, want in zip(flash_grads, sdpa_grads, strict=True):
         torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+
+
+def test_half_head_logits_equal_the_upcast_fp32_head():
+    from tandem.kernels.cuda.head import half_head_logits
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    hidden = torch.randn(64, 896, generator=gen, device="cuda").bfloat16()
+    weight = (torch.randn(4096, 896, generator=gen, device="cuda") * 0.05).bfloat16()
+    fast = half_head_logits(hidden, weight)
+    if fast is None:
+        pytest.skip("this PyTorch has no fp32-output half matmul on this GPU")
+    reference = hidden.float() @ weight.float().T
+    assert fast.dtype == torch.float32
+    torch.testing.assert_close(fast, reference, atol=1e-4, rtol=1e-5)  # summation order only
