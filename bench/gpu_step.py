@@ -25,10 +25,11 @@ Peak GPU memory per phase comes from ``torch.cuda.max_memory_allocated``. MFU is
 ``--peak-tflops`` (the dense bf16 peak; 989 for an H100 SXM) and bandwidth against
 ``--peak-gbps`` (3350 GB/s for an H100 SXM's HBM3). ``update_mfu_bound_fp32_head`` is the
 best MFU the update could reach with its log-prob head in fp32 (8 x tokens x hidden x vocab
-FLOPs at ``--peak-fp32-tflops``, 67 for an H100 SXM; everything else at the bf16 peak). The goals (issue #18): update MFU >= 35%,
+FLOPs at ``--peak-fp32-tflops``, 67 for an H100 SXM; everything else at the bf16 peak);
+``--head-dtype bfloat16`` runs the head on tensor cores instead (bf16 inputs, fp32 sums). The goals (issue #18): update MFU >= 35%,
 decode bandwidth >= 30%.
 
-    python bench/gpu_step.py [--prompts 32 --n 8 --prompt-tokens 128 --new-tokens 256]
+    python bench/gpu_step.py [--prompts 32 --n 8 --prompt-tokens 128 --new-tokens 256] [--head-dtype bfloat16]
     python bench/gpu_step.py --device cpu --layers 2 --hidden 128 --heads 4 --kv-heads 2 \\
         --intermediate 384 --vocab 1024 --prompts 4 --n 2 --new-tokens 8   # a smoke run without a GPU
 """
@@ -45,6 +46,7 @@ from phase_profile import profile_phase
 
 from tandem.algos import LossNormalizer, PolicyLossConfig
 from tandem.engine import EngineConfig, TorchTrainEngine
+from tandem.engine.varlen_attention import ROUTES
 from tandem.kernels.cuda.varlen import installed_varlen_kernel
 from tandem.models import TinyModelConfig, build_tiny_model
 from tandem.models.tokenizer import build_char_tokenizer
@@ -72,6 +74,12 @@ def parse_args() -> argparse.Namespace:
     work.add_argument("--new-tokens", type=int, default=256)
     work.add_argument("--micro-batch-tokens", type=int, default=32_768)
     work.add_argument("--warmup", type=int, default=1, help="untimed rounds of each phase first")
+    work.add_argument(
+        "--head-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the update's log-prob head product (EngineConfig.logprob_head_dtype)",
+    )
     machine = parser.add_argument_group("machine")
     machine.add_argument("--device", default="cuda")
     machine.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
@@ -189,6 +197,7 @@ def measure_update(args, model, device, prompts, completions, pad_id: int) -> di
             device=str(device),
             mixed_precision="bf16" if device.type == "cuda" else "none",
             max_tokens_per_micro_batch=args.micro_batch_tokens,
+            logprob_head_dtype=args.head_dtype,
             lr=1e-6,
         ),
         model=model,
@@ -200,6 +209,8 @@ def measure_update(args, model, device, prompts, completions, pad_id: int) -> di
     batch = Batch(tensors)
     mask = batch["response_mask"]
     loss_fn = make_actor_loss(PolicyLossConfig(), LossNormalizer.from_mask(mask), old_from_current=True)
+
+    ROUTES.clear()
 
     def update() -> None:
         engine.forward_backward(batch, loss_fn)
@@ -228,11 +239,15 @@ def measure_update(args, model, device, prompts, completions, pad_id: int) -> di
     fastest = head_fp32 / (args.peak_fp32_tflops * 1e12) + (flops - 6.0 * tokens * args.hidden * args.vocab) / (
         args.peak_tflops * 1e12
     )
+    bound = {}
+    if args.head_dtype == "float32":
+        bound["update_mfu_bound_fp32_head"] = flops / fastest / (args.peak_tflops * 1e12)
     return {
         "update_seconds": seconds,
         "update_tokens_per_s": tokens / seconds,
         "update_mfu": flops / seconds / (args.peak_tflops * 1e12),
-        "update_mfu_bound_fp32_head": flops / fastest / (args.peak_tflops * 1e12),
+        **bound,
+        "update_attention_calls": dict(ROUTES),
         "update_peak_memory_gb": update_peak,
         **profiled,
         **offload,
@@ -289,7 +304,7 @@ def main() -> None:
         "device": str(device),
         "params": params,
         "decode_batch": len(prompts),
-        "update_attention": f"varlen kernel ({kernel.provider})" if kernel else "bucketed SDPA",
+        "varlen_kernel_installed": kernel.provider if kernel else "none",
     }
     generation, completions = measure_generation(args, model, tokenizer, device, prompts)
     results.update(generation)

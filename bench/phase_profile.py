@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -46,7 +47,8 @@ def profile_phase(run: Callable[[], object], device: torch.device, label: str, o
     profiler.export_chrome_trace(str(Path(out_dir) / f"{label}.json"))
     figures = {f"{label}_profile_wall_ms": wall_us / 1e3}
     if on_gpu:
-        busy_us = sum(_self_device_us(event) for event in averages)
+        # Kernels only: a CPU operator's row repeats the time of the kernels it launched.
+        busy_us = sum(_self_device_us(event) for event in averages if event.device_type == DeviceType.CUDA)
         figures[f"{label}_device_busy_fraction"] = busy_us / wall_us
         figures[f"{label}_kernel_launches"] = sum(
             event.count for event in averages if event.key in ("cudaLaunchKernel", "cuLaunchKernel")

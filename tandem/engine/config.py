@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.device import check_device_setting
 from tandem.models.loading import DTYPES
+from tandem.models.logprobs import HEAD_DTYPES
 
 STRATEGIES = ("single", "ddp", "fsdp2")
 HEADS = ("lm", "value", "reward")
@@ -65,6 +66,11 @@ class EngineConfig:
             each step; fillers change no result.
         gradient_checkpointing: recompute activations in backward.
         logprob_chunk_size: rows of the fp32 output head computed at once.
+        logprob_head_dtype: the precision of the log-prob head's product: ``float32`` (hidden
+            states and weight in fp32) or ``bfloat16`` (both rounded to bf16, products summed
+            in fp32, logits and softmax in fp32; the logits' gradient rounded to bf16 in
+            backward). ``bfloat16`` puts the head on a GPU's tensor cores; see
+            :mod:`tandem.models.logprobs`.
         logprob_temperature: the sampling temperature the rollout used; log-probs are computed
             under ``softmax(logits / T)`` so they match the rollout's processed log-probs.
         lr / weight_decay / betas / eps: AdamW.
@@ -92,6 +98,7 @@ class EngineConfig:
     pad_tokens_to_multiple: int = 64
     gradient_checkpointing: bool = False
     logprob_chunk_size: int = 1024
+    logprob_head_dtype: str = "float32"
     logprob_temperature: float = 1.0
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -115,6 +122,7 @@ class EngineConfig:
         check_choice(owner, "mixed_precision", self.mixed_precision, MIXED_PRECISION)
         check_choice(owner, "param_dtype", self.param_dtype, [d for d in DTYPES if d != "float16"])
         check_choice(owner, "lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        check_choice(owner, "logprob_head_dtype", self.logprob_head_dtype, list(HEAD_DTYPES))
         for name in (
             "max_tokens_per_micro_batch",
             "micro_batch_size",

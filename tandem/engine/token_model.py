@@ -56,11 +56,18 @@ class TokenLogProbModel(nn.Module):
     tokens get values (the RL engine asks for response tokens only).
     """
 
-    def __init__(self, causal_lm: nn.Module, chunk_size: int = 1024, temperature: float = 1.0) -> None:
+    def __init__(
+        self,
+        causal_lm: nn.Module,
+        chunk_size: int = 1024,
+        temperature: float = 1.0,
+        head_dtype: str = "float32",
+    ) -> None:
         super().__init__()
         self.causal_lm = causal_lm
         self.chunk_size = chunk_size
         self.temperature = temperature
+        self.head_dtype = head_dtype  # the head product's precision (tandem.models.logprobs)
 
     def decoder(self) -> nn.Module:
         model = self.causal_lm
@@ -104,6 +111,7 @@ class TokenLogProbModel(nn.Module):
             self.temperature,
             self.chunk_size,
             with_sum_pi_squared,
+            self.head_dtype,
         )
         zeros = head.log_probs.new_zeros(input_ids.numel())
 

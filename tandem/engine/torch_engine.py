@@ -82,7 +82,9 @@ class TorchTrainEngine:
         elif config.head == "reward":
             self.module = TokenScoreModel(model)
         else:
-            self.module = TokenLogProbModel(model, config.logprob_chunk_size, config.logprob_temperature)
+            self.module = TokenLogProbModel(
+                model, config.logprob_chunk_size, config.logprob_temperature, config.logprob_head_dtype
+            )
         self.wrapped = wrap_data_parallel(self.module, config.strategy, self.device, config.mixed_precision)
         self.dp_size = data_parallel_size(config.strategy)
         trainable = [p for p in self.module.parameters() if p.requires_grad]

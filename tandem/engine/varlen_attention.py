@@ -22,6 +22,7 @@ argument).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from tandem.kernels.cuda.varlen import VarlenKernel, varlen_kernel_for
 
 VARLEN_ATTENTION = "tandem_varlen"
 PLAN_KEYWORD = "tandem_attention_plan"
+ROUTES: collections.Counter[str] = collections.Counter()  # calls per route (a kernel provider, or bucketed)
 
 
 @dataclass(frozen=True)
@@ -264,7 +266,14 @@ def packed_attention(
     if query.shape[0] != 1:
         raise ValueError(f"{VARLEN_ATTENTION} attention expects one packed row, got batch {query.shape[0]}")
     dropout_p = dropout if module.training else 0.0
-    kernel = varlen_kernel_for(query, dropout_p, scaling)
+    if query.is_cuda and torch.is_autocast_enabled("cuda"):
+        # Under autocast HF's rotary step hands over fp32 queries and keys beside bf16 values;
+        # attention runs in the autocast dtype either way (SDPA would cast them itself).
+        dtype = torch.get_autocast_dtype("cuda")
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    same_dtype = query.dtype == key.dtype == value.dtype
+    kernel = varlen_kernel_for(query, dropout_p, scaling) if same_dtype else None
+    ROUTES[kernel.provider if kernel is not None else "bucketed"] += 1
     if kernel is not None:
         return varlen_kernel_attention(kernel, query, key, value, plan.varlen, scaling, dropout_p), None
     return bucketed_attention(query, key, value, plan, scaling, dropout_p), None

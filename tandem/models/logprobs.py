@@ -5,6 +5,19 @@ numbers agree. Chunking bounds the ``[chunk, V]`` logits held at once; under aut
 each chunk is recomputed in backward (activation checkpointing), so a large vocabulary
 never materialises ``[N, V]`` logits for the whole batch. On request the same chunks also
 give ``sum_v p(v)^2`` (the optimal token baseline's statistic), without a second head pass.
+
+The head's product runs in one of two precisions (``head_dtype``):
+
+* ``float32`` (the default): ``hidden.float() @ W.float()^T``, all in fp32;
+* ``bfloat16``: hidden states and weight rounded to bf16, their products summed in fp32
+  (:func:`~tandem.kernels.cuda.head.half_matmul_fp32`: tensor cores on a GPU), logits,
+  softmax and everything after them in fp32. When the weights are bf16 already (FSDP2's bf16
+  parameters, a bf16 rollout engine) the forward gives the ``float32`` head's numbers up to
+  summation order. In backward the logits' gradient is rounded to bf16 before the two
+  products (fp32 sums): that part differs from the fp32 head. On a GPU the fp32 head's
+  products run on the fp32 units, an order of magnitude slower than tensor cores; at a
+  151,936-token vocabulary and hidden 896 they would take ~8x the time of the rest of the
+  model's update (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -15,6 +28,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from tandem.kernels.cpu.linear import linear
+from tandem.kernels.cuda.head import half_matmul_fp32
+
+HEAD_DTYPES = ("float32", "bfloat16")
 
 
 class HeadOutputs(NamedTuple):
@@ -25,15 +41,46 @@ class HeadOutputs(NamedTuple):
     sum_pi_squared: torch.Tensor | None = None
 
 
+class Bf16HeadProduct(torch.autograd.Function):
+    """``logits [N, V] fp32 = hidden [N, H] @ weight [V, H]^T`` from bf16 inputs with fp32 sums.
+
+    ``hidden`` is bf16; ``weight_bf16`` is the weight's bf16 copy, made once per forward
+    (not per chunk) and passed beside ``weight`` itself so that the weight's gradient leaves in
+    the weight's own dtype: the chunks' contributions then add up in fp32 under autocast (in
+    bf16 they would lose precision over ~100 chunks). Backward rounds the logits' gradient to
+    bf16 and sums both products in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, weight_bf16: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(hidden, weight_bf16)
+        ctx.weight_dtype = weight.dtype
+        return half_matmul_fp32(hidden, weight_bf16.t())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        hidden, weight_bf16 = ctx.saved_tensors
+        grad = grad.to(torch.bfloat16)
+        grad_hidden = half_matmul_fp32(grad, weight_bf16) if ctx.needs_input_grad[0] else None  # [N, H]
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = half_matmul_fp32(grad.t(), hidden).to(ctx.weight_dtype)  # [V, H]
+        return grad_hidden, grad_weight, None
+
+
 def _chunk_log_probs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
     temperature: float,
     with_sum_pi_squared: bool,
+    weight_bf16: torch.Tensor | None,
 ) -> tuple[torch.Tensor, ...]:
     with torch.autocast(hidden.device.type, enabled=False):  # the head stays fp32 under mixed precision
-        logits = linear(hidden.float(), weight.float())  # [N, V]
+        if weight_bf16 is not None:  # the bfloat16 head (hidden is bf16 already)
+            logits = Bf16HeadProduct.apply(hidden, weight, weight_bf16)  # [N, V] fp32
+        else:
+            logits = linear(hidden.float(), weight.float())  # [N, V]
     if temperature != 1.0:
         logits = logits / temperature
     log_z = torch.logsumexp(logits, dim=-1)
@@ -54,6 +101,7 @@ def log_probs_from_hidden(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_sum_pi_squared: bool = False,
+    head_dtype: str = "float32",
 ) -> HeadOutputs:
     """``log p(label)`` and the entropy of ``p = softmax(hidden @ W^T / temperature)``, computed in fp32.
 
@@ -65,6 +113,8 @@ def log_probs_from_hidden(
         chunk_size: rows per chunk.
         with_sum_pi_squared: also return ``sum_v p(v)^2 = exp(logsumexp(2z) - 2 logsumexp(z))`` of the
             temperature-scaled logits ``z`` (detached).
+        head_dtype: ``float32`` or ``bfloat16``, the precision of the head's product (module
+            docstring).
 
     Returns:
         ``HeadOutputs(log_probs [N], entropy [N], sum_pi_squared [N] or None)`` in float32.
@@ -73,6 +123,11 @@ def log_probs_from_hidden(
         raise ValueError(f"hidden has {hidden.shape[0]} rows but labels has {labels.shape[0]}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if head_dtype not in HEAD_DTYPES:
+        raise ValueError(f"head_dtype={head_dtype!r} is not one of {list(HEAD_DTYPES)}")
+    weight_bf16 = None
+    if head_dtype == "bfloat16":  # rounded once, not per chunk
+        hidden, weight_bf16 = hidden.to(torch.bfloat16), head_weight.detach().to(torch.bfloat16)
     chunks = []
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or head_weight.requires_grad)
     for start in range(0, hidden.shape[0], chunk_size):
@@ -82,6 +137,7 @@ def log_probs_from_hidden(
             labels[start : start + chunk_size],
             temperature,
             with_sum_pi_squared,
+            weight_bf16,
         )
         chunks.append(
             checkpoint(_chunk_log_probs, *args, use_reentrant=False)

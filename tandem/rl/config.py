@@ -562,6 +562,14 @@ class TrainConfig:
                 f"actor.engine.max_tokens_per_micro_batch={engine.max_tokens_per_micro_batch} is below the longest "
                 f"sequence, data.max_prompt_length + rollout.max_response_length = {longest}"
             )
+        rollout = self.rollout.engine
+        if engine.logprob_head_dtype == "bfloat16" and rollout.name != "vllm" and rollout.selected.dtype != "bfloat16":
+            raise ValueError(
+                f"actor.engine.logprob_head_dtype=bfloat16 rounds the head's inputs to bf16, but the rollout's "
+                f"log-probs come from a {rollout.selected.dtype} model (rollout.engine.{rollout.name}.dtype): they "
+                f"would disagree by that rounding; set rollout.engine.{rollout.name}.dtype=bfloat16 or keep the "
+                "float32 head"
+            )
         if self.algorithm.kl.use_kl_loss and self.algorithm.kl.kl_loss_coef == 0:
             raise ValueError("algorithm.kl.use_kl_loss is on but algorithm.kl.kl_loss_coef is 0")
         if "interaction" in self.reward.sources and not self.agent.interaction_path:

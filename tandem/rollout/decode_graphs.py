@@ -9,7 +9,9 @@ through one only in fixed form:
 * **batch buckets** — the step's ``D`` decode tokens are padded to ``B``, a power of two
   (at most the cache's slot count). Padding rows decode token 0 at position 0 into the
   unused slots ``D .. B-1``: running sequences hold slots ``0 .. D-1``, and a slot's cache
-  rows are written again (prefill, then decode) before anything attends to them;
+  rows are written again (prefill, then decode) before anything attends to them. So the
+  engine takes this path only for steps that admit nothing (a request admitted from the
+  prefix cache fills a slot ``>= D`` without a prefill);
 * **length buckets** — the attended length is rounded up (:func:`graph_length`); keys past a
   sequence's position are masked as in an eager step;
 * **static buffers** — the token ids and positions are copied into buffers the graph reads;
@@ -20,7 +22,8 @@ pair runs the step once eagerly on a side stream (warm-up), records it, and repl
 replay rewrites the same keys and values the warm-up wrote (they depend only on the step's
 inputs and earlier positions), so its output is the step's output. Freeing the KV cache
 (:meth:`SlotKVCache.free`, on sleep) invalidates every graph: :meth:`DecodeGraphs.clear`.
-Recording a pair costs a warm-up step and PyTorch's capture set-up (a device synchronise, a
+A capture that fails (an operation that cannot be recorded) is logged and the instance runs
+every later step eagerly (``failure`` says why). Recording a pair costs a warm-up step and PyTorch's capture set-up (a device synchronise, a
 garbage collection), paid again after every sleep; how long that takes is not measured yet.
 
 With ``use_cuda_graphs=False`` the same padded, bucketed step runs eagerly every time: the CPU
@@ -29,12 +32,15 @@ tests check it against the engine's plain decode, and the GPU tier checks the gr
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from tandem.rollout.kv_cache import SlotKVCache, StepPlan
 from tandem.rollout.lean import LeanDecoder
+
+logger = logging.getLogger(__name__)
 
 LENGTH_STEP = 128
 
@@ -82,6 +88,7 @@ class DecodeGraphs:
         self._pool = None  # the graphs' shared memory pool, and the stream they are recorded on
         self._capture_stream: torch.cuda.Stream | None = None
         self.captures = 0  # graphs recorded since the engine started (a re-capture counts again)
+        self.failure: str | None = None  # why a capture failed, when one did (then every step is eager)
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -134,6 +141,16 @@ class DecodeGraphs:
         if not self.use_cuda_graphs:
             entry.hidden = self._forward(entry, length)
             return
+        try:
+            self._capture(entry, length)
+        except Exception as error:  # an operation that cannot be captured: eager from now on
+            self.use_cuda_graphs = False
+            self.failure = f"{type(error).__name__}: {error}"
+            logger.warning("CUDA graph capture failed (%s); decode steps run eagerly from now on", self.failure)
+            entry.graph = None
+            entry.hidden = self._forward(entry, length)  # rewrites what the warm-up wrote: the same values
+
+    def _capture(self, entry: _Graph, length: int) -> None:
         # The engine's thread may not have the cache's GPU as its current device: name it.
         with torch.cuda.device(self.cache.device):
             if self._pool is None:

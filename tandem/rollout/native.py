@@ -448,7 +448,9 @@ class NativeRolloutEngine:
         decode_ids = [s.completion.token_ids[-1] for s in old]
         decode_pos = [s.cached_len for s in old]
         tokens = prefill_ids + decode_ids
-        if tokens and not prefill_ids and self.decode_graphs is not None:
+        # A graph pads the decode rows into the slots after them, so none may be newly filled
+        # (a request admitted from the prefix cache holds one without a prefill).
+        if tokens and not admitted and self.decode_graphs is not None:
             hidden = self.decode_graphs.run(
                 torch.tensor(decode_ids, dtype=torch.long, device=self.device),
                 torch.tensor(decode_pos, dtype=torch.long, device=self.device),

@@ -100,3 +100,45 @@ def test_bucket_caps_and_bad_sizes(qwen2_dir):
             DecodeGraphs(engine.lean_decoder, engine.cache)
     finally:
         engine.close()
+
+
+def test_steps_that_admit_from_the_prefix_cache_stay_off_the_graph_path(qwen2_dir):
+    """Requests sharing a prompt refill freed slots straight from the prefix cache (no
+    prefill); a padded graph step then would write into those slots, so such steps run the
+    plain path and every request's tokens and log-probs equal the plain engine's."""
+    prompts = random_prompts(3, 8, low=10, high=30)
+    requests = [
+        RolloutRequest(f"p{i}", prompts[i % 3], SamplingParams(temperature=1.0, max_tokens=5 + (i * 7) % 23, seed=i))
+        for i in range(24)
+    ]
+    plain = native(qwen2_dir, max_num_seqs=5)
+    bucketed = with_eager_graphs(native(qwen2_dir, max_num_seqs=5))
+    try:
+        want = plain.generate_batch(requests, timeout=120)
+        got = bucketed.generate_batch(requests, timeout=120)
+        assert bucketed.stats.prefix_hits > 0 and bucketed.stats.graph_steps > 0
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-5, rtol=0)
+    finally:
+        plain.close()
+        bucketed.close()
+
+
+def test_a_failed_capture_falls_back_to_eager_steps(qwen2_dir):
+    """A capture that raises (here: the CPU has no CUDA graphs) leaves the engine generating:
+    that step and every later one run eagerly, with the plain engine's tokens."""
+    requests = mixed_requests(10)
+    plain = native(qwen2_dir, max_num_seqs=8)
+    engine = with_eager_graphs(native(qwen2_dir, max_num_seqs=8))
+    engine.decode_graphs.use_cuda_graphs = True  # capture for real: it fails on the CPU
+    try:
+        want = plain.generate_batch(requests, timeout=120)
+        got = engine.generate_batch(requests, timeout=120)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        assert all(c.finish_reason == "length" for c in got)
+        graphs = engine.decode_graphs
+        assert graphs.failure and not graphs.use_cuda_graphs and graphs.captures == 0
+    finally:
+        plain.close()
+        engine.close()
