@@ -63,20 +63,25 @@ def test_bucketed_decode_steps_equal_the_plain_decode(qwen2_dir):
         bucketed.close()
 
 
-def test_sleep_drops_the_graphs_and_wake_gives_the_same_outputs(qwen2_dir):
-    engine = with_eager_graphs(native(qwen2_dir, max_num_seqs=8))
+def check_sleep_drops_the_graphs_and_wake_repeats_the_tokens(engine: NativeRolloutEngine, count: int) -> None:
+    """Generate, sleep (the graphs go), wake, generate the same requests again: same tokens.
+    The engine is closed afterwards."""
     try:
-        requests = mixed_requests(6)
-        before = engine.generate_batch(requests, timeout=120)
+        requests = mixed_requests(count)
+        before = engine.generate_batch(requests, timeout=300)
         assert len(engine.decode_graphs) > 0
         engine.sleep()
         assert len(engine.decode_graphs) == 0
         engine.wake()
         again = [RolloutRequest(r.request_id + "'", r.prompt_ids, r.params) for r in requests]
-        after = engine.generate_batch(again, timeout=120)
+        after = engine.generate_batch(again, timeout=300)
         assert [c.token_ids for c in after] == [c.token_ids for c in before]
     finally:
         engine.close()
+
+
+def test_sleep_drops_the_graphs_and_wake_gives_the_same_outputs(qwen2_dir):
+    check_sleep_drops_the_graphs_and_wake_repeats_the_tokens(with_eager_graphs(native(qwen2_dir, max_num_seqs=8)), 6)
 
 
 def test_buckets():
