@@ -338,17 +338,26 @@ def rollout_engine(ctx: Context) -> None:
         raise ValueError(f"{ROLLOUT}.name is required (vllm, hf, or tandem's native)")
     engine = names.tandem_name(f"{ROLLOUT}.name", name)
     ctx.out["rollout.engine.name"] = engine
-    vllm_only = {
+    vllm_settings = {
         "gpu_memory_utilization": float,
         "enforce_eager": bool,
         "enable_prefix_caching": bool,
         "dtype": str,
     }
-    for key, convert in vllm_only.items():
+    # The same intent in the other engines' own settings: (their field, the value from verl's).
+    own = {
+        "native": {"dtype": ("dtype", str), "enforce_eager": ("cuda_graphs", lambda eager: not bool(eager))},
+        "hf": {"dtype": ("dtype", str)},
+    }
+    for key, convert in vllm_settings.items():
         if not ctx.set_by_user(f"{ROLLOUT}.{key}"):
             continue
+        value = ctx.get(f"{ROLLOUT}.{key}")
         if engine == "vllm":
-            ctx.out[f"rollout.engine.vllm.{key}"] = convert(ctx.get(f"{ROLLOUT}.{key}"))
+            ctx.out[f"rollout.engine.vllm.{key}"] = convert(value)
+        elif key in own.get(engine, {}):
+            field, translate_value = own[engine][key]
+            ctx.out[f"rollout.engine.{engine}.{field}"] = translate_value(value)
         else:
             ctx.notes.append(f"{ROLLOUT}.{key}: a vLLM setting; the {engine} engine does not read it")
     if ctx.set_by_user(f"{ROLLOUT}.max_num_seqs"):

@@ -346,10 +346,14 @@ RULES: tuple[Rule, ...] = (
     joint(f"{ROLLOUT}.val_kwargs.n", "rollout.val_n", 1, example=4),
     joint(f"{ROLLOUT}.val_kwargs.do_sample", "rollout.val_temperature (0 when false)", False, example=True),
     joint(f"{ROLLOUT}.gpu_memory_utilization", "rollout.engine.vllm.gpu_memory_utilization", example=0.6),
-    joint(f"{ROLLOUT}.enforce_eager", "rollout.engine.vllm.enforce_eager", example=False),
+    joint(
+        f"{ROLLOUT}.enforce_eager",
+        "rollout.engine.vllm.enforce_eager (the native engine: cuda_graphs, negated)",
+        example=True,
+    ),
     joint(f"{ROLLOUT}.enable_prefix_caching", "rollout.engine.vllm.enable_prefix_caching", example=True),
     joint(f"{ROLLOUT}.max_num_seqs", "rollout.engine.<name>.max_num_seqs", example=128),
-    joint(f"{ROLLOUT}.dtype", "rollout.engine.vllm.dtype", example="bfloat16"),
+    joint(f"{ROLLOUT}.dtype", "rollout.engine.vllm.dtype (native, hf: their own dtype)", example="bfloat16"),
     joint(f"{ROLLOUT}.logprobs_mode", "rollout.engine.vllm.logprobs_mode", "processed_logprobs"),
     only(
         f"{ROLLOUT}.multi_turn.enable",

@@ -133,10 +133,10 @@ JOINT = {
         "rollout.val_temperature": 0.0
     },  # verl reads the temperature
     "actor_rollout_ref.rollout.gpu_memory_utilization": {},  # the native engine: a note
-    "actor_rollout_ref.rollout.enforce_eager": {},
+    "actor_rollout_ref.rollout.enforce_eager": {"rollout.engine.native.cuda_graphs": False},
     "actor_rollout_ref.rollout.enable_prefix_caching": {},
     "actor_rollout_ref.rollout.max_num_seqs": {"rollout.engine.native.max_num_seqs": 128},
-    "actor_rollout_ref.rollout.dtype": {},
+    "actor_rollout_ref.rollout.dtype": {"rollout.engine.native.dtype": "bfloat16"},
     "actor_rollout_ref.rollout.logprobs_mode": {},
     "algorithm.kl_penalty": {"algorithm.kl.estimator": "k3"},  # no KL in use: kl_loss_type decides
     "algorithm.filter_groups.max_num_gen_batches": {"algorithm.filter_groups.max_num_gen_batches": 10},
@@ -218,9 +218,7 @@ JOINT_NOTES = {
     "actor_rollout_ref.actor.grad_clip": "clips by actor_rollout_ref.actor.optim.clip_grad",
     "critic.grad_clip": "clips by critic.optim.clip_grad",
     "actor_rollout_ref.rollout.gpu_memory_utilization": "a vLLM setting",
-    "actor_rollout_ref.rollout.enforce_eager": "a vLLM setting",
     "actor_rollout_ref.rollout.enable_prefix_caching": "a vLLM setting",
-    "actor_rollout_ref.rollout.dtype": "a vLLM setting",
     "actor_rollout_ref.rollout.val_kwargs.do_sample": "verl samples validation by val_kwargs.temperature",
     "actor_rollout_ref.actor.clip_ratio": "use clip_ratio only where those are null",
     "algorithm.filter_groups.metric": "verl generates until the batch is full",
