@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # Wheels of tandem's dependencies that the lent GPU machines' image lacks (it has torch,
-# transformers, numpy, pyarrow, rich, pyyaml and pytest), for Python 3.12, into .whl/
-# (ignored by git). Run once here; the device call carries .whl (see bench/gpu_checks.sh).
+# transformers, numpy, pyarrow, rich, pyyaml, cloudpickle and pytest), for Python 3.12, into
+# .whl/ (in .gitignore). Run once here; the device call carries .whl (see bench/gpu_checks.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >> .git/info/exclude
 rm -rf .whl && mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -46,9 +46,10 @@ class Bf16HeadProduct(torch.autograd.Function):
 
     ``hidden`` is bf16; ``weight_bf16`` is the weight's bf16 copy, made once per forward
     (not per chunk) and passed beside ``weight`` itself so that the weight's gradient leaves in
-    the weight's own dtype: the chunks' contributions then add up in fp32 under autocast (in
-    bf16 they would lose precision over ~100 chunks). Backward rounds the logits' gradient to
-    bf16 and sums both products in fp32.
+    the weight's own dtype: with fp32 parameters (autocast) the chunks' contributions then add
+    up in fp32 (in bf16 they would lose precision over ~100 chunks); with bf16 parameters
+    (FSDP2's) they add up in bf16, as the fp32 head's do. Backward rounds the logits' gradient
+    to bf16 and sums both products in fp32.
     """
 
     @staticmethod

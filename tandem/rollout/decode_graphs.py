@@ -32,6 +32,7 @@ tests check it against the engine's plain decode, and the GPU tier checks the gr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -162,11 +163,31 @@ class DecodeGraphs:
                 self._forward(entry, length)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            # thread_local: other threads (the trainer, a server) may use the GPU while this one records
-            with torch.cuda.graph(
-                graph, pool=self._pool, stream=self._capture_stream, capture_error_mode="thread_local"
-            ):
-                entry.hidden = self._forward(entry, length)
+            # The outer stream context gives this thread its stream back even when ending the
+            # capture raises (torch.cuda.graph's exit then skips its own restore).
+            with torch.cuda.stream(self._capture_stream):
+                try:
+                    # thread_local: other threads (the trainer, a server) may use the GPU meanwhile
+                    with torch.cuda.graph(
+                        graph, pool=self._pool, stream=self._capture_stream, capture_error_mode="thread_local"
+                    ):
+                        entry.hidden = self._forward(entry, length)
+                except Exception:
+                    self._end_failed_capture()
+                    raise
             graph.replay()
         entry.graph = graph
         self.captures += 1
+
+    def _end_failed_capture(self) -> None:
+        """Tell the caching allocator that the pool's capture is over: when ending a capture
+        raises, PyTorch skips that, and while the allocator believes a capture is under way it
+        stops recycling blocks freed across streams, for the whole process. The pool itself
+        is dropped (its few blocks stay reserved)."""
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end is not None and self._pool is not None:
+            index = self.cache.device.index
+            with contextlib.suppress(RuntimeError):  # raised when the capture had ended after all
+                end(torch.cuda.current_device() if index is None else index, self._pool)
+        self._pool = None
+        torch.cuda.synchronize(self.cache.device)
