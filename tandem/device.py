@@ -86,6 +86,13 @@ def uses_cpu_kernels(device: torch.device | str) -> bool:
     return torch.device(device).type == "cpu"
 
 
+def host_tensor(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A small tensor of host ``values`` on ``device``, copied without waiting for the work
+    already queued there (a plain copy to a GPU synchronises its stream first; an
+    asynchronous one from pageable memory stages the bytes at once and returns)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def uses_cuda_graphs(device: torch.device | str) -> bool:
     """Whether the native engine's decode steps may replay CUDA graphs on ``device``."""
     return torch.device(device).type == "cuda"

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.config.validation import check_choice, check_positive
-from tandem.device import bind_device, check_device_setting, uses_cpu_kernels, uses_cuda_graphs
+from tandem.device import bind_device, check_device_setting, host_tensor, uses_cpu_kernels, uses_cuda_graphs
 from tandem.kernels.cpu import enable_cpu_kernels
 from tandem.kernels.cpu.linear import PackedLinears
 from tandem.kernels.cuda.head import half_head_logits
@@ -452,8 +452,8 @@ class NativeRolloutEngine:
         # (a request admitted from the prefix cache holds one without a prefill).
         if tokens and not admitted and self.decode_graphs is not None:
             hidden = self.decode_graphs.run(
-                torch.tensor(decode_ids, dtype=torch.long, device=self.device),
-                torch.tensor(decode_pos, dtype=torch.long, device=self.device),
+                host_tensor(decode_ids, torch.long, self.device),
+                host_tensor(decode_pos, torch.long, self.device),
                 max(decode_pos) + 1,
             )
             for sequence in old:

@@ -7,7 +7,8 @@ the same processing) sees a ratio of exactly 1.
 
 :func:`draw_step` is what the engine calls once per step: every setting it knows on the
 host stays on the host (whether any row truncates), and the step's tokens and log-probs come
-back in one device-to-host transfer, the step's only synchronisation on a GPU.
+back in one device-to-host transfer, the step's only synchronisation on a GPU (its small
+inputs go over without waiting: :func:`tandem.device.host_tensor`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.device import host_tensor
 from tandem.rollout.types import SamplingParams
 
 NEG_INF = float("-inf")
@@ -172,16 +174,16 @@ def draw_step(
     ``ValueError`` naming the rows whose probabilities are not finite.
     """
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    temperature = host_tensor([p.temperature for p in params], torch.float32, device)
     top_k = top_p = None
     if any(p.top_k > 0 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
+        top_k = host_tensor([p.top_k for p in params], torch.long, device)
     if any(p.top_p < 1 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        top_p = host_tensor([p.top_p for p in params], torch.float32, device)
     processed = processed_logits(logits, temperature, top_k, top_p)
     uniforms = counter_uniforms(
-        torch.tensor(seeds, dtype=torch.int64, device=device),
-        torch.tensor(steps, dtype=torch.int64, device=device),
+        host_tensor(seeds, torch.int64, device),
+        host_tensor(steps, torch.int64, device),
     )
     tokens, broken = draw_tokens(processed, temperature == 0, uniforms)
     picked = tokens.unsqueeze(-1)
@@ -189,7 +191,7 @@ def draw_step(
     raw_rows = [p.logprobs_mode == "raw" for p in params]
     if any(raw_rows):
         raw = torch.log_softmax(logits, -1).gather(-1, picked).squeeze(-1)
-        log_probs = torch.where(torch.tensor(raw_rows, device=device), raw, log_probs)
+        log_probs = torch.where(host_tensor(raw_rows, torch.bool, device), raw, log_probs)
     # fp32 log-probs and token ids (< 2^53) are exact in float64: one transfer for all three.
     host_tokens, host_log_probs, host_broken = torch.stack(
         [tokens.double(), log_probs.double(), broken.double()]

@@ -9,10 +9,12 @@ from torch import nn
 from tandem.device import (
     bind_device,
     check_device_setting,
+    host_tensor,
     max_memory_allocated_gb,
     process_group_backend,
     resolve_device,
     uses_cpu_kernels,
+    uses_cuda_graphs,
 )
 from tandem.engine import EngineConfig, TorchTrainEngine
 from tandem.kernels.cpu import enable_cpu_kernels
@@ -44,6 +46,13 @@ def test_the_process_group_backend_follows_the_device():
     assert process_group_backend("cpu") == "gloo"
     assert process_group_backend(torch.device("cuda", 1)) == "nccl"
     assert uses_cpu_kernels("cpu") and not uses_cpu_kernels("cuda:0")
+    assert uses_cuda_graphs("cuda:0") and not uses_cuda_graphs("cpu")
+
+
+def test_host_tensors_keep_values_and_dtype():
+    ids = host_tensor([3, -1, 2**40], torch.int64, "cpu")
+    assert ids.tolist() == [3, -1, 2**40] and ids.dtype == torch.int64
+    assert host_tensor([True, False], torch.bool, torch.device("cpu")).tolist() == [True, False]
 
 
 def test_cpu_kernels_are_switched_on_for_the_cpu_only():
