@@ -22,9 +22,10 @@ pair runs the step once eagerly on a side stream (warm-up), records it, and repl
 replay rewrites the same keys and values the warm-up wrote (they depend only on the step's
 inputs and earlier positions), so its output is the step's output. Freeing the KV cache
 (:meth:`SlotKVCache.free`, on sleep) invalidates every graph: :meth:`DecodeGraphs.clear`.
-A capture that fails (an operation that cannot be recorded) is logged and the instance runs
-every later step eagerly (``failure`` says why). Recording a pair costs a warm-up step and PyTorch's capture set-up (a device synchronise, a
-garbage collection), paid again after every sleep; how long that takes is not measured yet.
+A capture that fails (an operation that cannot be recorded) is logged, and pairs met later
+run eagerly (``failure`` says why; graphs recorded before it keep replaying). Recording a pair
+costs a warm-up step and PyTorch's capture set-up (a device synchronise, emptying its caches),
+paid again after every sleep; how long that takes is not measured yet.
 
 With ``use_cuda_graphs=False`` the same padded, bucketed step runs eagerly every time: the CPU
 tests check it against the engine's plain decode, and the GPU tier checks the graphs.
@@ -89,10 +90,15 @@ class DecodeGraphs:
         self._pool = None  # the graphs' shared memory pool, and the stream they are recorded on
         self._capture_stream: torch.cuda.Stream | None = None
         self.captures = 0  # graphs recorded since the engine started (a re-capture counts again)
-        self.failure: str | None = None  # why a capture failed, when one did (then every step is eager)
+        self.failure: str | None = None  # why a capture failed, when one did (later pairs run eagerly)
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        """The ``(B, L)`` buckets held, in the order they were first met."""
+        return list(self._graphs)
 
     def bucket(self, count: int, length: int) -> tuple[int, int]:
         """The ``(B, L)`` that ``count`` decode tokens attending ``length`` positions run in."""

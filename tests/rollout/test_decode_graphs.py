@@ -55,8 +55,8 @@ def test_bucketed_decode_steps_equal_the_plain_decode(qwen2_dir):
             torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-5, rtol=0)
         assert bucketed.stats.graph_steps > 0.8 * bucketed.stats.steps
         assert plain.stats.graph_steps == 0
-        lengths = {length for _, length in bucketed.decode_graphs._graphs}
-        batches = {batch for batch, _ in bucketed.decode_graphs._graphs}
+        lengths = {length for _, length in bucketed.decode_graphs.pairs}
+        batches = {batch for batch, _ in bucketed.decode_graphs.pairs}
         assert {128, 256} <= lengths and len(batches) >= 3
     finally:
         plain.close()
