@@ -28,7 +28,7 @@ def run(model_dir, lean: bool, requests, prepack: bool = False):
         ),
     )
     try:
-        assert (engine._lean is not None) == lean
+        assert (engine.lean_decoder is not None) == lean
         assert (len(engine._packed) > 0) == (prepack and onednn_available())
         return engine.generate_batch(requests, timeout=120)
     finally:
@@ -77,7 +77,7 @@ def test_models_outside_the_lean_forward_keep_hf(tmp_path):
         LeanDecoder(model)
     engine = NativeRolloutEngine(model, load_tokenizer(path))
     try:
-        assert engine._lean is None
+        assert engine.lean_decoder is None
         out = engine.generate_batch(
             [RolloutRequest("x", (5, 6, 7), SamplingParams(max_tokens=4))], timeout=60
         )[0]
