@@ -22,8 +22,9 @@ initialised — nothing is downloaded. The step's two phases run as the RL worke
 the profile that says why a goal is missed.
 
 Peak GPU memory per phase comes from ``torch.cuda.max_memory_allocated``. MFU is against
-``--peak-tflops`` (the dense bf16 peak; 989 for an H100 SXM) and bandwidth against
-``--peak-gbps`` (3350 GB/s for an H100 SXM's HBM3). ``update_mfu_bound_fp32_head`` is the
+``--peak-tflops`` (the dense bf16 peak; 989 for an H100 SXM or H200) and bandwidth against
+``--peak-gbps`` (3350 GB/s for an H100 SXM's HBM3, 4800 for an H200's HBM3e); left out, both
+come from the GPU's name (``PEAKS``). ``update_mfu_bound_fp32_head`` is the
 best MFU the update could reach with its log-prob head in fp32 (8 x tokens x hidden x vocab
 FLOPs at ``--peak-fp32-tflops``, 67 for an H100 SXM; everything else at the bf16 peak);
 ``--head-dtype bfloat16`` runs the head on tensor cores instead (bf16 inputs, fp32 sums). The goals (issue #18): update MFU >= 35%,
@@ -82,10 +83,17 @@ def parse_args() -> argparse.Namespace:
     )
     machine = parser.add_argument_group("machine")
     machine.add_argument("--device", default="cuda")
-    machine.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
-    machine.add_argument("--peak-gbps", type=float, default=3350.0, help="memory bandwidth of the GPU")
     machine.add_argument(
-        "--peak-fp32-tflops", type=float, default=67.0, help="dense fp32 (non-tensor-core) peak of the GPU"
+        "--peak-tflops", type=float, default=None, help="dense bf16 peak of the GPU (default: from its name)"
+    )
+    machine.add_argument(
+        "--peak-gbps", type=float, default=None, help="memory bandwidth of the GPU (default: from its name)"
+    )
+    machine.add_argument(
+        "--peak-fp32-tflops",
+        type=float,
+        default=None,
+        help="dense fp32 (non-tensor-core) peak of the GPU (default: from its name)",
     )
     machine.add_argument("--json", default="", help="also write the results to this file")
     machine.add_argument(
@@ -95,6 +103,30 @@ def parse_args() -> argparse.Namespace:
         "fraction, Chrome traces into this folder)",
     )
     return parser.parse_args()
+
+
+# Datasheet peaks (dense bf16 TFLOP/s, memory GB/s, fp32 TFLOP/s) by a GPU name's marker;
+# the first marker found in the name wins, and anything unknown falls back to the H100 SXM's.
+PEAKS = {
+    "H200": (989.0, 4800.0, 67.0),
+    "H100 PCIe": (756.0, 2000.0, 51.0),
+    "H100": (989.0, 3350.0, 67.0),
+    "A100": (312.0, 2039.0, 19.5),
+}
+
+
+def fill_peaks(args: argparse.Namespace, device: torch.device) -> None:
+    """Fill the peaks the user left out from the GPU's name (the H100 SXM's when unknown)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    marker = next((m for m in PEAKS if m in name), "H100")
+    bf16, gbps, fp32 = PEAKS[marker]
+    args.peak_tflops = args.peak_tflops or bf16
+    args.peak_gbps = args.peak_gbps or gbps
+    args.peak_fp32_tflops = args.peak_fp32_tflops or fp32
+    print(
+        f"peaks ({marker if marker in name else 'H100 SXM, assumed'}): bf16 {args.peak_tflops:g} TFLOP/s, "
+        f"memory {args.peak_gbps:g} GB/s, fp32 {args.peak_fp32_tflops:g} TFLOP/s"
+    )
 
 
 def synchronize(device: torch.device) -> None:
@@ -287,6 +319,7 @@ def main() -> None:
     )
     if device.type == "cuda":
         print(f"GPU: {torch.cuda.get_device_name(device)}")
+    fill_peaks(args, device)
     tokenizer = build_char_tokenizer()
     model = build_model(args, tokenizer)
     params = sum(p.numel() for p in model.parameters())
