@@ -456,19 +456,17 @@ class NativeRolloutEngine:
                 host_tensor(decode_pos, torch.long, self.device),
                 max(decode_pos) + 1,
             )
-            for sequence in old:
-                sequence.cached_len += 1
             self.stats.graph_steps += 1
         elif tokens:
             plan = StepPlan(
                 self.cache,
                 tuple(seg for _, seg in segments),
                 cursor,
-                torch.tensor(decode_pos, dtype=torch.long, device=self.device),
+                host_tensor(decode_pos, torch.long, self.device),
                 self._shared_prefixes(old) if old else None,
             )
-            input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-            position_ids = torch.tensor([prefill_pos + decode_pos], dtype=torch.long, device=self.device)
+            input_ids = host_tensor([tokens], torch.long, self.device)
+            position_ids = host_tensor([prefill_pos + decode_pos], torch.long, self.device)
             if self._lean is not None:
                 hidden = self._lean(input_ids[0], position_ids[0], plan)
             else:
@@ -478,9 +476,9 @@ class NativeRolloutEngine:
             for sequence, seg in segments:
                 hidden_rows[id(sequence)] = hidden[seg.token_end - 1]
                 self._remember_prefix(sequence, hidden[seg.token_end - 1])
-            for sequence in old:
-                sequence.cached_len += 1
             self.stats.prefilled_tokens += cursor
+        for sequence in old:  # each wrote its decode token's keys and values
+            sequence.cached_len += 1
         if copies:
             self.cache.copy_slots(
                 [source.slot for _, source in copies],

@@ -7,7 +7,7 @@ the same processing) sees a ratio of exactly 1.
 
 :func:`draw_step` is what the engine calls once per step: every setting it knows on the
 host stays on the host (whether any row truncates), and the step's tokens and log-probs come
-back in one device-to-host transfer, the step's only synchronisation on a GPU (its small
+back in one device-to-host transfer, a CUDA-graph step's only synchronisation (its small
 inputs go over without waiting: :func:`tandem.device.host_tensor`).
 """
 

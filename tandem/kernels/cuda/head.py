@@ -30,20 +30,28 @@ def _fp32_output_matmul_works(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
+def _tensor_core_fp32_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Both half precision of one dtype on one CUDA device, and this PyTorch has the product."""
+    return (
+        a.is_cuda
+        and a.dtype in HALF_DTYPES
+        and b.dtype == a.dtype
+        and b.device == a.device
+        and _fp32_output_matmul_works(a.device, a.dtype)
+    )
+
+
 def half_matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a [n, k] @ b [k, m]`` of two half-precision matrices (same dtype) as fp32 ``[n, m]``:
     exact products, fp32 sums. On CUDA one tensor-core product with fp32 output; elsewhere (or
     where this PyTorch lacks it) the same numbers from fp32 copies (summation order aside)."""
-    if a.is_cuda and a.dtype in HALF_DTYPES and b.dtype == a.dtype and _fp32_output_matmul_works(a.device, a.dtype):
+    if _tensor_core_fp32_applies(a, b):
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
 
 def half_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``hidden [B, d]`` and ``weight [V, d]``, both bf16 or both fp16 on one CUDA device ->
-    fp32 logits ``[B, V]``; ``None`` where this does not apply (the caller upcasts instead)."""
-    if not (hidden.is_cuda and hidden.dtype in HALF_DTYPES and weight.dtype == hidden.dtype):
-        return None
-    if hidden.device != weight.device or not _fp32_output_matmul_works(hidden.device, hidden.dtype):
-        return None
-    return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    fp32 logits ``[B, V]``; ``None`` where the tensor-core product does not apply (the caller
+    keeps its own fp32 path, e.g. the CPU's prepacked head)."""
+    return half_matmul_fp32(hidden, weight.t()) if _tensor_core_fp32_applies(hidden, weight) else None
