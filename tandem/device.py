@@ -12,6 +12,8 @@ Everything else asks this module instead of probing ``torch.cuda`` itself:
   (``torch.cuda.set_device``), so NCCL and every default-device allocation use it.
 * :func:`process_group_backend` follows the tensors: NCCL for CUDA, gloo for the CPU.
   Never a mismatch (NCCL with CPU tensors fails at the first collective).
+* :func:`only_visible_gpu` shows a child process started inside it (vLLM's engine core) only
+  the rank's GPU.
 * :func:`uses_cpu_kernels` is true only for the CPU: the CPU speed work
   (:mod:`tandem.kernels.cpu`) is never switched on for a GPU run.
 * :func:`uses_cuda_graphs` is true only for CUDA: the native engine's decode steps replay
@@ -20,7 +22,10 @@ Everything else asks this module instead of probing ``torch.cuda`` itself:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -76,6 +81,38 @@ def bind_device(setting: str = "auto", local_rank: int | None = None) -> torch.d
     return device
 
 
+def physical_gpu_id(index: int) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` entry of this process's GPU ``index`` (the index itself
+    when the variable is unset)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or not visible.strip():
+        return str(index)
+    entries = [entry.strip() for entry in visible.split(",")]
+    if index >= len(entries):
+        raise RuntimeError(f"GPU {index} is not among CUDA_VISIBLE_DEVICES={visible!r}")
+    return entries[index]
+
+
+@contextlib.contextmanager
+def only_visible_gpu(setting: str) -> Iterator[None]:
+    """Within the block, ``CUDA_VISIBLE_DEVICES`` names only the GPU of ``setting`` (``cuda:N``),
+    so a process started inside it sees that GPU as its ``cuda:0``; this process's own CUDA
+    context is already made and keeps its view. Other settings change nothing."""
+    base, _, index = setting.partition(":")
+    if base != "cuda" or not index:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = physical_gpu_id(int(index))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
 def process_group_backend(device: torch.device | str) -> str:
     """The torch.distributed backend for tensors on ``device``: ``nccl`` for CUDA, ``gloo`` otherwise."""
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
@@ -91,6 +128,27 @@ def host_tensor(values, dtype: torch.dtype, device: torch.device | str) -> torch
     already queued there (a plain copy to a GPU synchronises its stream first; an
     asynchronous one from pageable memory stages the bytes at once and returns)."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def host_buffer(nbytes: int, for_device: torch.device | str) -> torch.Tensor:
+    """An empty byte buffer in host memory for data of ``for_device``: page-locked for a CUDA
+    device, so copies to and from it run at full bus speed and asynchronously (PyTorch's
+    pinned-memory cache keeps freed buffers for the next request, in power-of-two sizes). Where
+    the system refuses to lock more memory the buffer is pageable, with a warning."""
+    if torch.device(for_device).type == "cuda":
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as error:
+            warnings.warn(f"page-locked host memory refused ({error}); offload copies run pageable", stacklevel=2)
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def wait_for_copies(device: torch.device | str) -> None:
+    """Block until the work queued on a CUDA ``device``'s current stream (asynchronous copies
+    to host memory among it) is done; nothing elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def uses_cuda_graphs(device: torch.device | str) -> bool:

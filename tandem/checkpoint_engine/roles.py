@@ -9,6 +9,7 @@ carry the sender's address; the buckets go through the chosen backend.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,9 @@ from tandem.checkpoint_engine.sync import SenderAddress, SyncStats, WeightSender
 from tandem.controller import register
 from tandem.controller.errors import WorkerDiedError, WorkerError
 from tandem.errors import RolloutReplicaError
+from tandem.protocol.shared import write_probe
+
+FILE_BACKENDS = ("shared_memory", "files")  # buckets as files the replicas must be able to read
 
 
 class SendsWeights:
@@ -52,6 +56,16 @@ class SendsWeights:
         return self._weight_sender.send(tensors, version, wait_for_receivers)
 
     @register(dispatch="ONE_TO_ALL")
+    def write_weight_probe(self, directory: str) -> tuple[str, str] | None:
+        """Rank 0 (the sender) writes a probe file in ``directory``: ``(path, token)``."""
+        return write_probe(directory) if self.rank == 0 else None
+
+    @register(dispatch="ONE_TO_ALL")
+    def remove_weight_probe(self, path: str) -> None:
+        if self.rank == 0:
+            os.unlink(path)
+
+    @register(dispatch="ONE_TO_ALL")
     def close_weight_sender(self) -> None:
         if self._weight_sender is not None:
             self._weight_sender.close()
@@ -59,12 +73,32 @@ class SendsWeights:
 
 
 def connect_weight_sync(trainer: Any, rollout: Any, config: CheckpointEngineConfig) -> SenderAddress:
-    """Open the sender on trainer rank 0 and join every replica of ``rollout`` to it."""
+    """Open the sender on trainer rank 0 and join every replica of ``rollout`` to it (the
+    file-based backends first check that every replica reads the files the sender writes)."""
+    if config.backend in FILE_BACKENDS:
+        check_replicas_read_senders_files(trainer, rollout, config)
     address = trainer.start_weight_sender(config, rollout.world_size)[0]
     joined = [trainer.connect_weight_sender(), rollout.connect_weights(config, address)]
     for pending in joined:
         pending.result(timeout=config.timeout_s)
     return address
+
+
+def check_replicas_read_senders_files(trainer: Any, rollout: Any, config: CheckpointEngineConfig) -> None:
+    """Raise ``ValueError`` naming the backend key when a replica of ``rollout`` cannot read a file
+    that trainer rank 0 writes where the backend puts its buckets (another machine or container)."""
+    directory = config.directory or "/dev/shm"
+    path, token = trainer.write_weight_probe(directory)[0]
+    try:
+        seen = rollout.ranks_reading(path, token)
+    finally:
+        trainer.remove_weight_probe(path)
+    blind = [rank for rank in range(rollout.world_size) if rank not in seen]
+    if blind:
+        raise ValueError(
+            f"pipeline.checkpoint_engine.backend={config.backend}: rollout replica {blind[0]} cannot read the "
+            f"files trainer rank 0 writes in {directory} (another machine or container); use broadcast"
+        )
 
 
 def sync_weights(trainer: Any, rollout: Any, version: int, pause: str = "keep") -> SyncStats:

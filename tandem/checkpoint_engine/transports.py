@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.checkpoint_engine.buckets import BucketMeta
-from tandem.controller.network import rendezvous_host, route_gloo_through
+from tandem.controller.network import rendezvous_host, route_collectives_through
 
 SLOTS = 2  # a bucket is packed while the previous one is in flight
 
@@ -40,9 +40,9 @@ def broadcast_group(
     """A process group of its own (rank 0 the sender): it does not touch the default group of
     either side, so trainer ranks and rollout replicas keep their own collectives."""
     prefixed = dist.PrefixStore("weight-broadcast", store)
+    route_collectives_through(rendezvous_host())
     if backend == "nccl":
         return dist.ProcessGroupNCCL(prefixed, rank, size)
-    route_gloo_through(rendezvous_host())
     return dist.ProcessGroupGloo(prefixed, rank, size, datetime.timedelta(seconds=timeout_s))
 
 

@@ -227,13 +227,15 @@ class WorkerGroup:
         file with a random token: same host, same mount)."""
         path, token = write_probe(directory)
         try:
-            handles = [
-                self.backend.submit(r, "_tandem_read_probe", (path, token), {})
-                for r in range(self.world_size)
-            ]
-            seen = [self.backend.result(r, h, None) for r, h in enumerate(handles)]
+            return self.ranks_reading(path, token)
         finally:
             os.unlink(path)
+
+    def ranks_reading(self, path: str, token: str) -> set[int]:
+        """The ranks whose process reads ``token`` in the probe file ``path`` (written by
+        :func:`~tandem.protocol.shared.write_probe`, here or in another group's worker)."""
+        handles = [self.backend.submit(r, "_tandem_read_probe", (path, token), {}) for r in range(self.world_size)]
+        seen = [self.backend.result(r, h, None) for r, h in enumerate(handles)]
         return {r for r, ok in enumerate(seen) if ok}
 
     def _split(self, mode: DispatchMode, args: tuple, kwargs: dict) -> tuple[list, list, Any]:

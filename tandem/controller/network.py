@@ -1,10 +1,10 @@
-"""Addresses between hosts: where a group's ranks meet, and which interface gloo sends through.
+"""Addresses between hosts: where a group's ranks meet, and which interface gloo and NCCL send through.
 
 A hostname often resolves to a loopback address (Debian's ``127.0.1.1``), which other hosts
 cannot reach. Inside a Ray cluster the node's address in the cluster is what Ray itself uses
 between nodes, so the ranks meet there (:func:`rendezvous_host`), and gloo, which would bind
-to whatever the hostname resolves to, is pointed at the interface holding that address
-(:func:`route_gloo_through`). Outside Ray every worker process shares its controller's host,
+to whatever the hostname resolves to, and NCCL's sockets, which may pick a bridge such as
+``docker0``, are pointed at the interface holding that address (:func:`route_collectives_through`). Outside Ray every worker process shares its controller's host,
 and the loopback address serves.
 """
 
@@ -18,6 +18,8 @@ import sys
 
 LOOPBACK = "127.0.0.1"
 GLOO_INTERFACE = "GLOO_SOCKET_IFNAME"
+NCCL_INTERFACE = "NCCL_SOCKET_IFNAME"
+SOCKET_INTERFACE_VARIABLES = (GLOO_INTERFACE, NCCL_INTERFACE)
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
 
@@ -48,12 +50,15 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def route_gloo_through(address: str) -> None:
-    """Make gloo groups created from now on in this process send through the interface holding
-    ``address`` (PyTorch's ``GLOO_SOCKET_IFNAME``), unless it is set already, ``address`` is a
-    loopback one, or no interface holds it."""
-    if os.environ.get(GLOO_INTERFACE) or address.startswith("127."):
+def route_collectives_through(address: str) -> None:
+    """Make gloo groups and NCCL's sockets set up from now on in this process use the interface
+    holding ``address`` (PyTorch's ``GLOO_SOCKET_IFNAME``, NCCL's ``NCCL_SOCKET_IFNAME``; each
+    only where unset), unless ``address`` is a loopback one or no interface holds it."""
+    if address.startswith("127."):
         return
     name = interface_of(address)
-    if name is not None:
-        os.environ[GLOO_INTERFACE] = name
+    if name is None:
+        return
+    for variable in SOCKET_INTERFACE_VARIABLES:
+        if not os.environ.get(variable):
+            os.environ[variable] = name

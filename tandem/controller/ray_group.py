@@ -70,13 +70,16 @@ class RayBackend:
         for rank in range(self.world_size):
             node, local_rank = pool.node_and_local_rank(rank)
             info = DistInfo(rank, self.world_size, local_rank, pool.processes_per_node[node], *master)
+            env = info.as_env()
+            if not pool.gpus_per_process:  # recent Ray shows every GPU to an actor that reserved none
+                env["CUDA_VISIBLE_DEVICES"] = ""
             actor = actor_cls.options(
                 num_cpus=pool.cpus_per_process,
                 num_gpus=pool.gpus_per_process,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self._placement_groups[node], placement_group_bundle_index=local_rank
                 ),
-                runtime_env={"env_vars": info.as_env()},
+                runtime_env={"env_vars": env},
             ).remote(*args, **(kwargs or {}))
             self._actors.append(actor)
             if rank == 0:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from tandem.controller.dispatch import MeshRank
 from tandem.controller.errors import WorkerError
-from tandem.controller.network import rendezvous_host, route_gloo_through
+from tandem.controller.network import rendezvous_host, route_collectives_through
 from tandem.device import process_group_backend
 from tandem.protocol.shared import SharedBatch, read_probe
 
@@ -105,8 +105,7 @@ class Worker:
         if dist.is_initialized():
             return
         backend = backend or process_group_backend(device)
-        if backend == "gloo":
-            route_gloo_through(rendezvous_host())
+        route_collectives_through(rendezvous_host())
         info = self.dist_info
         from datetime import timedelta
 

@@ -9,7 +9,8 @@ the CPU (then hands the freed blocks back to the driver, so the rollout engine's
 can use them) and :meth:`Residency.load` back, before the engine computes.
 
 The move itself is :class:`HostCopies`: each tensor's device storage is copied to host memory
-and resized to nothing *in place*, then resized and refilled on the way back. The tensors never
+(page-locked for a GPU: the copies run asynchronously at full bus speed, with one wait for all
+of them) and resized to nothing *in place*, then resized and refilled on the way back. The tensors never
 change device, shape or identity, so everything holding them stays valid: the optimizer's
 references, FSDP2's shards and, unlike ``Module.to``, DDP's gradient hooks (autograd drops a
 parameter's gradient accumulator, where DDP's hooks live, when its data changes device).
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from tandem.device import release_cached_memory
+from tandem.device import host_buffer, release_cached_memory, wait_for_copies
 from tandem.engine.base import TrainEngine
 
 
@@ -71,9 +72,11 @@ class HostCopies:
             if storage.nbytes() == 0 or storage.data_ptr() in seen or not storage.resizable():
                 continue
             seen.add(storage.data_ptr())
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8)
-            host.copy_(_as_bytes(storage))
+            host = host_buffer(storage.nbytes(), storage.device)  # page-locked for a GPU's data
+            host.copy_(_as_bytes(storage), non_blocking=host.is_pinned())
             self._saved.append((storage, host))
+        for device in {storage.device for storage, _ in self._saved}:
+            wait_for_copies(device)  # every copy has landed before its device memory goes
         for storage, _ in self._saved:
             storage.resize_(0)
 
@@ -86,7 +89,9 @@ class HostCopies:
         """Reallocate every storage and copy its data back (once; later calls do nothing)."""
         for storage, host in self._saved:
             storage.resize_(host.numel())
-            _as_bytes(storage).copy_(host)
+            # queued on the device's stream, so the kernels after it read the data; the pinned
+            # buffer is not reused before the copy is done (PyTorch records it)
+            _as_bytes(storage).copy_(host, non_blocking=host.is_pinned())
         self._saved = []
 
 

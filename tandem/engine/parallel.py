@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -55,7 +56,24 @@ def wrap_data_parallel(
     policy = MixedPrecisionPolicy()
     if mixed_precision == "bf16":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # the engine's device type, not the machine's: a CPU engine on a GPU host shards on the CPU
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(module, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(module, mesh=mesh, mp_policy=policy)
     return module
+
+
+def reshard(module: nn.Module) -> None:
+    """Free the full parameters FSDP2 gathered and leave ``module`` holding its shards again.
+
+    FSDP2 reshards the root unit (embeddings, final norm, head) after a backward, not after a
+    forward: after a forward-only pass the root's parameters are full copies (in the compute
+    dtype under bf16), which an offload, a weight sync or an export would otherwise read.
+    Nothing happens to a module that is not sharded, or already is.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()

@@ -22,7 +22,7 @@ from tandem.engine.lr_schedule import build_scheduler
 from tandem.engine.micro_batch import token_budget_micro_batches
 from tandem.engine.offload import HostCopies
 from tandem.engine.packing import pack_sequences, pad_to_multiple, positions_from_mask, unpack
-from tandem.engine.parallel import data_parallel_size, wrap_data_parallel
+from tandem.engine.parallel import data_parallel_size, reshard, wrap_data_parallel
 from tandem.engine.reward_model import TokenScoreModel
 from tandem.engine.shared_prompts import pack_shared_prompts, prompt_groups
 from tandem.engine.token_model import TokenLogProbModel
@@ -193,6 +193,8 @@ class TorchTrainEngine:
         parts = self.micro_batches(batch)
         result = StepResult(num_micro_batches=len(parts))
         collected: list[tuple[list[int], TokenOutputs]] = []
+        losses: list[torch.Tensor] = []
+        metrics_seen: dict[str, list[torch.Tensor | float]] = {}
         for index, rows in enumerate(parts):
             last = index == len(parts) - 1
             with self._gradient_sync(last or forward_only), torch.set_grad_enabled(not forward_only):
@@ -209,11 +211,15 @@ class TorchTrainEngine:
                 loss, metrics = loss_fn(micro, outputs)
                 if not forward_only:
                     (loss * self.dp_size).backward()
-                result.loss += float(loss.detach())
+                losses.append(loss.detach())
                 for name, value in metrics.items():
-                    result.metrics.setdefault(name, []).append(float(value))
+                    metrics_seen.setdefault(name, []).append(value)
+        # read back once per step: a read-back per micro-batch would stall the host while the
+        # device finishes, instead of preparing the next micro-batch meanwhile
+        result.loss, result.metrics = _read_back(losses, metrics_seen)
         if forward_only:
             result.outputs = _reassemble(collected, batch["input_ids"].shape)
+            reshard(self.wrapped)
         return result
 
     def _forward(self, micro: Batch, with_sum_pi_squared: bool = False) -> TokenOutputs:
@@ -297,11 +303,11 @@ class TorchTrainEngine:
             (sum(values.sum() for values in outputs.values()) * 0.0).backward()
 
     def _gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
-        """All-reduce/reduce-scatter gradients only on the last micro-batch of a step."""
+        """DDP all-reduces gradients only on the last micro-batch of a step (it holds whole
+        gradients anyway). FSDP2 reduce-scatters after every micro-batch: skipping it would keep
+        an unsharded gradient of the whole model on every rank until the last one."""
         if self.config.strategy == "ddp" and not enabled:
             return self.wrapped.no_sync()
-        if self.config.strategy == "fsdp2":
-            self.wrapped.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
 
     @contextlib.contextmanager
@@ -437,6 +443,24 @@ class TorchTrainEngine:
             "cpu_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         }
+
+
+def _read_back(
+    losses: list[torch.Tensor], metrics: dict[str, list[torch.Tensor | float]]
+) -> tuple[float, dict[str, list[float]]]:
+    """The micro-batches' losses summed in order and each metric's values as floats, with one
+    device-to-host transfer for every tensor among them (in float64: each reads back exactly)."""
+    values = [*losses, *(value for listed in metrics.values() for value in listed)]
+    tensors = [value.detach().double().reshape(()) for value in values if isinstance(value, torch.Tensor)]
+    if tensors:
+        device = tensors[0].device
+        read = iter(torch.stack([t.to(device) for t in tensors]).tolist())
+    floats = [next(read) if isinstance(value, torch.Tensor) else float(value) for value in values]
+    loss = 0.0
+    for value in floats[: len(losses)]:
+        loss += value
+    rest = iter(floats[len(losses) :])
+    return loss, {name: [next(rest) for _ in listed] for name, listed in metrics.items()}
 
 
 def _reassemble(collected: list[tuple[list[int], TokenOutputs]], shape: torch.Size) -> TokenOutputs:

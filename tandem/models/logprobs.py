@@ -48,8 +48,8 @@ class Bf16HeadProduct(torch.autograd.Function):
     (not per chunk) and passed beside ``weight`` itself so that the weight's gradient leaves in
     the weight's own dtype: with fp32 parameters (autocast) the chunks' contributions then add
     up in fp32 (in bf16 they would lose precision over ~100 chunks); with bf16 parameters
-    (FSDP2's) they add up in bf16, as the fp32 head's do. Backward rounds the logits' gradient
-    to bf16 and sums both products in fp32.
+    (FSDP2's) they add up in bf16 (the fp32 head adds them up in fp32 and rounds once). Backward
+    rounds the logits' gradient to bf16 and sums both products in fp32.
     """
 
     @staticmethod
@@ -129,6 +129,8 @@ def log_probs_from_hidden(
     weight_bf16 = None
     if head_dtype == "bfloat16":  # rounded once, not per chunk
         hidden, weight_bf16 = hidden.to(torch.bfloat16), head_weight.detach().to(torch.bfloat16)
+    else:  # cast once, not per chunk: with bf16 weights (FSDP2's) the chunks' gradients add up in fp32
+        head_weight = head_weight.float()
     chunks = []
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or head_weight.requires_grad)
     for start in range(0, hidden.shape[0], chunk_size):

@@ -199,6 +199,12 @@ class RolloutConfig:
             raise ValueError(
                 f"rollout.val_n={self.val_n} needs rollout.val_temperature > 0 (greedy is deterministic)"
             )
+        vllm_cannot_sleep = self.engine.name == "vllm" and not self.engine.vllm.enable_sleep_mode
+        if self.free_cache_between_generations and vllm_cannot_sleep:
+            raise ValueError(
+                "rollout.free_cache_between_generations=true with rollout.engine.name=vllm needs "
+                "rollout.engine.vllm.enable_sleep_mode=true (vLLM frees its cache only by sleeping)"
+            )
 
     def sampling(self, temperature: float, validation: bool = False) -> SamplingParams:
         """How one response is sampled at ``temperature`` (0: greedy, so top-p/top-k are off);

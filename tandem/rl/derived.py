@@ -113,6 +113,7 @@ def check_derived_fields(config: TrainConfig) -> None:
         ("actor.engine", config.actor.engine),
         ("critic.engine", config.critic.engine),
         ("rollout.engine.native", config.rollout.engine.native),
+        ("rollout.engine.vllm", config.rollout.engine.vllm),
         ("rollout.engine.hf", config.rollout.engine.hf),
     ):
         _replace_derived(owner, given, {"device": (device, "trainer.device")})

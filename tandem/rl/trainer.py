@@ -48,6 +48,7 @@ from tandem.rl.critic_worker import CriticWorker
 from tandem.rl.data import RLDataset
 from tandem.rl.derived import derive_seed
 from tandem.rl.metrics import data_metrics, timed, timing_metrics, value_metrics
+from tandem.rl.paths import check_workers_share_output_dir, with_absolute_paths
 from tandem.rl.preference_pairs import best_worst_pairs, with_reference_sums
 from tandem.rl.rewards.model_worker import RewardModelWorker
 from tandem.rl.rewards.sources import RewardSources
@@ -82,6 +83,7 @@ class RLTrainer:
     """Runs :class:`TrainConfig` end to end (see the module docstring)."""
 
     def __init__(self, config: TrainConfig, console: Console | None = None) -> None:
+        config = with_absolute_paths(config)  # workers may run in another directory (Ray)
         self.config = config
         self.console = console or Console()
         self.output_dir = check_output_dir(config.trainer.output_dir, "trainer.output_dir")
@@ -152,6 +154,7 @@ class RLTrainer:
                 )
                 self.critics = None
             self.workers = workers
+            check_workers_share_output_dir(workers, self.output_dir)
             params = workers.init_model(
                 config.schedule_steps(self.total_steps, config.actor.ppo_epochs, config.mini_batch_prompts)
             )[0]

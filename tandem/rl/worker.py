@@ -25,7 +25,7 @@ from tandem.agents.rollout import AgentRollout
 from tandem.checkpoint_engine.roles import SendsWeights
 from tandem.controller import Worker, register
 from tandem.controller.profiling import ProfilesCalls
-from tandem.device import bind_device, max_memory_allocated_gb, reset_peak_memory
+from tandem.device import bind_device, max_memory_allocated_gb, release_cached_memory, reset_peak_memory
 from tandem.dpo.loss import pair_metrics, preference_loss
 from tandem.engine import TorchTrainEngine
 from tandem.engine.divergence import ModelHealth, SkippedUpdates
@@ -137,9 +137,9 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         ``prompt_width``, responses right-padded to ``sampling.max_tokens``) and a
         ``finish_reason`` column.
         """
+        self.actor_residency.offload()  # before the phase's window, so its peak shows what this freed
         with self._phase("gen"):
-            self.actor_residency.offload()
-            self.rollout.wake()
+            self._wake_rollout()
             if self.agents is not None:  # multi-turn episodes: tool or user turns between the model's
                 out = self.agents.generate(prompts, sampling, prompt_width, self.rank)
             else:
@@ -176,8 +176,15 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         wakes first: vLLM loads weights only when awake.
         """
         self.actor_residency.load()
-        self.rollout.wake()
+        self._wake_rollout()
         return self.rollout.update_weights(self.engine.iter_parameters(), version)
+
+    def _wake_rollout(self) -> None:
+        """Wake the rollout engine; when it slept, the trainer's cached free GPU blocks go back to
+        the driver first (vLLM maps its weights and KV cache back outside PyTorch's allocator)."""
+        if self.config.rollout.free_cache_between_generations:
+            release_cached_memory(self.device)
+        self.rollout.wake()
 
     # ------------------------------------------------------------------ log-probs
     @register(dispatch="DP_COMPUTE")

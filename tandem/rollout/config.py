@@ -69,10 +69,10 @@ class RolloutEngineConfig:
         return getattr(self, self.name)
 
     def on_device(self, device: str) -> RolloutEngineConfig:
-        """This config with the engines that take a device (native, hf) placed on ``device``;
-        vLLM places itself."""
+        """This config with every engine placed on ``device`` (a rank's bound device)."""
         return dataclasses.replace(
             self,
             native=dataclasses.replace(self.native, device=device),
+            vllm=dataclasses.replace(self.vllm, device=device),
             hf=dataclasses.replace(self.hf, device=device),
         )

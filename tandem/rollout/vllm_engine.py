@@ -22,6 +22,7 @@ tandem's tokenizer decides EOS and stop strings exactly as in the native engine.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import io
 import itertools
 import threading
@@ -34,6 +35,7 @@ import torch
 
 from tandem.checkpoint_engine.buckets import group_tensors
 from tandem.config.validation import check_choice, check_positive, check_range
+from tandem.device import check_device_setting, only_visible_gpu
 from tandem.models.loading import load_tokenizer
 from tandem.rollout.native import PAUSE_MODES
 from tandem.rollout.stats import EngineStats
@@ -53,10 +55,14 @@ class VLLMEngineConfig:
             space it sizes; 0.4 leaves room for a colocated trainer).
         enforce_eager: skip graph capture (fast start; required on CPU).
         logprobs_mode: ``processed`` or ``raw`` for every request of this engine.
-        enable_prefix_caching: vLLM's prefix cache (reset on every weight update).
+        enable_prefix_caching: vLLM's prefix cache (reset on every weight update; requests kept
+            through the update compute their KV cache again under the new weights).
         enable_sleep_mode: allow :meth:`VLLMRolloutEngine.sleep` (CUDA only in vLLM).
         seed: vLLM's global seed (requests bring their own ``seed`` for exact replays).
         weight_bucket_mb: most bytes (in MiB) of one weight-update message.
+        device: the GPU vLLM's engine process computes on: ``cuda:N`` shows it only that GPU of
+            this process's; ``auto``, ``cuda`` or ``cpu`` leave vLLM to choose (its first visible
+            GPU, or the CPU on vLLM's CPU build). The RL workers set it to their own device.
     """
 
     max_num_seqs: int = 256
@@ -69,9 +75,11 @@ class VLLMEngineConfig:
     enable_sleep_mode: bool = False
     seed: int = 0
     weight_bucket_mb: int = 512
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         owner = "vllm"
+        check_device_setting(owner, "device", self.device)
         for name in ("max_num_seqs", "max_model_len", "weight_bucket_mb"):
             check_positive(owner, name, getattr(self, name))
         check_range(
@@ -86,10 +94,13 @@ def weight_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], limit_byte
     (a larger tensor travels alone), taking one tensor at a time from ``named_tensors``
     (grouped as the checkpoint engine groups its buckets).
 
+    Each tensor is copied to host memory as it is taken: grouping takes one tensor past the
+    bucket it yields, and a weight receiver's tensors are views that the next one overwrites.
     Bytes, because vLLM's RPC serialiser passes them through intact.
     """
-    for group in group_tensors(named_tensors, limit_bytes):
-        yield _serialise({name: tensor.detach().to("cpu").contiguous() for name, tensor in group})
+    owned = ((name, tensor.detach().to("cpu", copy=True).contiguous()) for name, tensor in named_tensors)
+    for group in group_tensors(owned, limit_bytes):
+        yield _serialise(dict(group))
 
 
 def _serialise(named: dict[str, torch.Tensor]) -> bytes:
@@ -130,6 +141,11 @@ class VLLMRolloutEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if "mode" not in inspect.signature(AsyncLLM.pause_generation).parameters:
+            raise RuntimeError(
+                "this vLLM cannot keep requests through a pause (AsyncLLM.pause_generation(mode=...)); "
+                "tandem needs vLLM 0.32 or later (pip install -U vllm)"
+            )
         c = self.config
         args = AsyncEngineArgs(
             model=model_path,
@@ -145,7 +161,8 @@ class VLLMRolloutEngine:
             seed=c.seed,
             worker_extension_cls=WORKER_EXTENSION,
         )
-        return AsyncLLM.from_engine_args(args)
+        with only_visible_gpu(self.config.device):  # the engine process starts inside
+            return AsyncLLM.from_engine_args(args)
 
     def _call(self, coroutine, timeout: float | None = None):
         """Run ``coroutine`` on the engine's loop and wait for its result."""
@@ -281,12 +298,18 @@ class VLLMRolloutEngine:
             counts = self._call(self._llm.collective_rpc("tandem_load_staged_weights"))
         except Exception as error:
             raise ValueError(f"vLLM could not load these weights: {error}") from error
-        self._call(self._llm.reset_prefix_cache())
+        self.reset_prefix_cache()
         self.version = version
         return int(counts[0])
 
     def reset_prefix_cache(self) -> None:
-        self._call(self._llm.reset_prefix_cache())
+        """Empty vLLM's prefix cache. vLLM declines while a request holds KV blocks (one kept
+        through a pause does); with prefix caching on, such requests then give their blocks up
+        and compute their KV again, so no block computed under old weights is reused."""
+        if self._call(self._llm.reset_prefix_cache()) or not self.config.enable_prefix_caching:
+            return
+        if not self._call(self._llm.reset_prefix_cache(reset_running_requests=True)):
+            raise RuntimeError("vLLM did not reset its prefix cache, even after preempting its requests")
 
     def sleep(self) -> None:
         if not self.config.enable_sleep_mode:

@@ -5,6 +5,7 @@ This module is imported inside vLLM's worker processes; it needs nothing of tand
 
 from __future__ import annotations
 
+import inspect
 import io
 
 import torch
@@ -29,7 +30,13 @@ class TandemWorkerExtension:
         staged = self.__dict__.pop("_tandem_staged", {})
         # reload_weights (not model.load_weights) restores layers whose weights vLLM repacked for
         # its kernels after the first load (e.g. CPU GEMMs), then processes them again.
-        self.model_runner.reload_weights(weights_iterator=iter(staged.items()), is_checkpoint_format=True)
+        reload = self.model_runner.reload_weights
+        if "weights_iterator" not in inspect.signature(reload).parameters:
+            raise RuntimeError(
+                "this vLLM's model runner reloads weights only from disk; tandem loads them from memory "
+                "with reload_weights(weights_iterator=...), as vLLM 0.32 and later do (pip install -U vllm)"
+            )
+        reload(weights_iterator=iter(staged.items()), is_checkpoint_format=True)
         return len(staged)
 
     def tandem_load_weights(self, payload: bytes) -> int:

@@ -7,7 +7,13 @@ import sys
 
 import pytest
 
-from tandem.controller.network import GLOO_INTERFACE, interface_of, route_gloo_through
+from tandem.controller.network import (
+    GLOO_INTERFACE,
+    NCCL_INTERFACE,
+    SOCKET_INTERFACE_VARIABLES,
+    interface_of,
+    route_collectives_through,
+)
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the interface lookup is Linux's"
@@ -29,13 +35,17 @@ def test_the_loopback_address_is_on_lo_and_a_foreign_one_nowhere():
     assert interface_of("203.0.113.77") is None
 
 
-def test_gloo_is_routed_through_a_real_interface_but_never_loopback_or_over_the_users_choice(monkeypatch):
-    monkeypatch.delenv(GLOO_INTERFACE, raising=False)
-    route_gloo_through("127.0.1.1")
-    assert GLOO_INTERFACE not in os.environ
+def test_gloo_and_nccl_are_routed_through_a_real_interface_but_never_loopback_or_over_the_users_choice(
+    monkeypatch,
+):
+    for variable in SOCKET_INTERFACE_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    route_collectives_through("127.0.1.1")
+    assert not any(variable in os.environ for variable in SOCKET_INTERFACE_VARIABLES)
     address = _outbound_address()
-    route_gloo_through(address)
-    assert os.environ.get(GLOO_INTERFACE) == interface_of(address) != None  # noqa: E711
+    route_collectives_through(address)
+    assert os.environ.get(GLOO_INTERFACE) == os.environ.get(NCCL_INTERFACE) == interface_of(address) != None  # noqa: E711
     monkeypatch.setenv(GLOO_INTERFACE, "mine")
-    route_gloo_through(address)
-    assert os.environ[GLOO_INTERFACE] == "mine"
+    monkeypatch.delenv(NCCL_INTERFACE)
+    route_collectives_through(address)
+    assert os.environ[GLOO_INTERFACE] == "mine" and os.environ[NCCL_INTERFACE] == interface_of(address)

@@ -24,6 +24,10 @@ class EchoWorker(Worker):
         return self.rank, self.world_size, os.getpid()
 
     @register(dispatch="ONE_TO_ALL")
+    def visible_gpus(self) -> str | None:
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    @register(dispatch="ONE_TO_ALL")
     def set_delay(self, seconds: float) -> None:
         self.delay_s = seconds
 

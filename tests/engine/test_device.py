@@ -1,6 +1,9 @@
 """The one place that decides devices, tested with ``device=cpu``; bf16 mixed precision against fp32."""
 
 import functools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,8 +12,10 @@ from torch import nn
 from tandem.device import (
     bind_device,
     check_device_setting,
+    host_buffer,
     host_tensor,
     max_memory_allocated_gb,
+    only_visible_gpu,
     process_group_backend,
     resolve_device,
     uses_cpu_kernels,
@@ -47,6 +52,49 @@ def test_the_process_group_backend_follows_the_device():
     assert process_group_backend(torch.device("cuda", 1)) == "nccl"
     assert uses_cpu_kernels("cpu") and not uses_cpu_kernels("cuda:0")
     assert uses_cuda_graphs("cuda:0") and not uses_cuda_graphs("cpu")
+
+
+def _child_sees() -> str:
+    code = "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>'))"
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+@pytest.mark.parametrize(
+    ("visible", "setting", "child"),
+    [
+        ("4,6", "cuda:1", "6"),  # this process's cuda:1 is the machine's GPU 6
+        (None, "cuda:3", "3"),
+        ("GPU-a1, GPU-b2", "cuda:0", "GPU-a1"),
+        ("4,6", "cuda", "4,6"),  # no index: vLLM chooses among what this process sees
+        ("4,6", "cpu", "4,6"),
+        (None, "auto", "<unset>"),
+    ],
+)
+def test_a_child_started_inside_only_visible_gpu_sees_the_ranks_gpu(monkeypatch, visible, setting, child):
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    with only_visible_gpu(setting):
+        assert _child_sees() == child
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == visible  # restored, or still unset
+
+
+def test_only_visible_gpu_refuses_a_gpu_this_process_cannot_see(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    refused = pytest.raises(RuntimeError, match="GPU 2 is not among CUDA_VISIBLE_DEVICES='4,6'")
+    with refused, only_visible_gpu("cuda:2"):
+        pass
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6"
+
+
+def test_host_buffers_are_page_locked_only_for_a_gpu():
+    buffer = host_buffer(40, "cpu")
+    assert buffer.shape == (40,) and buffer.dtype == torch.uint8 and not buffer.is_pinned()
+    if torch.cuda.is_available():
+        assert host_buffer(40, "cuda:0").is_pinned()
 
 
 def test_host_tensors_keep_values_and_dtype():

@@ -8,6 +8,7 @@ import torch
 
 from tandem.engine import EngineConfig, LoraConfig, TorchTrainEngine
 from tandem.engine.lr_schedule import lr_multiplier
+from tandem.engine.torch_engine import _read_back
 from tandem.models import load_model
 from tandem.protocol import Batch
 from tandem.sft.loss import sft_loss
@@ -212,3 +213,20 @@ def test_bf16_parameters_train_and_keep_fp32_log_probs(tiny_model_dir):
     before = params(bf16)
     assert math.isfinite(train_step(bf16, batch))
     assert any(not torch.equal(before[n], t) for n, t in params(bf16).items())
+
+
+def test_one_read_back_per_step_gives_the_per_micro_batch_floats():
+    """The step's losses and metrics come back in one transfer, equal to reading each alone."""
+    gen = torch.Generator().manual_seed(0)
+    losses = [torch.randn((), generator=gen) for _ in range(5)]
+    metrics = {
+        "clip": [torch.rand((), generator=gen, dtype=torch.float64) for _ in range(5)],
+        "count": [1, 2.5, torch.tensor(3), 4, torch.tensor([5.0])],  # plain numbers beside tensors
+    }
+    loss, floats = _read_back(losses, metrics)
+    expected = 0.0
+    for value in losses:
+        expected += float(value)
+    assert loss == expected
+    assert floats == {name: [float(v) for v in values] for name, values in metrics.items()}
+    assert _read_back([], {"plain": [1, 2]}) == (0.0, {"plain": [1.0, 2.0]})

@@ -21,8 +21,10 @@ def _two_steps(config: EngineConfig, offload_between: bool) -> dict[str, torch.T
     with create_worker_group(EngineWorker, ResourcePool((2,)), "process", kwargs=kwargs) as group:
         group.train_step(batch)
         if offload_between:
-            for held in group.offload_and_load():
+            # after a forward-only pass, which leaves FSDP2's root gathered unless the engine reshards
+            for held, sharded in group.offload_and_load(batch[:2]):
                 assert held and not any(held)  # every parameter and moment was freed
+                assert sharded  # ... and what was freed is the shards, not a gathered copy
         group.train_step(batch)
         return group.parameters()[0]
 

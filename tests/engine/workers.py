@@ -3,6 +3,7 @@
 import functools
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from tandem.checkpoint_engine.roles import SendsWeights
 from tandem.controller import Worker, register
@@ -75,15 +76,21 @@ class EngineWorker(SendsWeights, Worker):
         return [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in params]
 
     @register(dispatch="ONE_TO_ALL")
-    def offload_and_load(self) -> list[int]:
-        """Offload parameters and optimizer state and reload them; returns the bytes the
-        parameters' and the optimizer state's storages held while offloaded (0 each: freed)."""
+    def offload_and_load(self, probe: Batch | None = None) -> tuple[list[int], bool]:
+        """Offload parameters and optimizer state and reload them, after a forward-only pass
+        over ``probe`` when given (as the RL worker's health check runs after each update).
+        Returns the bytes the parameters' and the optimizer state's storages held while
+        offloaded (0 each: freed) and whether the module's parameters were its FSDP2 shards then
+        (not gathered copies; always true for the other strategies)."""
+        if probe is not None:
+            self.engine.forward_backward(probe, None, forward_only=True)
         self.engine.offload()
         params = [p for p in self.engine.causal_lm.parameters()]
         state = [v for entry in self.engine.optimizer.state.values() for v in entry.values() if v.dim()]
         held = [storage_of(t).nbytes() for t in params + state]
+        sharded = self.engine.config.strategy != "fsdp2" or all(isinstance(p, DTensor) for p in params)
         self.engine.reload()
-        return held
+        return held, sharded
 
     @register(
         dispatch="ONE_TO_ALL"

@@ -82,3 +82,19 @@ def test_chunked_fp32_log_probs_match_full_logits(chunk, temperature):
     expected_grads = torch.autograd.grad(expected.sum() + expected_entropy.sum(), (hidden, weight))
     for got, want in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # fp32 sums in a different order
+
+
+def test_the_fp32_heads_gradient_for_bf16_weights_adds_the_chunks_up_in_fp32():
+    """FSDP2's bf16 parameters: the fp32 head casts the weight once, so its gradient is the fp32
+    head's over the whole batch rounded once to bf16, not a bf16 sum of per-chunk gradients."""
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(400, 16, generator=gen).bfloat16()
+    weight = (torch.randn(300, 16, generator=gen) * 0.3).bfloat16().requires_grad_(True)
+    labels = torch.randint(0, 300, (400,), generator=gen)
+    log_probs = log_probs_from_hidden(hidden, weight, labels, chunk_size=7).log_probs
+    (grad,) = torch.autograd.grad(log_probs.sum(), weight)
+    reference = weight.detach().float().requires_grad_(True)
+    expected = log_probs_from_logits(hidden.float() @ reference.t(), labels)
+    (want,) = torch.autograd.grad(expected.sum(), reference)
+    assert grad.dtype == torch.bfloat16
+    torch.testing.assert_close(grad.float(), want.bfloat16().float(), atol=1e-6, rtol=0)

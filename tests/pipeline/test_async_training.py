@@ -14,6 +14,7 @@ from tandem.controller.group import WorkerGroup
 from tandem.errors import RolloutReplicaError
 from tandem.pipeline import runner
 from tandem.pipeline.sample_store import PREFIX as SAMPLE_PREFIX
+from tandem.protocol.shared import PROBE_PREFIX
 from tandem.rl import RLTrainer
 from tests.pipeline.replicas import DelayedReplica, DyingReplica
 from tests.rl.conftest import small_config
@@ -136,6 +137,19 @@ def test_replicas_that_cannot_share_files_send_samples_inline(rl_files, tmp_path
         _train(
             rl_files, tmp_path / "again", "pipeline.mode=one_step_off", "pipeline.sample_store=shared_memory"
         )
+    assert not multiprocessing.active_children()
+
+
+def test_weights_through_files_are_refused_for_replicas_that_cannot_read_the_senders(
+    rl_files, tmp_path, monkeypatch
+):
+    """As if the replicas ran on another machine than trainer rank 0: the file-based weight
+    backends cannot reach them, which is said before the first sync, naming the key."""
+    monkeypatch.setattr(WorkerGroup, "ranks_reading", lambda self, path, token: set())
+    probes = {name for name in os.listdir("/dev/shm") if name.startswith(PROBE_PREFIX)}
+    with pytest.raises(ValueError, match="checkpoint_engine.backend=shared_memory: rollout replica 0 cannot read"):
+        _train(rl_files, tmp_path, "pipeline.mode=one_step_off", "pipeline.sample_store=inline")
+    assert {name for name in os.listdir("/dev/shm") if name.startswith(PROBE_PREFIX)} == probes
     assert not multiprocessing.active_children()
 
 

@@ -96,6 +96,15 @@ def test_overrides_apply_and_bad_ones_name_the_key():
             "actor.engine.device='cpu' would be overwritten",
         ),
         (
+            ["rollout.engine.vllm.device=cuda:1", "trainer.device=cpu"],
+            "rollout.engine.vllm.device='cuda:1' would be overwritten: it follows trainer.device",
+        ),
+        (["rollout.engine.vllm.device=gpu"], "vllm.device='gpu' is not allowed"),
+        (
+            ["rollout.engine.name=vllm", "rollout.free_cache_between_generations=true"],
+            "needs rollout.engine.vllm.enable_sleep_mode=true",
+        ),
+        (
             ["rollout.engine.native.max_model_len=99"],
             r"rollout.engine.native.max_model_len=99 would be overwritten: it follows data.max_prompt_length",
         ),

@@ -166,6 +166,40 @@ def test_weight_update_mid_request_switches_versions_and_outputs(engine, model_d
     engine.update_weights(read_hf_weights(model_dir), new_version + 1)  # back to the fixture's weights
 
 
+@pytest.fixture(scope="module")
+def caching_engine(model_dir):
+    config = VLLMEngineConfig(max_model_len=512, max_num_seqs=8, enable_prefix_caching=True)
+    engine = VLLMRolloutEngine(model_dir, config)
+    yield engine
+    engine.close()
+
+
+def test_a_weight_update_empties_the_prefix_cache_while_a_kept_request_holds_its_blocks(
+    caching_engine, other_dir
+):
+    """vLLM resets its prefix cache only when no request holds KV blocks, and a request kept
+    through the update's pause holds its prompt's: the prompt's next run must still be computed
+    under the new weights, and the kept request still finishes whole."""
+    engine = caching_engine
+    prompt = random_prompts(1, 7, low=300, high=301)[0]  # several full KV blocks, so the cache can hit
+    engine.generate_batch([greedy(prompt, "warm", max_tokens=4, ignore_eos=True)], timeout=120)
+    started = threading.Event()
+    kept = engine.submit(
+        greedy(prompt, "kept", max_tokens=150, ignore_eos=True), on_token=lambda *_: started.set()
+    )
+    assert started.wait(60)
+    engine.pause("keep")
+    engine.update_weights(read_hf_weights(other_dir), engine.version + 1)
+    engine.resume()
+    after = engine.generate_batch([greedy(prompt, "after", max_tokens=12, ignore_eos=True)], timeout=120)[0]
+    expected = HFRolloutEngine.from_pretrained(other_dir).generate_batch(
+        [greedy(prompt, "x", max_tokens=12, ignore_eos=True)]
+    )[0]
+    assert after.token_ids == expected.token_ids
+    finished = kept.result(timeout=120)
+    assert finished.finish_reason == "length" and len(finished.token_ids) == 150
+
+
 def test_openai_server_over_vllm(engine, model_dir):
     openai = pytest.importorskip("openai")
     from tandem.serve import ServerConfig, ServerThread

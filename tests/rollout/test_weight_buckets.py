@@ -25,3 +25,24 @@ def test_buckets_hold_each_tensor_once_within_the_limit():
         sizes = [t.numel() * t.element_size() for t in bucket.values()]
         assert len(sizes) == 1 or sum(sizes) <= 20 * 1024
     assert [list(b) for b in buckets if "big.weight" in b] == [["big.weight"]]
+
+
+def _views_of_one_buffer(named: list[tuple[str, torch.Tensor]]):
+    """The receiver's contract (``WeightReceiver.receive``): each tensor is a view that the next
+    request overwrites, as one reused broadcast buffer does."""
+    buffer = torch.empty(max(t.numel() for _, t in named))
+    for name, tensor in named:
+        view = buffer[: tensor.numel()].view(tensor.shape)
+        view.copy_(tensor)
+        yield name, view
+        buffer.fill_(float("nan"))  # the next bucket lands here
+
+
+def test_buckets_own_their_tensors_when_the_source_reuses_its_buffer():
+    gen = torch.Generator().manual_seed(1)
+    named = [(f"layer{i}.weight", torch.randn(64, 32, generator=gen)) for i in range(6)]
+    buckets = [_load(b) for b in weight_buckets(_views_of_one_buffer(named), limit_bytes=20 * 1024)]
+    assert len(buckets) > 1  # grouping looks one tensor ahead of each bucket it yields
+    received = {name: tensor for bucket in buckets for name, tensor in bucket.items()}
+    for name, tensor in named:
+        assert torch.equal(received[name], tensor), name
