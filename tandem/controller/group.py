@@ -124,6 +124,14 @@ class RoleView:
     def world_size(self) -> int:
         return self.group.world_size
 
+    def ranks_seeing(self, directory: str) -> set[int]:
+        """See :meth:`WorkerGroup.ranks_seeing` (a role runs in its group's processes)."""
+        return self.group.ranks_seeing(directory)
+
+    def ranks_reading(self, path: str, token: str) -> set[int]:
+        """See :meth:`WorkerGroup.ranks_reading`."""
+        return self.group.ranks_reading(path, token)
+
 
 class WorkerGroup:
     """A set of workers of one class (or one process per rank holding several colocated roles).
