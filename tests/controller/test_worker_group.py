@@ -42,7 +42,6 @@ def test_ranks_and_world_size(echo_group, backend_world):
         assert os.getpid() not in pids
 
 
-@pytest.mark.parametrize("size", [1, 4, 5, 7])
 def test_ray_workers_of_a_pool_without_gpus_see_none(echo_group, backend_world):
     """Recent Ray no longer hides the GPUs from an actor that reserved none: the group does,
     so a CPU pool on a GPU machine never computes on a GPU it did not reserve."""
@@ -51,6 +50,7 @@ def test_ray_workers_of_a_pool_without_gpus_see_none(echo_group, backend_world):
     assert echo_group.visible_gpus() == [""] * backend_world[1]
 
 
+@pytest.mark.parametrize("size", [1, 4, 5, 7])
 def test_dp_compute_splits_pads_and_collects(echo_group, size):
     batch = numbered(size)
     out = echo_group.double(batch)
