@@ -57,8 +57,12 @@ class SendsWeights:
 
     @register(dispatch="ONE_TO_ALL")
     def write_weight_probe(self, directory: str) -> tuple[str, str] | None:
-        """Rank 0 (the sender) writes a probe file in ``directory``: ``(path, token)``."""
-        return write_probe(directory) if self.rank == 0 else None
+        """Rank 0 (the sender) writes a probe file in ``directory`` (made if missing, as the
+        sender would): ``(path, token)``."""
+        if self.rank != 0:
+            return None
+        os.makedirs(directory, exist_ok=True)
+        return write_probe(directory)
 
     @register(dispatch="ONE_TO_ALL")
     def remove_weight_probe(self, path: str) -> None:

@@ -4,8 +4,9 @@ A hostname often resolves to a loopback address (Debian's ``127.0.1.1``), which 
 cannot reach. Inside a Ray cluster the node's address in the cluster is what Ray itself uses
 between nodes, so the ranks meet there (:func:`rendezvous_host`), and gloo, which would bind
 to whatever the hostname resolves to, and NCCL's sockets, which may pick a bridge such as
-``docker0``, are pointed at the interface holding that address (:func:`route_collectives_through`). Outside Ray every worker process shares its controller's host,
-and the loopback address serves.
+``docker0``, are pointed at the interface holding that address
+(:func:`route_collectives_through`). Outside Ray every worker process shares its controller's
+host, and the loopback address serves.
 """
 
 from __future__ import annotations

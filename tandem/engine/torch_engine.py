@@ -68,7 +68,10 @@ class TorchTrainEngine:
             if self._given_model is not None
             else load_head_model(config.model_path, config.head, config.param_dtype)
         )
-        model = model.to(device=self.device, dtype=resolve_dtype(config.param_dtype))
+        # FSDP2 moves each unit's parameters to the device as it shards them, so the whole model
+        # never sits on one GPU; the other strategies hold it whole there anyway
+        target = None if config.strategy == "fsdp2" else self.device
+        model = model.to(device=target, dtype=resolve_dtype(config.param_dtype))
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -452,9 +455,8 @@ def _read_back(
     device-to-host transfer for every tensor among them (in float64: each reads back exactly)."""
     values = [*losses, *(value for listed in metrics.values() for value in listed)]
     tensors = [value.detach().double().reshape(()) for value in values if isinstance(value, torch.Tensor)]
-    if tensors:
-        device = tensors[0].device
-        read = iter(torch.stack([t.to(device) for t in tensors]).tolist())
+    device = tensors[0].device if tensors else None
+    read = iter(torch.stack([t.to(device) for t in tensors]).tolist() if tensors else ())
     floats = [next(read) if isinstance(value, torch.Tensor) else float(value) for value in values]
     loss = 0.0
     for value in floats[: len(losses)]:

@@ -173,10 +173,10 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         """Copy the trainer's weights into this rank's rollout engine; later tokens carry ``version``.
 
         An engine put to sleep after generation (``rollout.free_cache_between_generations``)
-        wakes first: vLLM loads weights only when awake.
+        takes them asleep: its KV cache comes back only at the next generation, after the
+        actor's offload, so the cache and the actor's parameters never share the GPU.
         """
         self.actor_residency.load()
-        self._wake_rollout()
         return self.rollout.update_weights(self.engine.iter_parameters(), version)
 
     def _wake_rollout(self) -> None:

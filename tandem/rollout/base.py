@@ -19,7 +19,8 @@ class RolloutEngine(Protocol):
     (streaming); ``abort`` finishes one early; ``pause(mode)``/``resume`` bracket a
     weight update (``keep`` in-flight requests, ``abort`` them, or ``wait`` for them);
     ``update_weights`` loads ``(name, tensor)`` pairs and sets the version later tokens
-    carry; ``sleep``/``wake`` free and restore cache memory; ``reset_prefix_cache`` drops
+    carry (asleep, too: the cache stays freed until ``wake``); ``sleep``/``wake`` free and
+    restore cache memory; ``reset_prefix_cache`` drops
     reusable prompt state; ``metrics`` is a monitoring snapshot.
     """
 

@@ -130,6 +130,7 @@ class VLLMRolloutEngine:
         self.stats = EngineStats()
         self._in_flight: dict[str, Completion] = {}
         self._paused = False
+        self._asleep = False
         self._lock = threading.Lock()
         self._seed_counter = itertools.count()
         self._loop = asyncio.new_event_loop()
@@ -292,6 +293,8 @@ class VLLMRolloutEngine:
             busy = bool(self._in_flight)
         if busy and not self._paused:
             raise RuntimeError("update_weights needs the engine paused (pause()) or idle")
+        if self._asleep:  # the weights' memory only: the KV cache comes back at wake()
+            self._call(self._llm.wake_up(tags=["weights"]))
         try:
             for bucket in weight_buckets(named_tensors, self.config.weight_bucket_mb * 2**20):
                 self._call(self._llm.collective_rpc("tandem_stage_weights", args=(bucket,)))
@@ -317,10 +320,12 @@ class VLLMRolloutEngine:
                 "sleep needs VLLMEngineConfig(enable_sleep_mode=True) (vLLM supports it on CUDA only)"
             )
         self._call(self._llm.sleep(level=1))
+        self._asleep = True
 
     def wake(self) -> None:
         if self.config.enable_sleep_mode:
             self._call(self._llm.wake_up())
+        self._asleep = False
 
     def metrics(self) -> EngineMetrics:
         """Counts kept on tandem's side (vLLM's scheduler queue and KV use are not read)."""

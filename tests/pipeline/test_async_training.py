@@ -124,7 +124,12 @@ def test_one_step_off_trains_batch_k_on_weights_k_minus_2(rl_files, tmp_path):
 def test_replicas_that_cannot_share_files_send_samples_inline(rl_files, tmp_path, monkeypatch):
     """As if the replica ran on another host: ``auto`` finds it blind to our /dev/shm and the
     samples travel with their metadata; ``shared_memory`` refuses, naming the replica."""
-    monkeypatch.setattr(WorkerGroup, "ranks_seeing", lambda self, directory: set())
+    seeing = WorkerGroup.ranks_seeing
+
+    def blind_to_shm(group, directory):
+        return set() if directory == "/dev/shm" else seeing(group, directory)
+
+    monkeypatch.setattr(WorkerGroup, "ranks_seeing", blind_to_shm)
     before = {name for name in os.listdir("/dev/shm") if name.startswith(SAMPLE_PREFIX)}
     trainer, result = _train(
         rl_files, tmp_path, "pipeline.mode=one_step_off", "trainer.total_steps=3", "data.val_path=",
@@ -143,11 +148,19 @@ def test_replicas_that_cannot_share_files_send_samples_inline(rl_files, tmp_path
 def test_weights_through_files_are_refused_for_replicas_that_cannot_read_the_senders(
     rl_files, tmp_path, monkeypatch
 ):
-    """As if the replicas ran on another machine than trainer rank 0: the file-based weight
-    backends cannot reach them, which is said before the first sync, naming the key."""
-    monkeypatch.setattr(WorkerGroup, "ranks_reading", lambda self, path, token: set())
+    """As if the replicas ran on another machine than trainer rank 0 (blind to its /dev/shm):
+    the file-based weight backends cannot reach them, which is said before the first sync,
+    naming the key."""
+    reading = WorkerGroup.ranks_reading
+
+    def blind_to_shm(group, path, token):
+        return set() if path.startswith("/dev/shm/") else reading(group, path, token)
+
+    monkeypatch.setattr(WorkerGroup, "ranks_reading", blind_to_shm)
     probes = {name for name in os.listdir("/dev/shm") if name.startswith(PROBE_PREFIX)}
-    with pytest.raises(ValueError, match="checkpoint_engine.backend=shared_memory: rollout replica 0 cannot read"):
+    with pytest.raises(
+        ValueError, match="checkpoint_engine.backend=shared_memory: rollout replica 0 cannot read"
+    ):
         _train(rl_files, tmp_path, "pipeline.mode=one_step_off", "pipeline.sample_store=inline")
     assert {name for name in os.listdir("/dev/shm") if name.startswith(PROBE_PREFIX)} == probes
     assert not multiprocessing.active_children()

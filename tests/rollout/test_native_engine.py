@@ -358,6 +358,28 @@ def test_sleep_frees_the_cache_and_wake_restores_identical_outputs(qwen2_dir):
         engine.close()
 
 
+def test_weights_loaded_asleep_are_the_ones_generating_after_wake(qwen2_dir):
+    """The colocated loop syncs weights into a sleeping engine (its cache comes back later)."""
+    engine = native(qwen2_dir)
+    try:
+        requests = [greedy(p, f"s{i}") for i, p in enumerate(random_prompts(4, 12))]
+        engine.generate_batch(requests, timeout=60)
+        engine.sleep()
+        new_weights = perturbed_weights(qwen2_dir)
+        engine.update_weights(new_weights, version=1)
+        assert engine.cache.nbytes == 0  # still asleep
+        engine.wake()
+        after = engine.generate_batch(
+            [greedy(r.prompt_ids, r.request_id + "'") for r in requests], timeout=60
+        )
+        hf = HFRolloutEngine.from_pretrained(qwen2_dir)
+        hf.update_weights(new_weights, version=1)
+        assert [c.token_ids for c in after] == [c.token_ids for c in hf.generate_batch(requests)]
+        assert all(c.weight_versions == [1] * len(c.token_ids) for c in after)
+    finally:
+        engine.close()
+
+
 def test_stops_and_abort(qwen2_dir):
     engine = native(qwen2_dir)
     try:
