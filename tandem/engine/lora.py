@@ -29,22 +29,30 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> nn.Module:
     return get_peft_model(model, peft_config)
 
 
+@torch.no_grad()
 def iter_merged_lora_parameters(peft_model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(HF name, weight)`` of the base model with every LoRA delta merged in; adapter tensors are skipped."""
+    """``(HF name, weight)`` of the base model with every LoRA delta merged in; adapter tensors
+    are skipped. Under FSDP2 each weight and delta is gathered whole as it is reached, so every
+    rank must iterate, in step."""
     from peft.tuners.lora import LoraLayer
 
     base = peft_model.get_base_model()
-    deltas: dict[str, torch.Tensor] = {}
-    for module_name, module in base.named_modules():
-        if isinstance(module, LoraLayer):
-            delta = sum(
-                (module.get_delta_weight(adapter) for adapter in module.active_adapters), torch.zeros(())
-            )
-            deltas[f"{module_name}.base_layer.weight"] = delta
+    adapted = {
+        f"{module_name}.base_layer.weight": module
+        for module_name, module in base.named_modules()
+        if isinstance(module, LoraLayer)
+    }
     for name, param in base.named_parameters():
         if ".lora_" in name:
             continue
-        tensor = param.detach()
-        if name in deltas:
-            tensor = tensor + deltas[name].to(tensor.dtype)
+        tensor = _whole(param.detach())
+        if name in adapted:
+            layer = adapted[name]
+            for adapter in layer.active_adapters:
+                tensor = tensor + _whole(layer.get_delta_weight(adapter)).to(tensor.dtype)
         yield name.replace(".base_layer.", "."), tensor
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, or the full tensor of an FSDP2 shard (a collective)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

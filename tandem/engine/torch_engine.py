@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +22,13 @@ from tandem.engine.lora import apply_lora, iter_merged_lora_parameters
 from tandem.engine.lr_schedule import build_scheduler
 from tandem.engine.micro_batch import token_budget_micro_batches
 from tandem.engine.offload import HostCopies
-from tandem.engine.packing import pack_sequences, pad_to_multiple, positions_from_mask, unpack
+from tandem.engine.packing import (
+    next_token_predictions,
+    pack_sequences,
+    pad_to_multiple,
+    positions_from_mask,
+    unpack,
+)
 from tandem.engine.parallel import data_parallel_size, reshard, wrap_data_parallel
 from tandem.engine.reward_model import TokenScoreModel
 from tandem.engine.shared_prompts import pack_shared_prompts, prompt_groups
@@ -247,7 +254,10 @@ class TorchTrainEngine:
             packed = pack_shared_prompts(input_ids, attention_mask, micro["prompts"].shape[1])
         else:
             packed = pack_sequences(input_ids, attention_mask)
-        packed = pad_to_multiple(packed, self.config.pad_tokens_to_multiple).to(self.device)
+        packed = pad_to_multiple(packed, self.config.pad_tokens_to_multiple)
+        if packed.predictions is None:  # found on the CPU: on a GPU, finding them waits for the device
+            packed = dataclasses.replace(packed, predictions=next_token_predictions(packed.position_ids))
+        packed = packed.to(self.device)
         outputs = self.wrapped(
             input_ids=packed.input_ids,
             position_ids=packed.position_ids,

@@ -569,7 +569,7 @@ class TrainConfig:
                 f"sequence, data.max_prompt_length + rollout.max_response_length = {longest}"
             )
         rollout = self.rollout.engine
-        if engine.logprob_head_dtype == "bfloat16" and rollout.name != "vllm" and rollout.selected.dtype != "bfloat16":
+        if engine.logprob_head_dtype == "bfloat16" and rollout.selected.dtype != "bfloat16":
             raise ValueError(
                 f"actor.engine.logprob_head_dtype=bfloat16 rounds the head's inputs to bf16, but the rollout's "
                 f"log-probs come from a {rollout.selected.dtype} model (rollout.engine.{rollout.name}.dtype): they "

@@ -33,6 +33,7 @@ from tandem.algos import (
     compute_advantage,
     compute_rollout_correction,
 )
+from tandem.config.paths import check_workers_share_output_dir, with_absolute_paths
 from tandem.controller import Role, create_colocated_group, create_worker_group
 from tandem.engine.divergence import check_health, check_skipped_in_a_row
 from tandem.models.loading import load_tokenizer
@@ -48,7 +49,6 @@ from tandem.rl.critic_worker import CriticWorker
 from tandem.rl.data import RLDataset
 from tandem.rl.derived import derive_seed
 from tandem.rl.metrics import data_metrics, timed, timing_metrics, value_metrics
-from tandem.rl.paths import check_workers_share_output_dir, with_absolute_paths
 from tandem.rl.preference_pairs import best_worst_pairs, with_reference_sums
 from tandem.rl.rewards.model_worker import RewardModelWorker
 from tandem.rl.rewards.sources import RewardSources
@@ -79,11 +79,25 @@ class RLResult:
 VALIDATION_SEED_TAG = 7_777_777  # derive_seed(run seed, this, row): validation sampling
 
 
+# the config's paths, made absolute where the run starts (tandem.config.paths)
+PATH_OUTPUTS = ("trainer.output_dir", "trainer.profile_dir")
+PATH_INPUTS = (
+    "model_path",
+    "critic.model_path",
+    "reward.model.path",
+    "reward.custom_path",
+    "data.train_path",
+    "data.val_path",
+    "agent.tools_path",
+    "agent.interaction_path",
+)
+
+
 class RLTrainer:
     """Runs :class:`TrainConfig` end to end (see the module docstring)."""
 
     def __init__(self, config: TrainConfig, console: Console | None = None) -> None:
-        config = with_absolute_paths(config)  # workers may run in another directory (Ray)
+        config = with_absolute_paths(config, PATH_OUTPUTS, PATH_INPUTS)  # workers may run elsewhere (Ray)
         self.config = config
         self.console = console or Console()
         self.output_dir = check_output_dir(config.trainer.output_dir, "trainer.output_dir")

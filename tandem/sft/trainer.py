@@ -20,6 +20,7 @@ from pathlib import Path
 from rich.console import Console
 
 from tandem.algos.aggregation import LossNormalizer
+from tandem.config.paths import check_workers_share_output_dir, with_absolute_paths
 from tandem.controller import WorkerGroup, create_worker_group
 from tandem.engine.divergence import SkippedUpdates, check_health
 from tandem.models.loading import check_vocab_fits, load_tokenizer
@@ -45,6 +46,9 @@ class SFTResult:
     hf_model_dir: Path
 
 
+PATH_INPUTS = ("model_path", "engine.model_path", "ref_model_path")  # ref_model_path: DPO's
+
+
 class SFTTrainer:
     """Supervised fine-tuning of a causal LM on chat data with the torch engine.
 
@@ -52,6 +56,8 @@ class SFTTrainer:
     divergence checks and export are shared; the data and the step differ."""
 
     def __init__(self, config: SFTConfig, console: Console | None = None) -> None:
+        # workers may run in another directory (Ray); data is read here
+        config = with_absolute_paths(config, ("trainer.output_dir",), PATH_INPUTS)
         self.config = config
         self.console = console or Console()
         self.output_dir = check_output_dir(config.trainer.output_dir, "trainer.output_dir")
@@ -108,6 +114,7 @@ class SFTTrainer:
         with create_worker_group(
             EngineWorker, trainer.resource_pool(), trainer.backend, args=self.worker_args()
         ) as group:
+            check_workers_share_output_dir(group, self.output_dir)
             check_vocab_fits(group.init_engine()[0], self.tokenizer)
             self.workers = group
             try:

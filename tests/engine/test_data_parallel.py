@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tandem.controller import ResourcePool, create_worker_group
-from tandem.engine import EngineConfig
+from tandem.engine import EngineConfig, LoraConfig
 from tests.engine.conftest import random_batch
 from tests.engine.workers import EngineWorker
 
@@ -63,3 +63,17 @@ def test_unequal_shards_keep_collectives_in_step(tiny_model_dir, strategy):
     _, single_params = run(single, 1, batch)
     for name, tensor in single_params.items():
         torch.testing.assert_close(dp_params[name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_lora_under_fsdp2_merges_whole_weights_like_one_process(tiny_model_dir):
+    """The merged weights a rollout engine receives: gathered from the shards, adapters merged,
+    with no autograd history (they cross process boundaries), equal to one process's."""
+    batch = random_batch(0, batch=8)
+    base = EngineConfig(
+        model_path=tiny_model_dir, lr=1e-2, eps=1e-3, micro_batch_size=4, lora=LoraConfig(rank=4, alpha=8)
+    )
+    _, single_params = run(base, 1, batch)
+    _, sharded_params = run(EngineConfig(**{**base.__dict__, "strategy": "fsdp2"}), 2, batch)
+    assert single_params.keys() == sharded_params.keys() and not any(".lora_" in n for n in single_params)
+    for name, tensor in single_params.items():
+        torch.testing.assert_close(sharded_params[name], tensor, atol=1e-6, rtol=1e-5, msg=name)

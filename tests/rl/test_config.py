@@ -122,6 +122,10 @@ def test_overrides_apply_and_bad_ones_name_the_key():
             ["actor.engine.logprob_head_dtype=bfloat16"],
             r"log-probs come from a float32 model \(rollout.engine.native.dtype\).*set rollout.engine.native.dtype=bfloat16",
         ),
+        (
+            ["actor.engine.logprob_head_dtype=bfloat16", "rollout.engine.name=vllm"],
+            r"log-probs come from a float32 model \(rollout.engine.vllm.dtype\)",
+        ),
     ],
 )
 def test_impossible_combinations_are_rejected_naming_the_fields(overrides, message):

@@ -5,10 +5,11 @@ import os
 
 import pytest
 
+from tandem.config.paths import with_absolute_paths
 from tandem.controller.group import WorkerGroup
 from tandem.rl import RLTrainer
 from tandem.rl.config_loader import load_train_config
-from tandem.rl.paths import with_absolute_paths
+from tandem.rl.trainer import PATH_INPUTS, PATH_OUTPUTS
 from tests.rl.conftest import small_config
 
 
@@ -27,14 +28,14 @@ def test_relative_paths_resolve_against_the_drivers_directory(tmp_path, monkeypa
             "trainer.profile_dir=",
         ]
     )
-    resolved = with_absolute_paths(config)
+    resolved = with_absolute_paths(config, PATH_OUTPUTS, PATH_INPUTS)
     assert resolved.model_path == str(tmp_path / "models" / "policy")
     assert resolved.critic.model_path == "Qwen/Qwen2.5-0.5B"
     assert resolved.data.train_path == str(tmp_path / "train.jsonl")
     assert resolved.reward.custom_path == str(tmp_path / "reward.py")
     assert resolved.trainer.output_dir == str(tmp_path / "runs" / "a")
     assert resolved.trainer.profile_dir == "" and resolved.data.val_path == ""
-    assert with_absolute_paths(resolved) == resolved  # absolute paths stay as they are
+    assert with_absolute_paths(resolved, PATH_OUTPUTS, PATH_INPUTS) == resolved  # absolute paths stay as they are
     assert all(os.path.isabs(p) for p in (resolved.model_path, resolved.trainer.output_dir))
 
 

@@ -1,6 +1,7 @@
 """The SFT trainer: assistant-only loss masks, a run that lowers the loss, exact resume, clear data errors."""
 
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -183,3 +184,18 @@ def test_overrides_build_typed_configs_and_reject_bad_keys(model_dir):
         config_from_overrides(SFTConfig, ["model_path"])
     with pytest.raises(ValueError, match="data.train_path is required"):
         config_from_overrides(SFTConfig, [f"model_path={model_dir}"])
+
+
+def test_relative_model_and_output_paths_resolve_where_the_run_starts(model_dir, tmp_path, monkeypatch):
+    """Ray workers may run in another directory: the trainer hands them absolute paths."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in addition_conversations(8, 0)))
+    relative_model = os.path.relpath(model_dir, tmp_path)
+    config = SFTConfig(
+        model_path=relative_model,
+        data=SFTDataConfig(train_path="train.jsonl"),
+        trainer=SFTTrainerConfig(global_batch_size=4, total_steps=1, output_dir="runs/sft"),
+    )
+    trainer = SFTTrainer(config)
+    assert trainer.config.model_path == model_dir
+    assert trainer.config.trainer.output_dir == str(tmp_path / "runs" / "sft")

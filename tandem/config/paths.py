@@ -3,8 +3,8 @@
 Workers may not share the driver's working directory: on a Ray cluster started beforehand
 (``ray start``), actors run in a directory of Ray's choosing, and a relative
 ``trainer.output_dir`` would scatter a checkpoint between the driver's folder and theirs. The
-trainer therefore resolves every path key against its own working directory before any worker
-starts. Inputs (models, data, user code) are resolved only when they exist there, since a
+trainers therefore resolve their path keys against their own working directory before any
+worker starts. Inputs (models, data, user code) are resolved only when they exist there, since a
 ``model_path`` may also name a model on the Hugging Face Hub.
 
 Every trainer rank writes its part of a checkpoint under ``trainer.output_dir``, so on several
@@ -21,19 +21,6 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-OUTPUT_KEYS = ("trainer.output_dir", "trainer.profile_dir")
-INPUT_KEYS = (
-    "model_path",
-    "critic.model_path",
-    "reward.model.path",
-    "reward.custom_path",
-    "data.train_path",
-    "data.val_path",
-    "agent.tools_path",
-    "agent.interaction_path",
-)
-
-
 def _absolute(path: str, must_exist: bool) -> str:
     if not path or os.path.isabs(path) or (must_exist and not os.path.exists(path)):
         return path
@@ -41,18 +28,22 @@ def _absolute(path: str, must_exist: bool) -> str:
 
 
 def _replace_key(config: T, key: str, update) -> T:
-    """``config`` with the dotted ``key`` set to ``update(its value)`` (frozen dataclasses)."""
+    """``config`` with the dotted ``key`` set to ``update(its value)`` (frozen dataclasses; a
+    key this config does not have is left alone)."""
     head, _, rest = key.partition(".")
+    if not hasattr(config, head):
+        return config
     value: Any = getattr(config, head)
     new = _replace_key(value, rest, update) if rest else update(value)
     return dataclasses.replace(config, **{head: new}) if new is not value else config
 
 
-def with_absolute_paths(config: T) -> T:
-    """``config`` with its relative path keys made absolute against this process's working directory."""
-    for key in OUTPUT_KEYS:
+def with_absolute_paths(config: T, outputs: tuple[str, ...], inputs: tuple[str, ...]) -> T:
+    """``config`` with its relative path keys made absolute against this process's working
+    directory: every key of ``outputs``, and those of ``inputs`` that exist here."""
+    for key in outputs:
         config = _replace_key(config, key, lambda path: _absolute(path, must_exist=False))
-    for key in INPUT_KEYS:
+    for key in inputs:
         config = _replace_key(config, key, lambda path: _absolute(path, must_exist=True))
     return config
 
