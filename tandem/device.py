@@ -16,6 +16,7 @@ Everything else asks this module instead of probing ``torch.cuda`` itself:
   the rank's GPU.
 * :func:`uses_cpu_kernels` is true only for the CPU: the CPU speed work
   (:mod:`tandem.kernels.cpu`) is never switched on for a GPU run.
+* :func:`to_device` moves inputs to a GPU without waiting for the work queued there.
 * :func:`uses_cuda_graphs` is true only for CUDA: the native engine's decode steps replay
   CUDA graphs there (:mod:`tandem.rollout.decode_graphs`).
 """
@@ -123,11 +124,18 @@ def uses_cpu_kernels(device: torch.device | str) -> bool:
     return torch.device(device).type == "cpu"
 
 
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor`` on ``device``. A copy from host memory to a GPU does not wait for the work
+    already queued there (a plain one synchronises the GPU's stream first; an asynchronous one
+    from pageable memory stages the bytes at once and returns), so the host can prepare the
+    next input while the GPU computes. Copies back to the host stay synchronous."""
+    device = torch.device(device)
+    return tensor.to(device, non_blocking=tensor.device.type == "cpu" and device.type == "cuda")
+
+
 def host_tensor(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A small tensor of host ``values`` on ``device``, copied without waiting for the work
-    already queued there (a plain copy to a GPU synchronises its stream first; an
-    asynchronous one from pageable memory stages the bytes at once and returns)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    """A small tensor of host ``values`` on ``device``, copied as :func:`to_device` copies."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def host_buffer(nbytes: int, for_device: torch.device | str) -> torch.Tensor:

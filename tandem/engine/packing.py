@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.device import to_device
 from tandem.engine.varlen_attention import AttentionPlan, contiguous_plan
 
 
@@ -25,7 +26,7 @@ class Predictions:
     targets: torch.Tensor
 
     def to(self, device: torch.device) -> Predictions:
-        return Predictions(self.sources.to(device), self.targets.to(device))
+        return Predictions(to_device(self.sources, device), to_device(self.targets, device))
 
 
 def next_token_predictions(position_ids: torch.Tensor) -> Predictions:
@@ -73,14 +74,14 @@ class PackedSequences:
         """The same packing with every tensor on ``device`` (packing runs on the CPU, the model anywhere)."""
 
         def move(tensor: torch.Tensor | None) -> torch.Tensor | None:
-            return None if tensor is None else tensor.to(device)
+            return None if tensor is None else to_device(tensor, device)
 
         return dataclasses.replace(
             self,
-            input_ids=self.input_ids.to(device),
-            position_ids=self.position_ids.to(device),
+            input_ids=to_device(self.input_ids, device),
+            position_ids=to_device(self.position_ids, device),
             cu_seqlens=move(self.cu_seqlens),
-            flat_index=self.flat_index.to(device),
+            flat_index=to_device(self.flat_index, device),
             attention_plan=self.attention_plan.to(device),
             token_index=move(self.token_index),
             predictions=None if self.predictions is None else self.predictions.to(device),

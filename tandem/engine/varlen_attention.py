@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
+from tandem.device import to_device
 from tandem.engine.causal_attention import QueryOffsets, causal_attention
 from tandem.kernels.cuda.varlen import VarlenKernel, varlen_kernel_for
 
@@ -65,11 +66,11 @@ class VarlenLayout:
     def to(self, device: torch.device) -> VarlenLayout:
         return dataclasses.replace(
             self,
-            key_index=self.key_index.to(device),
-            query_index=self.query_index.to(device),
-            cu_keys=self.cu_keys.to(device),
-            cu_queries=self.cu_queries.to(device),
-            select=self.select.to(device),
+            key_index=to_device(self.key_index, device),
+            query_index=to_device(self.query_index, device),
+            cu_keys=to_device(self.cu_keys, device),
+            cu_queries=to_device(self.cu_queries, device),
+            select=to_device(self.select, device),
         )
 
 
@@ -132,9 +133,9 @@ class AttentionPlan:
         """The plan with its index tensors on ``device`` (plans are built on the CPU)."""
         return dataclasses.replace(
             self,
-            index=self.index.to(device),
-            query_index=self.query_index.to(device),
-            select=self.select.to(device),
+            index=to_device(self.index, device),
+            query_index=to_device(self.query_index, device),
+            select=to_device(self.select, device),
             varlen=self.varlen.to(device),
         )
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from tandem.device import to_device
 from tandem.protocol.fields import check_standard_field
 
 Index = int | slice | torch.Tensor | np.ndarray | Sequence[int]
@@ -341,7 +342,7 @@ class Batch:
 
     def to(self, device: torch.device | str) -> Batch:
         """The same batch with every tensor on ``device``."""
-        return self._replace({k: t.to(device) for k, t in self.tensors.items()}, self.non_tensors)
+        return self._replace({k: to_device(t, device) for k, t in self.tensors.items()}, self.non_tensors)
 
     def __reduce__(self) -> tuple:
         """Pickle through :func:`~tandem.protocol.to_bytes`: tensor payloads travel as raw buffers.

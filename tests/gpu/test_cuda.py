@@ -203,3 +203,17 @@ def test_a_replica_broadcasting_by_nccl_binds_the_gpu_after_the_trainers(rl_file
     history = RLTrainer(config).fit().history
     assert [h["step"] for h in history] == [1, 2]
     assert all(h["pipeline/weight_sync_gbps"] > 0 for h in history)
+
+
+def test_inputs_sent_without_waiting_arrive_intact_behind_queued_work():
+    """to_device copies to the GPU without waiting for it; host tensors may change right after."""
+    from tandem.device import host_buffer, to_device
+
+    busy = torch.randn(2048, 2048, device="cuda")
+    for _ in range(20):  # a queue of work the copies must not wait for, nor overtake wrongly
+        busy = busy @ busy / 2048
+    host = torch.arange(1_000_000, dtype=torch.float32)
+    sent = to_device(host, "cuda")
+    host.zero_()  # pageable source: staged at once, so this cannot reach the copy
+    assert torch.equal(sent.cpu(), torch.arange(1_000_000, dtype=torch.float32))
+    assert host_buffer(64, "cuda").is_pinned()
