@@ -38,6 +38,7 @@ class Backend(Protocol):
     """Runs calls on worker ranks; see ``local.py`` and ``ray_group.py``."""
 
     world_size: int
+    host_pids: list[int]  # the processes running ranks on the controller's host
 
     def submit(self, rank: int, method: str, args: tuple, kwargs: dict) -> Any: ...
 
@@ -123,6 +124,11 @@ class RoleView:
     @property
     def world_size(self) -> int:
         return self.group.world_size
+
+    @property
+    def backend(self) -> Backend:
+        """The group's backend (a role runs in its group's processes)."""
+        return self.group.backend
 
     def ranks_seeing(self, directory: str) -> set[int]:
         """See :meth:`WorkerGroup.ranks_seeing` (a role runs in its group's processes)."""

@@ -134,6 +134,11 @@ class InProcessBackend(_LocalBackendBase):
         self.worker = construct_worker(worker_cls, DistInfo(master_port=free_port()), args, kwargs or {})
         self._mailboxes = [_Mailbox(0, self._run, "tandem-worker-0")]
 
+    @property
+    def host_pids(self) -> list[int]:
+        """The group's processes on this host: this one."""
+        return [os.getpid()]
+
     def _run(self, method: str, args: tuple, kwargs: dict) -> Any:
         return self.worker._tandem_execute(method, *args, **kwargs)
 
@@ -246,6 +251,11 @@ class ProcessBackend(_LocalBackendBase):
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._processes]
+
+    @property
+    def host_pids(self) -> list[int]:
+        """The group's processes on this host: all of them."""
+        return self.pids
 
     def shutdown(self, grace_s: float = 3.0) -> None:
         """Ask every process to stop, kill the ones still busy after ``grace_s``, then stop the mailboxes."""

@@ -84,6 +84,11 @@ class RayBackend:
             self._actors.append(actor)
             if rank == 0:
                 master = tuple(self.result(0, actor._tandem_execute.remote("_tandem_claim_master"), None))
+        here = ray.get_runtime_context().get_node_id()
+        places = [self.result(r, a._tandem_execute.remote("_tandem_process"), None) for r, a in enumerate(self._actors)]
+        # the processes on the controller's node: whose /dev/shm files the controller can delete
+        # after a failure (Ray ends actors with SIGKILL, so theirs are never cleaned up by them)
+        self.host_pids = [pid for pid, node in places if node == here]
 
     def submit(self, rank: int, method: str, args: tuple, kwargs: dict) -> Any:
         return self._actors[rank]._tandem_execute.remote(method, *args, **kwargs)

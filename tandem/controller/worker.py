@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 from dataclasses import dataclass, replace
 from typing import Any
@@ -135,6 +136,12 @@ class Worker:
         """Whether this process sees the controller's shared-memory probe file (same host and
         ``/dev/shm``): then batches may reach it as :class:`~tandem.protocol.shared.SharedBatch`."""
         return read_probe(path, token)
+
+    def _tandem_process(self) -> tuple[int, str | None]:
+        """This worker's process id and its Ray node's id (None outside Ray)."""
+        ray = sys.modules.get("ray")
+        node = ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else None
+        return os.getpid(), node
 
     def _tandem_claim_master(self) -> tuple[str, int]:
         """Rank 0 picks the rendezvous address (its own host and a free port) for the whole group."""

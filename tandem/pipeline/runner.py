@@ -22,7 +22,6 @@ shared-memory files until :func:`assemble_batch` pulls them.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import Any
 
@@ -31,7 +30,6 @@ import torch
 from tandem.checkpoint_engine.roles import PendingSync, connect_weight_sync, start_weight_sync
 from tandem.checkpoint_engine.transports import SLOT_PREFIX
 from tandem.controller import create_worker_group
-from tandem.controller.local import InProcessBackend
 from tandem.controller.resource_pool import ResourcePool
 from tandem.device import cuda_device_count
 from tandem.errors import RolloutReplicaError
@@ -115,7 +113,7 @@ class AsyncRollout:
             self.fleet = None
         if self.replicas is None:
             return
-        replica_pids = getattr(self.replicas.backend, "pids", [])
+        replica_pids = _local_pids(self.replicas)
         try:
             if not failed:
                 self._settle()
@@ -356,10 +354,8 @@ def _spans(lengths: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def _local_pids(group: Any) -> list[int]:
-    """The processes on this host that run ``group``'s workers (none known for Ray)."""
-    if isinstance(group.backend, InProcessBackend):
-        return [os.getpid()]
-    return list(getattr(group.backend, "pids", []))
+    """The processes on this host that run ``group``'s workers."""
+    return list(group.backend.host_pids)
 
 
 def replica_first_gpu(config: Any) -> int:

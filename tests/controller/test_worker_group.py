@@ -42,6 +42,11 @@ def test_ranks_and_world_size(echo_group, backend_world):
         assert os.getpid() not in pids
 
 
+def test_host_pids_are_the_processes_running_the_ranks(echo_group):
+    """What the controller may clean up after (shared-memory files by process id), on every backend."""
+    assert sorted(echo_group.backend.host_pids) == sorted(pid for _, _, pid in echo_group.whoami())
+
+
 def test_ray_workers_of_a_pool_without_gpus_see_none(echo_group, backend_world):
     """Recent Ray no longer hides the GPUs from an actor that reserved none: the group does,
     so a CPU pool on a GPU machine never computes on a GPU it did not reserve."""

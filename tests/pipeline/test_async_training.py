@@ -1,5 +1,6 @@
 """The asynchronous pipelines end to end on CPU: staleness bounds, token versions, kills, resume."""
 
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -214,19 +215,27 @@ def _async_config(rl_files, tmp_path):
     )  # fmt: skip
 
 
-def test_a_killed_replica_stops_the_run_naming_it(rl_files, tmp_path):
-    trainer = RLTrainer(_async_config(rl_files, tmp_path))
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_a_killed_replica_stops_the_run_naming_it(rl_files, tmp_path, request, backend):
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
+    config = _async_config(rl_files, tmp_path)
+    trainer = RLTrainer(
+        dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, backend=backend))
+    )
     thread, outcome = _run_in_thread(trainer)
     deadline = time.monotonic() + 120
     while trainer.step < 2 and time.monotonic() < deadline and thread.is_alive():
         time.sleep(0.05)
     assert trainer.step >= 2, outcome
-    pid = trainer.rollout.replicas.backend.pids[0]
+    pid = trainer.rollout.replicas.backend.host_pids[0]
+    trainer_pids = trainer.workers.backend.host_pids
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     _assert_stopped_naming_replica_0(thread, outcome)
     assert time.monotonic() - killed < 30
-    assert not _shared_memory_files([os.getpid(), pid])  # weight slots and stored samples are deleted
+    # weight slots and stored samples are deleted (Ray kills its actors, which clean up nothing)
+    assert not _shared_memory_files([os.getpid(), pid, *trainer_pids])
 
 
 def test_a_replica_lost_during_a_weight_sync_stops_the_run_naming_it(rl_files, tmp_path, monkeypatch):
