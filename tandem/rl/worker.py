@@ -139,7 +139,8 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         """
         self.actor_residency.offload()  # before the phase's window, so its peak shows what this freed
         with self._phase("gen"):
-            self._wake_rollout()
+            self._hand_back_cached_memory()
+            self.rollout.wake()
             if self.agents is not None:  # multi-turn episodes: tool or user turns between the model's
                 out = self.agents.generate(prompts, sampling, prompt_width, self.rank)
             else:
@@ -177,14 +178,15 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         actor's offload, so the cache and the actor's parameters never share the GPU.
         """
         self.actor_residency.load()
+        self._hand_back_cached_memory()
         return self.rollout.update_weights(self.engine.iter_parameters(), version)
 
-    def _wake_rollout(self) -> None:
-        """Wake the rollout engine; when it slept, the trainer's cached free GPU blocks go back to
-        the driver first (vLLM maps its weights and KV cache back outside PyTorch's allocator)."""
+    def _hand_back_cached_memory(self) -> None:
+        """When the rollout engine sleeps between generations, give the trainer's cached free GPU
+        blocks back to the driver before the engine maps its memory back (vLLM's allocator is
+        not PyTorch's)."""
         if self.config.rollout.free_cache_between_generations:
             release_cached_memory(self.device)
-        self.rollout.wake()
 
     # ------------------------------------------------------------------ log-probs
     @register(dispatch="DP_COMPUTE")
