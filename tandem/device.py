@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
 from collections.abc import Iterator
 
 import torch
 
 DEVICE_SETTINGS = ("auto", "cpu", "cuda")
+_VISIBILITY = threading.Lock()  # guards CUDA_VISIBLE_DEVICES while only_visible_gpu narrows it
 
 
 def check_device_setting(owner: str, field: str, value: str) -> None:
@@ -103,15 +105,16 @@ def only_visible_gpu(setting: str) -> Iterator[None]:
     if base != "cuda" or not index:
         yield
         return
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = physical_gpu_id(int(index))
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
+    with _VISIBILITY:  # one narrowed view at a time, restored before another thread narrows it
+        before = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = physical_gpu_id(int(index))
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def process_group_backend(device: torch.device | str) -> str:

@@ -27,25 +27,40 @@ def _absolute(path: str, must_exist: bool) -> str:
     return os.path.abspath(path)
 
 
-def _replace_key(config: T, key: str, update) -> T:
-    """``config`` with the dotted ``key`` set to ``update(its value)`` (frozen dataclasses; a
-    key this config does not have is left alone)."""
-    head, _, rest = key.partition(".")
-    if not hasattr(config, head):
-        return config
-    value: Any = getattr(config, head)
-    new = _replace_key(value, rest, update) if rest else update(value)
-    return dataclasses.replace(config, **{head: new}) if new is not value else config
+def _value(config: Any, key: str) -> Any:
+    """The value at dotted ``key``, or None where this config has no such key."""
+    for name in key.split("."):
+        if not hasattr(config, name):
+            return None
+        config = getattr(config, name)
+    return config
+
+
+def _replace_keys(config: T, values: dict[str, Any]) -> T:
+    """``config`` with each dotted key of ``values`` set, every dataclass on the way rebuilt once
+    (so its checks see all the new values together: a key that must equal another stays equal)."""
+    own: dict[str, Any] = {key: value for key, value in values.items() if "." not in key}
+    nested: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        if "." in key:
+            head, rest = key.split(".", 1)
+            nested.setdefault(head, {})[rest] = value
+    for head, below in nested.items():
+        own[head] = _replace_keys(getattr(config, head), below)
+    return dataclasses.replace(config, **own) if own else config
 
 
 def with_absolute_paths(config: T, outputs: tuple[str, ...], inputs: tuple[str, ...]) -> T:
     """``config`` with its relative path keys made absolute against this process's working
-    directory: every key of ``outputs``, and those of ``inputs`` that exist here."""
-    for key in outputs:
-        config = _replace_key(config, key, lambda path: _absolute(path, must_exist=False))
-    for key in inputs:
-        config = _replace_key(config, key, lambda path: _absolute(path, must_exist=True))
-    return config
+    directory: every key of ``outputs``, and those of ``inputs`` that exist here (keys this
+    config lacks are skipped)."""
+    changed: dict[str, str] = {}
+    for keys, must_exist in ((outputs, False), (inputs, True)):
+        for key in keys:
+            path = _value(config, key)
+            if isinstance(path, str) and _absolute(path, must_exist) != path:
+                changed[key] = _absolute(path, must_exist)
+    return _replace_keys(config, changed) if changed else config
 
 
 def check_workers_share_output_dir(workers: Any, output_dir: Path) -> None:

@@ -56,26 +56,59 @@ def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+HOST_BLOCK_BYTES = 256 * 2**20  # a power of two: PyTorch's page-locked cache rounds each request up to one
+
+
+class _HostBlocks:
+    """Host memory for ``total`` bytes of ``device``'s data, carved in order from blocks of
+    :data:`HOST_BLOCK_BYTES` (the last one smaller). Page-locked requests are rounded up to a
+    power of two and cached for reuse; blocks of one size keep that to the last block's slack,
+    where one buffer per storage could come close to doubling the host memory."""
+
+    def __init__(self, total: int, device: torch.device) -> None:
+        self.left, self.device = total, device
+        self.block = torch.empty(0, dtype=torch.uint8)
+        self.used = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A host byte tensor of ``nbytes``, or of what is left of the current block if less."""
+        if self.used == self.block.numel():
+            self.block, self.used = host_buffer(min(HOST_BLOCK_BYTES, self.left), self.device), 0
+        size = min(nbytes, self.block.numel() - self.used)
+        piece = self.block[self.used : self.used + size]
+        self.used += size
+        self.left -= size
+        return piece
+
+
 class HostCopies:
     """The storages of ``tensors`` copied to host memory and freed in place; :meth:`restore`
     reallocates them on their device and copies the data back.
 
     A storage shared by several tensors moves once. Storages that cannot be resized (weights
-    memory-mapped from a file, on the CPU) stay where they are.
+    memory-mapped from a file, on the CPU) stay where they are. A storage's bytes may span two
+    or more host blocks (:class:`_HostBlocks`).
     """
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
-        self._saved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
-        seen: set[int] = set()
+        storages: dict[int, torch.UntypedStorage] = {}
         for tensor in tensors:
             storage = storage_of(tensor)
-            if storage.nbytes() == 0 or storage.data_ptr() in seen or not storage.resizable():
-                continue
-            seen.add(storage.data_ptr())
-            host = host_buffer(storage.nbytes(), storage.device)  # page-locked for a GPU's data
-            host.copy_(_as_bytes(storage), non_blocking=host.is_pinned())
-            self._saved.append((storage, host))
-        for device in {storage.device for storage, _ in self._saved}:
+            if storage.nbytes() and storage.resizable():
+                storages.setdefault(storage.data_ptr(), storage)
+        blocks: dict[torch.device, _HostBlocks] = {}
+        for storage in storages.values():
+            blocks.setdefault(storage.device, _HostBlocks(0, storage.device)).left += storage.nbytes()
+        self._saved: list[tuple[torch.UntypedStorage, list[torch.Tensor]]] = []
+        for storage in storages.values():
+            source, pieces, offset = _as_bytes(storage), [], 0
+            while offset < storage.nbytes():
+                piece = blocks[storage.device].take(storage.nbytes() - offset)
+                piece.copy_(source[offset : offset + piece.numel()], non_blocking=piece.is_pinned())
+                pieces.append(piece)
+                offset += piece.numel()
+            self._saved.append((storage, pieces))
+        for device in blocks:
             wait_for_copies(device)  # every copy has landed before its device memory goes
         for storage, _ in self._saved:
             storage.resize_(0)
@@ -83,15 +116,18 @@ class HostCopies:
     @property
     def nbytes(self) -> int:
         """Bytes held on the host."""
-        return sum(host.numel() for _, host in self._saved)
+        return sum(piece.numel() for _, pieces in self._saved for piece in pieces)
 
     def restore(self) -> None:
         """Reallocate every storage and copy its data back (once; later calls do nothing)."""
-        for storage, host in self._saved:
-            storage.resize_(host.numel())
-            # queued on the device's stream, so the kernels after it read the data; the pinned
-            # buffer is not reused before the copy is done (PyTorch records it)
-            _as_bytes(storage).copy_(host, non_blocking=host.is_pinned())
+        for storage, pieces in self._saved:
+            storage.resize_(sum(piece.numel() for piece in pieces))
+            target, offset = _as_bytes(storage), 0
+            for piece in pieces:
+                # queued on the device's stream, so the kernels after it read the data; the
+                # page-locked block is not reused before the copy is done (PyTorch records it)
+                target[offset : offset + piece.numel()].copy_(piece, non_blocking=piece.is_pinned())
+                offset += piece.numel()
         self._saved = []
 
 

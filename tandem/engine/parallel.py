@@ -42,7 +42,8 @@ def wrap_data_parallel(
 ) -> nn.Module:
     """``module`` as it should be called: itself, a DDP wrapper, or sharded in place by FSDP2.
 
-    ``module`` is already on ``device``; DDP is told its GPU, FSDP2 its mixed-precision policy.
+    ``module`` is on ``device`` for DDP (told its GPU) and may still be on the CPU for FSDP2,
+    which moves each unit to ``device`` as it shards it, with its mixed-precision policy.
     """
     if strategy == "single":
         return module

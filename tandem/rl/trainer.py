@@ -80,10 +80,12 @@ VALIDATION_SEED_TAG = 7_777_777  # derive_seed(run seed, this, row): validation 
 
 
 # the config's paths, made absolute where the run starts (tandem.config.paths)
-PATH_OUTPUTS = ("trainer.output_dir", "trainer.profile_dir")
+PATH_OUTPUTS = ("trainer.output_dir", "trainer.profile_dir", "pipeline.checkpoint_engine.directory")
 PATH_INPUTS = (
     "model_path",
+    "actor.engine.model_path",
     "critic.model_path",
+    "critic.engine.model_path",
     "reward.model.path",
     "reward.custom_path",
     "data.train_path",
@@ -178,6 +180,7 @@ class RLTrainer:
                         CriticWorker, config.critic_resource_pool(), trainer.backend, args=(config,)
                     )
                 )
+                check_workers_share_output_dir(self.critics, self.output_dir)  # its checkpoints go there too
             if self.critics is not None:
                 critic_steps = config.schedule_steps(
                     self.total_steps, config.critic_epochs, config.critic_mini_batch_prompts
@@ -534,7 +537,7 @@ class RLTrainer:
         mode = self.config.trainer.resume
         if mode == "disable":
             return False
-        path = self.checkpoints.latest() if mode == "auto" else Path(mode)
+        path = self.checkpoints.latest() if mode == "auto" else Path(mode).absolute()  # workers may run elsewhere
         if path is None:
             return False
         state = CheckpointManager.read_state(path)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tandem.controller import ResourcePool, create_worker_group
-from tandem.engine import EngineConfig
+from tandem.engine import EngineConfig, offload
 from tests.engine.conftest import random_batch
 from tests.engine.workers import EngineWorker
 
@@ -37,3 +37,20 @@ def test_an_offload_round_trip_between_steps_changes_nothing(tiny_model_dir, str
     assert kept.keys() == moved.keys()
     for name, tensor in kept.items():
         assert torch.equal(moved[name], tensor), name
+
+
+def test_host_copies_split_storages_over_fixed_blocks_and_restore_them_exactly(monkeypatch):
+    """Blocks of one size (so the page-locked cache, which rounds up to powers of two, wastes at
+    most the last block's slack); a storage may straddle blocks, a shared one moves once."""
+    monkeypatch.setattr(offload, "HOST_BLOCK_BYTES", 1000)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(n, generator=gen) for n in (100, 700, 3, 250)]  # 4 bytes each: 4212 bytes
+    view = tensors[1][10:20]  # shares the second storage
+    expected = [t.clone() for t in tensors]
+    copies = offload.HostCopies([*tensors, view])
+    assert copies.nbytes == 4 * (100 + 700 + 3 + 250)
+    assert all(offload.storage_of(t).nbytes() == 0 for t in tensors)
+    copies.restore()
+    for tensor, want in zip(tensors, expected, strict=True):
+        assert torch.equal(tensor, want)
+    assert torch.equal(view, expected[1][10:20])

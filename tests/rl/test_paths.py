@@ -45,3 +45,12 @@ def test_workers_that_cannot_read_the_output_dir_are_refused_before_loading(rl_f
     trainer = RLTrainer(small_config(rl_files, tmp_path / "run"))
     with pytest.raises(ValueError, match=r"trainer.output_dir=.*run: worker rank 0 cannot read files"):
         trainer.fit()
+
+
+def test_a_key_that_must_equal_another_still_does_once_both_resolve(tmp_path, monkeypatch):
+    """``actor.engine.model_path`` may repeat ``model_path`` (it follows it): both resolve together."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m").mkdir()
+    config = load_train_config(["model_path=m", "actor.engine.model_path=m", "data.train_path=t.parquet"])
+    resolved = with_absolute_paths(config, PATH_OUTPUTS, PATH_INPUTS)
+    assert resolved.model_path == resolved.actor.engine.model_path == str(tmp_path / "m")
