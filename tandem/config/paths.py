@@ -65,7 +65,9 @@ def with_absolute_paths(config: T, outputs: tuple[str, ...], inputs: tuple[str, 
 
 def check_workers_share_output_dir(workers: Any, output_dir: Path) -> None:
     """Raise ``ValueError`` naming ``trainer.output_dir`` when a rank of ``workers`` cannot read a
-    file this process writes in ``output_dir`` (a machine that does not mount it)."""
+    file this process writes in ``output_dir`` (a machine that does not mount it); the
+    directory is made if missing."""
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
     seen = workers.ranks_seeing(str(output_dir))
     blind = [rank for rank in range(workers.world_size) if rank not in seen]
     if blind:
