@@ -150,7 +150,9 @@ def host_buffer(nbytes: int, for_device: torch.device | str) -> torch.Tensor:
         try:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         except RuntimeError as error:
-            warnings.warn(f"page-locked host memory refused ({error}); offload copies run pageable", stacklevel=2)
+            warnings.warn(
+                f"page-locked host memory refused ({error}); offload copies run pageable", stacklevel=2
+            )
     return torch.empty(nbytes, dtype=torch.uint8)
 
 

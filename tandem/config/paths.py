@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+
 def _absolute(path: str, must_exist: bool) -> str:
     if not path or os.path.isabs(path) or (must_exist and not os.path.exists(path)):
         return path

@@ -537,7 +537,9 @@ class RLTrainer:
         mode = self.config.trainer.resume
         if mode == "disable":
             return False
-        path = self.checkpoints.latest() if mode == "auto" else Path(mode).absolute()  # workers may run elsewhere
+        path = (
+            self.checkpoints.latest() if mode == "auto" else Path(mode).absolute()
+        )  # workers may run elsewhere
         if path is None:
             return False
         state = CheckpointManager.read_state(path)

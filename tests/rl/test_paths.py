@@ -35,7 +35,9 @@ def test_relative_paths_resolve_against_the_drivers_directory(tmp_path, monkeypa
     assert resolved.reward.custom_path == str(tmp_path / "reward.py")
     assert resolved.trainer.output_dir == str(tmp_path / "runs" / "a")
     assert resolved.trainer.profile_dir == "" and resolved.data.val_path == ""
-    assert with_absolute_paths(resolved, PATH_OUTPUTS, PATH_INPUTS) == resolved  # absolute paths stay as they are
+    assert (
+        with_absolute_paths(resolved, PATH_OUTPUTS, PATH_INPUTS) == resolved
+    )  # absolute paths stay as they are
     assert all(os.path.isabs(p) for p in (resolved.model_path, resolved.trainer.output_dir))
 
 
