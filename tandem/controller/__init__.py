@@ -15,7 +15,12 @@ from tandem.controller.dispatch import (
     register_dispatch_mode,
 )
 from tandem.controller.errors import WorkerDiedError, WorkerError
-from tandem.controller.factory import create_colocated_group, create_role_groups, create_worker_group
+from tandem.controller.factory import (
+    check_placement,
+    create_colocated_group,
+    create_role_groups,
+    create_worker_group,
+)
 from tandem.controller.group import GroupFuture, RoleView, WorkerGroup
 from tandem.controller.resource_pool import ResourcePool
 from tandem.controller.worker import DistInfo, Worker
@@ -38,6 +43,7 @@ __all__ = [
     "RoleView",
     "Worker",
     "WorkerDiedError",
+    "check_placement",
     "WorkerError",
     "WorkerGroup",
     "create_colocated_group",

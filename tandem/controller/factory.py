@@ -9,6 +9,7 @@ from tandem.controller.colocate import FusedWorker, Role
 from tandem.controller.group import RoleView, WorkerGroup
 from tandem.controller.local import InProcessBackend, ProcessBackend
 from tandem.controller.resource_pool import ResourcePool
+from tandem.device import cuda_device_count
 
 BACKENDS = ("local", "process", "ray")
 
@@ -77,6 +78,35 @@ def create_role_groups(
             group.shutdown()
         raise
     return views
+
+
+def check_placement(
+    pools: list[ResourcePool], backend: str, keys: str, ray_init_kwargs: dict | None = None
+) -> None:
+    """Refuse at once (``ValueError``) a placement the machines could never hold, rather than
+    wait for it (Ray) or fail at the first collective (two ranks on one GPU).
+
+    With Ray, the pools together against the cluster's alive nodes
+    (:func:`~tandem.controller.ray_capacity.check_cluster_holds`). On one machine, the first
+    pool's GPU workers against the GPUs this process sees; later pools may share those GPUs.
+    ``keys`` names the config keys that shaped the pools, for the message.
+    """
+    check_choice("worker_group", "backend", backend, BACKENDS)
+    if backend == "ray":
+        from tandem.controller.ray_group import check_pools_fit_ray
+
+        try:
+            check_pools_fit_ray(pools, ray_init_kwargs)
+        except ValueError as error:
+            raise ValueError(f"{error}; the pools follow {keys}") from None
+        return
+    pool = pools[0]
+    gpus = cuda_device_count()
+    if pool.gpus_per_process and pool.world_size > gpus:
+        raise ValueError(
+            f"pool {pool.name!r} wants {pool.world_size} GPU workers on this machine and it sees {gpus} GPU(s); "
+            f"the pool follows {keys} (CPU workers: leave the GPU count at 0)"
+        )
 
 
 def _build(worker_cls, pool, backend, args, kwargs, ray_init_kwargs, roles) -> WorkerGroup:

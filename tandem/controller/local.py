@@ -22,7 +22,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from tandem.controller.errors import WorkerDiedError, WorkerError
-from tandem.controller.worker import DistInfo, construct_worker, free_port
+from tandem.controller.worker import DistInfo, construct_worker, host_rendezvous_store
 
 POLL_S = 0.05  # how often a waiting mailbox checks that its worker process is alive
 
@@ -131,7 +131,7 @@ class InProcessBackend(_LocalBackendBase):
 
     def __init__(self, worker_cls: type, args: tuple = (), kwargs: dict | None = None) -> None:
         self.world_size = 1
-        self.worker = construct_worker(worker_cls, DistInfo(master_port=free_port()), args, kwargs or {})
+        self.worker = construct_worker(worker_cls, DistInfo(), args, kwargs or {})  # a world of one meets no one
         self._mailboxes = [_Mailbox(0, self._run, "tandem-worker-0")]
 
     @property
@@ -200,7 +200,8 @@ class ProcessBackend(_LocalBackendBase):
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         self.world_size = world_size
         context = multiprocessing.get_context("spawn")
-        port = free_port()
+        self._store = host_rendezvous_store()  # the ranks meet here, for the group's lifetime
+        port = self._store.port
         self._processes, self._conns = [], []
         for rank in range(world_size):
             info = DistInfo(rank, world_size, rank, world_size, "127.0.0.1", port)
@@ -278,3 +279,4 @@ class ProcessBackend(_LocalBackendBase):
         for conn in self._conns:
             conn.close()
         self._mailboxes, self._conns, self._processes = [], [], []
+        self._store = None

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.controller.errors import WorkerDiedError, WorkerError
+from tandem.controller.ray_capacity import check_ray_cluster_holds
 from tandem.controller.resource_pool import ResourcePool
 from tandem.controller.worker import DistInfo
 
@@ -23,6 +24,19 @@ def _import_ray():
     except ImportError as error:  # pragma: no cover - exercised only without the extra
         raise ImportError("the Ray backend needs Ray: pip install 'tandem-rl[ray]'") from error
     return ray
+
+
+def connect_ray(ray_init_kwargs: dict | None = None) -> Any:
+    """The ``ray`` module, connected: to the cluster ``RAY_ADDRESS`` names, or a new local one."""
+    ray = _import_ray()
+    if not ray.is_initialized():
+        ray.init(**{"include_dashboard": False, "ignore_reinit_error": True, **(ray_init_kwargs or {})})
+    return ray
+
+
+def check_pools_fit_ray(pools: list[ResourcePool], ray_init_kwargs: dict | None = None) -> None:
+    """Refuse at once (``ValueError``) pools that the Ray cluster could never hold together."""
+    check_ray_cluster_holds(pools, connect_ray(ray_init_kwargs))
 
 
 def _apply(fn: Callable[[list], Any], *values: Any) -> Any:
@@ -40,12 +54,11 @@ class RayBackend:
         kwargs: dict | None = None,
         ray_init_kwargs: dict | None = None,
     ) -> None:
-        ray = _import_ray()
+        ray = connect_ray(ray_init_kwargs)
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if not ray.is_initialized():
-            ray.init(**{"include_dashboard": False, "ignore_reinit_error": True, **(ray_init_kwargs or {})})
+        check_ray_cluster_holds([pool], ray)  # rather than wait out the placement timeout
         self._ray = ray
         self._remove_pg = remove_placement_group
         self._apply_task = ray.remote(num_cpus=0)(_apply)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import traceback
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -58,11 +58,11 @@ class DistInfo:
         )
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def host_rendezvous_store() -> dist.TCPStore:
+    """A rendezvous store served from this process on a port the system picks while binding it
+    (``.port``); workers join it as clients. Picking a free port first and binding it later
+    leaves a window in which another process can take the port."""
+    return dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
 
 
 class Worker:
@@ -108,15 +108,24 @@ class Worker:
         backend = backend or process_group_backend(device)
         route_collectives_through(rendezvous_host())
         info = self.dist_info
-        from datetime import timedelta
-
+        timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{info.master_addr}:{info.master_port}",
-            rank=info.rank,
-            world_size=info.world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+            backend=backend, store=self._rendezvous_store(timeout), rank=info.rank,
+            world_size=info.world_size, timeout=timeout,
+        )  # fmt: skip
+
+    def _rendezvous_store(self, timeout: timedelta) -> dist.Store:
+        """The store the ranks meet through: the one this worker hosts (Ray's rank 0, see
+        :meth:`_tandem_claim_master`), a client of the one at ``master_addr:master_port``, or a
+        store of its own for a world of one."""
+        store = self.__dict__.get("_tandem_store")
+        if store is None and self.world_size == 1:
+            store = dist.HashStore()
+        if store is None:
+            info = self.dist_info
+            store = dist.TCPStore(info.master_addr, info.master_port, is_master=False, timeout=timeout)
+        store.set_timeout(timeout)
+        return store
 
     def set_mesh_rank(self, mesh: str, dp_rank: int, dp_size: int, is_collect: bool) -> None:
         """Declare this worker's data-parallel place in ``mesh`` for ``mesh_dispatch(mesh)`` calls."""
@@ -144,9 +153,12 @@ class Worker:
         return os.getpid(), node
 
     def _tandem_claim_master(self) -> tuple[str, int]:
-        """Rank 0 picks the rendezvous address (its own host and a free port) for the whole group."""
+        """Rank 0 hosts the group's rendezvous store on its own host and names the address. The
+        store binds a port the system picks, so no other process can take it in between."""
         host = rendezvous_host() if self.world_size > 1 else "127.0.0.1"
-        info = replace(self.dist_info, master_addr=host, master_port=free_port(host))
+        store = host_rendezvous_store()
+        self.__dict__["_tandem_store"] = store
+        info = replace(self.dist_info, master_addr=host, master_port=store.port)
         self.__dict__["_tandem_dist_info"] = info
         os.environ.update(info.as_env())
         return info.master_addr, info.master_port

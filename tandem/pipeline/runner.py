@@ -30,7 +30,6 @@ import torch
 from tandem.checkpoint_engine.roles import PendingSync, connect_weight_sync, start_weight_sync
 from tandem.checkpoint_engine.transports import SLOT_PREFIX
 from tandem.controller import create_worker_group
-from tandem.controller.resource_pool import ResourcePool
 from tandem.device import cuda_device_count
 from tandem.errors import RolloutReplicaError
 from tandem.pipeline.fleet import RolloutFleet
@@ -79,11 +78,7 @@ class AsyncRollout:
         weights = pipeline.checkpoint_engine
         self._sample_dir = (weights.directory if weights.backend == "shared_memory" else "") or "/dev/shm"
         self._weights_dir = weights.directory or "/dev/shm"
-        pool = ResourcePool(
-            (pipeline.rollout_replicas,),
-            gpus_per_process=1.0 if config.trainer.n_gpus_per_node else 0.0,
-            name="rollout",
-        )
+        pool = config.rollout_resource_pool()
         first_gpu = replica_first_gpu(config)
         self.replicas = create_worker_group(
             _replica_class(), pool, backend,

@@ -731,6 +731,27 @@ class TrainConfig:
             name="reward_model",
         )
 
+    def rollout_resource_pool(self) -> ResourcePool:
+        """The rollout replicas' placement (every pipeline mode but ``sync``): ``pipeline.rollout_replicas``
+        processes, one GPU each on GPUs."""
+        return ResourcePool(
+            (self.pipeline.rollout_replicas,),
+            gpus_per_process=1.0 if self.trainer.n_gpus_per_node else 0.0,
+            name="rollout",
+        )
+
+    def resource_pools(self) -> list[ResourcePool]:
+        """Every pool the run places: the actor's, and the critic's, the reward model's and the rollout
+        replicas' when the run has them apart from the actor."""
+        pools = [self.resource_pool()]
+        if self.uses_critic and self.critic.placement != "colocated":
+            pools.append(self.critic_resource_pool())
+        if "model" in self.reward.sources:
+            pools.append(self.reward_model_resource_pool())
+        if self.pipeline.disaggregated:
+            pools.append(self.rollout_resource_pool())
+        return pools
+
     def schedule_steps(self, total_steps: int, epochs: int, mini_batch_prompts: int) -> int:
         """Learning-rate schedule steps over a run of ``total_steps`` RL steps (``trainer.lr_schedule_unit``)."""
         if self.trainer.lr_schedule_unit == "step":

@@ -34,7 +34,7 @@ from tandem.algos import (
     compute_rollout_correction,
 )
 from tandem.config.paths import check_workers_share_output_dir, with_absolute_paths
-from tandem.controller import Role, create_colocated_group, create_worker_group
+from tandem.controller import Role, check_placement, create_colocated_group, create_worker_group
 from tandem.engine.divergence import check_health, check_skipped_in_a_row
 from tandem.models.loading import load_tokenizer
 from tandem.pipeline.colocated import ColocatedRollout
@@ -78,6 +78,11 @@ class RLResult:
 
 VALIDATION_SEED_TAG = 7_777_777  # derive_seed(run seed, this, row): validation sampling
 
+
+PLACEMENT_KEYS = (  # what shapes the pools of config.resource_pools(), named when they cannot be placed
+    "trainer.nnodes, trainer.n_gpus_per_node (or trainer.n_workers), critic.placement, reward.model.n_workers "
+    "and pipeline.rollout_replicas"
+)
 
 # the config's paths, made absolute where the run starts (tandem.config.paths)
 PATH_OUTPUTS = ("trainer.output_dir", "trainer.profile_dir", "pipeline.checkpoint_engine.directory")
@@ -155,6 +160,7 @@ class RLTrainer:
     def _fit(self) -> RLResult:
         config, trainer = self.config, self.config.trainer
         pool = config.resource_pool()
+        check_placement(config.resource_pools(), trainer.backend, PLACEMENT_KEYS)
         with contextlib.ExitStack() as groups:
             colocated = config.uses_critic and config.critic.placement == "colocated"
             if colocated:  # the critic in the actor's processes: group.actor.<m>, group.critic.<m>

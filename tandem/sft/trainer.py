@@ -21,7 +21,7 @@ from rich.console import Console
 
 from tandem.algos.aggregation import LossNormalizer
 from tandem.config.paths import check_workers_share_output_dir, with_absolute_paths
-from tandem.controller import WorkerGroup, create_worker_group
+from tandem.controller import WorkerGroup, check_placement, create_worker_group
 from tandem.engine.divergence import SkippedUpdates, check_health
 from tandem.models.loading import check_vocab_fits, load_tokenizer
 from tandem.protocol import Batch
@@ -111,6 +111,7 @@ class SFTTrainer:
     def started(self) -> Iterator[WorkerGroup]:
         """The engine's worker group, its models loaded, for the duration; shut down after."""
         trainer = self.config.trainer
+        check_placement([trainer.resource_pool()], trainer.backend, "trainer.n_gpus_per_node or trainer.n_workers")
         with create_worker_group(
             EngineWorker, trainer.resource_pool(), trainer.backend, args=self.worker_args()
         ) as group:

@@ -1,8 +1,9 @@
 """Run by test_multinode.py in a fresh interpreter: a Ray cluster of two nodes on this machine
 (``ray.cluster_utils.Cluster``: a head with no CPUs and two nodes of one CPU, each with its own
-raylet), then a worker group and a GRPO step placed with ``trainer.nnodes=2``, and a fully
-asynchronous run whose trainer and rollout replica sit on different nodes, syncing weights by
-broadcast. Prints one JSON line: where each rank ran, both runs' metrics and the nodes' address.
+raylet), then a worker group, a pool that no node can hold (refused at once), a GRPO step
+placed with ``trainer.nnodes=2``, and a fully asynchronous run whose trainer and rollout replica
+sit on different nodes, syncing weights by broadcast. Prints one JSON line: where each rank ran,
+the refusal, both runs' metrics and the nodes' address.
 
 Usage: python -m tests.controller.multinode_run FILES_JSON OUTPUT_DIR
 """
@@ -53,6 +54,11 @@ def main(files: dict, output_dir: str) -> None:
     try:
         with create_worker_group(PlacementReporter, ResourcePool((1, 1)), "ray") as group:
             places = group.where()
+        try:  # two processes on one node: neither node has the two CPUs, so Ray could never place it
+            create_worker_group(PlacementReporter, ResourcePool((2,)), "ray").shutdown()
+            refusal = None
+        except ValueError as error:
+            refusal = str(error)
         config = small_config(
             files,
             output_dir,
@@ -74,7 +80,13 @@ def main(files: dict, output_dir: str) -> None:
         )
         async_history = RLTrainer(pipeline).fit().history
         node_ip = ray.util.get_node_ip_address()
-        result = {"places": places, "history": history, "async": async_history, "node_ip": node_ip}
+        result = {
+            "places": places,
+            "refusal": refusal,
+            "history": history,
+            "async": async_history,
+            "node_ip": node_ip,
+        }
         print(json.dumps({**result, "interface": interface_of(node_ip)}), flush=True)
     finally:
         ray.shutdown()

@@ -42,6 +42,9 @@ def test_two_nodes_place_one_rank_each_and_train_like_one_worker(rl_files, tmp_p
         assert result["interface"] is not None
         assert all(p["gloo_interface"] == result["interface"] for p in places)
 
+    assert "pool 'default' puts 2 processes on one node, 2 CPUs and 0 GPUs" in result["refusal"]
+    assert result["refusal"].count("1 CPUs, 0 GPUs") == 2  # the two one-CPU nodes; the head has none
+
     (two,) = result["history"]
     (one,) = (
         RLTrainer(small_config(rl_files, tmp_path / "one", "trainer.total_steps=1", "data.val_path="))

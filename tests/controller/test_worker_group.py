@@ -2,6 +2,7 @@
 
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -53,6 +54,15 @@ def test_ray_workers_of_a_pool_without_gpus_see_none(echo_group, backend_world):
     if backend_world[0] != "ray":
         pytest.skip("the local backends show every worker what the launcher shows")
     assert echo_group.visible_gpus() == [""] * backend_world[1]
+
+
+def test_the_rendezvous_port_is_held_from_the_moment_it_is_named(echo_group, backend_world):
+    """A port found free and bound later can be taken in between; the store naming it holds it."""
+    if backend_world[1] == 1:
+        pytest.skip("a world of one meets no one")
+    (port,) = set(echo_group.rendezvous_port())
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock, pytest.raises(OSError):
+        sock.bind(("127.0.0.1", port))  # every rank runs on this machine, the store's host too
 
 
 @pytest.mark.parametrize("size", [1, 4, 5, 7])

@@ -28,6 +28,10 @@ class EchoWorker(Worker):
         return os.environ.get("CUDA_VISIBLE_DEVICES")
 
     @register(dispatch="ONE_TO_ALL")
+    def rendezvous_port(self) -> int:
+        return self.dist_info.master_port
+
+    @register(dispatch="ONE_TO_ALL")
     def set_delay(self, seconds: float) -> None:
         self.delay_s = seconds
 

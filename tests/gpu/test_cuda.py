@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tandem.controller.worker import free_port
 from tandem.engine import EngineConfig, TorchTrainEngine
 from tandem.models import TinyModelConfig, load_model, save_tiny_model
 from tandem.pipeline.runner import replica_first_gpu
@@ -55,13 +54,7 @@ def _one_step(model_dir: str, **overrides) -> tuple[float, float, dict[str, torc
 @pytest.fixture
 def nccl_world_of_one():
     """A process group of this one GPU, for FSDP2 (which shards over a process group)."""
-    dist.init_process_group(
-        "nccl",
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        rank=0,
-        world_size=1,
-        timeout=timedelta(seconds=60),
-    )
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
     yield
     dist.destroy_process_group()
 

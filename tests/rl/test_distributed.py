@@ -5,7 +5,10 @@ worker does; the DDP update of the two halves then equals the single update up t
 summation order.
 """
 
+import time
+
 import pytest
+import torch
 
 from tandem.rl import RLTrainer
 from tests.rl.conftest import small_config
@@ -40,3 +43,32 @@ def test_two_workers_match_one(rl_files, tmp_path, single_worker_run, backend, s
         assert two[name] == one[name], name
     for name in CLOSE:
         assert two[name] == pytest.approx(one[name], rel=1e-4, abs=1e-6), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for GPUs that the CPU tier lacks")
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_a_run_asking_for_gpus_that_are_not_there_is_refused_before_workers_start(
+    rl_files, tmp_path, backend, request
+):
+    """With Ray it used to sit out the placement timeout; on one machine, ranks would share a GPU."""
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
+    config = small_config(
+        rl_files,
+        tmp_path,
+        f"trainer.backend={backend}",
+        "trainer.n_gpus_per_node=2",
+        "pipeline.mode=one_step_off",
+    )
+    start = time.monotonic()
+    with pytest.raises(ValueError) as error:
+        RLTrainer(config).fit()
+    message = str(error.value)
+    if backend == "ray":
+        assert "needs 3 GPUs (actor_rollout_ref 2, rollout 1) and the Ray cluster has 0" in message
+    else:
+        assert "pool 'actor_rollout_ref' wants 2 GPU workers on this machine and it sees 0 GPU(s)" in message
+    assert (
+        "trainer.n_gpus_per_node (or trainer.n_workers)" in message and "pipeline.rollout_replicas" in message
+    )
+    assert time.monotonic() - start < 20.0
