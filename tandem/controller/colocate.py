@@ -30,6 +30,17 @@ class FusedWorker(Worker):
         for name, role in roles.items():
             setattr(self, name, construct_worker(role.cls, self.dist_info, role.args, role.kwargs))
 
+    def _tandem_claim_master(self) -> tuple[str, int]:
+        """Rank 0 hosts the rendezvous store (see :meth:`Worker._tandem_claim_master`); its roles,
+        built before, take the address and the store, since they are the ones that join the group."""
+        address = super()._tandem_claim_master()
+        for name in self.role_names:
+            role = getattr(self, name)
+            role.__dict__["_tandem_dist_info"] = self.dist_info
+            if "_tandem_store" in self.__dict__:
+                role.__dict__["_tandem_store"] = self.__dict__["_tandem_store"]
+        return address
+
     def _tandem_mesh_rank(self, mesh: str) -> MeshRank:
         for name in self.role_names:
             ranks = getattr(self, name).__dict__.get("_tandem_mesh_ranks", {})

@@ -200,8 +200,9 @@ class ProcessBackend(_LocalBackendBase):
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         self.world_size = world_size
         context = multiprocessing.get_context("spawn")
-        self._store = host_rendezvous_store()  # the ranks meet here, for the group's lifetime
-        port = self._store.port
+        # the ranks meet here, for the group's lifetime (a world of one meets no one)
+        self._store = host_rendezvous_store() if world_size > 1 else None
+        port = self._store.port if self._store is not None else 0
         self._processes, self._conns = [], []
         for rank in range(world_size):
             info = DistInfo(rank, world_size, rank, world_size, "127.0.0.1", port)

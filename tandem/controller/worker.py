@@ -62,7 +62,7 @@ def host_rendezvous_store() -> dist.TCPStore:
     """A rendezvous store served from this process on a port the system picks while binding it
     (``.port``); workers join it as clients. Picking a free port first and binding it later
     leaves a window in which another process can take the port."""
-    return dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+    return dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
 
 
 class Worker:
@@ -155,10 +155,11 @@ class Worker:
     def _tandem_claim_master(self) -> tuple[str, int]:
         """Rank 0 hosts the group's rendezvous store on its own host and names the address. The
         store binds a port the system picks, so no other process can take it in between."""
-        host = rendezvous_host() if self.world_size > 1 else "127.0.0.1"
+        if self.world_size == 1:  # a world of one meets no one (see _rendezvous_store)
+            return self.dist_info.master_addr, self.dist_info.master_port
         store = host_rendezvous_store()
         self.__dict__["_tandem_store"] = store
-        info = replace(self.dist_info, master_addr=host, master_port=store.port)
+        info = replace(self.dist_info, master_addr=rendezvous_host(), master_port=store.port)
         self.__dict__["_tandem_dist_info"] = info
         os.environ.update(info.as_env())
         return info.master_addr, info.master_port

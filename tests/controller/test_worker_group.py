@@ -226,6 +226,7 @@ def test_colocated_roles_share_one_process(backend_world):
         assert group.rollout.rank_seen() == list(range(world))
         assert group.actor.step() == [1.5] * world
         torch.testing.assert_close(group.rollout.generate(numbered(3))["y"], numbered(3)["x"])
+        assert group.rollout.all_reduce(2.5) == [sum(r + 1 for r in range(world)) * 2.5] * world
     finally:
         group.shutdown()
 

@@ -13,6 +13,14 @@ from tandem.controller import Worker, mesh_dispatch, register
 from tandem.protocol import Batch
 
 
+def all_reduced(worker: Worker, value: float) -> float:
+    """The sum over the group's ranks of ``value * (rank + 1)``, joining the gloo group first."""
+    worker.init_process_group("gloo")
+    tensor = torch.tensor([value * (worker.rank + 1)])
+    dist.all_reduce(tensor)
+    return float(tensor.item())
+
+
 class EchoWorker(Worker):
     def __init__(self, scale: float = 1.0) -> None:
         self.scale = scale
@@ -81,10 +89,7 @@ class EchoWorker(Worker):
 
     @register(dispatch="ONE_TO_ALL")
     def all_reduce(self, value: float) -> float:
-        self.init_process_group("gloo")
-        tensor = torch.tensor([value * (self.rank + 1)])
-        dist.all_reduce(tensor)
-        return float(tensor.item())
+        return all_reduced(self, value)
 
     @register(dispatch="ONE_TO_ALL")
     def fail(self, message: str) -> None:
@@ -147,6 +152,11 @@ class RolloutRole(Worker):
     @register(dispatch="ONE_TO_ALL")
     def rank_seen(self) -> int:
         return self.rank
+
+    @register(dispatch="ONE_TO_ALL")
+    def all_reduce(self, value: float) -> float:
+        """A role, not the process's fused worker, joins the group (as the RL workers do)."""
+        return all_reduced(self, value)
 
     @register(dispatch="DP_COMPUTE")
     def generate(self, batch: Batch) -> Batch:
