@@ -112,15 +112,17 @@ def test_a_diverging_critic_stops_the_run_naming_the_step(rl_files, tmp_path):
     assert not (tmp_path / "checkpoints" / "global_step_1").exists()
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_a_colocated_critic_trains_as_a_separate_one(rl_files, tmp_path, workers):
+@pytest.mark.parametrize("backend, workers", [("local", 1), ("local", 2), ("ray", 2)])
+def test_a_colocated_critic_trains_as_a_separate_one(rl_files, tmp_path, backend, workers, request):
     """The critic inside the actor's processes (or, alone, the controller's) computes what its
-    own processes do."""
+    own processes do. On Ray, rank 0's roles join the group through the store its process hosts."""
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
     runs = [
         RLTrainer(
             small_config(
                 rl_files, tmp_path / placement, *PPO, f"trainer.n_workers={workers}", f"critic.placement={placement}",
-                "data.val_path=",
+                "data.val_path=", f"trainer.backend={backend}",
             )
         ).fit().history
         for placement in ("separate", "colocated")
