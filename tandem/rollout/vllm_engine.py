@@ -11,7 +11,9 @@ tandem's tokenizer decides EOS and stop strings exactly as in the native engine.
 - weight updates: full tensors, taken one at a time from the trainer (an FSDP2 engine gathers
   each as it is taken), travel in buckets of at most ``weight_bucket_mb`` to vLLM's workers
   (``collective_rpc`` into :class:`~tandem.rollout.vllm_worker.TandemWorkerExtension`), which
-  stage them and then load them all in place with vLLM's own ``reload_weights``; the prefix
+  stage them and then load them all in place with vLLM's own ``reload_weights``. They travel
+  in vLLM's parameter dtype when all its parameters share one (fp32 master weights become
+  bf16 for a bf16 engine, as the load would round them); the prefix
   cache is reset afterwards (and is off by default). This copies through vLLM's RPC channel,
   so no message exceeds a bucket, but the workers hold one staged copy of the weights until
   the load; vLLM's NCCL weight transfer is the path for multi-GB GPU policies.
@@ -89,16 +91,25 @@ class VLLMEngineConfig:
         check_choice(owner, "logprobs_mode", self.logprobs_mode, list(VLLM_LOGPROBS_MODES))
 
 
-def weight_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], limit_bytes: int) -> Iterator[bytes]:
+def weight_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], limit_bytes: int, dtype: torch.dtype | None = None
+) -> Iterator[bytes]:
     """``torch.save``-d ``{name: tensor}`` dicts of at most ``limit_bytes`` of tensor data each
     (a larger tensor travels alone), taking one tensor at a time from ``named_tensors``
     (grouped as the checkpoint engine groups its buckets).
 
     Each tensor is copied to host memory as it is taken: grouping takes one tensor past the
     bucket it yields, and a weight receiver's tensors are views that the next one overwrites.
-    Bytes, because vLLM's RPC serialiser passes them through intact.
+    ``dtype``: floating tensors are cast to it on the way (the dtype every parameter of the
+    receiving model has: its load would round them the same way). Bytes, because vLLM's RPC
+    serialiser passes them through intact.
     """
-    owned = ((name, tensor.detach().to("cpu", copy=True).contiguous()) for name, tensor in named_tensors)
+
+    def owned_copy(tensor: torch.Tensor) -> torch.Tensor:
+        cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        return tensor.detach().to("cpu", dtype=cast, copy=True).contiguous()
+
+    owned = ((name, owned_copy(tensor)) for name, tensor in named_tensors)
     for group in group_tensors(owned, limit_bytes):
         yield _serialise(dict(group))
 
@@ -137,6 +148,14 @@ class VLLMRolloutEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-vllm", daemon=True)
         self._thread.start()
         self._llm = self._call(self._start(model_path))
+        self.weights_dtype = self._uniform_parameter_dtype()
+
+    def _uniform_parameter_dtype(self) -> torch.dtype | None:
+        """The dtype of every parameter of vLLM's model, or None when they differ (a layer kept
+        in fp32, a quantised one). Weight updates travel in it: half the bytes for a bf16 engine
+        fed by an fp32 trainer, and half the host memory vLLM's workers stage them in."""
+        names = set().union(*self._call(self._llm.collective_rpc("tandem_parameter_dtypes")))
+        return getattr(torch, names.pop()) if len(names) == 1 else None
 
     async def _start(self, model_path: str):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -296,7 +315,9 @@ class VLLMRolloutEngine:
         if self._asleep:  # the weights' memory only: the KV cache comes back at wake()
             self._call(self._llm.wake_up(tags=["weights"]))
         try:
-            for bucket in weight_buckets(named_tensors, self.config.weight_bucket_mb * 2**20):
+            for bucket in weight_buckets(
+                named_tensors, self.config.weight_bucket_mb * 2**20, self.weights_dtype
+            ):
                 self._call(self._llm.collective_rpc("tandem_stage_weights", args=(bucket,)))
             counts = self._call(self._llm.collective_rpc("tandem_load_staged_weights"))
         except Exception as error:

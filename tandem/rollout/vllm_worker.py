@@ -18,6 +18,11 @@ class TandemWorkerExtension:
     everything staged (:meth:`tandem_load_staged_weights`).
     """
 
+    def tandem_parameter_dtypes(self) -> list[str]:
+        """The dtypes of the model's parameters, e.g. ``["bfloat16"]``."""
+        model = self.model_runner.model
+        return sorted({str(param.dtype).removeprefix("torch.") for param in model.parameters()})
+
     def tandem_stage_weights(self, payload: bytes) -> int:
         """Keep a ``torch.save``-d ``{name: tensor}`` bucket (HF names) for the next load; returns how many."""
         named = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)

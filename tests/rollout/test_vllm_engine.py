@@ -164,6 +164,28 @@ def test_weight_update_mid_request_switches_versions_and_outputs(engine, model_d
     with pytest.raises(ValueError, match="increase"):
         engine.update_weights(read_hf_weights(model_dir), new_version)
     engine.update_weights(read_hf_weights(model_dir), new_version + 1)  # back to the fixture's weights
+    assert engine.weights_dtype == torch.float32  # every parameter of vLLM's fp32 model
+
+
+def test_a_bf16_engine_takes_fp32_weights_as_a_fresh_engine_loads_them(model_dir, other_dir):
+    """fp32 master weights travel as bf16 (half the bytes and the staged copy) and give what a
+    bf16 engine loading the same checkpoint does."""
+    config = VLLMEngineConfig(max_model_len=128, max_num_seqs=8, dtype="bfloat16")
+    prompts = [greedy(p, f"r{i}", max_tokens=10, ignore_eos=True) for i, p in enumerate(random_prompts(3, 6))]
+    fresh = VLLMRolloutEngine(other_dir, config)
+    try:
+        expected = [c.token_ids for c in fresh.generate_batch(prompts, timeout=120)]
+    finally:
+        fresh.close()
+    updated = VLLMRolloutEngine(model_dir, config)
+    try:
+        assert updated.weights_dtype == torch.bfloat16
+        weights = list(read_hf_weights(other_dir))
+        assert {t.dtype for _, t in weights} == {torch.float32}
+        updated.update_weights(weights, 1)
+        assert [c.token_ids for c in updated.generate_batch(prompts, timeout=120)] == expected
+    finally:
+        updated.close()
 
 
 @pytest.fixture(scope="module")

@@ -46,3 +46,20 @@ def test_buckets_own_their_tensors_when_the_source_reuses_its_buffer():
     received = {name: tensor for bucket in buckets for name, tensor in bucket.items()}
     for name, tensor in named:
         assert torch.equal(received[name], tensor), name
+
+
+def test_buckets_carry_floating_tensors_as_the_receiving_parameters_would_round_them():
+    """With ``dtype``, fp32 master weights travel as the bf16 that loading them into bf16
+    parameters makes of them (the reference: ``copy_`` into a bf16 tensor), in half the bytes;
+    integer tensors keep their dtype."""
+    gen = torch.Generator().manual_seed(2)
+    named = [(f"layer{i}.weight", torch.randn(64, 32, generator=gen)) for i in range(4)]
+    named.append(("positions", torch.arange(9)))
+    as_is = list(weight_buckets(iter(named), limit_bytes=20 * 1024))
+    cast = list(weight_buckets(iter(named), limit_bytes=20 * 1024, dtype=torch.bfloat16))
+    received = {name: tensor for bucket in map(_load, cast) for name, tensor in bucket.items()}
+    for name, tensor in named[:-1]:
+        loaded = torch.empty(tensor.shape, dtype=torch.bfloat16).copy_(tensor)
+        assert received[name].dtype == torch.bfloat16 and torch.equal(received[name], loaded), name
+    assert received["positions"].dtype == torch.int64 and torch.equal(received["positions"], named[-1][1])
+    assert sum(map(len, cast)) < 0.6 * sum(map(len, as_is))
