@@ -99,12 +99,16 @@ def physical_gpu_id(index: int) -> str:
 @contextlib.contextmanager
 def only_visible_gpu(setting: str) -> Iterator[None]:
     """Within the block, ``CUDA_VISIBLE_DEVICES`` names only the GPU of ``setting`` (``cuda:N``),
-    so a process started inside it sees that GPU as its ``cuda:0``; this process's own CUDA
-    context is already made and keeps its view. Other settings change nothing."""
+    so a process started inside it sees that GPU as its ``cuda:0``. This process keeps its own
+    view: its CUDA runtime starts first, if nothing started it yet, since one starting inside
+    the block (on a library's first CUDA call) would see only that GPU for good. Other settings
+    change nothing."""
     base, _, index = setting.partition(":")
     if base != "cuda" or not index:
         yield
         return
+    if torch.cuda.is_available():
+        torch.cuda.init()  # idempotent
     with _VISIBILITY:  # one narrowed view at a time, restored before another thread narrows it
         before = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = physical_gpu_id(int(index))

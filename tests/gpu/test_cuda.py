@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import math
+import subprocess
+import sys
 from datetime import timedelta
 
 import pytest
@@ -25,6 +27,7 @@ from tandem.pipeline.runner import replica_first_gpu
 from tandem.rl import RLTrainer
 from tandem.rollout import NativeEngineConfig, NativeRolloutEngine, RolloutRequest, SamplingParams
 from tandem.sft.loss import sft_loss
+from tests.conftest import ROOT
 from tests.engine.conftest import random_batch
 from tests.rl.conftest import small_config
 from tests.rollout.test_native_engine import random_prompts, trainer_log_probs
@@ -210,3 +213,21 @@ def test_inputs_sent_without_waiting_arrive_intact_behind_queued_work():
     host.zero_()  # pageable source: staged at once, so this cannot reach the copy
     assert torch.equal(sent.cpu(), torch.arange(1_000_000, dtype=torch.float32))
     assert host_buffer(64, "cuda").is_pinned()
+
+
+def test_only_visible_gpu_leaves_this_process_every_gpu_it_saw():
+    """In a fresh process whose CUDA runtime has not started, a CUDA call inside the narrowed
+    block must not start it with the narrowed view (the trainer's cuda:N would vanish)."""
+    code = (
+        "import torch\n"
+        "from tandem.device import only_visible_gpu\n"
+        "count = torch.cuda.device_count()\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "with only_visible_gpu(f'cuda:{count - 1}'):\n"
+        "    started_before = torch.cuda.is_initialized()\n"
+        "    torch.zeros(1, device='cuda')\n"
+        "print(started_before, count, torch.cuda.device_count(), torch.cuda.get_device_name(count - 1) != '')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    count = torch.cuda.device_count()
+    assert done.stdout.split() == ["True", str(count), str(count), "True"]
