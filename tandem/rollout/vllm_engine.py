@@ -100,13 +100,15 @@ def weight_buckets(
 
     Each tensor is copied to host memory as it is taken: grouping takes one tensor past the
     bucket it yields, and a weight receiver's tensors are views that the next one overwrites.
-    ``dtype``: floating tensors are cast to it on the way (the dtype every parameter of the
-    receiving model has: its load would round them the same way). Bytes, because vLLM's RPC
-    serialiser passes them through intact.
+    ``dtype``: wider floating tensors are narrowed to it on the way (the dtype every parameter
+    of the receiving model has: its load would round them the same way); narrower ones travel
+    as they are, since widening them would only add bytes. Bytes, because vLLM's RPC serialiser
+    passes them through intact.
     """
 
     def owned_copy(tensor: torch.Tensor) -> torch.Tensor:
-        cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        narrows = dtype is not None and tensor.is_floating_point() and dtype.itemsize < tensor.element_size()
+        cast = dtype if narrows else tensor.dtype
         return tensor.detach().to("cpu", dtype=cast, copy=True).contiguous()
 
     owned = ((name, owned_copy(tensor)) for name, tensor in named_tensors)
@@ -148,7 +150,11 @@ class VLLMRolloutEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-vllm", daemon=True)
         self._thread.start()
         self._llm = self._call(self._start(model_path))
-        self.weights_dtype = self._uniform_parameter_dtype()
+        try:
+            self.weights_dtype = self._uniform_parameter_dtype()
+        except BaseException:
+            self.close()
+            raise
 
     def _uniform_parameter_dtype(self) -> torch.dtype | None:
         """The dtype of every parameter of vLLM's model, or None when they differ (a layer kept

@@ -19,8 +19,9 @@ class TandemWorkerExtension:
     """
 
     def tandem_parameter_dtypes(self) -> list[str]:
-        """The dtypes of the model's parameters, e.g. ``["bfloat16"]``."""
-        model = self.model_runner.model
+        """The dtypes of the model's parameters as they are now, e.g. ``["bfloat16"]`` (on CPUs
+        with AMX, vLLM's GEMMs keep some biases in fp32: then ``["bfloat16", "float32"]``)."""
+        model = self.model_runner.get_model()
         return sorted({str(param.dtype).removeprefix("torch.") for param in model.parameters()})
 
     def tandem_stage_weights(self, payload: bytes) -> int:

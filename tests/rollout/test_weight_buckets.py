@@ -51,7 +51,7 @@ def test_buckets_own_their_tensors_when_the_source_reuses_its_buffer():
 def test_buckets_carry_floating_tensors_as_the_receiving_parameters_would_round_them():
     """With ``dtype``, fp32 master weights travel as the bf16 that loading them into bf16
     parameters makes of them (the reference: ``copy_`` into a bf16 tensor), in half the bytes;
-    integer tensors keep their dtype."""
+    integer tensors keep their dtype, and narrower ones are not widened."""
     gen = torch.Generator().manual_seed(2)
     named = [(f"layer{i}.weight", torch.randn(64, 32, generator=gen)) for i in range(4)]
     named.append(("positions", torch.arange(9)))
@@ -63,3 +63,6 @@ def test_buckets_carry_floating_tensors_as_the_receiving_parameters_would_round_
         assert received[name].dtype == torch.bfloat16 and torch.equal(received[name], loaded), name
     assert received["positions"].dtype == torch.int64 and torch.equal(received["positions"], named[-1][1])
     assert sum(map(len, cast)) < 0.6 * sum(map(len, as_is))
+    halves = [(name, t.to(torch.bfloat16)) for name, t in named[:-1]]
+    widened = [_load(b) for b in weight_buckets(iter(halves), limit_bytes=20 * 1024, dtype=torch.float32)]
+    assert {t.dtype for bucket in widened for t in bucket.values()} == {torch.bfloat16}  # never widened
