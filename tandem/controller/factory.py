@@ -93,10 +93,11 @@ def check_placement(
     """
     check_choice("worker_group", "backend", backend, BACKENDS)
     if backend == "ray":
-        from tandem.controller.ray_group import check_pools_fit_ray
+        from tandem.controller.ray_capacity import check_ray_cluster_holds
+        from tandem.controller.ray_group import connect_ray
 
         try:
-            check_pools_fit_ray(pools, ray_init_kwargs)
+            check_ray_cluster_holds(pools, connect_ray(ray_init_kwargs))
         except ValueError as error:
             raise ValueError(f"{error}; the pools follow {keys}") from None
         return

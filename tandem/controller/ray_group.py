@@ -34,11 +34,6 @@ def connect_ray(ray_init_kwargs: dict | None = None) -> Any:
     return ray
 
 
-def check_pools_fit_ray(pools: list[ResourcePool], ray_init_kwargs: dict | None = None) -> None:
-    """Refuse at once (``ValueError``) pools that the Ray cluster could never hold together."""
-    check_ray_cluster_holds(pools, connect_ray(ray_init_kwargs))
-
-
 def _apply(fn: Callable[[list], Any], *values: Any) -> Any:
     return fn(list(values))
 

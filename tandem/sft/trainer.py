@@ -111,10 +111,9 @@ class SFTTrainer:
     def started(self) -> Iterator[WorkerGroup]:
         """The engine's worker group, its models loaded, for the duration; shut down after."""
         trainer = self.config.trainer
-        check_placement([trainer.resource_pool()], trainer.backend, "trainer.n_gpus_per_node or trainer.n_workers")
-        with create_worker_group(
-            EngineWorker, trainer.resource_pool(), trainer.backend, args=self.worker_args()
-        ) as group:
+        pool = trainer.resource_pool()
+        check_placement([pool], trainer.backend, "trainer.n_gpus_per_node or trainer.n_workers")
+        with create_worker_group(EngineWorker, pool, trainer.backend, args=self.worker_args()) as group:
             check_workers_share_output_dir(group, self.output_dir)
             check_vocab_fits(group.init_engine()[0], self.tokenizer)
             self.workers = group
