@@ -122,6 +122,15 @@ def child(side: str, root: Path, steps: int, warmup: int) -> None:
     )
 
 
+def prepare(root: Path) -> int:
+    """Write the benchmark's model (``root/model``) and prompts (``root/prompts.parquet``), which
+    every child run reads; returns the model's parameter count."""
+    model = save_tiny_model(root / "model", BENCH_MODEL)
+    rows = arithmetic_rows(2_000, ArithmeticTaskConfig(max_digits=3), seed=0)
+    write_parquet(rows, root / "prompts.parquet")
+    return sum(p.numel() for p in __import__("tandem").models.load_model(model).parameters())
+
+
 def main() -> None:
     parser = side_parser(__doc__)
     args = parser.parse_args()
@@ -130,10 +139,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = save_tiny_model(root / "model", BENCH_MODEL)
-        rows = arithmetic_rows(2_000, ArithmeticTaskConfig(max_digits=3), seed=0)
-        write_parquet(rows, root / "prompts.parquet")
-        params = sum(p.numel() for p in __import__("tandem").models.load_model(model).parameters())
+        params = prepare(root)
         print(describe_machine())
         print(
             f"model: {params / 1e6:.2f}M parameters, fp32; {PROMPTS} prompts x {RESPONSES} responses, <= {NEW_TOKENS} new tokens"

@@ -97,6 +97,12 @@ def run_side(script: str, side: str, root: Path, steps: int, warmup: int) -> dic
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def round_line(round_: int, label: str, measured: dict[str, list[float]]) -> str:
+    """One round's medians: the step, then each phase the run reported."""
+    phases = "".join(f", {k} {statistics.median(v):.3f}" for k, v in measured.items() if k != "step")
+    return f"round {round_ + 1} {label}: median {statistics.median(measured['step']):.3f} s/step{phases}"
+
+
 def compare(script: str, root: Path, rounds: int, steps: int, warmup: int, baseline: str, what: str) -> None:
     """Alternate tandem and ``baseline`` (its label, e.g. ``TRL DPOTrainer``) over ``rounds`` and
     print the medians and the ratio of seconds per ``what`` (e.g. ``DPO step``)."""
@@ -111,11 +117,7 @@ def compare(script: str, root: Path, rounds: int, steps: int, warmup: int, basel
                 installed = False
                 continue
             times[side] += measured["step"]
-            phases = "".join(f", {k} {statistics.median(v):.3f}" for k, v in measured.items() if k != "step")
-            label = "tandem" if side == "tandem" else baseline
-            print(
-                f"round {round_ + 1} {label}: median {statistics.median(measured['step']):.3f} s/step{phases}"
-            )
+            print(round_line(round_, "tandem" if side == "tandem" else baseline, measured))
     ours = statistics.median(times["tandem"])
     print(
         f"tandem: median {ours:.3f} s/step over {len(times['tandem'])} steps ({[round(t, 3) for t in times['tandem']]})"
