@@ -14,6 +14,8 @@ from typing import Any
 from tandem.controller.resource_pool import ResourcePool
 
 RESOURCES = ("CPU", "GPU")
+# Assignments the exact packing search tries before it gives up and leaves the answer to Ray.
+PACKING_SEARCH_LIMIT = 100_000
 
 
 def pool_demand(pool: ResourcePool) -> dict[str, float]:
@@ -25,10 +27,12 @@ def pool_demand(pool: ResourcePool) -> dict[str, float]:
 def check_cluster_holds(pools: Sequence[ResourcePool], nodes: Sequence[Mapping[str, float]]) -> None:
     """Raise ``ValueError`` when no placement on ``nodes`` could hold ``pools`` at once.
 
-    Two things are checked: the pools' CPUs and GPUs in all against the cluster's, and every
-    node-share of a pool (its ``processes_per_node[i]`` processes, which go on one node)
-    against the largest node. Placements that pass both yet cannot be packed together are
-    left to Ray and its placement timeout.
+    Each node-share of a pool (its ``processes_per_node[i]`` processes, one Ray placement
+    group packed on one node) must go whole onto some node, and all shares at once. Checked in
+    order, each with its own message: the pools' CPUs and GPUs in all against the cluster's;
+    every share against the largest node; then an exact search for an assignment of all shares
+    to nodes (:func:`shares_pack`), which finds, for instance, that three 5-GPU pools do not fit
+    on two 8-GPU nodes although 15 <= 16.
 
     Args:
         pools: the pools that will be placed together.
@@ -56,6 +60,64 @@ def check_cluster_holds(pools: Sequence[ResourcePool], nodes: Sequence[Mapping[s
                     f"{share['GPU']:g} GPUs in all, and no alive node of the Ray cluster has that much: "
                     f"{_describe(nodes)}"
                 )
+    shares = [
+        (pool.name, count, {"CPU": pool.cpus_per_process * count, "GPU": pool.gpus_per_process * count})
+        for pool in pools
+        for count in pool.processes_per_node
+    ]
+    if not shares_pack([share for _, _, share in shares], nodes):
+        listed = ", ".join(
+            f"{name} {count} process(es) ({share['CPU']:g} CPUs, {share['GPU']:g} GPUs)"
+            for name, count, share in shares
+        )
+        raise ValueError(
+            "the pools fit the Ray cluster in total but cannot be placed together: each node-share "
+            f"of a pool goes whole onto one node, and no assignment of the shares [{listed}] to the "
+            f"alive nodes holds them all: {_describe(nodes)}"
+        )
+
+
+def shares_pack(shares: Sequence[Mapping[str, float]], nodes: Sequence[Mapping[str, float]]) -> bool:
+    """Whether every share can go whole onto a node with all of them placed at once.
+
+    A depth-first search over assignments, largest share first, that tries one node of each
+    distinct room left (nodes with equal room are interchangeable). Exact, unless it passes
+    :data:`PACKING_SEARCH_LIMIT` assignments: then it answers True and leaves the verdict to Ray.
+
+    Args:
+        shares: what each share reserves, e.g. ``{"CPU": 4.0, "GPU": 4.0}``.
+        nodes: each node's total resources.
+    """
+    order = sorted(
+        shares, key=lambda share: tuple(share.get(kind, 0.0) for kind in ("GPU", "CPU")), reverse=True
+    )
+    wanted = [tuple(share.get(kind, 0.0) for kind in RESOURCES) for share in order]
+    room = [[node.get(kind, 0.0) for kind in RESOURCES] for node in nodes]
+    tries = 0
+
+    def place(index: int) -> bool:
+        nonlocal tries
+        if index == len(wanted):
+            return True
+        seen: set[tuple[float, ...]] = set()
+        for left in room:
+            key = tuple(round(value, 6) for value in left)
+            if key in seen or any(have + 1e-9 < want for have, want in zip(left, wanted[index], strict=True)):
+                continue
+            seen.add(key)
+            tries += 1
+            if tries > PACKING_SEARCH_LIMIT:
+                return True
+            for k, want in enumerate(wanted[index]):
+                left[k] -= want
+            placed = place(index + 1)
+            for k, want in enumerate(wanted[index]):
+                left[k] += want
+            if placed:
+                return True
+        return False
+
+    return place(0)
 
 
 def alive_node_resources(ray: Any) -> list[dict[str, float]]:

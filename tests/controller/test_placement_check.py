@@ -1,12 +1,14 @@
 """Placements that could never be held are refused at once, naming the pools and the keys, on a
 real Ray cluster and on this machine; placements that fit are not refused."""
 
+import itertools
+import random
 import time
 
 import pytest
 import torch
 
-from tandem.controller import ResourcePool, check_placement, create_worker_group
+from tandem.controller import ResourcePool, check_placement, create_worker_group, ray_capacity
 from tandem.controller.ray_capacity import alive_node_resources, check_cluster_holds
 from tests.controller.workers import EchoWorker
 
@@ -17,24 +19,25 @@ def pool(per_node, gpus=1.0, cpus=1.0, name="actor"):
     return ResourcePool(tuple(per_node), cpus_per_process=cpus, gpus_per_process=gpus, name=name)
 
 
-def first_fit(pools, nodes):
-    """The reference: place every node-share of every pool, largest first, on the node with the
-    most room left; True when all of them went somewhere. For the small cases below, a share
-    that this greedy cannot place cannot be placed at all."""
-    room = [dict(node) for node in nodes]
-    shares = [
+def node_shares(pools):
+    return [
         {"CPU": p.cpus_per_process * n, "GPU": p.gpus_per_process * n}
         for p in pools
         for n in p.processes_per_node
     ]
-    for share in sorted(shares, key=lambda s: (s["GPU"], s["CPU"]), reverse=True):
-        fits = [r for r in room if all(r.get(k, 0.0) + 1e-9 >= v for k, v in share.items())]
-        if not fits:
-            return False
-        target = max(fits, key=lambda r: (r.get("GPU", 0.0), r.get("CPU", 0.0)))
-        for k, v in share.items():
-            target[k] = target.get(k, 0.0) - v
-    return True
+
+
+def assignments_exist(pools, nodes):
+    """The reference: try every assignment of every pool's node-shares to nodes."""
+    shares = node_shares(pools)
+    for targets in itertools.product(range(len(nodes)), repeat=len(shares)):
+        room = [dict(node) for node in nodes]
+        for share, target in zip(shares, targets, strict=True):
+            for kind, value in share.items():
+                room[target][kind] = room[target].get(kind, 0.0) - value
+        if all(value >= -1e-9 for node in room for value in node.values()):
+            return True
+    return False
 
 
 CASES = [
@@ -52,7 +55,7 @@ CASES = [
 
 @pytest.mark.parametrize("pools,nodes", CASES)
 def test_placements_that_fit_are_not_refused(pools, nodes):
-    assert first_fit(pools, nodes)
+    assert assignments_exist(pools, nodes)
     check_cluster_holds(pools, nodes)
 
 
@@ -67,15 +70,62 @@ REFUSED = [
         "pool 'actor' puts 2 processes on one node, 2 CPUs",
     ),
     ([pool([1])], [], "on 0 alive node(s): no nodes"),
+    (
+        [pool([5, 5]), pool([4], name="critic")],
+        [EIGHT_GPUS, EIGHT_GPUS],
+        "cannot be placed together: each node-share of a pool goes whole onto one node",
+    ),
+    (
+        [pool([5, 5]), pool([5], name="rollout")],
+        [EIGHT_GPUS, EIGHT_GPUS],
+        "[actor 5 process(es) (5 CPUs, 5 GPUs), actor 5 process(es) (5 CPUs, 5 GPUs), rollout 5",
+    ),
 ]
 
 
 @pytest.mark.parametrize("pools,nodes,message", REFUSED)
 def test_placements_that_cannot_fit_are_refused_naming_the_pools(pools, nodes, message):
-    assert not first_fit(pools, nodes)
+    assert not assignments_exist(pools, nodes)
     with pytest.raises(ValueError) as error:
         check_cluster_holds(pools, nodes)
     assert message in str(error.value)
+
+
+def test_the_packing_search_agrees_with_trying_every_assignment():
+    generator = random.Random(0)
+    verdicts = set()
+    for _ in range(400):
+        nodes = [
+            {"CPU": float(generator.choice([4, 8, 16])), "GPU": float(generator.randint(0, 8))}
+            for _ in range(generator.randint(1, 3))
+        ]
+        pools = [
+            pool(
+                [generator.randint(1, 4) for _ in range(generator.randint(1, 2))],
+                gpus=generator.choice([0.0, 0.5, 1.0, 2.0]),
+                cpus=generator.choice([0.5, 1.0, 2.0]),
+                name=f"pool{i}",
+            )
+            for i in range(generator.randint(1, 3))
+        ]
+        expected = assignments_exist(pools, nodes)
+        verdicts.add(expected)
+        assert ray_capacity.shares_pack(node_shares(pools), nodes) == expected, (pools, nodes)
+        try:
+            check_cluster_holds(pools, nodes)
+            held = True
+        except ValueError:
+            held = False
+        assert held == expected, (pools, nodes)
+    assert verdicts == {True, False}  # the draws cover both answers
+
+
+def test_a_search_past_its_limit_leaves_the_verdict_to_ray(monkeypatch):
+    shares = [{"CPU": 1.0, "GPU": 3.0}] * 6  # 18 GPUs of 3-GPU shares on six 4-GPU nodes
+    nodes = [{"CPU": 8.0, "GPU": 4.0}] * 5 + [{"CPU": 8.0, "GPU": 2.0}]
+    assert not ray_capacity.shares_pack(shares, nodes)
+    monkeypatch.setattr(ray_capacity, "PACKING_SEARCH_LIMIT", 3)
+    assert ray_capacity.shares_pack(shares, nodes)
 
 
 def test_ray_refuses_a_gpu_pool_on_a_cpu_cluster_at_once(ray_cluster):
