@@ -26,8 +26,9 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     """The character tokenizer (``len = 5 specials + 97 characters``); unknown characters are an error on encode."""
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    # Split every character into its own piece; the special tokens are matched before this runs.
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # Split every character into its own piece, newlines included (``.`` would leave a run of
+    # newlines as one piece, not in the vocabulary); the special tokens are matched before this runs.
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
     fast = PreTrainedTokenizerFast(

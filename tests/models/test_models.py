@@ -31,6 +31,14 @@ def test_save_and_load_round_trip(tmp_path, family):
         assert torch.equal(a, b), name  # same seed -> same weights, saved and loaded exactly
 
 
+@pytest.mark.parametrize("text", ["a\n\nb", "\n\n\n", "tab\t\tthen  spaces\n\t\n"])
+def test_every_character_is_one_token_in_runs_of_whitespace(text):
+    tokenizer = build_char_tokenizer()
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids == [tokenizer.convert_tokens_to_ids(character) for character in text]
+    assert tokenizer.decode(ids) == text
+
+
 def test_chat_template_and_special_tokens():
     tokenizer = build_char_tokenizer()
     text = tokenizer.apply_chat_template(
