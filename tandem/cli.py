@@ -110,10 +110,12 @@ def run_serve(args: argparse.Namespace, console: Console) -> None:
         from tandem.serve import ServerConfig, build_engine, serve
     except ImportError as error:
         raise SystemExit(
-            f'tandem serve needs the serve extra: pip install "tandem[serve]" ({error})'
+            f'tandem serve needs the serve extra: pip install "tandem-rl[serve]" ({error})'
         ) from error
     from tandem.models import load_tokenizer
+    from tandem.rollout.factory import check_engine_installed
 
+    check_engine_installed(args.engine, "--engine")
     config = ServerConfig(
         host=args.host,
         port=args.port,

@@ -9,7 +9,7 @@ from tandem.controller.colocate import FusedWorker, Role
 from tandem.controller.group import RoleView, WorkerGroup
 from tandem.controller.local import InProcessBackend, ProcessBackend
 from tandem.controller.resource_pool import ResourcePool
-from tandem.device import cuda_device_count
+from tandem.device import cuda_device_count, resolve_device
 
 BACKENDS = ("local", "process", "ray")
 
@@ -81,18 +81,32 @@ def create_role_groups(
 
 
 def check_placement(
-    pools: list[ResourcePool], backend: str, keys: str, ray_init_kwargs: dict | None = None
+    pools: list[ResourcePool],
+    backend: str,
+    keys: str,
+    device: tuple[str, str] = ("device", "auto"),
+    ray_init_kwargs: dict | None = None,
 ) -> None:
     """Refuse at once (``ValueError``) a placement the machines could never hold, rather than
-    wait for it (Ray) or fail at the first collective (two ranks on one GPU).
+    wait for it (Ray) or fail at the first collective (two ranks on one GPU) or in a worker.
 
     With Ray, the pools together against the cluster's alive nodes
-    (:func:`~tandem.controller.ray_capacity.check_cluster_holds`). On one machine, the first
-    pool's GPU workers against the GPUs this process sees; later pools may share those GPUs.
-    ``keys`` names the config keys that shaped the pools, for the message.
+    (:func:`~tandem.controller.ray_capacity.check_cluster_holds`), and a CUDA device only for
+    pools that reserve GPUs (a Ray worker sees only the GPUs it reserved). On one machine, a
+    CUDA device against the GPUs this process sees, and the first pool's GPU workers against
+    them; later pools may share those GPUs. ``keys`` names the config keys that shaped the
+    pools, ``device`` the workers' device setting as ``(key, value)``, for the messages.
     """
     check_choice("worker_group", "backend", backend, BACKENDS)
+    device_key, setting = device
+    wants_cuda = setting.startswith("cuda")
     if backend == "ray":
+        for pool in pools:
+            if wants_cuda and not pool.gpus_per_process:
+                raise ValueError(
+                    f"{device_key}={setting!r}, but pool {pool.name!r} reserves no GPUs and a Ray worker sees "
+                    f"only the GPUs it reserves; give its workers GPUs (the pools follow {keys})"
+                )
         from tandem.controller.ray_capacity import check_ray_cluster_holds
         from tandem.controller.ray_group import connect_ray
 
@@ -103,6 +117,14 @@ def check_placement(
         return
     pool = pools[0]
     gpus = cuda_device_count()
+    if wants_cuda:
+        try:
+            resolve_device(setting)
+        except RuntimeError:
+            raise ValueError(
+                f"{device_key}={setting!r} asks for a CUDA GPU and this machine sees {gpus}"
+                + (" (auto picks the CPU then)" if not gpus else "")
+            ) from None
     if pool.gpus_per_process and pool.world_size > gpus:
         raise ValueError(
             f"pool {pool.name!r} wants {pool.world_size} GPU workers on this machine and it sees {gpus} GPU(s); "

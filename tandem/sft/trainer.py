@@ -112,7 +112,12 @@ class SFTTrainer:
         """The engine's worker group, its models loaded, for the duration; shut down after."""
         trainer = self.config.trainer
         pool = trainer.resource_pool()
-        check_placement([pool], trainer.backend, "trainer.n_gpus_per_node or trainer.n_workers")
+        check_placement(
+            [pool],
+            trainer.backend,
+            "trainer.n_gpus_per_node or trainer.n_workers",
+            device=("engine.device", self.config.engine.device),
+        )
         with create_worker_group(EngineWorker, pool, trainer.backend, args=self.worker_args()) as group:
             check_workers_share_output_dir(group, self.output_dir)
             check_vocab_fits(group.init_engine()[0], self.tokenizer)

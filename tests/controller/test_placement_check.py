@@ -151,3 +151,12 @@ def test_one_machine_refuses_more_gpu_workers_than_gpus():
     ):
         check_placement([pool([2])], "process", "k")
     check_placement([pool([2], gpus=0.0)], "local", "k")  # CPU workers need no GPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counts this machine's GPUs: none on the CPU tier")
+def test_a_cuda_device_is_refused_where_no_worker_would_see_a_gpu():
+    with pytest.raises(ValueError, match="engine.device='cuda' asks for a CUDA GPU and this machine sees 0"):
+        check_placement([pool([1], gpus=0.0)], "local", "k", device=("engine.device", "cuda"))
+    with pytest.raises(ValueError, match="pool 'actor' reserves no GPUs .*\\(the pools follow k\\)"):
+        check_placement([pool([1], gpus=0.0)], "ray", "k", device=("engine.device", "cuda"))
+    check_placement([pool([1], gpus=0.0)], "local", "k", device=("engine.device", "auto"))  # auto: the CPU

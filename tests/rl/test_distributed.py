@@ -5,6 +5,8 @@ worker does; the DDP update of the two halves then equals the single update up t
 summation order.
 """
 
+import importlib.util
+import re
 import time
 
 import pytest
@@ -72,3 +74,29 @@ def test_a_run_asking_for_gpus_that_are_not_there_is_refused_before_workers_star
         "trainer.n_gpus_per_node (or trainer.n_workers)" in message and "pipeline.rollout_replicas" in message
     )
     assert time.monotonic() - start < 20.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU that the CPU tier lacks")
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["trainer.device=cuda"], "trainer.device='cuda' asks for a CUDA GPU and this machine sees 0"),
+        (["trainer.device=cuda:1"], "trainer.device='cuda:1' asks for a CUDA GPU and this machine sees 0"),
+        (
+            ["trainer.device=cuda", "trainer.backend=ray"],
+            "pool 'actor_rollout_ref' reserves no GPUs and a Ray worker sees only the GPUs it reserves",
+        ),
+    ],
+)
+def test_a_cuda_device_that_no_worker_would_see_is_refused_before_workers_start(
+    rl_files, tmp_path, overrides, message
+):
+    """It used to fail inside each worker, after the workers had started."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        RLTrainer(small_config(rl_files, tmp_path, *overrides)).fit()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_the_vllm_engine_without_vllm_installed_is_refused_naming_the_key(rl_files, tmp_path):
+    with pytest.raises(ValueError, match=re.escape("rollout.engine.name='vllm' needs the vllm package")):
+        RLTrainer(small_config(rl_files, tmp_path, "rollout.engine.name=vllm")).fit()
