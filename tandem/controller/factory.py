@@ -94,7 +94,8 @@ def check_placement(
     (:func:`~tandem.controller.ray_capacity.check_cluster_holds`), and a CUDA device only for
     pools that reserve GPUs (a Ray worker sees only the GPUs it reserved). On one machine, a
     CUDA device against the GPUs this process sees, and the first pool's GPU workers against
-    them; later pools may share those GPUs. ``keys`` names the config keys that shaped the
+    them (each GPU worker needs a GPU of its own, including ``auto`` workers on a machine with
+    GPUs); later pools may share those GPUs. ``keys`` names the config keys that shaped the
     pools, ``device`` the workers' device setting as ``(key, value)``, for the messages.
     """
     check_choice("worker_group", "backend", backend, BACKENDS)
@@ -125,10 +126,14 @@ def check_placement(
                 f"{device_key}={setting!r} asks for a CUDA GPU and this machine sees {gpus}"
                 + (" (auto picks the CPU then)" if not gpus else "")
             ) from None
-    if pool.gpus_per_process and pool.world_size > gpus:
+    # Workers compute on GPUs when the pool reserves them or the device setting lands on CUDA;
+    # NCCL refuses two ranks on one GPU.
+    on_gpus = bool(pool.gpus_per_process) or (setting != "cpu" and gpus > 0)
+    if on_gpus and pool.world_size > gpus:
         raise ValueError(
             f"pool {pool.name!r} wants {pool.world_size} GPU workers on this machine and it sees {gpus} GPU(s); "
-            f"the pool follows {keys} (CPU workers: leave the GPU count at 0)"
+            f"the pool follows {keys} (CPU workers: "
+            + ("leave the GPU count at 0)" if not gpus else f"{device_key}=cpu and the GPU count at 0)")
         )
 
 

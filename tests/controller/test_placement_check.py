@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from tandem.controller import ResourcePool, check_placement, create_worker_group, ray_capacity
+from tandem.controller import ResourcePool, check_placement, create_worker_group, factory, ray_capacity
 from tandem.controller.ray_capacity import alive_node_resources, check_cluster_holds
 from tests.controller.workers import EchoWorker
 
@@ -160,3 +160,19 @@ def test_a_cuda_device_is_refused_where_no_worker_would_see_a_gpu():
     with pytest.raises(ValueError, match="pool 'actor' reserves no GPUs .*\\(the pools follow k\\)"):
         check_placement([pool([1], gpus=0.0)], "ray", "k", device=("engine.device", "cuda"))
     check_placement([pool([1], gpus=0.0)], "local", "k", device=("engine.device", "auto"))  # auto: the CPU
+
+
+def test_workers_that_would_share_a_gpu_are_refused(monkeypatch):
+    """The decision for a machine with one GPU (the GPU tier tests it on real ones): ``auto`` and
+    ``cuda`` workers each need a GPU of their own; ``cpu`` workers need none."""
+    monkeypatch.setattr(factory, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(factory, "resolve_device", lambda setting: None)
+    for setting in ("auto", "cuda"):
+        with pytest.raises(
+            ValueError,
+            match="wants 2 GPU workers on this machine and it sees 1 GPU\\(s\\); the pool follows k "
+            "\\(CPU workers: engine.device=cpu and the GPU count at 0\\)",
+        ):
+            check_placement([pool([2], gpus=0.0)], "process", "k", device=("engine.device", setting))
+        check_placement([pool([1], gpus=0.0)], "process", "k", device=("engine.device", setting))
+    check_placement([pool([2], gpus=0.0)], "process", "k", device=("engine.device", "cpu"))

@@ -4,6 +4,7 @@
 - the native engine's log-probs on CUDA (fp32) match the trainer's on CUDA;
 - GRPO end to end on CUDA with 1 worker, and with 2 when the machine has 2 GPUs;
 - a one-step-off run whose replica syncs by NCCL broadcast binds the GPU after the trainer's;
+- more workers than GPUs on one machine with ``device=auto`` is refused before they start;
 - offloading: an FSDP2 engine's state leaves the GPU and comes back without changing the next
   step, and the colocated loop with ``actor.offload.*`` generates with less memory allocated
   and logs the numbers of a run that offloads nothing.
@@ -57,7 +58,9 @@ def _one_step(model_dir: str, **overrides) -> tuple[float, float, dict[str, torc
 @pytest.fixture
 def nccl_world_of_one():
     """A process group of this one GPU, for FSDP2 (which shards over a process group)."""
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60)
+    )
     yield
     dist.destroy_process_group()
 
@@ -231,3 +234,13 @@ def test_only_visible_gpu_leaves_this_process_every_gpu_it_saw():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     count = torch.cuda.device_count()
     assert done.stdout.split() == ["True", str(count), str(count), "True"]
+
+
+def test_more_auto_device_workers_than_gpus_are_refused_before_they_start():
+    """``auto`` lands every worker on CUDA here, and NCCL refuses two ranks on one GPU."""
+    from tandem.controller import ResourcePool, check_placement
+
+    workers = torch.cuda.device_count() + 1
+    with pytest.raises(ValueError, match=f"wants {workers} GPU workers on this machine"):
+        check_placement([ResourcePool((workers,))], "process", "k", device=("trainer.device", "auto"))
+    check_placement([ResourcePool((workers,))], "process", "k", device=("trainer.device", "cpu"))
