@@ -50,7 +50,7 @@ def test_sources_combine_by_weight_and_the_model_scores_as_hf_does(reward_model,
     prompts = [
         [{"role": "user", "content": f"{a}+{b}="}] for a, b in [(1, 2), (30, 4), (7, 7), (12, 40), (5, 0)]
     ]
-    texts = ["3", "abc", "14x", "5 2", "\n\nzz"]  # the last: the tiny tokenizer cannot encode "\n\n"
+    texts = ["3", "abc", "14x", "5 2", "zz€"]  # the last: the tiny tokenizer has no "€"
     config = RewardConfig(
         sources=("rule", "model"),
         weights=(2.0, 0.5),
