@@ -450,17 +450,25 @@ def rewards(ctx: Context) -> None:
 
 
 def placement(ctx: Context) -> tuple[int, bool]:
-    """Devices and workers: ``(workers in all, on GPU)``. verl counts GPUs; on a machine without
-    one (or with ``trainer.device=cpu``) each GPU becomes a CPU worker."""
+    """Devices and workers: ``(workers in all, on GPU)``. verl counts GPUs; on one machine without
+    one (or with ``trainer.device=cpu``) each GPU becomes a CPU worker. Several nodes keep their
+    GPUs whatever this machine has: the Ray cluster's nodes hold them, and a head node without
+    GPUs is common (the capacity check refuses a cluster that has none)."""
     per_node = int(ctx.get("trainer.n_gpus_per_node"))
     nodes = int(ctx.get("trainer.nnodes"))
     device = ctx.get("trainer.device")
     if device not in (None, "cuda", "cpu"):
         raise ValueError(f"trainer.device={device}: tandem runs on cuda or cpu")
-    on_gpu = device == "cuda" or (device is None and cuda_device_count() > 0)
+    local_gpus = cuda_device_count()
+    on_gpu = device == "cuda" or (device is None and (local_gpus > 0 or nodes > 1))
     if on_gpu:
         ctx.out["trainer.device"] = "cuda"
         ctx.out["trainer.n_gpus_per_node"] = per_node
+        if device is None and not local_gpus:
+            ctx.notes.append(
+                f"trainer.nnodes={nodes}: the GPUs are the Ray cluster's (this machine sees none); "
+                "trainer.device=cpu runs CPU workers instead"
+            )
     else:
         ctx.out["trainer.device"] = "cpu"
         ctx.out["trainer.n_workers"] = per_node

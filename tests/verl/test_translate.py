@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tandem.verl import translate
 from tests.verl.test_keys import BASE
@@ -115,6 +116,24 @@ def test_gpus_become_cpu_workers_only_on_the_cpu():
     settings = dict(item.split("=", 1) for item in cuda.overrides)
     assert settings["trainer.n_gpus_per_node"] == "1" and "trainer.n_workers" not in settings
     assert settings["actor.engine.mixed_precision"] == "bf16"  # verl's fsdp_config.dtype=bfloat16
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine's own GPUs would decide alone")
+def test_several_nodes_keep_their_gpus_when_this_machine_has_none():
+    """A Ray head node without GPUs is common: its cluster's nodes hold them."""
+
+    def without_device(*items):
+        return [item for item in args(*items) if not item.startswith("trainer.device=")]
+
+    nodes = translate(without_device("trainer.nnodes=2", "actor_rollout_ref.rollout.n=4"))
+    settings = dict(item.split("=", 1) for item in nodes.overrides)
+    assert (settings["trainer.device"], settings["trainer.n_gpus_per_node"]) == ("cuda", "1")
+    assert settings["trainer.backend"] == "ray" and "trainer.n_workers" not in settings
+    assert any("the GPUs are the Ray cluster's (this machine sees none)" in note for note in nodes.notes)
+    one = dict(item.split("=", 1) for item in translate(without_device()).overrides)  # one node: the CPU
+    assert (one["trainer.device"], one["trainer.n_workers"]) == ("cpu", "1")
+    cpu = translate(args("trainer.nnodes=2", "actor_rollout_ref.rollout.n=4", "trainer.device=cpu"))
+    assert dict(item.split("=", 1) for item in cpu.overrides)["trainer.device"] == "cpu"
 
 
 def test_hydra_prefixes_and_quoting_are_verl_s():
