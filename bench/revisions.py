@@ -3,9 +3,9 @@
 Answers "did this change make the CPU path slower?": a benchmark script's tandem side (its
 ``--side tandem --root DIR`` child run, as in ``grpo_step.py``) runs in fresh processes,
 alternating between the base revision's tree (exported with ``git archive``) and this
-checkout, each importing its own ``tandem``, for ``--rounds`` rounds. The inputs (model, prompts) are
-written once by the current script's ``prepare(root)`` and read by both sides, so the base
-revision's script must take the same child arguments and read the same files.
+checkout, each importing its own ``tandem``, for ``--rounds`` rounds. The inputs (model,
+prompts) are written once by the current script's ``prepare(root)`` and read by both sides,
+so the base revision's script must take the same child arguments and read the same files.
 
     python bench/revisions.py --base cee21ab [--script grpo_step.py] [--rounds 3] [--steps 8] [--warmup 2]
 """

@@ -121,7 +121,7 @@ def test_the_packing_search_agrees_with_trying_every_assignment():
 
 
 def test_a_search_past_its_limit_leaves_the_verdict_to_ray(monkeypatch):
-    shares = [{"CPU": 1.0, "GPU": 3.0}] * 6  # 18 GPUs of 3-GPU shares on six 4-GPU nodes
+    shares = [{"CPU": 1.0, "GPU": 3.0}] * 6  # six 3-GPU shares; only five nodes can take one
     nodes = [{"CPU": 8.0, "GPU": 4.0}] * 5 + [{"CPU": 8.0, "GPU": 2.0}]
     assert not ray_capacity.shares_pack(shares, nodes)
     monkeypatch.setattr(ray_capacity, "PACKING_SEARCH_LIMIT", 3)
