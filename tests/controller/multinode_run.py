@@ -1,18 +1,22 @@
-"""Run by test_multinode.py in a fresh interpreter: a Ray cluster of two nodes on this machine
+"""Run by test_multinode.py in a fresh interpreter: Ray clusters of two nodes on this machine
 (``ray.cluster_utils.Cluster``: a head with no CPUs and two nodes of one CPU, each with its own
-raylet), then a worker group, a pool that no node can hold (refused at once), a GRPO step
-placed with ``trainer.nnodes=2``, and a fully asynchronous run whose trainer and rollout replica
-sit on different nodes, syncing weights by broadcast. Prints one JSON line: where each rank ran,
-the refusal, both runs' metrics and the nodes' address.
+raylet). On the first, whose nodes share this machine's address: a worker group, a pool that no
+node can hold (refused at once) and a GRPO step placed with ``trainer.nnodes=2``. On the second,
+whose nodes have addresses of their own (127.0.0.2 and 127.0.0.3, as separate machines would):
+a worker group, and a fully asynchronous run whose trainer and rollout replica sit on different
+nodes, syncing weights by broadcast — so every rank must dial the right node's address. Prints
+one JSON line: where each rank ran, the refusal, the runs' metrics and the nodes' addresses.
 
 Usage: python -m tests.controller.multinode_run FILES_JSON OUTPUT_DIR
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 
 import ray
 import torch
@@ -36,6 +40,7 @@ class PlacementReporter(Worker):
         info = self.dist_info
         return {
             "node": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
             "rank": self.rank,
             "local_rank": self.local_rank,
             "local_world_size": info.local_world_size,
@@ -45,13 +50,23 @@ class PlacementReporter(Worker):
         }
 
 
-def main(files: dict, output_dir: str) -> None:
+@contextlib.contextmanager
+def two_node_cluster(addresses: tuple[str | None, str | None]) -> Iterator[None]:
+    """A head with no CPUs and two one-CPU nodes at ``addresses`` (None: this machine's), connected."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1)
+    for address in addresses:
+        cluster.add_node(num_cpus=1, **({"node_ip_address": address} if address else {}))
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     try:
+        yield
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def main(files: dict, output_dir: str) -> None:
+    with two_node_cluster((None, None)):
         with create_worker_group(PlacementReporter, ResourcePool((1, 1)), "ray") as group:
             places = group.where()
         try:  # two processes on one node: neither node has the two CPUs, so Ray could never place it
@@ -69,6 +84,10 @@ def main(files: dict, output_dir: str) -> None:
             "data.val_path=",
         )
         history = RLTrainer(config).fit().history
+        node_ip = ray.util.get_node_ip_address()
+    with two_node_cluster(("127.0.0.2", "127.0.0.3")):
+        with create_worker_group(PlacementReporter, ResourcePool((1, 1)), "ray") as group:
+            apart = group.where()
         pipeline = small_config(  # the trainer on one node, its rollout replica on the other
             files,
             f"{output_dir}-async",
@@ -79,18 +98,15 @@ def main(files: dict, output_dir: str) -> None:
             "pipeline.checkpoint_engine.backend=broadcast",
         )
         async_history = RLTrainer(pipeline).fit().history
-        node_ip = ray.util.get_node_ip_address()
-        result = {
-            "places": places,
-            "refusal": refusal,
-            "history": history,
-            "async": async_history,
-            "node_ip": node_ip,
-        }
-        print(json.dumps({**result, "interface": interface_of(node_ip)}), flush=True)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    result = {
+        "places": places,
+        "apart": apart,
+        "refusal": refusal,
+        "history": history,
+        "async": async_history,
+        "node_ip": node_ip,
+    }
+    print(json.dumps({**result, "interface": interface_of(node_ip)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""Two nodes: a Ray cluster of two raylets on this machine (``ray.cluster_utils``), so the
+"""Two nodes: Ray clusters of two raylets on this machine (``ray.cluster_utils``), so the
 per-node placement groups, the ranks' node-local numbering and the cross-node rendezvous run
 as on a real cluster. The GRPO step on two nodes of one worker equals the single-worker step
-(as two workers on one node do, tests/rl/test_distributed.py), and a fully asynchronous run
-trains with its replica on the other node, weights broadcast to it at the sender's node address
-(``pipeline.checkpoint_engine.host`` left empty)."""
+(as two workers on one node do, tests/rl/test_distributed.py). On nodes with addresses of their
+own (127.0.0.2 and 127.0.0.3), every rank meets at rank 0's node address, and a fully
+asynchronous run trains with its replica on the other node, weights broadcast to it at the
+sender's node address (``pipeline.checkpoint_engine.host`` left empty)."""
 
 import json
 import os
@@ -41,6 +42,11 @@ def test_two_nodes_place_one_rank_each_and_train_like_one_worker(rl_files, tmp_p
     if not result["node_ip"].startswith("127."):  # gloo sent through the interface holding it
         assert result["interface"] is not None
         assert all(p["gloo_interface"] == result["interface"] for p in places)
+
+    apart = result["apart"]
+    assert sorted(p["node_ip"] for p in apart) == ["127.0.0.2", "127.0.0.3"]
+    assert all(p["master_addr"] == apart[0]["node_ip"] for p in apart)  # rank 0's node, not the caller's
+    assert all(p["rank_sum"] == 3.0 for p in apart)
 
     assert "pool 'default' puts 2 processes on one node, 2 CPUs and 0 GPUs" in result["refusal"]
     assert result["refusal"].count("1 CPUs, 0 GPUs") == 2  # the two one-CPU nodes; the head has none
