@@ -49,22 +49,18 @@ def check_cluster_holds(pools: Sequence[ResourcePool], nodes: Sequence[Mapping[s
                 f"the run needs {want[kind]:g} {kind}s ({parts}) and the Ray cluster has {have[kind]:g} "
                 f"on {len(nodes)} alive node(s): {_describe(nodes)}"
             )
-    for pool in pools:
-        for count in sorted(set(pool.processes_per_node), reverse=True):
-            share = {"CPU": pool.cpus_per_process * count, "GPU": pool.gpus_per_process * count}
-            if not any(
-                all(node.get(kind, 0.0) + 1e-9 >= share[kind] for kind in RESOURCES) for node in nodes
-            ):
-                raise ValueError(
-                    f"pool {pool.name!r} puts {count} processes on one node, {share['CPU']:g} CPUs and "
-                    f"{share['GPU']:g} GPUs in all, and no alive node of the Ray cluster has that much: "
-                    f"{_describe(nodes)}"
-                )
     shares = [
         (pool.name, count, {"CPU": pool.cpus_per_process * count, "GPU": pool.gpus_per_process * count})
         for pool in pools
         for count in pool.processes_per_node
     ]
+    for name, count, share in shares:
+        if not any(_fits(share, node) for node in nodes):
+            raise ValueError(
+                f"pool {name!r} puts {count} processes on one node, {share['CPU']:g} CPUs and "
+                f"{share['GPU']:g} GPUs in all, and no alive node of the Ray cluster has that much: "
+                f"{_describe(nodes)}"
+            )
     if not shares_pack([share for _, _, share in shares], nodes):
         listed = ", ".join(
             f"{name} {count} process(es) ({share['CPU']:g} CPUs, {share['GPU']:g} GPUs)"
@@ -75,6 +71,10 @@ def check_cluster_holds(pools: Sequence[ResourcePool], nodes: Sequence[Mapping[s
             f"of a pool goes whole onto one node, and no assignment of the shares [{listed}] to the "
             f"alive nodes holds them all: {_describe(nodes)}"
         )
+
+
+def _fits(share: Mapping[str, float], room: Mapping[str, float]) -> bool:
+    return all(room.get(kind, 0.0) + 1e-9 >= share.get(kind, 0.0) for kind in RESOURCES)
 
 
 def shares_pack(shares: Sequence[Mapping[str, float]], nodes: Sequence[Mapping[str, float]]) -> bool:
@@ -88,31 +88,28 @@ def shares_pack(shares: Sequence[Mapping[str, float]], nodes: Sequence[Mapping[s
         shares: what each share reserves, e.g. ``{"CPU": 4.0, "GPU": 4.0}``.
         nodes: each node's total resources.
     """
-    order = sorted(
-        shares, key=lambda share: tuple(share.get(kind, 0.0) for kind in ("GPU", "CPU")), reverse=True
-    )
-    wanted = [tuple(share.get(kind, 0.0) for kind in RESOURCES) for share in order]
-    room = [[node.get(kind, 0.0) for kind in RESOURCES] for node in nodes]
+    order = sorted(shares, key=lambda share: (share.get("GPU", 0.0), share.get("CPU", 0.0)), reverse=True)
+    room = [{kind: node.get(kind, 0.0) for kind in RESOURCES} for node in nodes]
     tries = 0
 
     def place(index: int) -> bool:
         nonlocal tries
-        if index == len(wanted):
+        if index == len(order):
             return True
-        seen: set[tuple[float, ...]] = set()
+        share, seen = order[index], set()
         for left in room:
-            key = tuple(round(value, 6) for value in left)
-            if key in seen or any(have + 1e-9 < want for have, want in zip(left, wanted[index], strict=True)):
+            key = tuple(round(left[kind], 6) for kind in RESOURCES)
+            if key in seen or not _fits(share, left):
                 continue
             seen.add(key)
             tries += 1
             if tries > PACKING_SEARCH_LIMIT:
                 return True
-            for k, want in enumerate(wanted[index]):
-                left[k] -= want
+            for kind in RESOURCES:
+                left[kind] -= share.get(kind, 0.0)
             placed = place(index + 1)
-            for k, want in enumerate(wanted[index]):
-                left[k] += want
+            for kind in RESOURCES:
+                left[kind] += share.get(kind, 0.0)
             if placed:
                 return True
         return False

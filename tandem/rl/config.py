@@ -709,11 +709,16 @@ class TrainConfig:
         """Data-parallel workers in all: ``nnodes * (n_gpus_per_node or n_workers)``."""
         return self.trainer.nnodes * self.workers_per_node
 
+    @property
+    def gpus_per_worker(self) -> float:
+        """What every pool of the run reserves per process: one GPU on GPUs, none on CPU workers."""
+        return 1.0 if self.trainer.n_gpus_per_node else 0.0
+
     def resource_pool(self) -> ResourcePool:
         """The workers' placement: ``workers_per_node`` on each of ``nnodes`` nodes, one GPU each on GPUs."""
         return ResourcePool(
             (self.workers_per_node,) * self.trainer.nnodes,
-            gpus_per_process=1.0 if self.trainer.n_gpus_per_node else 0.0,
+            gpus_per_process=self.gpus_per_worker,
             name="actor_rollout_ref",
         )
 
@@ -727,7 +732,7 @@ class TrainConfig:
         GPU each on GPUs."""
         return ResourcePool(
             (self.reward.model.n_workers,),
-            gpus_per_process=1.0 if self.trainer.n_gpus_per_node else 0.0,
+            gpus_per_process=self.gpus_per_worker,
             name="reward_model",
         )
 
@@ -736,7 +741,7 @@ class TrainConfig:
         processes, one GPU each on GPUs."""
         return ResourcePool(
             (self.pipeline.rollout_replicas,),
-            gpus_per_process=1.0 if self.trainer.n_gpus_per_node else 0.0,
+            gpus_per_process=self.gpus_per_worker,
             name="rollout",
         )
 
