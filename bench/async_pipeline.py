@@ -36,10 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe_machine  # noqa: E402
 from pipeline_sim import Workload, project  # noqa: E402
 
+from tandem.data import write_parquet  # noqa: E402
 from tandem.engine import EngineConfig  # noqa: E402
 from tandem.models import TinyModelConfig, save_tiny_model  # noqa: E402
 from tandem.rl import RLTrainer, load_train_config  # noqa: E402
-from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows, write_parquet  # noqa: E402
+from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows
 from tandem.sft import SFTConfig, SFTTrainer  # noqa: E402
 from tandem.sft.config import SFTTrainerConfig  # noqa: E402
 from tandem.sft.data import SFTDataConfig  # noqa: E402

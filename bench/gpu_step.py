@@ -52,8 +52,8 @@ from tandem.kernels.cuda.varlen import installed_varlen_kernel
 from tandem.models import TinyModelConfig, build_tiny_model
 from tandem.models.tokenizer import build_char_tokenizer
 from tandem.protocol import Batch
+from tandem.protocol.sequences import sequence_tensors
 from tandem.rl.actor_loss import make_actor_loss
-from tandem.rl.sequences import sequence_tensors
 from tandem.rollout import NativeEngineConfig, NativeRolloutEngine, RolloutRequest, SamplingParams
 
 

@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe_machine  # noqa: E402
 from side_by_side import TRL_CPU_ARGS, compare, run_child, side_parser, step_timer  # noqa: E402
 
+from tandem.data import write_parquet  # noqa: E402
 from tandem.models import TinyModelConfig, save_tiny_model  # noqa: E402
 from tandem.rl import RLTrainer, load_train_config  # noqa: E402
-from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows, write_parquet  # noqa: E402
+from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows
 
 BENCH_MODEL = TinyModelConfig(
     hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768

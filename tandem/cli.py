@@ -1,8 +1,14 @@
-"""The ``tandem`` command line: ``demo``, ``train``, ``sft``, ``dpo``, ``rm``, ``serve``, ``report``, ``prepare-data`` and ``algos``."""
+"""The ``tandem`` command line: ``demo``, ``train``, ``sft``, ``dpo``, ``rm``, ``serve``, ``report``, ``prepare-data`` and ``algos``.
+
+Each command imports its machinery inside its function, when it runs: ``tandem --help`` and
+argument errors answer at once, without loading torch, and ``tandem serve`` needs the serve
+extra only when it is used. (The CLI is the top layer, so these deferred imports dodge no cycle.)
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import sys
@@ -36,11 +42,14 @@ def print_registries(console: Console) -> None:
     ):
         table = Table(title=title, title_justify="left")
         table.add_column("name", style="bold cyan")
+        table.add_column("also (verl's names)")
         table.add_column("what it computes")
+        aliases = registry.aliases()
         for name in registry.names():
-            table.add_row(name, _first_line(registry.get(name)))
+            also = ", ".join(alias for alias, target in aliases.items() if target == name)
+            table.add_row(name, also, _first_line(registry.get(name)))
         console.print(table)
-    console.print(f"loss aggregation modes (actor.loss_agg_mode): {', '.join(LOSS_AGG_MODES)}")
+    console.print(f"loss aggregation modes (actor.policy_loss.loss_agg_mode): {', '.join(LOSS_AGG_MODES)}")
 
 
 def run_train(args: argparse.Namespace, console: Console) -> None:
@@ -82,8 +91,9 @@ def config_text(overrides: list[str], config: object) -> str:
 
 def prepare_data(args: argparse.Namespace, console: Console) -> None:
     """Write a verl-schema parquet or JSONL file from a built-in task or a local gsm8k/MATH file."""
-    from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows, gsm8k_rows, math_rows, write_rows
-    from tandem.rl.data.io import check_row_file
+    from tandem.data import write_rows
+    from tandem.data.rows import check_row_file
+    from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows, gsm8k_rows, math_rows
 
     check_row_file(args.out, "--out")  # before any work
     if args.task == "arithmetic":
@@ -161,10 +171,8 @@ def make_report(args: argparse.Namespace, console: Console) -> None:
             console.print(f"[red]page error: {error}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tandem", description="RL post-training for language models.")
-    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+def _add_demo(commands: argparse._SubParsersAction) -> None:
+    """``tandem demo``: the built-in demos."""
     demo = commands.add_parser(
         "demo",
         help="the main demo: SFT on a flawed teacher, then GRPO, on 2-digit addition (~2-3 min on 2 CPUs)",
@@ -184,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         default="sync",
         help="the RL pipeline: colocated (sync) or a rollout process beside the trainer, one thread each",
     )
+
+
+def _add_train(commands: argparse._SubParsersAction) -> None:
+    """``tandem train``: RL training from tandem's keys or verl's."""
     train = commands.add_parser(
         "train", help="RL training: tandem train preset=grpo model_path=... data.train_path=..."
     )
@@ -205,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument(
         "--print-config", action="store_true", help="print the tandem command and resolved config, then exit"
     )
+
+
+def _add_prepare_data(commands: argparse._SubParsersAction) -> None:
+    """``tandem prepare-data``: prompts in verl's schema."""
     data = commands.add_parser(
         "prepare-data", help="write prompts in verl's parquet schema (arithmetic, gsm8k, math)"
     )
@@ -218,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     data.add_argument("--operators", default="+")
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--split", default="train")
-    commands.add_parser("algos", help="list every registered algorithm")
+
+
+def _add_report(commands: argparse._SubParsersAction) -> None:
+    """``tandem report``: a run's report, or runs overlaid."""
     report = commands.add_parser(
         "report", help="draw a run's report, or overlay several runs: tandem report RUN_DIR [RUN_DIR ...]"
     )
@@ -239,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="capture only the top N pixels (default: the whole page)",
     )
+
+
+def _add_trainers(commands: argparse._SubParsersAction) -> None:
+    """``tandem sft``, ``tandem dpo`` and ``tandem rm``: key=value overrides of their configs."""
     sft = commands.add_parser(
         "sft", help="supervised fine-tuning on chat data: tandem sft model_path=... data.train_path=..."
     )
@@ -262,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     rm.add_argument(
         "overrides", nargs="*", help="key=value settings, e.g. engine.lr=1e-5 trainer.total_steps=500"
     )
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    """``tandem serve``: the OpenAI-compatible server's options."""
     server = commands.add_parser("serve", help="an OpenAI-compatible HTTP server: tandem serve MODEL_PATH")
     server.add_argument("model_path", help="an HF model directory (config, weights, tokenizer)")
     server.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
@@ -295,28 +322,68 @@ def main(argv: list[str] | None = None) -> int:
         help="most sequences (n x prompts) one request may start",
     )
     server.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="vllm engine only")
-    args = parser.parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tandem`` argument parser: one sub-command per command, each added by its own function."""
+    parser = argparse.ArgumentParser(prog="tandem", description="RL post-training for language models.")
+    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_demo(commands)
+    _add_train(commands)
+    _add_prepare_data(commands)
+    commands.add_parser("algos", help="list every registered algorithm")
+    _add_report(commands)
+    _add_trainers(commands)
+    _add_serve(commands)
+    return parser
+
+
+class _NamesNotes(logging.Handler):
+    """Prints each note of the ``tandem.names`` logger once (another project's name for an
+    algorithm, and what tandem calls it)."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__(logging.INFO)
+        self.console = console
+        self.seen: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message not in self.seen:
+            self.seen.add(message)
+            self.console.print(f"note: {message}", markup=False, highlight=False, soft_wrap=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     console = Console()
+    notes = logging.getLogger("tandem.names")
+    handler = _NamesNotes(console)
+    notes.addHandler(handler)
+    notes.setLevel(logging.INFO)
     try:
         _run(args, console)
     except USER_ERRORS as error:  # bad configuration or data, a diverged run: a message, not a traceback
         print(f"tandem {args.command}: error: {error}", file=sys.stderr)
         return 2
+    finally:
+        notes.removeHandler(handler)
     return 0
 
 
 def _run(args: argparse.Namespace, console: Console) -> None:
     if args.command == "demo":
-        from tandem.rl.demo import DemoSettings, run_demo
+        from tandem.demos.arithmetic import DemoSettings, run_demo
 
         preset = args.method if args.method in ("ppo", "online_dpo") else "grpo"
         settings = DemoSettings(output_dir=args.output_dir, pipeline=args.pipeline, preset=preset)
         if args.method == "tool_agent":
-            from tandem.agents.demo import ToolDemoSettings, run_tool_demo
+            from tandem.demos.tool_agent import ToolDemoSettings, run_tool_demo
 
             run_tool_demo(ToolDemoSettings(output_dir=args.output_dir, pipeline=args.pipeline), console)
         elif args.method == "dpo":
-            from tandem.dpo.demo import DPODemoSettings, run_dpo_demo
+            from tandem.demos.preference import DPODemoSettings, run_dpo_demo
 
             run_dpo_demo(DPODemoSettings(warm_up=settings), console)
         else:

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from tandem.data import write_parquet
 from tandem.models import save_tiny_model
-from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows, write_parquet
+from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows
 
 ROOT = str(Path(__file__).resolve().parents[1])
 

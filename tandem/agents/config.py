@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.agents.loops import AGENT_LOOPS, load_interaction
 from tandem.agents.sandbox import SandboxLimits
+from tandem.agents.tool_calls import TOOL_CALL_PARSERS
+from tandem.agents.tools import duplicate_names, load_user_tools
 from tandem.config.validation import check_positive
 
 BUILTIN_TOOLS = ("calculator", "python")
@@ -20,13 +23,21 @@ class AgentConfig:
             an answer without calls, ``max_turns`` or the response budget) or ``interaction``
             (a user function replies after each turn and may end the episode with a reward).
         tools: built-in tools to offer (``calculator``, ``python``).
-        tools_path: a Python file whose ``TOOLS`` list adds user tools.
+        tools_path: a Python file whose ``TOOLS`` list adds user tools (loaded when the config is
+            built: a broken file is a one-line error before any model loads).
         tool_parser: how tool calls are read from the model's text (``hermes``:
             ``<tool_call>{json}</tool_call>``).
         max_turns: model turns per episode at most.
         tool_concurrency: tool calls running at once, across every episode.
         interaction_path / interaction_name: the file and function of the ``interaction`` loop:
-            ``fn(messages, extra_info) -> {"content": str | None, "done": bool, "reward": float | None}``.
+            ``fn(messages, extra_info) -> {"content": str | None, "done": bool, "reward": float | None}``
+            (loaded when the config is built, like ``tools_path``).
+        tool_timeout_s: seconds one tool call may take; a later one becomes an error the model
+            receives (the call's thread is left to finish by itself).
+        interaction_timeout_s: seconds one call of the interaction function may take; a later one
+            ends the episode with ``interaction_error`` and reward 0.
+        max_message_chars: characters kept of each tool result or user reply before it is
+            tokenised (the first and last halves, with a note of how many were cut between).
         python: the sandbox limits of the ``python`` tool.
     """
 
@@ -38,6 +49,9 @@ class AgentConfig:
     tool_concurrency: int = 8
     interaction_path: str = ""
     interaction_name: str = "respond"
+    tool_timeout_s: float = 60.0
+    interaction_timeout_s: float = 60.0
+    max_message_chars: int = 32768
     python: SandboxLimits = field(default_factory=SandboxLimits)
 
     @property
@@ -46,9 +60,6 @@ class AgentConfig:
         return self.name != "single_turn" or bool(self.tools or self.tools_path or self.interaction_path)
 
     def __post_init__(self) -> None:
-        from tandem.agents.loops import AGENT_LOOPS
-        from tandem.agents.tool_calls import TOOL_CALL_PARSERS
-
         if self.name not in AGENT_LOOPS:
             raise ValueError(
                 f"agent.name={self.name!r} is not an agent loop; registered: {AGENT_LOOPS.names()}"
@@ -60,7 +71,30 @@ class AgentConfig:
         unknown = sorted(set(self.tools) - set(BUILTIN_TOOLS))
         if unknown:
             raise ValueError(f"agent.tools has {unknown}; the built-in tools are {list(BUILTIN_TOOLS)}")
-        check_positive("agent", "max_turns", self.max_turns)
-        check_positive("agent", "tool_concurrency", self.tool_concurrency)
+        for name in (
+            "max_turns",
+            "tool_concurrency",
+            "tool_timeout_s",
+            "interaction_timeout_s",
+            "max_message_chars",
+        ):
+            check_positive("agent", name, getattr(self, name))
         if self.name == "interaction" and not self.interaction_path:
             raise ValueError("agent.name=interaction needs agent.interaction_path (a Python file)")
+        self._check_user_files()
+
+    def _check_user_files(self) -> None:
+        """Load the user's tools and interaction files now, as ``reward.custom_path`` is: a broken
+        one (a failing import, a parameter without a type, ``TOOLS = [42]``, a name given twice, a
+        function that cannot take ``(messages, extra_info)``) is then a one-line ``ValueError``
+        naming the field before any model loads, not a worker's traceback after."""
+        if self.tools_path:
+            names = [*self.tools, *(tool.name for tool in load_user_tools(self.tools_path))]
+            duplicates = duplicate_names(names)
+            if duplicates:
+                raise ValueError(
+                    f"agent.tools_path={self.tools_path!r}: tools {duplicates} are declared twice "
+                    "(in agent.tools and TOOLS)"
+                )
+        if self.interaction_path:
+            load_interaction(self.interaction_path, self.interaction_name)

@@ -11,8 +11,8 @@ import urllib.error
 import urllib.request
 from typing import Protocol
 
+from tandem.protocol.generation import Completion, RolloutRequest, SamplingParams
 from tandem.rollout.base import RolloutEngine
-from tandem.rollout.types import Completion, RolloutRequest, SamplingParams
 
 
 class TokenGenerator(Protocol):

@@ -12,7 +12,12 @@ user turns between them — shares one budget of ``ctx.sampling.max_tokens`` tok
   arguments — return as ``tool`` messages; the episode ends at a turn without calls
   (``stop``), at ``agent.max_turns`` (``max_turns``) or when the budget runs out (``length``).
 * ``interaction``: after each model turn a user function replies (a ``user`` message) or ends
-  the episode, optionally with a reward.
+  the episode, optionally with a reward. A function that raises (``SystemExit`` included), runs
+  past ``ctx.interaction_timeout_s`` or replies malformed (not a dict, ``content`` not text, a
+  reward that is not a finite number) ends the episode with ``interaction_error`` and reward 0.
+
+Every tool result and user reply is cut to ``ctx.max_message_chars`` characters before it is
+tokenised (:func:`cut_text`): a tool that returns megabytes costs nothing beyond that.
 
 Write a new loop as an async function taking ``(ctx, sample)`` and register it with
 ``@AGENT_LOOPS.register("name")``; samples pick it with an ``agent_name`` column.
@@ -22,6 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
+import logging
+import math
+import numbers
 import statistics
 import threading
 from collections import Counter
@@ -32,13 +41,18 @@ from typing import Any
 
 from tandem.agents.generators import TokenGenerator
 from tandem.agents.tool_calls import ToolCallParser
-from tandem.agents.tools import ToolRunner, tool_metrics
+from tandem.agents.tools import ToolRunner, UserCodeError, describe_error, start_user_call, tool_metrics
 from tandem.agents.trajectory import Trajectory, TurnEncoder
+from tandem.config.user_code import load_user_function
+from tandem.config.validation import check_positive
+from tandem.models.chat import template_ids
+from tandem.protocol.generation import Completion, SamplingParams
 from tandem.registry import Registry
-from tandem.rollout.types import Completion, SamplingParams
-from tandem.sft.data import template_ids
 
 TURN_SEED_STRIDE = 1_000_003  # turn t of an episode samples with seed + t * stride
+INTERACTION_ERROR = "interaction_error"  # the finish reason of an episode whose interaction failed
+LOG = logging.getLogger(__name__)
+MAX_REPORTED = 100  # distinct interaction failures logged per context; the metric counts them all
 
 
 @dataclass
@@ -56,7 +70,8 @@ class AgentSample:
 @dataclass
 class AgentContext:
     """What every loop may use: the model, the tokenizer, the sampling settings (``max_tokens``:
-    the episode's response budget), tools, parser, the turn limit and an interaction."""
+    the episode's response budget), tools, parser, the turn limit, an interaction, the seconds
+    one interaction call may take and the characters kept of each tool result or user reply."""
 
     generator: TokenGenerator
     tokenizer: Any
@@ -66,9 +81,14 @@ class AgentContext:
     tools: ToolRunner | None = None
     parser: ToolCallParser | None = None
     interaction: Callable[[list[dict], dict], dict] | None = None
+    interaction_timeout_s: float = 60.0
+    max_message_chars: int = 32768
     encoder: TurnEncoder = field(init=False)
+    reported: set[str] = field(init=False, default_factory=set)  # interaction failures already logged
 
     def __post_init__(self) -> None:
+        check_positive("agent", "interaction_timeout_s", self.interaction_timeout_s)
+        check_positive("agent", "max_message_chars", self.max_message_chars)
         self.encoder = TurnEncoder(self.tokenizer)
 
     def prompt_ids(self, messages: list[dict]) -> tuple[int, ...]:
@@ -112,9 +132,27 @@ async def model_turn(ctx: AgentContext, sample: AgentSample, trajectory: Traject
     return completion
 
 
+def cut_text(text: str, limit: int) -> str:
+    """``text`` when it has at most ``limit`` characters; else its first and last ``limit / 2``
+    with a note of how many were cut between them (a listing's start and a traceback's end both
+    stay)."""
+    if len(text) <= limit:
+        return text
+    head = limit // 2
+    note = f"[... {len(text) - limit} characters cut (agent.max_message_chars={limit}) ...]"
+    return f"{text[:head]}\n{note}\n{text[len(text) - (limit - head) :]}"
+
+
 def append_turns(ctx: AgentContext, trajectory: Trajectory, messages: list[dict]) -> bool:
-    """Append non-model ``messages`` as template tokens; False (and ``length``) when they do not
-    fit in the budget with room for another model token."""
+    """Append non-model ``messages`` as template tokens, each text first cut to
+    ``ctx.max_message_chars`` (:func:`cut_text`); False (and ``length``) when they do not fit in
+    the budget with room for another model token."""
+    messages = [
+        {**message, "content": cut_text(message["content"], ctx.max_message_chars)}
+        if isinstance(message.get("content"), str)
+        else message
+        for message in messages
+    ]
     tokens = ctx.encoder.encode(messages)
     trajectory.messages += messages
     if len(trajectory.token_ids) + len(tokens) >= ctx.sampling.max_tokens:
@@ -167,15 +205,93 @@ async def interaction(ctx: AgentContext, sample: AgentSample) -> Trajectory:
         completion = await model_turn(ctx, sample, trajectory)
         if completion is None or trajectory.finish_reason != "stop":
             return trajectory
-        reply = await asyncio.to_thread(ctx.interaction, list(trajectory.messages), sample.extra_info)
-        if reply.get("reward") is not None:
-            trajectory.reward = float(reply["reward"])
-        if reply.get("done") or reply.get("content") is None:
+        reply = await interaction_reply(ctx, sample, trajectory)
+        if reply is None:  # the function failed: the episode ends, scored 0 by the interaction
+            trajectory.finish_reason, trajectory.reward = INTERACTION_ERROR, 0.0
             return trajectory
-        if not append_turns(ctx, trajectory, [{"role": "user", "content": str(reply["content"])}]):
+        if reply.reward is not None:
+            trajectory.reward = reply.reward
+        if reply.done or reply.content is None:
+            return trajectory
+        if not append_turns(ctx, trajectory, [{"role": "user", "content": reply.content}]):
             return trajectory
     trajectory.finish_reason = "max_turns"
     return trajectory
+
+
+@dataclass(frozen=True)
+class InteractionReply:
+    """An interaction's checked reply: the user's next message (None: the episode ends), whether
+    the episode ends, and the reward it ends with (a finite number, or None)."""
+
+    content: str | None
+    done: bool
+    reward: float | None
+
+
+def read_reply(reply: object) -> InteractionReply:
+    """``reply`` checked against ``{"content": str | None, "done": bool, "reward": float | None}``;
+    ``ValueError`` saying what is wrong otherwise (a NaN or infinite reward would poison the loss)."""
+    if not isinstance(reply, dict):
+        raise ValueError(f"returned {type(reply).__name__}, not a dict with 'content', 'done' and 'reward'")
+    content, reward = reply.get("content"), reply.get("reward")
+    if content is not None and not isinstance(content, str):
+        raise ValueError(f"returned 'content' of type {type(content).__name__}, not text or None")
+    if reward is not None:
+        if not isinstance(reward, numbers.Real):
+            raise ValueError(f"returned a 'reward' of type {type(reward).__name__}, not a number or None")
+        try:
+            reward = float(reward)
+        except OverflowError:
+            raise ValueError("returned a 'reward' too large for a float") from None
+        if not math.isfinite(reward):
+            raise ValueError(f"returned a 'reward' of {reward}, not a finite number")
+    return InteractionReply(content, bool(reply.get("done")), reward)
+
+
+async def interaction_reply(
+    ctx: AgentContext, sample: AgentSample, trajectory: Trajectory
+) -> InteractionReply | None:
+    """The interaction's checked reply to the conversation so far; None when the function raised,
+    ran past ``ctx.interaction_timeout_s`` or replied malformed (logged: each distinct failure
+    once, the first ``MAX_REPORTED`` of them). It runs on a thread of its own
+    (:func:`~tandem.agents.tools.start_user_call`): one that never returns holds neither the
+    event loop nor a worker that other episodes wait for."""
+    call = start_user_call(ctx.interaction, list(trajectory.messages), sample.extra_info)
+    try:
+        return read_reply(await asyncio.wait_for(asyncio.wrap_future(call), ctx.interaction_timeout_s))
+    except asyncio.TimeoutError:
+        problem = f"did not return within {ctx.interaction_timeout_s:g} s (agent.interaction_timeout_s)"
+    except UserCodeError as error:
+        problem = f"raised {error}"
+    except ValueError as error:  # read_reply's checks
+        problem = str(error)
+    except Exception as error:  # a reply whose truth value raises, say
+        problem = f"replied with something unreadable ({describe_error(error)})"
+    if problem not in ctx.reported and len(ctx.reported) < MAX_REPORTED:
+        ctx.reported.add(problem)
+        LOG.warning(
+            "the interaction function %s (episode %s; the episode ends with reward 0, counted in "
+            "agent/interaction/errors; this failure is not logged again)", problem, sample.request_id,
+        )  # fmt: skip
+    return None
+
+
+def load_interaction(path: str, name: str) -> Callable[[list[dict], dict], dict]:
+    """The function ``name`` of the file at ``path`` (``agent.interaction_name`` and
+    ``agent.interaction_path``), checked to take ``(messages, extra_info)``: a ``ValueError``
+    naming the field for a file that fails to import or a function that does not fit."""
+    function = load_user_function(path, name, "agent.interaction_path", "agent.interaction_name")
+    try:
+        inspect.signature(function).bind(None, None)
+    except TypeError:
+        raise ValueError(
+            f"agent.interaction_path={path!r}: function {name!r} (agent.interaction_name) must take "
+            "two arguments (messages, extra_info)"
+        ) from None
+    except ValueError:  # a callable without a signature to inspect: its first call will tell
+        pass
+    return function
 
 
 def run_episode(ctx: AgentContext, sample: AgentSample) -> Awaitable[Trajectory]:
@@ -237,14 +353,16 @@ def episode_metrics(
     finish_reasons: Sequence[str],
     tool_totals: list[dict[str, tuple[int, int, float]]],
 ) -> dict[str, float]:
-    """``agent/turns/mean``, ``agent/tool_calls/mean``, ``agent/tool_errors`` (malformed calls
-    included), the share of episodes per finish reason (``agent/finish/<reason>``), and per tool
+    """``agent/turns/mean``, ``agent/tool_calls/mean``, ``agent/tool/errors`` (malformed calls
+    included), ``agent/interaction/errors`` (episodes whose interaction failed), the share of
+    episodes per finish reason (``agent/finish/<reason>``), and per tool
     ``agent/tool/<name>/{calls,errors,latency_s}`` from the workers' :meth:`ToolStats.totals`."""
     metrics = {
-        **{k: v for k, v in tool_metrics(tool_totals).items() if k != "agent/tool_errors"},
+        **tool_metrics(tool_totals),
         "agent/turns/mean": statistics.fmean(turns),
         "agent/tool_calls/mean": statistics.fmean(tool_calls),
-        "agent/tool_errors": float(sum(tool_errors)),
+        "agent/tool/errors": float(sum(tool_errors)),
+        "agent/interaction/errors": float(sum(reason == INTERACTION_ERROR for reason in finish_reasons)),
     }
     for reason, count in Counter(finish_reasons).items():
         metrics[f"agent/finish/{reason}"] = count / len(finish_reasons)

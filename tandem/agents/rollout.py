@@ -17,15 +17,21 @@ from typing import Any
 
 from tandem.agents.config import AgentConfig
 from tandem.agents.generators import EngineGenerator
-from tandem.agents.loops import AgentContext, AgentSample, EpisodeThread, run_episodes, turn_request_id
+from tandem.agents.loops import (
+    AgentContext,
+    AgentSample,
+    EpisodeThread,
+    load_interaction,
+    run_episodes,
+    turn_request_id,
+)
 from tandem.agents.sandbox import sandbox_available
 from tandem.agents.tool_calls import TOOL_CALL_PARSERS
 from tandem.agents.tools import CALCULATOR, Tool, ToolRunner, load_user_tools, python_tool
-from tandem.config.user_code import load_user_function
 from tandem.protocol import Batch
-from tandem.rl.sequences import resize_columns, sequence_tensors
+from tandem.protocol.generation import Completion, SamplingParams
+from tandem.protocol.sequences import resize_columns, sequence_tensors
 from tandem.rollout.base import RolloutEngine
-from tandem.rollout.types import Completion, SamplingParams
 
 
 def build_tools(config: AgentConfig) -> list[Tool]:
@@ -55,15 +61,10 @@ class AgentRollout:
         self._contexts: dict[SamplingParams, AgentContext] = {}
         self._episodes: EpisodeThread | None = None  # started by the first submit_episode
         tools = build_tools(config)
-        self.tools = ToolRunner(tools, config.tool_concurrency) if tools else None
+        self.tools = ToolRunner(tools, config.tool_concurrency, config.tool_timeout_s) if tools else None
         self.parser = TOOL_CALL_PARSERS.get(config.tool_parser)
         self.interaction = (
-            load_user_function(
-                config.interaction_path,
-                config.interaction_name,
-                "agent.interaction_path",
-                "agent.interaction_name",
-            )
+            load_interaction(config.interaction_path, config.interaction_name)
             if config.interaction_path
             else None
         )
@@ -113,6 +114,8 @@ class AgentRollout:
             self._contexts[sampling] = AgentContext(
                 self.generator, self.tokenizer, sampling, self.config.name, self.config.max_turns,
                 self.tools, self.parser, self.interaction,
+                interaction_timeout_s=self.config.interaction_timeout_s,
+                max_message_chars=self.config.max_message_chars,
             )  # fmt: skip
         return self._contexts[sampling]
 

@@ -1,17 +1,21 @@
 """Running untrusted Python: a separate, isolated, limited process per call.
 
 :func:`run_python` starts ``python -I`` on :mod:`tandem.agents.sandbox_child` with the code on
-stdin, in a fresh temporary working directory. The child isolates itself before any of the code
-runs (see its docstring): no network (a network namespace with no usable device), a read-only
-filesystem outside the working directory, its own PID namespace (everything it started dies
-with it), and CPU-time, memory, file-size and process-count limits. Here the caller adds the
-wall-clock limit (the whole process tree is killed) and keeps at most ``output_bytes`` of
-stdout and of stderr (the rest is drained and counted; a run that floods more than
-``FLOOD_FACTOR`` times that is killed).
+stdin, in a fresh temporary working directory, with an environment of ``PATH`` and ``LANG`` only
+(none of the host's secrets). The child isolates itself before any of the code runs (see its
+docstring): no network (a network namespace with no usable device), a root of its own holding
+only the system's libraries, the Python runtime and what the caller mounts, all read-only, plus
+the working directory (home directories, ``/tmp``, the project and the run's output are not
+there), its own PID namespace with its own ``/proc`` (the host's processes are not there;
+everything it started dies with it), and CPU-time, memory, file-size and process-count limits.
+Here the caller adds the wall-clock limit (the whole process tree is killed) and keeps at most
+``output_bytes`` of stdout and of stderr (the rest is drained and counted; a run that floods
+more than ``FLOOD_FACTOR`` times that is killed).
 
-The isolation needs Linux user namespaces (or root) and ``mount_setattr`` (Linux 5.12+);
-where they are missing the call fails with the reason (:class:`SandboxUnavailable`) instead of
-running the code unisolated. :func:`sandbox_available` checks once.
+The isolation needs Linux user namespaces (or root), ``mount_setattr`` (Linux 5.12+) and a known
+``pivot_root`` syscall number (x86_64, aarch64, riscv64); where they are missing the call fails
+with the reason (:class:`SandboxUnavailable`) instead of running the code unisolated.
+:func:`sandbox_available` checks once.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -97,22 +101,35 @@ class SandboxUnavailable(RuntimeError):
     """The OS cannot isolate a sandbox here (no user namespaces or ``mount_setattr``)."""
 
 
-def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
+def run_python(
+    code: str, limits: SandboxLimits | None = None, read_only: Sequence[str | os.PathLike] = ()
+) -> SandboxResult:
     """Run ``code`` in a new sandbox (see the module docstring); raises :class:`SandboxUnavailable`
-    when the isolation cannot be set up."""
+    when the isolation cannot be set up.
+
+    ``read_only``: host files or directories the code may read, each at its own path inside (a
+    tool's explicit mounts; nothing else of the host's files is there). Raises ``ValueError`` for
+    a path that does not exist, or ``/``.
+    """
     limits = limits or SandboxLimits()
     child_limits = asdict(limits)
     if os.geteuid() != 0:  # the kernel counts every thread of the uid: leave room for ours
         child_limits["processes"] = limits.processes + _threads_of(os.getuid())
+    mounts = _mount_paths(read_only)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="tandem-sandbox-") as workdir:
+    with tempfile.TemporaryDirectory(prefix="tandem-sandbox-") as base:
+        workdir, root = os.path.join(base, "work"), os.path.join(base, "root")
+        os.mkdir(workdir)
+        os.mkdir(root)  # stays empty here: the child mounts its new root on it in its own namespace
+        setup = {"limits": child_limits, "workdir": workdir, "root": root, "mounts": mounts}
         process = subprocess.Popen(
-            [sys.executable, "-I", str(CHILD), json.dumps(child_limits), workdir],
+            [sys.executable, "-I", str(CHILD), json.dumps(setup)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,  # its own process group: killed as one
             cwd=workdir,
+            env=_sandbox_environment(),
         )
         flooded = threading.Event()
 
@@ -149,6 +166,23 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
             time.monotonic() - started,
             flooded.is_set(),
         )
+
+
+def _sandbox_environment() -> dict[str, str]:
+    """The whole environment the sandbox starts with: never the host's (API keys, tokens). The
+    child adds ``HOME`` and ``TMPDIR``, both its working directory."""
+    return {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+
+
+def _mount_paths(paths: Sequence[str | os.PathLike]) -> list[str]:
+    """Absolute host paths to mount read-only, checked here so a typo is an error, not a failed setup."""
+    mounts = []
+    for path in paths:
+        absolute = os.path.abspath(path)
+        if absolute == "/" or not os.path.exists(absolute):
+            raise ValueError(f"read_only: {path!r} does not exist or is / (the whole filesystem)")
+        mounts.append(absolute)
+    return mounts
 
 
 @functools.cache

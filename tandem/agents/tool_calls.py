@@ -2,9 +2,10 @@
 
 Parsers are registered by name in ``TOOL_CALL_PARSERS`` (``agent.tool_parser``). ``hermes``
 reads the ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks that Qwen and
-Hermes chat templates teach, several per turn allowed. A block that is not valid JSON, or
-lacks a string ``name`` or object ``arguments``, is not dropped: it becomes an error the agent
-loop returns to the model as a tool message (and counts), so the model can learn to call well.
+Hermes chat templates teach, several per turn allowed. A block that is not valid JSON (or nests
+too deeply to decode), or lacks a string ``name`` or object ``arguments``, is not dropped: it
+becomes an error the agent loop returns to the model as a tool message (and counts), so the
+model can learn to call well.
 """
 
 from __future__ import annotations
@@ -46,37 +47,40 @@ def parse_hermes(text: str) -> ParsedTurn:
     """``<tool_call>{json}</tool_call>`` blocks (an unclosed last block counts as malformed)."""
     turn = ParsedTurn(HERMES_BLOCK.sub("", text).strip())
     for number, match in enumerate(HERMES_BLOCK.finditer(text)):
-        body = match.group(1).strip()
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as error:
-            turn.errors.append(f"tool call {number}: not valid JSON ({error.msg} at column {error.colno})")
-            continue
-        problem = _call_problem(call)
-        if problem:
+        value, problem = load_json(match.group(1).strip())
+        call, problem = _read_call(value) if not problem else (None, problem)
+        if call is None:
             turn.errors.append(f"tool call {number}: {problem}")
             continue
-        arguments = call.get("arguments", {})
-        if isinstance(arguments, str):  # some models send the arguments as a JSON string
-            arguments = json.loads(arguments)
-        turn.calls.append(ToolCall(call["name"], arguments))
+        turn.calls.append(call)
     if "<tool_call>" in HERMES_BLOCK.sub("", text):
         turn.errors.append("a <tool_call> block is not closed with </tool_call>")
     return turn
 
 
-def _call_problem(call: object) -> str:
-    """Why ``call`` is not ``{"name": str, "arguments": object}`` (empty when it is)."""
+def load_json(text: str) -> tuple[object, str]:
+    """``(value, "")`` for JSON text, ``(None, why)`` for text that is not JSON or nests too deeply
+    to decode (Python's decoder recurses: ``[`` a thousand times raises ``RecursionError``)."""
+    try:
+        return json.loads(text), ""
+    except json.JSONDecodeError as error:
+        return None, f"not valid JSON ({error.msg} at column {error.colno})"
+    except RecursionError:
+        return None, "JSON nested too deeply"
+
+
+def _read_call(call: object) -> tuple[ToolCall | None, str]:
+    """``call`` as a :class:`ToolCall` when it is ``{"name": str, "arguments": object}`` (the
+    arguments may be a JSON string, as some models send them); else ``(None, why)``."""
     if not isinstance(call, dict):
-        return f"expected a JSON object with 'name' and 'arguments', got {type(call).__name__}"
+        return None, f"expected a JSON object with 'name' and 'arguments', got {type(call).__name__}"
     if not isinstance(call.get("name"), str) or not call["name"]:
-        return "no tool 'name'"
+        return None, "no tool 'name'"
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return "'arguments' is a string that is not JSON"
+        arguments, problem = load_json(arguments)
+        if problem:
+            return None, f"'arguments' is a string that is {problem}"
     if not isinstance(arguments, dict):
-        return f"'arguments' must be a JSON object, got {type(arguments).__name__}"
-    return ""
+        return None, f"'arguments' must be a JSON object, got {type(arguments).__name__}"
+    return ToolCall(call["name"], arguments), ""

@@ -5,42 +5,67 @@ returns text. Built in: ``calculator`` (arithmetic on numbers, evaluated from th
 no names or calls) and ``python`` (code run in the sandbox, :mod:`tandem.agents.sandbox`). User
 tools come from a Python file (``agent.tools_path``): every function listed in its ``TOOLS``
 becomes a tool, its schema built from the signature (``str``, ``int``, ``float``, ``bool``
-parameters) and its docstring.
+parameters) and its docstring. A broken file (a failing import, a parameter without a type,
+an entry that is not a function, a name given twice) is a ``ValueError`` naming
+``agent.tools_path`` and the entry, raised when the config is built.
 
 :class:`ToolRunner` runs one turn's calls (in parallel, at most ``concurrency`` across all
-samples at once): an unknown tool, arguments that do not fit the schema, and a tool that
-raises each come back as the tool message's text (``error: ...``) and are counted; per-tool
-calls, errors and seconds feed the ``agent/*`` metrics.
+samples at once): an unknown tool, arguments that do not fit the schema, a tool that raises
+(``SystemExit`` included), returns something other than text, or runs past ``timeout_s`` each
+come back as the tool message's text (``error: ...``) and are counted; per-tool calls, errors
+and seconds feed the ``agent/*`` metrics. Each call runs on a thread of its own, so a call that
+never returns costs its thread, never a worker of the pool or the step: Python cannot stop a
+thread, so it is left to end by itself (a daemon, it does not keep the process alive).
 """
 
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 import inspect
 import operator
+import re
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tandem.agents.sandbox import SandboxLimits, run_python
 from tandem.agents.tool_calls import ToolCall
 from tandem.config.user_code import load_user_module
+from tandem.config.validation import check_positive
 
 UNKNOWN_TOOL = "unknown_tool"
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what OpenAI's function schema allows
 
 
 @dataclass(frozen=True)
 class Tool:
-    """A callable tool: ``function(**arguments) -> str``."""
+    """A callable tool: ``function(**arguments) -> str``; checked when built, so a malformed one
+    fails where it is declared rather than at its first call."""
 
     name: str
     description: str
     parameters: dict  # JSON schema of the arguments object
     function: Callable[..., str]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not TOOL_NAME.fullmatch(self.name):
+            raise ValueError(f"tool name {self.name!r} must be 1-64 letters, digits, '_' or '-'")
+        if not isinstance(self.description, str):
+            raise ValueError(
+                f"tool {self.name!r}: description must be text, got {type(self.description).__name__}"
+            )
+        problem = _schema_problem(self.parameters)
+        if problem:
+            raise ValueError(f"tool {self.name!r}: {problem}")
+        if not callable(self.function):
+            raise ValueError(
+                f"tool {self.name!r}: function must be callable, got {type(self.function).__name__}"
+            )
 
     def schema(self) -> dict:
         """The OpenAI function schema (what chat templates render in the system prompt)."""
@@ -65,7 +90,27 @@ def tool_from_function(function: Callable[..., object]) -> Tool:
             required.append(name)
     description = (inspect.getdoc(function) or function.__name__).split("\n\n")[0].replace("\n", " ")
     schema = {"type": "object", "properties": properties, "required": required}
-    return Tool(function.__name__, description, schema, lambda **kwargs: str(function(**kwargs)))
+    return Tool(function.__name__, description, schema, lambda **kwargs: _as_text(function(**kwargs)))
+
+
+def _as_text(result: object) -> object:
+    """A plain function's result as text (numbers welcome); ``None`` is kept, for the runner to
+    report: it is what a function that forgot its ``return`` gives."""
+    return result if result is None else str(result)
+
+
+def _schema_problem(schema: object) -> str:
+    """Why ``schema`` is not a JSON schema of an arguments object that :class:`ToolRunner` can
+    check calls against (empty when it is)."""
+    if not isinstance(schema, dict):
+        return f"parameters must be a JSON schema object (a dict), got {type(schema).__name__}"
+    properties = schema.get("properties", {})
+    if not isinstance(properties, dict) or not all(isinstance(p, dict) for p in properties.values()):
+        return "parameters['properties'] must map each argument name to a schema (a dict)"
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
+        return "parameters['required'] must be a list of argument names"
+    return ""
 
 
 # ---------------------------------------------------------------------------- calculator
@@ -140,11 +185,82 @@ def python_tool(limits: SandboxLimits | None = None) -> Tool:
 
 # ---------------------------------------------------------------------------- user tools
 def load_user_tools(path: str) -> list[Tool]:
-    """The tools of the file at ``path``: its ``TOOLS`` list of functions (or :class:`Tool`)."""
+    """The tools of the file at ``path``: its ``TOOLS`` list of functions (or :class:`Tool`).
+
+    Raises ``ValueError`` naming ``agent.tools_path`` and the entry for a file that fails to
+    import, an entry that is not a function or a :class:`Tool`, or a function whose parameters
+    lack a ``str``/``int``/``float``/``bool`` annotation."""
+    where = f"agent.tools_path={path!r}"
     listed = getattr(load_user_module(path, "agent.tools_path"), "TOOLS", None)
     if not isinstance(listed, (list, tuple)) or not listed:
-        raise ValueError(f"agent.tools_path={path!r}: define TOOLS = [function, ...] in the file")
-    return [item if isinstance(item, Tool) else tool_from_function(item) for item in listed]
+        raise ValueError(f"{where}: define TOOLS = [function, ...] in the file")
+    tools = []
+    for index, item in enumerate(listed):
+        if isinstance(item, Tool):
+            tools.append(item)
+        elif callable(item):
+            try:
+                tools.append(tool_from_function(item))
+            except (ValueError, TypeError) as error:  # no signature, a parameter without a type
+                raise ValueError(f"{where}: TOOLS[{index}]: {error}") from None
+        else:
+            raise ValueError(
+                f"{where}: TOOLS[{index}] is {type(item).__name__} {item!r:.40}, not a function or a Tool"
+            )
+    return tools
+
+
+def duplicate_names(names: Sequence[str]) -> list[str]:
+    """The tool names given more than once (a call could not say which tool it means)."""
+    return sorted({name for name in names if list(names).count(name) > 1})
+
+
+# ---------------------------------------------------------------------------- calling user code
+class UserCodeError(Exception):
+    """A user's function raised (anything, ``SystemExit`` included) or ran past its time limit;
+    the message says which, in words the model or the log can show."""
+
+
+def start_user_call(function: Callable[..., object], /, *args: object, **kwargs: object) -> Future:
+    """Start ``function(*args, **kwargs)`` on a daemon thread of its own; a ``Future`` of its
+    result, failing with :class:`UserCodeError` whatever it raised.
+
+    A thread per call, not a pool's: a call that never returns then holds no worker others wait
+    for, and, being a daemon, does not keep the process alive at exit. (``function`` is
+    positional-only, so a tool may have an argument of that name.)
+    """
+    future: Future = Future()
+
+    def run() -> None:
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(function(*args, **kwargs))
+        except BaseException as error:  # SystemExit and KeyboardInterrupt too: user code must not end the run
+            future.set_exception(UserCodeError(describe_error(error)))
+
+    threading.Thread(target=run, name="tandem-user-code", daemon=True).start()
+    return future
+
+
+def wait_user_call(future: Future, timeout_s: float, what: str) -> object:
+    """The result of :func:`start_user_call`'s ``future``; :class:`UserCodeError` when it failed
+    or did not return within ``timeout_s`` seconds (``what`` names the call in that message)."""
+    try:
+        return future.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise UserCodeError(f"{what} did not return within {timeout_s:g} s") from None
+
+
+def describe_error(error: BaseException, limit: int = 2000) -> str:
+    """``Type: message``, the message cut to ``limit`` characters, even for an exception whose
+    ``str()`` itself raises (user code may raise anything)."""
+    try:
+        message = str(error)
+    except Exception:
+        message = "<the exception's message cannot be shown>"
+    if len(message) > limit:
+        message = f"{message[:limit]} [... {len(message) - limit} characters cut]"
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 # ---------------------------------------------------------------------------- running calls
@@ -168,18 +284,18 @@ class ToolStats:
         return {name: (calls, self.errors[name], self.seconds[name]) for name, calls in self.calls.items()}
 
     def metrics(self) -> dict[str, float]:
-        """``agent/tool_errors`` and per tool ``agent/tool/<name>/{calls,errors,latency_s}``."""
+        """``agent/tool/errors`` and per tool ``agent/tool/<name>/{calls,errors,latency_s}``."""
         return tool_metrics([self.totals()])
 
 
 def tool_metrics(totals: list[dict[str, tuple[int, int, float]]]) -> dict[str, float]:
-    """``agent/tool_errors`` and per tool ``agent/tool/<name>/{calls,errors,latency_s}`` of
+    """``agent/tool/errors`` and per tool ``agent/tool/<name>/{calls,errors,latency_s}`` of
     :meth:`ToolStats.totals` from one or several workers."""
     merged: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
     for worker in totals:
         for name, counts in worker.items():
             merged[name] = [a + b for a, b in zip(merged[name], counts, strict=True)]
-    metrics = {"agent/tool_errors": float(sum(errors for _, errors, _ in merged.values()))}
+    metrics = {"agent/tool/errors": float(sum(errors for _, errors, _ in merged.values()))}
     for name, (calls, errors, seconds) in merged.items():
         metrics[f"agent/tool/{name}/calls"] = float(calls)
         metrics[f"agent/tool/{name}/errors"] = float(errors)
@@ -188,15 +304,16 @@ def tool_metrics(totals: list[dict[str, tuple[int, int, float]]]) -> dict[str, f
 
 
 class ToolRunner:
-    """Runs tool calls against ``tools`` with at most ``concurrency`` in flight (see the module
-    docstring); returns one result text per call, in order."""
+    """Runs tool calls against ``tools`` with at most ``concurrency`` in flight, each for at most
+    ``timeout_s`` seconds (see the module docstring); returns one result text per call, in order."""
 
-    def __init__(self, tools: list[Tool], concurrency: int = 8) -> None:
-        names = [tool.name for tool in tools]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
+    def __init__(self, tools: list[Tool], concurrency: int = 8, timeout_s: float = 60.0) -> None:
+        duplicates = duplicate_names([tool.name for tool in tools])
         if duplicates:
             raise ValueError(f"tools {duplicates} are declared twice")
+        check_positive("agent", "tool_timeout_s", timeout_s)
         self.tools = {tool.name: tool for tool in tools}
+        self.timeout_s = timeout_s
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="tandem-tool")
         self.stats = ToolStats()
 
@@ -217,10 +334,15 @@ class ToolRunner:
             self.stats.record(call.name, 0.0, failed=True)
             return f"error: {problem}"
         started = time.perf_counter()
-        try:
-            text, failed = tool.function(**call.arguments), False
-        except Exception as error:  # a tool's failure goes back to the model
-            text, failed = f"error: {type(error).__name__}: {error}", True
+        try:  # a tool's failure goes back to the model
+            text = wait_user_call(
+                start_user_call(tool.function, **call.arguments), self.timeout_s, f"tool {call.name!r}"
+            )
+            if not isinstance(text, str):
+                raise UserCodeError(f"tool {call.name!r} returned {type(text).__name__}, not text")
+            failed = False
+        except UserCodeError as error:
+            text, failed = f"error: {error}", True
         self.stats.record(call.name, time.perf_counter() - started, failed)
         return text
 

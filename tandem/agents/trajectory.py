@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.rollout.types import Completion
+from tandem.protocol.generation import Completion
 
 ANCHOR = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 

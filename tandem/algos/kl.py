@@ -25,7 +25,7 @@ K3_LOG_RATIO_CLAMP = 20.0
 K3_VALUE_CLAMP = 10.0
 
 
-@KL_ESTIMATORS.register("k1")
+@KL_ESTIMATORS.register("k1", aliases=("kl",))
 def kl_k1(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     """``log pi - log pi_ref`` per token. Shapes: ``[B, R], [B, R] -> [B, R]``."""
     return log_probs - ref_log_probs
@@ -37,13 +37,13 @@ def kl_abs(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor
     return (log_probs - ref_log_probs).abs()
 
 
-@KL_ESTIMATORS.register("k2")
+@KL_ESTIMATORS.register("k2", aliases=("mse", "mse+", "k2+"))
 def kl_k2(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     """``(log pi - log pi_ref)^2 / 2`` per token. Shapes: ``[B, R], [B, R] -> [B, R]``."""
     return 0.5 * (log_probs - ref_log_probs).square()
 
 
-@KL_ESTIMATORS.register("k3")
+@KL_ESTIMATORS.register("k3", aliases=("low_var_kl",))
 def kl_k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     """Low-variance ``exp(l) - 1 - l`` with ``l = log pi_ref - log pi`` (clamped for stability).
 
@@ -64,8 +64,8 @@ def _straight_through(value_fn: KLEstimator) -> KLEstimator:
     return estimator
 
 
-KL_ESTIMATORS.register("k1+")(_straight_through(kl_k1))
-KL_ESTIMATORS.register("k3+")(_straight_through(kl_k3))
+KL_ESTIMATORS.register("k1+", aliases=("kl+",))(_straight_through(kl_k1))
+KL_ESTIMATORS.register("k3+", aliases=("low_var_kl+",))(_straight_through(kl_k3))
 KL_ESTIMATORS.register("abs+")(_straight_through(kl_abs))
 
 
@@ -98,7 +98,7 @@ class KLConfig:
     kl_loss_coef: float = 0.001
 
     def __post_init__(self) -> None:
-        check_choice("algorithm.kl", "estimator", self.estimator, KL_ESTIMATORS.names())
+        object.__setattr__(self, "estimator", KL_ESTIMATORS.canonical(self.estimator, "algorithm.kl.estimator"))
         check_choice("algorithm.kl", "controller", self.controller, ["fixed", "adaptive"])
         check_range("algorithm.kl", "coef", self.coef, low=0.0)
         check_range("algorithm.kl", "kl_loss_coef", self.kl_loss_coef, low=0.0)

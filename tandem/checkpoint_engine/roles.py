@@ -1,7 +1,7 @@
 """The checkpoint engine across worker groups: a trainer-side mixin and the controller's two calls.
 
 A trainer worker class that holds ``self.engine`` (a training engine) mixes in
-:class:`SendsWeights`; rollout replicas are :class:`tandem.rl.rollout_worker.RolloutReplicaWorker`.
+:class:`SendsWeights`; rollout replicas are :class:`tandem.pipeline.replica_worker.RolloutReplicaWorker`.
 The controller wires them once with :func:`connect_weight_sync` and moves each new version
 with :func:`sync_weights`. The worker groups' own call channels (Ray or local processes)
 carry the sender's address; the buckets go through the chosen backend.

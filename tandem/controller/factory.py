@@ -108,7 +108,7 @@ def check_placement(
                     f"{device_key}={setting!r}, but pool {pool.name!r} reserves no GPUs and a Ray worker sees "
                     f"only the GPUs it reserves; give its workers GPUs (the pools follow {keys})"
                 )
-        from tandem.controller.ray_capacity import check_ray_cluster_holds
+        from tandem.controller.ray_capacity import check_ray_cluster_holds  # Ray is optional (the ray extra)
         from tandem.controller.ray_group import connect_ray
 
         try:
@@ -140,7 +140,7 @@ def check_placement(
 def _build(worker_cls, pool, backend, args, kwargs, ray_init_kwargs, roles) -> WorkerGroup:
     check_choice("worker_group", "backend", backend, BACKENDS)
     if backend == "ray":
-        from tandem.controller.ray_group import RayBackend
+        from tandem.controller.ray_group import RayBackend  # Ray is optional (the ray extra)
 
         return WorkerGroup(RayBackend(worker_cls, pool, args, kwargs, ray_init_kwargs), worker_cls, roles)
     if len(pool.processes_per_node) > 1:

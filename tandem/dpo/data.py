@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from tandem.config.validation import check_choice, check_positive
+from tandem.data.rows import read_rows
+from tandem.models.chat import check_message, template_ids
 from tandem.protocol import Batch
-from tandem.sft.data import check_message, read_rows, template_ids
 
 POLICIES = ("error", "drop")
 

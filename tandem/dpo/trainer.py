@@ -29,7 +29,7 @@ from tandem.dpo.config import DPOConfig
 from tandem.dpo.data import PreferenceDataset
 from tandem.dpo.loss import pair_metrics, preference_loss, summed_preference_loss
 from tandem.protocol import Batch
-from tandem.run_dir import OutputDirLock
+from tandem.run.output_dir import OutputDirLock
 from tandem.sft.engine_worker import merged_metrics
 from tandem.sft.trainer import SFTTrainer
 
@@ -84,13 +84,12 @@ class DPOTrainer(SFTTrainer):
         self._print_plan()
         if self.config.preference.needs_reference and self.config.reference == "precompute":
             self._precompute_reference()
-        with self.tracked() as trackers:  # status.json: running, then finished or failed
-            self._train_loop(trackers)
+        record = self.run_loop()
         hf_dir = self.export()
         report = self.report.path if self.report is not None else None
         if report is not None:
             self.console.print(f"report: {report}")
-        return DPOResult(self.history, self.validation, self.output_dir, hf_dir, report)
+        return DPOResult(record.history, record.validation, self.output_dir, hf_dir, report)
 
     # ------------------------------------------------------------------ the step
     def train_step(self) -> dict[str, float]:
@@ -189,9 +188,10 @@ class DPOTrainer(SFTTrainer):
         )
 
     # ------------------------------------------------------------------ logging
-    def console_line(self, metrics: dict[str, float]) -> str:
+    def console_line(self, step: int, metrics: dict[str, float]) -> str:
+        """The console's line for a logged step."""
         line = (
-            f"step {self.step}/{self.total_steps}  loss {metrics['loss']:.4f}  "
+            f"step {step}/{self.total_steps}  loss {metrics['loss']:.4f}  "
             f"accuracy {metrics['rewards/accuracies']:.3f}  margin {metrics['rewards/margins']:.4f}  "
             f"grad_norm {metrics['grad_norm']:.3f}  lr {metrics['learning_rate']:.2e}"
         )

@@ -35,11 +35,11 @@ from tandem.engine.shared_prompts import pack_shared_prompts, prompt_groups
 from tandem.engine.token_model import TokenLogProbModel
 from tandem.engine.value_model import TokenValueModel
 from tandem.engine.varlen_attention import VARLEN_ATTENTION
+from tandem.files import atomic_directory
 from tandem.kernels.cpu import enable_cpu_kernels
 from tandem.models.loading import load_head_model, resolve_dtype
+from tandem.models.weights import load_named_tensors
 from tandem.protocol import Batch
-from tandem.rollout.weights import load_named_tensors
-from tandem.run_dir import atomic_directory
 
 
 class TorchTrainEngine:

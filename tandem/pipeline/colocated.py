@@ -1,32 +1,53 @@
-"""``ColocatedRollout``: the ``sync`` pipeline's rollout — the trainer workers' own engines.
+"""``ColocatedRollout``: the ``sync`` pipeline's batch source — the trainer workers' own engines.
 
-It offers the trainer the same calls as :class:`tandem.pipeline.runner.AsyncRollout`
-(``start``, ``generate``, ``after_update``, ``close``), so the loop has one seam whatever the
-mode; only where a step's batch comes from differs (the sync loop generates it in the step).
+A :class:`~tandem.pipeline.source.BatchSource` like the asynchronous pipelines' one: each draw
+takes the next prompts from the sampler and generates their groups on the trainer's workers,
+with the weights the last update left there.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from tandem.pipeline.source import StepShape
 from tandem.protocol import Batch
-from tandem.rl.sequences import trim_padding
+from tandem.protocol.sequences import trim_padding
 from tandem.rollout import SamplingParams
+from tandem.seeds import derive_seed
 
 
 class ColocatedRollout:
-    """Generation on the trainer's worker group (``generate_sequences``), weights copied in process."""
+    """Generation on the trainer's worker group (``generate_sequences``), weights copied in process.
 
-    def __init__(self, workers: Any, pad_id: int) -> None:
+    ``dataset`` holds the training prompts (``collate``), ``sampler`` their order, ``shape`` what
+    one draw holds."""
+
+    def __init__(self, workers: Any, pad_id: int, dataset: Any, sampler: Any, shape: StepShape) -> None:
         self.workers = workers
         self.pad_id = pad_id
+        self.dataset = dataset
+        self.sampler = sampler
+        self.shape = shape
 
     def start(self, trainer_version: int) -> None:
         """Nothing to start: each worker loaded (or resumed) its rollout engine with the actor."""
 
-    def generate(self, prompts: Batch, seeds: list[int], sampling: SamplingParams, version: int) -> Batch:
+    def next_batch(self, step: int, draw: int) -> tuple[Batch, dict[str, float]]:
+        """The next ``shape.groups`` prompts, ``shape.responses`` responses each, generated now;
+        group ``i`` of the draw is ``uid`` ``<step>-<draw>-<i>``, response ``j`` of the draw seeded
+        from ``(seed, step, draw, j)``."""
+        shape = self.shape
+        prompts = self.dataset.collate(self.sampler.take(shape.groups))
+        prompts = prompts.assign(non_tensors={"uid": [f"{step}-{draw}-{i}" for i in range(len(prompts))]})
+        samples = prompts.repeat(shape.responses, interleave=True)
+        seeds = [derive_seed(shape.seed, step, draw, i) for i in range(len(samples))]
+        return self.generate(samples, seeds, shape.sampling, None), {}
+
+    def generate(
+        self, prompts: Batch, seeds: list[int], sampling: SamplingParams, version: int | None
+    ) -> Batch:
         """Responses of each row of ``prompts`` (one request per row, its own seed), trimmed to the
-        longest; the engines already hold weights ``version``."""
+        longest; the engines always hold the trainer's latest weights, whatever ``version`` asks."""
         out = self.workers.generate_sequences(
             prompts.assign(non_tensors={"seed": seeds}),
             sampling=sampling,

@@ -24,8 +24,8 @@ from typing import Any
 from tandem.errors import RolloutReplicaError
 from tandem.pipeline.groups import GroupRequest
 from tandem.pipeline.sample_queue import SampleQueue
+from tandem.protocol.generation import Completion
 from tandem.rollout import RolloutRequest
-from tandem.rollout.types import Completion
 
 COLLECT_WAIT_S = 0.02  # a replica's collect call waits this long for a group to finish (new work waits too)
 

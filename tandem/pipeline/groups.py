@@ -27,8 +27,8 @@ from tandem.agents.loops import AgentSample
 from tandem.agents.trajectory import Trajectory
 from tandem.pipeline.sample_queue import EpisodeInfo, GroupMeta
 from tandem.pipeline.sample_store import InlineWriter, SampleWriter
+from tandem.protocol.generation import Completion
 from tandem.rollout import RolloutRequest, SamplingParams
-from tandem.rollout.types import Completion
 
 if TYPE_CHECKING:
     from tandem.agents.rollout import AgentRollout

@@ -1,8 +1,8 @@
 """``AsyncRollout``: generation on rollout replicas apart from the trainer, overlapped with training.
 
-The RL trainer asks it for each step's batch (:meth:`AsyncRollout.next_batch`) and tells it
-when the trainer has a new weight version (:meth:`AsyncRollout.after_update`). What runs in
-between depends on ``pipeline.mode``:
+A :class:`~tandem.pipeline.source.BatchSource`: the RL trainer asks it for each step's batch
+(:meth:`AsyncRollout.next_batch`) and tells it when the trainer has a new weight version
+(:meth:`AsyncRollout.after_update`). What runs in between depends on ``pipeline.mode``:
 
 * ``one_step_off`` — batch ``k+1`` is generated with weights ``k-1`` while batch ``k`` trains.
   When batch ``k`` has been taken the replicas are idle: they receive weights ``k-1`` and
@@ -14,6 +14,10 @@ between depends on ``pipeline.mode``:
   ``partial_rollout`` is on (their later tokens carry the new version). Groups that still
   end up too stale are dropped and counted.
 
+A step may draw more than once (DAPO's dynamic sampling): each further draw takes the next
+groups, and the groups it consumed are handed out again on top of the staleness allowance, so
+the replicas stay as far ahead as the bound lets them; the bound itself holds for every draw.
+
 Prompts come from the trainer's sampler in order; seeds from ``trainer.seed`` and the group's
 serial number. The controller only sees metadata: the tensors stay in the replicas'
 shared-memory files until :func:`assemble_batch` pulls them.
@@ -23,44 +27,82 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tandem.agents.config import AgentConfig
 from tandem.checkpoint_engine.roles import PendingSync, connect_weight_sync, start_weight_sync
 from tandem.checkpoint_engine.transports import SLOT_PREFIX
-from tandem.controller import create_worker_group
+from tandem.controller import ResourcePool, create_worker_group
 from tandem.device import cuda_device_count
 from tandem.errors import RolloutReplicaError
+from tandem.pipeline.config import PipelineConfig
 from tandem.pipeline.fleet import RolloutFleet
 from tandem.pipeline.groups import EpisodePrompt, GroupRequest
+from tandem.pipeline.replica_worker import RolloutReplicaWorker
 from tandem.pipeline.sample_queue import GroupMeta, SampleQueue, wait_until
 from tandem.pipeline.sample_store import discard_files_of, read_fields, release
+from tandem.pipeline.source import StepShape
 from tandem.protocol import Batch
-from tandem.rl.derived import derive_seed, rollout_engine_config
-from tandem.rl.sequences import sequence_tensors, trim_padding
+from tandem.protocol.generation import Completion
+from tandem.protocol.sequences import sequence_tensors, trim_padding
 from tandem.rollout import RolloutRequest, SamplingParams
-from tandem.rollout.types import Completion
+from tandem.rollout.config import RolloutEngineConfig
+from tandem.seeds import derive_seed
 
 GROUP_SEED_TAG = 202  # derive_seed(run seed, this, group serial, response): an async group's seeds
 
 
-class AsyncRollout:
-    """See the module docstring. ``trainer`` is the trainer worker group (it sends the weights)."""
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """What the asynchronous pipelines take from a run's config, decided by the trainer.
 
-    def __init__(self, config: Any, trainer: Any, dataset: Any, sampler: Any, tokenizer: Any) -> None:
-        self.config = config
-        self.pipeline = config.pipeline
+    Attributes:
+        pipeline: ``pipeline.*``.
+        engine: each replica's rollout engine.
+        model_path: the model the replicas load (weights then arrive from the trainer).
+        device: ``auto``, ``cpu`` or ``cuda``.
+        backend: ``process`` (this machine) or ``ray``.
+        pool: the replicas' placement.
+        first_gpu: replica 0's local GPU index (:func:`replica_first_gpu`).
+        shape: what one draw holds; each group's seeds derive from its seed and the group's
+            serial number.
+        agent: the agent loops' settings when groups run as agent episodes, else ``None``.
+    """
+
+    pipeline: PipelineConfig
+    engine: RolloutEngineConfig
+    model_path: str
+    device: str
+    backend: str
+    pool: ResourcePool
+    first_gpu: int
+    shape: StepShape
+    agent: AgentConfig | None
+
+
+class AsyncRollout:
+    """See the module docstring. ``trainer`` is the trainer worker group (it sends the weights);
+    ``dataset`` the training prompts (``samples`` and ``collate``), ``sampler`` their order."""
+
+    replica_class: type = RolloutReplicaWorker  # the worker each replica runs (tests substitute their own)
+
+    def __init__(self, plan: ReplicaPlan, trainer: Any, dataset: Any, sampler: Any, pad_id: int) -> None:
+        self.plan = plan
+        self.pipeline = plan.pipeline
         self.trainer = trainer
         self.dataset = dataset
         self.sampler = sampler
-        self.pad_id = tokenizer.pad_token_id
-        self.groups_per_step = config.data.train_batch_size
+        self.pad_id = pad_id
+        self.groups_per_step = plan.shape.groups
         fully_async = self.pipeline.mode == "fully_async"
         self.queue = SampleQueue(self.pipeline.staleness_threshold if fully_async else None)
         self.rollout_version = 0
         self._start_version = 0  # the trainer's version when the pipeline started (a resumed run's step)
         self._serial = 0  # prompt groups handed out since start
+        self._redrawn = 0  # prompt groups taken by a step's further draws (dynamic sampling)
         self._last_idle = 0.0
         self._last_dropped = 0
         self.replicas: Any = None
@@ -72,19 +114,15 @@ class AsyncRollout:
     def start(self, trainer_version: int) -> None:
         """Spawn the replicas, join them to the trainer's weight sender, bring them to
         ``trainer_version`` (a resumed run) and hand out the first prompt groups."""
-        config, pipeline = self.config, self.pipeline
-        backend = "ray" if config.trainer.backend == "ray" else "process"
-        engine = rollout_engine_config(config, config.trainer.device)
+        plan, pipeline = self.plan, self.pipeline
         weights = pipeline.checkpoint_engine
         self._sample_dir = (weights.directory if weights.backend == "shared_memory" else "") or "/dev/shm"
         self._weights_dir = weights.directory or "/dev/shm"
-        pool = config.rollout_resource_pool()
-        first_gpu = replica_first_gpu(config)
         self.replicas = create_worker_group(
-            _replica_class(), pool, backend,
+            self.replica_class, plan.pool, plan.backend,
             args=(
-                engine, config.model_path, config.trainer.device, pipeline.rollout_threads, self._sample_dir,
-                config.agent if config.agent.enabled else None, first_gpu,
+                plan.engine, plan.model_path, plan.device, pipeline.rollout_threads, self._sample_dir,
+                plan.agent, plan.first_gpu,
             ),
         )  # fmt: skip
         inline = self._replicas_sending_inline()
@@ -136,11 +174,14 @@ class AsyncRollout:
         with self.fleet.hold():
             return self.replicas.stop_profile()
 
-    def next_batch(self, step: int) -> tuple[Batch, dict[str, float]]:
-        """The prompt groups step ``step`` trains on (generation fields, as the sync loop makes
-        them, plus ``weight_version``), and the step's ``pipeline/*`` metrics."""
+    def next_batch(self, step: int, draw: int) -> tuple[Batch, dict[str, float]]:
+        """The prompt groups of step ``step``'s ``draw``-th draw (generation fields, as the sync
+        pipeline makes them, plus ``weight_version``), and the draw's ``pipeline/*`` metrics."""
         assert self.fleet is not None, "start() first"
         trainer_version = step - 1
+        if draw > 1 and self.pipeline.mode == "fully_async":
+            self._redrawn += self.groups_per_step  # replaced on top of the allowance
+            self._hand_out(self._allowance() - self._serial)
         started = time.monotonic()
         groups = self.queue.take(self.groups_per_step, trainer_version, self._check)
         waited = time.monotonic() - started
@@ -150,7 +191,7 @@ class AsyncRollout:
                 wait_until(lambda: self.fleet.outstanding == 0, self._check)  # all handed out is done
                 metrics.update(self._send(trainer_version, "keep"))
             self._hand_out(self.groups_per_step)
-        batch = assemble_batch(groups, self.dataset, self.config.rollout.n, self.pad_id)
+        batch = assemble_batch(groups, self.dataset, self.plan.shape.responses, self.pad_id)
         metrics.update(self._step_metrics(batch, trainer_version))
         return batch, metrics
 
@@ -165,14 +206,16 @@ class AsyncRollout:
         self._hand_out(self._allowance() - self._serial)
         return metrics
 
-    def generate(self, prompts: Batch, seeds: list[int], sampling: SamplingParams, version: int) -> Batch:
+    def generate(
+        self, prompts: Batch, seeds: list[int], sampling: SamplingParams, version: int | None
+    ) -> Batch:
         """Responses of each row of ``prompts`` under weights ``version`` (validation): the replicas
-        are brought up to ``version`` first, letting their running requests finish on the old ones.
-        With agent loops each row is an episode."""
+        are brought up to ``version`` first, letting their running requests finish on the old ones;
+        ``None`` takes the weights they hold. With agent loops each row is an episode."""
         assert self.fleet is not None, "start() first"
-        if self.rollout_version < version:
+        if version is not None and self.rollout_version < version:
             self._send(version, "wait")
-        if self.config.agent.enabled:
+        if self.plan.agent is not None:
             with self.fleet.hold():
                 out = self.replicas.generate_episodes(
                     prompts.assign(non_tensors={"seed": seeds}),
@@ -216,29 +259,30 @@ class AsyncRollout:
         if self.pipeline.mode == "one_step_off":
             return self.groups_per_step
         ahead = self.rollout_version - self._start_version + self.pipeline.staleness_threshold + 1
-        return ahead * self.groups_per_step + self.queue.dropped_stale
+        return ahead * self.groups_per_step + self.queue.dropped_stale + self._redrawn
 
     def _hand_out(self, count: int) -> None:
         if count <= 0:
             return
         assert self.fleet is not None
-        rollout = self.config.rollout
-        params = rollout.sampling(rollout.temperature)
+        plan = self.plan
         requests = []
         for index in self.sampler.take(count):
             serial = self._serial
             self._serial += 1
             seeds = tuple(
-                derive_seed(self.config.trainer.seed, GROUP_SEED_TAG, serial, i) for i in range(rollout.n)
+                derive_seed(plan.shape.seed, GROUP_SEED_TAG, serial, i) for i in range(plan.shape.responses)
             )
             sample = self.dataset.samples[index]
             episode = (
                 EpisodePrompt(tuple(sample.raw_prompt), dict(sample.extra_info or {}), sample.agent_name)
-                if self.config.agent.enabled
+                if plan.agent is not None
                 else None
             )
             requests.append(
-                GroupRequest(f"g{serial}", index, tuple(sample.prompt_ids), seeds, params, episode)
+                GroupRequest(
+                    f"g{serial}", index, tuple(sample.prompt_ids), seeds, plan.shape.sampling, episode
+                )
             )
         self.fleet.submit(requests)
 
@@ -353,28 +397,21 @@ def _local_pids(group: Any) -> list[int]:
     return list(group.backend.host_pids)
 
 
-def replica_first_gpu(config: Any) -> int:
-    """The local GPU index replica 0 binds: with the local backend the trainer's workers hold GPUs
-    ``0 .. W-1`` of this machine, so the replicas take the next ones (Ray gives each replica a GPU
-    of its own instead). A machine without enough GPUs wraps around, replicas sharing the trainer's;
-    the broadcast backend cannot, since NCCL refuses two ranks of one group on one GPU: an error
-    naming the keys."""
-    if config.trainer.backend == "ray":
+def replica_first_gpu(pipeline: PipelineConfig, backend: str, device: str, trainer_workers: int) -> int:
+    """The local GPU index replica 0 binds: with the local backend the ``trainer_workers`` workers
+    of this machine hold GPUs ``0 .. W-1``, so the replicas take the next ones (Ray gives each
+    replica a GPU of its own instead). A machine without enough GPUs wraps around, replicas
+    sharing the trainer's; the broadcast backend cannot, since NCCL refuses two ranks of one group
+    on one GPU: an error naming the keys."""
+    if backend == "ray":
         return 0
-    trainer = config.workers_per_node
     gpus = cuda_device_count()
-    on_gpu = gpus > 0 and config.trainer.device != "cpu"
-    wanted = trainer + config.pipeline.rollout_replicas
-    if on_gpu and wanted > gpus and config.pipeline.checkpoint_engine.backend == "broadcast":
+    on_gpu = gpus > 0 and device != "cpu"
+    wanted = trainer_workers + pipeline.rollout_replicas
+    if on_gpu and wanted > gpus and pipeline.checkpoint_engine.backend == "broadcast":
         raise ValueError(
-            f"{trainer} trainer worker(s) and pipeline.rollout_replicas={config.pipeline.rollout_replicas} need "
-            f"{wanted} GPUs for pipeline.checkpoint_engine.backend=broadcast (NCCL needs a GPU per rank), and this "
-            f"machine has {gpus}; use fewer replicas or pipeline.checkpoint_engine.backend=shared_memory"
+            f"{trainer_workers} trainer worker(s) and pipeline.rollout_replicas={pipeline.rollout_replicas} "
+            f"need {wanted} GPUs for pipeline.checkpoint_engine.backend=broadcast (NCCL needs a GPU per rank), "
+            f"and this machine has {gpus}; use fewer replicas or pipeline.checkpoint_engine.backend=shared_memory"
         )
-    return trainer
-
-
-def _replica_class() -> type:
-    from tandem.rl.rollout_worker import RolloutReplicaWorker  # the rl package imports this module
-
-    return RolloutReplicaWorker
+    return trainer_workers

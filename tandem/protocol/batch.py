@@ -344,15 +344,6 @@ class Batch:
         """The same batch with every tensor on ``device``."""
         return self._replace({k: to_device(t, device) for k, t in self.tensors.items()}, self.non_tensors)
 
-    def __reduce__(self) -> tuple:
-        """Pickle through :func:`~tandem.protocol.to_bytes`: tensor payloads travel as raw buffers.
-
-        Process pipes and Ray use pickle; this keeps every transport on the one exact format.
-        """
-        from tandem.protocol.serialize import from_bytes, to_bytes
-
-        return (from_bytes, (bytearray(to_bytes(self)),))
-
     # ------------------------------------------------------------------ comparison
     def equals(self, other: Batch) -> bool:
         """Exact equality of fields (values, dtypes, shapes), non-tensor columns and meta."""

@@ -103,6 +103,12 @@ def _run_header(run: RunData) -> str:
     ]
     if info.get("resumed_at"):
         facts.append(("resumed", ", ".join(f"step {r['step']} at {r['time']}" for r in info["resumed_at"])))
+    if info.get("interrupted"):
+        stops = (
+            f"at step {i['step']} (process {i['pid']} gone; last update {i['last_update']})"
+            for i in info["interrupted"]
+        )
+        facts.append(("interrupted", ", ".join(stops)))
     config = flatten(info.get("config", {}))
     return (
         f"<section class='run'><h2>{html.escape(run.name)}</h2>{_table(facts)}"
@@ -142,6 +148,17 @@ def _figures(runs: list[RunData]) -> list[tuple[str, list[dict]]]:
     return sections
 
 
+def script_json(value: object) -> str:
+    """``value`` as JSON safe to embed in a ``<script>`` element: every ``<`` written as ``\\u003c``.
+
+    Escaping only ``</`` is not enough: a ``<!--`` followed by ``<script>`` in a metric, data
+    source or experiment name switches the HTML parser into the script's "double escaped" state,
+    where the closing ``</script>`` no longer ends it and every chart stays blank. With no ``<``
+    left, the parser cannot leave the script early; JavaScript reads ``\\u003c`` as ``<``.
+    """
+    return json.dumps(value, allow_nan=False).replace("<", "\\u003c")
+
+
 def render(runs: list[RunData], title: str | None = None) -> str:
     """The whole report page for ``runs`` as an HTML string."""
     title = title or (
@@ -172,7 +189,7 @@ def render(runs: list[RunData], title: str | None = None) -> str:
             parts.append(f"<div class='chart' id='chart-{len(figures)}'></div>")
             figures.append(fig)
         parts.append("</div>")
-    data = json.dumps(figures, allow_nan=False).replace("</", "<\\/")
+    data = script_json(figures)
     return (
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title><style>{CSS}</style>"

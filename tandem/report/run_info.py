@@ -5,8 +5,14 @@ where it is.
 command line, the resolved config, the model and data files, package versions, the machine,
 and when it started (a resumed run keeps the first start and adds to ``resumed_at``). ``status.json`` (rewritten
 after every step, atomically): ``running`` / ``finished`` / ``failed``, the step, the total,
-the last update, an ETA, and the error that stopped a failed run. The report reads both; a
-user can watch ``status.json`` (or the report, which refreshes itself) during a long run.
+the last update, an ETA, the error that stopped a failed run, and the process writing it (pid,
+host, boot and start time). The report reads both; a user can watch ``status.json`` (or the
+report, which refreshes itself) during a long run.
+
+A process killed outright (``kill -9``, the OOM killer, a lost node) leaves ``running`` behind.
+:func:`settled_status` reads such a file as ``interrupted`` once the recorded process is gone
+from this machine, so the report says so and stops reloading; the next run in that directory
+(a resume) records the interruption in ``run.json`` and says it on stderr.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import datetime
 import json
 import os
 import shlex
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -54,6 +61,83 @@ def read_json(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def _proc_stat(pid: int) -> tuple[str, str] | None:
+    """``(state, start time in clock ticks since boot)`` of ``pid`` from ``/proc`` (Linux), or None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # the name, in parentheses, may hold spaces
+    return fields[0], fields[19]
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def process_identity() -> dict:
+    """What names this process across time: pid, host and pid namespace (a container with the
+    host's name still has pids of its own), the machine's boot and the process's start (these two
+    tell a reused pid, or a rebooted machine, from the process that wrote the file)."""
+    stat = _proc_stat(os.getpid())
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "pid_namespace": _pid_namespace(),
+        "boot_id": _boot_id(),
+        "process_start": stat[1] if stat else None,
+    }
+
+
+def process_gone(status: dict) -> bool:
+    """Whether the process that wrote ``status`` is known to have ended: it ran on this host and
+    the machine has rebooted since, or no process has its pid, or the one that has is a zombie or
+    started at another time. False when it cannot be told (another host or pid namespace, no pid)."""
+    pid = status.get("pid")
+    if type(pid) is not int or not 0 < pid < 2**22:
+        return False  # 0 and negative pids would signal process groups below; 2**22 is Linux's limit
+    if status.get("host") != socket.gethostname() or status.get("pid_namespace") != _pid_namespace():
+        return False
+    if status.get("boot_id") and _boot_id() and status["boot_id"] != _boot_id():
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # it exists, owned by another user
+        pass
+    stat = _proc_stat(pid)
+    if stat is None:
+        return False
+    state, started = stat
+    return state == "Z" or (status.get("process_start") is not None and started != status["process_start"])
+
+
+def settled_status(status: dict) -> dict:
+    """``status`` as read, or, when it says ``running`` but its process is gone (:func:`process_gone`),
+    a copy marked ``interrupted`` with an ``error`` that says which process and when it last wrote."""
+    if status.get("status") != "running" or not process_gone(status):
+        return status
+    return {
+        **status,
+        "status": "interrupted",
+        "error": (
+            f"process {status['pid']} on {status['host']} is gone: it stopped without recording how "
+            f"(killed, or the machine went down) after its last update at {status.get('updated_at')}"
+        ),
+    }
 
 
 class RunInfo:
@@ -98,6 +182,7 @@ class RunInfo:
         self._clock_start = time.monotonic()
         self._start_step = self._step = 0
         self._started_at = ""
+        self._process = process_identity()
 
     @contextlib.contextmanager
     def running(self, step: int) -> Iterator[None]:
@@ -118,10 +203,26 @@ class RunInfo:
         self.info["started_at"] = self._started_at
         if previous:
             self.info["resumed_at"] = [*previous.get("resumed_at", []), {"step": step, "time": now_iso()}]
+        interrupted = self._interrupted_before()
+        if interrupted and previous:
+            self.info["interrupted"] = [*previous.get("interrupted", []), interrupted]
         self._clock_start, self._start_step, self._step = time.monotonic(), step, step
         self.output_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomically(self.output_dir / RUN_FILE, self.info)
         self._write_status("running")
+
+    def _interrupted_before(self) -> dict | None:
+        """The previous run in this directory, when ``status.json`` shows it stopped without a word:
+        ``{"step", "pid", "last_update"}``, also said on stderr. None otherwise."""
+        status = settled_status(read_json(self.output_dir / STATUS_FILE))
+        if status.get("status") != "interrupted":
+            return None
+        print(
+            f"tandem: the previous run in {self.output_dir} stopped at step {status.get('step')} without "
+            f"finishing (process {status['pid']} is gone; last update {status.get('updated_at')})",
+            file=sys.stderr,
+        )
+        return {"step": status.get("step"), "pid": status["pid"], "last_update": status.get("updated_at")}
 
     def progress(self, step: int) -> None:
         """After each logged step: the step and an ETA from the pace since this process started."""
@@ -150,6 +251,7 @@ class RunInfo:
                 "updated_at": now_iso(),
                 "elapsed_s": round(elapsed, 1),
                 "eta_s": None if eta is None else round(eta, 1),
+                **self._process,
                 **(extra or {}),
             },
         )

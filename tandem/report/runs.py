@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.report.run_info import RUN_FILE, STATUS_FILE, read_json
+from tandem.report.run_info import RUN_FILE, STATUS_FILE, read_json, settled_status
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -23,7 +23,8 @@ class RunData:
         records: one dict per logged step, ``{"step": int, metric: float | None, ...}``
             (non-finite values become None so charts show a gap).
         info: ``run.json`` (empty for runs written before it existed).
-        status: ``status.json`` (empty likewise).
+        status: ``status.json`` (empty likewise); ``interrupted`` in place of a ``running`` whose
+            process is gone (:func:`~tandem.report.run_info.settled_status`).
     """
 
     name: str
@@ -46,6 +47,17 @@ def _number(value: object) -> float | None:
     return number if math.isfinite(number) else None
 
 
+def _step(value: object) -> int:
+    """A record's ``step`` as an int: an integer 0 or more (``3.0`` reads as 3); anything else,
+    a string, a list, NaN or a bool included, is a ValueError naming the value."""
+    whole = isinstance(value, float) and math.isfinite(value) and value.is_integer()
+    if isinstance(value, bool) or not (isinstance(value, int) or whole):
+        raise ValueError(f"'step' must be an integer, got {value!r}")
+    if value < 0:
+        raise ValueError(f"'step' must be 0 or more, got {value!r}")
+    return int(value)
+
+
 def read_records(path: Path) -> list[dict]:
     """The step records of a ``metrics.jsonl``; a malformed line is named by its number."""
     records = []
@@ -58,7 +70,10 @@ def read_records(path: Path) -> list[dict]:
             raise ValueError(f"{path} line {number} is not JSON ({error})") from None
         if not isinstance(raw, dict) or "step" not in raw:
             raise ValueError(f"{path} line {number} has no 'step' field")
-        record = {"step": raw["step"]}
+        try:
+            record = {"step": _step(raw["step"])}
+        except ValueError as error:
+            raise ValueError(f"{path} line {number}: {error}") from None
         record.update({k: _number(v) for k, v in raw.items() if k != "step"})
         records.append(record)
     return records
@@ -89,7 +104,7 @@ def load_run(directory: str | Path) -> RunData:
         directory=directory,
         records=records,
         info=info,
-        status=read_json(directory / STATUS_FILE),
+        status=settled_status(read_json(directory / STATUS_FILE)),
     )
 
 

@@ -22,7 +22,7 @@ from tandem.algos import (
 from tandem.algos.masked import masked_mean
 from tandem.engine.base import LossFn, TokenOutputs
 from tandem.protocol import Batch
-from tandem.rl.sequences import response_part
+from tandem.protocol.sequences import response_part
 
 METRIC_NAMES = {"pg_clipfrac": "actor/pg_clipfrac", "ppo_kl": "actor/ppo_kl"}
 

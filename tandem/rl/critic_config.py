@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandem.algos import LOSS_AGG_MODES
 from tandem.config.validation import check_choice, check_positive, check_range
@@ -10,6 +11,9 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.offload import OffloadConfig
 
 PLACEMENTS = ("separate", "colocated")
+
+if TYPE_CHECKING:
+    from tandem.rl.config.train import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -62,3 +66,19 @@ class CriticConfig:
             raise ValueError(
                 "critic.engine.lora.rank: the critic trains all its weights (LoRA is for the actor)"
             )
+
+
+def check_critic(config: TrainConfig) -> None:
+    """The critic's batch sizes divide like the actor's, named by key."""
+    if not config.uses_critic:
+        return
+    mini = config.critic_mini_batch_prompts
+    if config.data.train_batch_size % mini:
+        raise ValueError(
+            f"critic.ppo_mini_batch_size={mini} must divide data.train_batch_size={config.data.train_batch_size}"
+        )
+    if (mini * config.rollout.n) % config.world_size:
+        raise ValueError(
+            f"a critic mini-batch of critic.ppo_mini_batch_size * rollout.n = {mini * config.rollout.n} sequences "
+            f"must divide evenly over the {config.world_size} workers"
+        )

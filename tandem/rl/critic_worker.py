@@ -27,9 +27,9 @@ from tandem.engine.divergence import ModelHealth, SkippedUpdates
 from tandem.engine.offload import Residency
 from tandem.engine.parallel import rank_strategy
 from tandem.protocol import Batch
+from tandem.protocol.sequences import response_part
 from tandem.rl.config import TrainConfig
 from tandem.rl.derived import critic_engine_config
-from tandem.rl.sequences import response_part
 
 SUMMED = ("critic/vf_loss",)  # micro-batch shares of one loss: add up
 

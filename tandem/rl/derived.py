@@ -6,9 +6,6 @@ longest sequence the rollout must hold. A user value for one of those that diffe
 what the trainer derives would be overwritten silently, so it is an error that names both
 keys (:func:`check_derived_fields`, run when a :class:`~tandem.rl.config.TrainConfig` is
 built). A field left at its default, or set to the derived value, is fine.
-
-The seed recipe lives here too (:func:`derive_seed`): every seed of a run — sampling,
-mini-batch shuffling — comes from ``trainer.seed`` and integers that say what it is for.
 """
 
 from __future__ import annotations
@@ -17,20 +14,12 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from tandem.engine.config import EngineConfig
+from tandem.pipeline.runner import ReplicaPlan, replica_first_gpu
+from tandem.pipeline.source import StepShape
 from tandem.rollout.config import RolloutEngineConfig
 
 if TYPE_CHECKING:
     from tandem.rl.config import TrainConfig
-
-SEED_MODULUS = 2**61 - 1  # a Mersenne prime: seeds stay below 2**61, inside int64
-
-
-def derive_seed(*parts: int) -> int:
-    """A seed from integers (run seed, then what it is for: step, round, row, ...): distinct and reproducible."""
-    value = 0
-    for part in parts:
-        value = (value * 1_000_003 + int(part)) % SEED_MODULUS
-    return value
 
 
 def _replace_derived(owner: str, given: Any, derived: dict[str, tuple[Any, str]]) -> Any:
@@ -104,6 +93,34 @@ def rollout_engine_config(config: TrainConfig, device: str) -> RolloutEngineConf
     )
     vllm = _replace_derived("rollout.engine.vllm", rollout.vllm, {"max_model_len": longest, "seed": seed})
     return dataclasses.replace(rollout, native=native, vllm=vllm).on_device(device)
+
+
+def step_shape(config: TrainConfig) -> StepShape:
+    """What one draw of prompt groups holds: ``data.train_batch_size`` prompts, ``rollout.n``
+    responses each, sampled at ``rollout.temperature``, seeded from ``trainer.seed``."""
+    rollout = config.rollout
+    return StepShape(
+        groups=config.data.train_batch_size,
+        responses=rollout.n,
+        sampling=rollout.sampling(rollout.temperature),
+        seed=config.trainer.seed,
+    )
+
+
+def replica_plan(config: TrainConfig) -> ReplicaPlan:
+    """What the asynchronous pipelines' rollout replicas need from the run's config."""
+    backend = "ray" if config.trainer.backend == "ray" else "process"
+    return ReplicaPlan(
+        pipeline=config.pipeline,
+        engine=rollout_engine_config(config, config.trainer.device),
+        model_path=config.model_path,
+        device=config.trainer.device,
+        backend=backend,
+        pool=config.rollout_resource_pool(),
+        first_gpu=replica_first_gpu(config.pipeline, backend, config.trainer.device, config.workers_per_node),
+        shape=step_shape(config),
+        agent=config.agent if config.agent.enabled else None,
+    )
 
 
 def check_derived_fields(config: TrainConfig) -> None:

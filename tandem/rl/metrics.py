@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 
 from tandem.protocol import Batch
-from tandem.rl.sequences import response_lengths
+from tandem.protocol.sequences import response_lengths
 
 
 @contextlib.contextmanager

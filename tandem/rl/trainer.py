@@ -4,17 +4,18 @@ Each step: sample prompts -> generate ``n`` responses -> score them -> old (and 
 log-probs -> advantages on the controller -> actor update in mini-batches -> sync the new
 weights into the rollout engines -> log -> validate / checkpoint on schedule.
 
-With ``pipeline.mode=sync`` the workers generate and train in turn (colocated). The
-asynchronous modes take generation out of the step: rollout replicas produce prompt groups
-while the trainer trains (:class:`tandem.pipeline.runner.AsyncRollout`), and the step takes
-its batch from them and hands back each new weight version.
+Every pipeline mode hands the step its prompt groups through one interface,
+:class:`tandem.pipeline.source.BatchSource`: with ``pipeline.mode=sync`` the workers generate
+each draw when it is asked for (colocated); the asynchronous modes generate on rollout replicas
+while the trainer trains (:class:`tandem.pipeline.runner.AsyncRollout`). The stages over a
+step's groups (scoring, ReMax's greedy baselines, DAPO's dynamic sampling) run on the trainer
+whatever the source.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +26,6 @@ import torch
 from rich.console import Console
 
 from tandem.agents.loops import episode_metrics
-from tandem.agents.trajectory import final_answer
 from tandem.algos import (
     AdvantageInput,
     apply_kl_penalty,
@@ -39,31 +39,34 @@ from tandem.engine.divergence import check_health, check_skipped_in_a_row
 from tandem.models.loading import load_tokenizer
 from tandem.pipeline.colocated import ColocatedRollout
 from tandem.pipeline.runner import AsyncRollout
+from tandem.pipeline.source import BatchSource, merge_draw_metrics
 from tandem.protocol import Batch, group_ids_from_uids
-from tandem.report import RunInfo
-from tandem.report.tracker import ReportTracker
-from tandem.rl.balance import balanced_rank_order
-from tandem.rl.checkpoints import CheckpointManager
-from tandem.rl.config import TrainConfig
-from tandem.rl.critic_worker import CriticWorker
-from tandem.rl.data import RLDataset
-from tandem.rl.derived import derive_seed
-from tandem.rl.metrics import data_metrics, timed, timing_metrics, value_metrics
-from tandem.rl.preference_pairs import best_worst_pairs, with_reference_sums
-from tandem.rl.rewards.model_worker import RewardModelWorker
-from tandem.rl.rewards.sources import RewardSources
-from tandem.rl.sequences import (
+from tandem.protocol.sequences import (
     concat_sequences,
-    decode_responses,
-    last_sampled_token,
     response_lengths,
     trim_padding,
 )
-from tandem.rl.trackers import build_trackers
+from tandem.report import RunInfo
+from tandem.report.tracker import ReportTracker
+from tandem.rl.balance import balanced_rank_order
+from tandem.rl.config import TrainConfig
+from tandem.rl.critic_worker import CriticWorker
+from tandem.rl.data import RLDataset
+from tandem.rl.derived import replica_plan, step_shape
+from tandem.rl.metrics import data_metrics, timed, timing_metrics, value_metrics
+from tandem.rl.plan import run_plan
+from tandem.rl.preference_pairs import best_worst_pairs, with_reference_sums
+from tandem.rl.rewards.model_worker import RewardModelWorker
+from tandem.rl.rewards.sources import RewardSources
+from tandem.rl.scoring import score_responses
 from tandem.rl.worker import ActorRolloutRefWorker, reduce_metric
 from tandem.rollout.factory import check_engine_installed
-from tandem.run_dir import OutputDirLock, check_output_dir
-from tandem.sft.sampler import EpochSampler
+from tandem.run.checkpoints import CheckpointManager
+from tandem.run.loop import RunRecord, Schedule, recording, run_steps
+from tandem.run.output_dir import OutputDirLock, check_output_dir
+from tandem.run.sampler import EpochSampler
+from tandem.run.trackers import build_trackers
+from tandem.seeds import derive_seed
 
 
 @dataclass
@@ -123,19 +126,14 @@ class RLTrainer:
         self.rewards.check_sources([s.data_source for s in self.train_data.samples])
         if self.val_data is not None:
             self.rewards.check_sources([s.data_source for s in self.val_data.samples])
+        self.train_data.check_fills_batch(data.train_batch_size, "data.train_path")
         steps_per_epoch = len(self.train_data) // data.train_batch_size
-        if steps_per_epoch == 0 and not config.trainer.total_steps:
-            raise ValueError(
-                f"data.train_batch_size={data.train_batch_size} exceeds the {len(self.train_data)} training prompts; "
-                "lower it or set trainer.total_steps"
-            )
         self.total_steps = config.trainer.total_steps or steps_per_epoch * config.trainer.total_epochs
         self.sampler = EpochSampler(len(self.train_data), config.trainer.seed, data.shuffle)
         self.kl_controller = build_kl_controller(config.algorithm.kl)
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", config.trainer.keep_last)
         self.step = 0
-        self.history: list[dict[str, float]] = []
-        self.validation: dict[str, float] = {}  # the last validation's metrics
+        self.record: RunRecord | None = None  # what the run logged, once it runs
         self.run_info = RunInfo(
             self.output_dir,
             trainer=f"RL: {config.algorithm.adv_estimator} advantages, {config.actor.policy_loss.name} policy loss",
@@ -146,7 +144,7 @@ class RLTrainer:
             data_files={"train": data.train_path, "val": data.val_path},
             total_steps=self.total_steps,
         )
-        self.rollout: ColocatedRollout | AsyncRollout | None = None  # built with the workers
+        self.rollout: BatchSource | None = None  # built with the workers
         self.critics = None  # the critic's worker group, when the estimator reads values
 
     # ------------------------------------------------------------------ the loop
@@ -160,7 +158,6 @@ class RLTrainer:
 
     def _fit(self) -> RLResult:
         config, trainer = self.config, self.config.trainer
-        pool = config.resource_pool()
         check_placement(
             config.resource_pools(),
             trainer.backend,
@@ -170,120 +167,123 @@ class RLTrainer:
         if trainer.backend != "ray":  # Ray's nodes may have packages the controller's host lacks
             check_engine_installed(config.rollout.engine.name)
         with contextlib.ExitStack() as groups:
-            colocated = config.uses_critic and config.critic.placement == "colocated"
-            if colocated:  # the critic in the actor's processes: group.actor.<m>, group.critic.<m>
-                roles = {
-                    "actor": Role(ActorRolloutRefWorker, (config,)),
-                    "critic": Role(CriticWorker, (config,)),
-                }
-                fused = groups.enter_context(create_colocated_group(roles, pool, trainer.backend))
-                workers, self.critics = fused.actor, fused.critic
-            else:
-                workers = groups.enter_context(
-                    create_worker_group(ActorRolloutRefWorker, pool, trainer.backend, args=(config,))
-                )
-                self.critics = None
-            self.workers = workers
-            check_workers_share_output_dir(workers, self.output_dir)
-            params = workers.init_model(
-                config.schedule_steps(self.total_steps, config.actor.ppo_epochs, config.mini_batch_prompts)
-            )[0]
-            if config.uses_critic and not colocated:  # a group of its own, with the actor's worker count
-                self.critics = groups.enter_context(
-                    create_worker_group(
-                        CriticWorker, config.critic_resource_pool(), trainer.backend, args=(config,)
-                    )
-                )
-                check_workers_share_output_dir(self.critics, self.output_dir)  # its checkpoints go there too
-            if self.critics is not None:
-                critic_steps = config.schedule_steps(
-                    self.total_steps, config.critic_epochs, config.critic_mini_batch_prompts
-                )
-                params_critic = self.critics.init_model(critic_steps)[0]
-                self.console.print(
-                    f"critic: {params_critic / 1e6:.2f}M parameters, {config.world_size} worker(s), "
-                    f"{config.critic.placement}"
-                )
-            if "model" in config.reward.sources:  # a pool of its own
-                model = config.reward.model
-                scorers = groups.enter_context(
-                    create_worker_group(
-                        RewardModelWorker, config.reward_model_resource_pool(), trainer.backend,
-                        args=(model, trainer.device),
-                    )
-                )  # fmt: skip
-                params_rm = scorers.init_model()[0]
-                self.rewards.model_group = scorers
-                self.console.print(
-                    f"reward model: {params_rm / 1e6:.2f}M parameters from {model.path}, {model.n_workers} worker(s)"
-                )
+            params = self._start_workers(groups)
             resumed = self._resume()
             self._print_plan(params)
-            trackers = build_trackers(
-                trainer.loggers, self.output_dir, self.total_steps, self.step, resumed,
-                trainer.project, trainer.experiment, _flatten(dataclasses.asdict(config)), self.console,
-            )  # fmt: skip
-            report = None
-            if trainer.report and "jsonl" in trainer.loggers:
-                report = ReportTracker(self.output_dir, trainer.report_every)
-                trackers.append(report)  # after the JSONL tracker, whose file it draws
+            trackers, report = self._trackers(resumed)
             failed = True  # until the loop ends normally: the pipeline then closes without ceremony
             try:
-                with self.run_info.running(self.step):  # status.json: running, then finished or failed
-                    self.rollout = (
-                        AsyncRollout(config, workers, self.train_data, self.sampler, self.tokenizer)
-                        if config.pipeline.disaggregated
-                        else ColocatedRollout(workers, self.tokenizer.pad_token_id)
-                    )
+                with recording(self.run_info, trackers, self.step, self.console) as self.record:
+                    self.rollout = self._batch_source(self.workers)
                     self.rollout.start(self.step)
-                    self._train_loop(trackers)
+                    run_steps(self, self._schedule(), self.record, self._profiled)
                 failed = False
             finally:
                 if self.rollout is not None:
                     self.rollout.close(failed)
-                for tracker in trackers:
-                    tracker.close()
             hf_dir = None
             if trainer.export_hf:
                 hf_dir = self.output_dir / "hf_model"
-                workers.export_hf(str(hf_dir))
-            workers.shutdown_engines()
+                self.workers.export_hf(str(hf_dir))
+            self.workers.shutdown_engines()
         if report is not None:
             self.console.print(f"report: {report.path}")
-        return RLResult(self.history, self.validation, self.output_dir, hf_dir, report and report.path)
+        record = self.record
+        return RLResult(record.history, record.validation, self.output_dir, hf_dir, report and report.path)
 
-    def _train_loop(self, trackers: list) -> None:
-        """Validate first (unless resumed), then step, validate and checkpoint on schedule."""
+    def _start_workers(self, groups: contextlib.ExitStack) -> int:
+        """Start the actor's workers (with the critic in their processes when it is colocated), the
+        critic's and the reward model's groups when the run has them apart, all closed with
+        ``groups``; returns the policy's parameter count."""
+        config, backend = self.config, self.config.trainer.backend
+        pool = config.resource_pool()
+        colocated = config.uses_critic and config.critic.placement == "colocated"
+        if colocated:  # the critic in the actor's processes: group.actor.<m>, group.critic.<m>
+            roles = {"actor": Role(ActorRolloutRefWorker, (config,)), "critic": Role(CriticWorker, (config,))}
+            fused = groups.enter_context(create_colocated_group(roles, pool, backend))
+            self.workers, self.critics = fused.actor, fused.critic
+        else:
+            self.workers = groups.enter_context(
+                create_worker_group(ActorRolloutRefWorker, pool, backend, args=(config,))
+            )
+            self.critics = None
+        check_workers_share_output_dir(self.workers, self.output_dir)
+        params = self.workers.init_model(
+            config.schedule_steps(self.total_steps, config.actor.ppo_epochs, config.mini_batch_prompts)
+        )[0]
+        if config.uses_critic and not colocated:  # a group of its own, with the actor's worker count
+            self.critics = groups.enter_context(
+                create_worker_group(CriticWorker, config.critic_resource_pool(), backend, args=(config,))
+            )
+            check_workers_share_output_dir(self.critics, self.output_dir)  # its checkpoints go there too
+        if self.critics is not None:
+            critic_steps = config.schedule_steps(
+                self.total_steps, config.critic_epochs, config.critic_mini_batch_prompts
+            )
+            params_critic = self.critics.init_model(critic_steps)[0]
+            self.console.print(
+                f"critic: {params_critic / 1e6:.2f}M parameters, {config.world_size} worker(s), "
+                f"{config.critic.placement}"
+            )
+        if "model" in config.reward.sources:  # a pool of its own
+            self._start_reward_model(groups)
+        return params
+
+    def _start_reward_model(self, groups: contextlib.ExitStack) -> None:
+        """The reward model's worker group (``reward.model.*``), scoring for ``self.rewards``."""
+        config, model = self.config, self.config.reward.model
+        scorers = groups.enter_context(
+            create_worker_group(
+                RewardModelWorker, config.reward_model_resource_pool(), config.trainer.backend,
+                args=(model, config.trainer.device),
+            )
+        )  # fmt: skip
+        params = scorers.init_model()[0]
+        self.rewards.model_group = scorers
+        self.console.print(
+            f"reward model: {params / 1e6:.2f}M parameters from {model.path}, {model.n_workers} worker(s)"
+        )
+
+    def _trackers(self, resumed: bool) -> tuple[list, ReportTracker | None]:
+        """The trackers ``trainer.loggers`` names, and the report (after the JSONL tracker, whose
+        file it draws) unless ``trainer.report`` is off."""
+        config, trainer = self.config, self.config.trainer
+        trackers = build_trackers(
+            trainer.loggers, self.output_dir, self.total_steps, self.step, resumed,
+            trainer.project, trainer.experiment, _flatten(dataclasses.asdict(config)), self.console,
+        )  # fmt: skip
+        report = None
+        if trainer.report and "jsonl" in trainer.loggers:
+            report = ReportTracker(self.output_dir, trainer.report_every)
+            trackers.append(report)
+        return trackers, report
+
+    def _batch_source(self, workers: Any) -> BatchSource:
+        """Where the steps' prompt groups come from: the workers' own engines (``sync``) or rollout
+        replicas beside them (the asynchronous modes)."""
+        pad_id = self.tokenizer.pad_token_id
+        if self.config.pipeline.disaggregated:
+            return AsyncRollout(replica_plan(self.config), workers, self.train_data, self.sampler, pad_id)
+        return ColocatedRollout(workers, pad_id, self.train_data, self.sampler, step_shape(self.config))
+
+    def _schedule(self) -> Schedule:
+        """Validate first (unless resumed) and every ``trainer.val_every`` steps, save every
+        ``trainer.save_every`` steps, and both after the last step."""
         trainer = self.config.trainer
-        if self.val_data is not None and trainer.val_before_train and self.step == 0:
-            self.validation = self.validate()
-            self._log(trackers, self.validation)
-        while self.step < self.total_steps:
-            with self._profiled(self.step + 1):
-                metrics = self.train_step()
-            last = self.step == self.total_steps
-            if self.val_data is not None and (
-                (trainer.val_every and self.step % trainer.val_every == 0) or last
-            ):
-                self.validation = self.validate()
-                metrics.update(self.validation)
-            self._log(trackers, metrics)
-            if (trainer.save_every and self.step % trainer.save_every == 0) or last:
-                self.save_checkpoint()
+        return Schedule(
+            total_steps=self.total_steps,
+            validate_every=trainer.val_every,
+            save_every=trainer.save_every,
+            validates=self.val_data is not None,
+            validate_first=trainer.val_before_train,
+        )
 
     def train_step(self) -> dict[str, float]:
         """One RL step; returns its metrics."""
         self.step += 1
         timings: dict[str, float] = {}
         with timed(timings, "step"):
-            if isinstance(self.rollout, AsyncRollout):  # the batch streams in from the replicas
-                with timed(timings, "gen"):  # the trainer's wait for finished prompt groups
-                    generated, metrics = self.rollout.next_batch(self.step)
-                with timed(timings, "reward"):
-                    batch, reward_metrics = self.score(generated)
-                metrics.update(reward_metrics)
-            else:
-                batch, metrics = self.rollout_batch(timings)
+            batch, metrics = self.collect_batch(timings)
             update = self._preference_update if self.config.prefers else self._policy_gradient_update
             batch, update_metrics = update(batch, timings)
             metrics.update(update_metrics)
@@ -362,49 +362,56 @@ class RLTrainer:
         return {name: reduce_metric(name, [m[name] for m in per_worker]) for name in per_worker[0]}
 
     # ------------------------------------------------------------------ stages
-    def rollout_batch(self, timings: dict[str, float]) -> tuple[Batch, dict[str, float]]:
-        """Generate and score ``train_batch_size`` prompt groups (DAPO dynamic sampling when enabled)."""
+    def collect_batch(self, timings: dict[str, float]) -> tuple[Batch, dict[str, float]]:
+        """The step's ``train_batch_size`` scored prompt groups from the batch source.
+
+        Each draw is scored and, when the estimator reads greedy baselines (ReMax), given them.
+        With DAPO's dynamic sampling the step draws again until enough groups carry a signal
+        (their rewards differ) or ``max_num_gen_batches`` draws are spent; it then tops up with
+        uninformative groups, which add no gradient. The ``gen`` time is the generation (sync) or
+        the wait for finished groups (asynchronous modes)."""
         config = self.config
         wanted, n = config.data.train_batch_size, config.rollout.n
         dynamic = config.algorithm.filter_groups
         kept: list[Batch] = []
         spare: list[Batch] = []
-        reward_metrics: dict[str, float] = {}
-        rounds = 0
+        metrics: dict[str, float] = {}
+        draw = 0
         while True:
-            rounds += 1
-            prompts = self.train_data.collate(self.sampler.take(wanted))
-            prompts = prompts.assign(
-                non_tensors={"uid": [f"{self.step}-{rounds}-{i}" for i in range(len(prompts))]}
-            )
-            baselines = None
-            if config.algorithm.needs_greedy_baseline:
-                with timed(timings, "gen_greedy"):
-                    greedy = self.generate(prompts, [0] * len(prompts), temperature=0.0)
-                    baselines = self.score(greedy, training=False)[0]["token_level_scores"].sum(-1)
-                    baselines = baselines.repeat_interleave(n)
-            samples = prompts.repeat(n, interleave=True)
-            seeds = [derive_seed(config.trainer.seed, self.step, rounds, i) for i in range(len(samples))]
+            draw += 1
             with timed(timings, "gen"):
-                generated = self.generate(samples, seeds, config.rollout.temperature)
+                generated, draw_metrics = self.rollout.next_batch(self.step, draw)
+            metrics = merge_draw_metrics(metrics, draw_metrics)
             with timed(timings, "reward"):
                 scored, reward_metrics = self.score(generated)
-            if baselines is not None:
-                scored = scored.assign(tensors={"reward_baselines": baselines})
+            if config.algorithm.needs_greedy_baseline:
+                with timed(timings, "gen_greedy"):
+                    scored = self.with_greedy_baselines(scored)
             if not dynamic.enable:
-                return scored, reward_metrics
-            informative = _groups_with_spread(scored, n, self.config.algorithm.filter_groups.metric)
+                return scored, {**metrics, **reward_metrics}
+            informative = _groups_with_spread(scored, n, dynamic.metric)
             kept.append(scored[informative.repeat_interleave(n).nonzero().flatten()])
             spare.append(scored[(~informative).repeat_interleave(n).nonzero().flatten()])
             have = sum(len(b) for b in kept) // n
-            if have >= wanted or rounds >= dynamic.max_num_gen_batches:
+            if have >= wanted or draw >= dynamic.max_num_gen_batches:
                 break
-        # Short of informative groups after the last round: top up with uninformative ones (they add no gradient).
         pool = concat_sequences([b for b in kept + spare if len(b)], self.tokenizer.pad_token_id)
         batch = trim_padding(pool[: wanted * n], self.tokenizer.pad_token_id)
-        reward_metrics["dynamic_sampling/gen_rounds"] = float(rounds)
+        reward_metrics["dynamic_sampling/gen_rounds"] = float(draw)
         reward_metrics["dynamic_sampling/informative_groups"] = float(have)
-        return batch, reward_metrics
+        return batch, {**metrics, **reward_metrics}
+
+    def with_greedy_baselines(self, scored: Batch) -> Batch:
+        """``reward_baselines [B]``: the score of each group's greedy response (ReMax), repeated over
+        the group's ``n`` rows. The greedy responses come from the weights the engines hold: the
+        trainer's latest (sync), or the replicas' (asynchronous modes), which differ from the
+        sampled responses' by at most the staleness bound. A baseline only has to be independent
+        of the response it is subtracted from, which both are."""
+        n = self.config.rollout.n
+        prompts = self.train_data.collate([int(i) for i in scored["index"][::n]])
+        greedy = self.rollout.generate(prompts, [0] * len(prompts), self.config.rollout.sampling(0.0), None)
+        baselines = self.score(greedy, training=False)[0]["token_level_scores"].sum(-1)
+        return scored.assign(tensors={"reward_baselines": baselines.repeat_interleave(n)})
 
     def generate(
         self, prompts: Batch, seeds: list[int], temperature: float, validation: bool = False
@@ -415,40 +422,12 @@ class RLTrainer:
         return self.rollout.generate(prompts, seeds, sampling, self.step)
 
     def score(self, batch: Batch, training: bool = True) -> tuple[Batch, dict[str, float]]:
-        """``token_level_scores`` (the score on each response's last sampled token) and ``acc [B]``;
-        in training also ``reward_components [B, K]`` when the advantage estimator reads them.
-
-        An agent episode is scored on its final answer (the last model turn's text); its whole
-        conversation is in the scorer's ``extra_info["messages"]``, and the reward an interaction
-        ended it with (or None) in ``extra_info["interaction_reward"]``."""
-        mask = batch["response_mask"]
-        lengths = response_lengths(batch)
-        if "agent_messages" in batch:
-            texts = [final_answer(messages) for messages in batch["agent_messages"]]
-            batch = batch.assign(
-                non_tensors={
-                    "extra_info": [
-                        {**info, "messages": messages, "interaction_reward": reward}
-                        for info, messages, reward in zip(
-                            batch["extra_info"], batch["agent_messages"], batch["agent_reward"], strict=True
-                        )
-                    ]
-                }
-            )
-        else:
-            texts = decode_responses(self.tokenizer, batch["responses"], lengths)
+        """The batch scored by the run's reward sources (:func:`tandem.rl.scoring.score_responses`);
+        in training also ``reward_components`` when the advantage estimator reads them."""
         keys = self.config.algorithm.reward_component_keys if training else ()
-        result = self.rewards.score(batch, texts, lengths, self.config.rollout.max_response_length, keys)
-        token_scores = torch.zeros(mask.shape, dtype=torch.float32)
-        token_scores[torch.arange(len(batch)), last_sampled_token(mask)] = result.scores
-        if result.errors:
-            self.console.print(f"[yellow]reward: {len(result.errors)} failed ({result.errors[0]}); scored 0")
-        if result.notes:
-            self.console.print(f"[yellow]reward: {len(result.notes)} fields left out ({result.notes[0]})")
-        tensors = {"token_level_scores": token_scores, "acc": result.accuracy, "raw_score": result.raw_scores}
-        if result.components is not None:
-            tensors["reward_components"] = result.components
-        return batch.assign(tensors=tensors), result.metrics
+        return score_responses(
+            batch, self.rewards, self.tokenizer, self.config.rollout.max_response_length, keys, self.console
+        )
 
     def compute_advantages(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """KL penalty (if any), rollout correction, and the configured advantage estimator."""
@@ -585,43 +564,11 @@ class RLTrainer:
             paths = self.workers.stop_profile() + self.rollout.stop_profile()
             self.console.print(f"profile of step {step}: {', '.join(paths)}")
 
-    def _log(self, trackers: list, metrics: dict[str, float]) -> None:
-        bad = sorted(k for k, v in metrics.items() if not math.isfinite(v))
-        if bad:
-            self.console.print(f"[red]step {self.step}: non-finite metrics {bad}")
-        self.history.append({"step": self.step, **metrics})
-        for tracker in trackers:
-            tracker.log(metrics, self.step)
-        self.run_info.progress(self.step)
-
     def _print_plan(self, params: int) -> None:
-        config = self.config
-        data, n = config.data, config.rollout.n
-        dropped = self.train_data.filtered
+        val_prompts = len(self.val_data) if self.val_data else 0
         self.console.print(
-            f"[bold]RL[/] {config.algorithm.adv_estimator} + {config.actor.policy_loss.name} loss, "
-            f"policy {params / 1e6:.2f}M parameters, {config.world_size} worker(s) on {config.trainer.backend} "
-            f"(device {config.trainer.device}), {config.rollout.engine.name} rollout engine"
-            f"{_pipeline_plan(config)}\n"
-            f"  {len(self.train_data)} training prompts ({dropped} over {data.max_prompt_length} tokens filtered), "
-            f"{len(self.val_data) if self.val_data else 0} validation prompts\n"
-            f"  {self.total_steps} steps of {data.train_batch_size} prompts x {n} responses; "
-            f"{data.train_batch_size // config.mini_batch_prompts} optimizer step(s) x {config.actor.ppo_epochs} epoch(s) "
-            f"per step; starting at step {self.step}"
+            run_plan(self.config, params, self.train_data, val_prompts, self.total_steps, self.step)
         )
-
-
-def _pipeline_plan(config: TrainConfig) -> str:
-    pipeline = config.pipeline
-    if not pipeline.disaggregated:
-        return ", colocated (pipeline.mode=sync)"
-    plan = f", {pipeline.rollout_replicas} rollout replica(s), pipeline.mode={pipeline.mode}"
-    if pipeline.mode == "fully_async":
-        plan += (
-            f" (staleness_threshold {pipeline.staleness_threshold}, partial_rollout "
-            f"{pipeline.partial_rollout}, sync every {pipeline.trigger_parameter_sync_step} step(s))"
-        )
-    return plan + f", weights by {pipeline.checkpoint_engine.backend}"
 
 
 def _groups_with_spread(batch: Batch, n: int, metric: str) -> torch.Tensor:

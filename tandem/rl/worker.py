@@ -33,12 +33,13 @@ from tandem.engine.offload import Residency
 from tandem.engine.parallel import rank_strategy
 from tandem.models.loading import check_vocab_compatible, load_tokenizer
 from tandem.protocol import Batch
+from tandem.protocol.sequences import resize_columns, response_part, sequence_tensors
 from tandem.rl.actor_loss import make_actor_loss
 from tandem.rl.config import TrainConfig
-from tandem.rl.derived import actor_engine_config, derive_seed, rollout_engine_config
-from tandem.rl.sequences import resize_columns, response_part, sequence_tensors
+from tandem.rl.derived import actor_engine_config, rollout_engine_config
 from tandem.rollout import RolloutRequest, SamplingParams
 from tandem.rollout.factory import build_rollout_engine
+from tandem.seeds import derive_seed
 
 SUMMED_METRICS = (
     "actor/pg_loss",
@@ -133,7 +134,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         """Complete each row's ``prompt_ids`` with ``sampling`` (each row's own ``seed``).
 
         Needs non-tensor ``prompt_ids`` and ``seed``. Returns the rows with the generation
-        fields of :func:`tandem.rl.sequences.sequence_tensors` (prompts left-padded to
+        fields of :func:`tandem.protocol.sequences.sequence_tensors` (prompts left-padded to
         ``prompt_width``, responses right-padded to ``sampling.max_tokens``) and a
         ``finish_reason`` column.
         """

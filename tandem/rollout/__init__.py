@@ -1,9 +1,9 @@
 """Rollout engines: the native continuous-batching engine and the ``hf`` reference engine."""
 
+from tandem.protocol.generation import Completion, RolloutRequest, SamplingParams
 from tandem.rollout.base import RolloutEngine
 from tandem.rollout.hf_engine import HFRolloutEngine
 from tandem.rollout.native import NativeEngineConfig, NativeRolloutEngine
-from tandem.rollout.types import Completion, RolloutRequest, SamplingParams
 
 __all__ = [
     "Completion",

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from tandem.rollout.types import Completion, EngineMetrics, RolloutRequest, TokenCallback
+from tandem.protocol.generation import Completion, EngineMetrics, RolloutRequest, TokenCallback
 
 
 class RolloutEngine(Protocol):

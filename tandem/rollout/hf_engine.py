@@ -11,8 +11,8 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 from tandem.device import bind_device
 from tandem.models.loading import load_model, load_tokenizer
-from tandem.rollout.types import Completion, EngineMetrics, RolloutRequest, TokenCallback
-from tandem.rollout.weights import load_named_tensors
+from tandem.models.weights import load_named_tensors
+from tandem.protocol.generation import Completion, EngineMetrics, RolloutRequest, TokenCallback
 
 
 class HFRolloutEngine:

@@ -43,14 +43,20 @@ from tandem.kernels.cpu import enable_cpu_kernels
 from tandem.kernels.cpu.linear import PackedLinears
 from tandem.kernels.cuda.head import half_head_logits
 from tandem.models.loading import load_model, load_tokenizer, resolve_dtype
+from tandem.models.weights import load_named_tensors
+from tandem.protocol.generation import (
+    Completion,
+    EngineMetrics,
+    RolloutRequest,
+    TokenCallback,
+    prompt_problem,
+)
 from tandem.rollout.decode_graphs import DecodeGraphs
 from tandem.rollout.kv_cache import KV_ATTENTION, PrefillSegment, SlotKVCache, StepPlan
 from tandem.rollout.lean import LeanDecoder, lean_unsupported_reason
 from tandem.rollout.sampling import draw_step
 from tandem.rollout.shared_prefix import SharedPrefixes, group_by_prefix
 from tandem.rollout.stats import EngineStats
-from tandem.rollout.types import Completion, EngineMetrics, RolloutRequest, TokenCallback, prompt_problem
-from tandem.rollout.weights import load_named_tensors
 
 PAUSE_MODES = ("keep", "abort", "wait")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.device import host_tensor
-from tandem.rollout.types import SamplingParams
+from tandem.protocol.generation import SamplingParams
 
 NEG_INF = float("-inf")
 

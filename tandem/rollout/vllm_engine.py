@@ -39,9 +39,15 @@ from tandem.checkpoint_engine.buckets import group_tensors
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.device import check_device_setting, only_visible_gpu
 from tandem.models.loading import load_tokenizer
+from tandem.protocol.generation import (
+    Completion,
+    EngineMetrics,
+    RolloutRequest,
+    TokenCallback,
+    prompt_problem,
+)
 from tandem.rollout.native import PAUSE_MODES
 from tandem.rollout.stats import EngineStats
-from tandem.rollout.types import Completion, EngineMetrics, RolloutRequest, TokenCallback, prompt_problem
 
 WORKER_EXTENSION = "tandem.rollout.vllm_worker.TandemWorkerExtension"
 VLLM_LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}

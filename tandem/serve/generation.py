@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from tandem.rollout.types import Completion, RolloutRequest
+from tandem.protocol.generation import Completion, RolloutRequest
 from tandem.serve.errors import APIError
 
 DISCONNECT_POLL_S = 0.25  # how often a running request checks that its client is still there

@@ -8,6 +8,8 @@ import time
 
 import uvicorn
 
+from tandem.rollout.config import RolloutEngineConfig
+from tandem.rollout.factory import build_rollout_engine
 from tandem.serve.app import create_app
 from tandem.serve.config import ServerConfig
 
@@ -22,9 +24,6 @@ def build_engine(model_path: str, engine: str = "native", **engine_options):
     :class:`HFEngineConfig`), the others keep that class's defaults. Built by the rollout
     package's one factory.
     """
-    from tandem.rollout.config import RolloutEngineConfig
-    from tandem.rollout.factory import build_rollout_engine
-
     config = RolloutEngineConfig(name=engine)
     options = type(config.selected)(**engine_options)
     return build_rollout_engine(dataclasses.replace(config, **{engine: options}), model_path)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from starlette.routing import compile_path
 
-from tandem.rollout.types import EngineMetrics
+from tandem.protocol.generation import EngineMetrics
 
 UNMATCHED_ROUTE = "unmatched"  # the one label of every path no route serves (404s)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.rollout.types import SamplingParams
+from tandem.protocol.generation import SamplingParams
 from tandem.serve.errors import APIError
 from tandem.serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 

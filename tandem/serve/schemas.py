@@ -2,18 +2,28 @@
 
 Fields OpenAI defines but tandem does not implement are accepted only at their neutral value;
 anything else is a 400 that names the field (see :func:`unsupported_fields`).
+
+Bodies are validated strictly: ``true`` is not a number (``max_tokens: true`` would otherwise be
+1), a number is not a string or a bool, and an integer field takes no ``2.0``. Text that is not
+valid Unicode (a lone surrogate such as ``"\\ud800"``, which JSON allows but UTF-8 cannot encode)
+is refused by :func:`invalid_text` before any tokenizer sees it.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_SEED = 2**63 - 1  # seeds travel as int64 through the engines
 
 
+STRICT = ConfigDict(strict=True)  # JSON true is not 1, "yes" is not a bool (see the module docstring)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
@@ -24,7 +34,7 @@ class SamplingFields(BaseModel):
     ``logprobs_mode`` (``processed``: under the distribution sampled from; ``raw``).
     """
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -49,6 +59,14 @@ class SamplingFields(BaseModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop_string(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        """An empty stop string matches everywhere: the text would end before its first token."""
+        if stop == "" or (isinstance(stop, list) and "" in stop):
+            raise ValueError("an empty stop string would end every response at once; leave it out")
+        return stop
+
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: ``prompt`` is text, token ids, or a batch of either."""
@@ -61,12 +79,15 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # tool_calls, name, tool_call_id go to the template as given
+    # tool_calls, name, tool_call_id go to the template as given
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -101,17 +122,40 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class PauseRequest(BaseModel):
+    model_config = STRICT
+
     mode: Literal["keep", "abort", "wait"] = "keep"
 
 
 class UpdateWeightsRequest(BaseModel):
     """``path``: an HF model directory (``*.safetensors`` or ``pytorch_model*.bin``) on the server's disk."""
 
+    model_config = STRICT
+
     path: str
     version: int | None = None
 
 
 CLIENT_TEMPLATE = "a client-supplied chat template is not accepted; the model's own template is used"
+
+
+def invalid_text(body: BaseModel) -> str | None:
+    """The path (``prompt.1``, ``messages.0.content``) of the first string in ``body`` that is not
+    valid Unicode, or None. A lone surrogate cannot be encoded as UTF-8: a tokenizer given one
+    raises, and a chat template renders it into a prompt no tokenizer can read."""
+    pending: list[tuple[str, object]] = [("", body.model_dump())]
+    while pending:  # a stack, not recursion: a deeply nested body must not overflow it
+        path, value = pending.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(value, dict):
+            pending.extend((f"{path}.{key}" if path else str(key), inner) for key, inner in value.items())
+        elif isinstance(value, list):
+            pending.extend((f"{path}.{index}", inner) for index, inner in enumerate(value))
+    return None
 
 
 def unsupported_fields(body: SamplingFields) -> list[tuple[str, str]]:

@@ -22,6 +22,7 @@ class SFTTrainerConfig:
         eval_every / save_every / log_every: in steps (0 turns evaluation / intermediate saving off).
         output_dir: checkpoints under ``checkpoints/``, the final HF model under ``hf_model/``.
         resume: continue from the latest checkpoint in ``output_dir`` when there is one.
+        keep_last: checkpoints kept (the newest; 0 keeps every one).
         seed: data order.
         max_skipped_updates_in_a_row: the run stops (naming the step) after this many optimizer
             steps in a row skipped for a non-finite loss or gradient norm.
@@ -43,6 +44,7 @@ class SFTTrainerConfig:
     log_every: int = 10
     output_dir: str = "outputs/sft"
     resume: bool = False
+    keep_last: int = 0
     seed: int = 0
     max_skipped_updates_in_a_row: int = 5
     backend: str = "local"
@@ -71,7 +73,7 @@ class SFTTrainerConfig:
         check_positive("trainer", "max_skipped_updates_in_a_row", self.max_skipped_updates_in_a_row)
         check_positive("trainer", "epochs", self.epochs)
         check_positive("trainer", "log_every", self.log_every)
-        for name in ("total_steps", "eval_every", "save_every", "report_every"):
+        for name in ("total_steps", "eval_every", "save_every", "report_every", "keep_last"):
             check_range("trainer", name, getattr(self, name), low=0)
 
     @property

@@ -8,15 +8,15 @@ marked in ``loss_mask``. Rows that are malformed get an error naming the row and
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import torch
 
 from tandem.config.validation import check_choice, check_positive
+from tandem.data.rows import read_rows
+from tandem.models.chat import check_message, template_ids
 from tandem.protocol import Batch
 
 TRUNCATION = ("error", "right", "drop")
@@ -42,53 +42,6 @@ class SFTDataConfig:
     def __post_init__(self) -> None:
         check_positive("data", "max_length", self.max_length)
         check_choice("data", "truncation", self.truncation, TRUNCATION)
-
-
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """All rows of a parquet or JSONL file as dicts."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"data file {path} does not exist")
-    if path.suffix == ".parquet":
-        return pq.read_table(path).to_pylist()
-    if path.suffix in (".jsonl", ".json"):
-        rows = []
-        for line_number, line in enumerate(path.read_text().splitlines(), start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}: line {line_number} is not valid JSON: {error}") from None
-        return rows
-    raise ValueError(f"data file {path} must end in .parquet or .jsonl")
-
-
-ROLES = ("system", "user", "assistant", "tool")
-
-
-def check_message(message: Any, where: str) -> None:
-    """A chat message is a dict with a known string ``role`` and non-empty string ``content``;
-    ``where`` names it in the error (file, row and turn)."""
-    if (
-        not isinstance(message, dict)
-        or not isinstance(message.get("role"), str)
-        or not isinstance(message.get("content"), str)
-    ):
-        raise ValueError(f"{where} needs string 'role' and 'content' fields, got {message!r}")
-    if message["role"] not in ROLES:
-        raise ValueError(f"{where} has role {message['role']!r}; roles are {', '.join(ROLES)}")
-    if not message["content"].strip():
-        raise ValueError(f"{where} ({message['role']}) has empty content")
-
-
-def template_ids(
-    tokenizer: Any, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
-) -> list[int]:
-    """Token ids of ``messages`` (and the ``tools``' schemas) rendered with the tokenizer's chat template."""
-    ids = tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt
-    )
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 def tokenize_conversation(tokenizer: Any, messages: list[dict], where: str) -> tuple[list[int], list[int]]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,14 +26,15 @@ from tandem.models.loading import check_vocab_fits, load_tokenizer
 from tandem.protocol import Batch
 from tandem.report import RunInfo
 from tandem.report.tracker import ReportTracker
-from tandem.run_dir import OutputDirLock, check_output_dir
+from tandem.run.checkpoints import CheckpointManager
+from tandem.run.loop import EveryNthStep, RunRecord, Schedule, recording, run_steps
+from tandem.run.output_dir import OutputDirLock, check_output_dir
+from tandem.run.sampler import EpochSampler
+from tandem.run.trackers import JsonlTracker
 from tandem.sft.config import SFTConfig
 from tandem.sft.data import SFTDataset
 from tandem.sft.engine_worker import EngineWorker, StepReport, total_loss
 from tandem.sft.loss import sft_loss
-from tandem.sft.sampler import EpochSampler
-
-STATE_FILE = "trainer_state.json"
 
 
 @dataclasses.dataclass
@@ -75,6 +75,7 @@ class SFTTrainer:
             config.trainer.max_skipped_updates_in_a_row, "trainer.max_skipped_updates_in_a_row"
         )
         self.step = 0
+        self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", config.trainer.keep_last)
         self.run_info = RunInfo(
             self.output_dir,
             trainer=self.describe(),
@@ -86,8 +87,7 @@ class SFTTrainer:
             total_steps=self.total_steps,
         )
         self.report: ReportTracker | None = None
-        self.history: list[dict[str, float]] = []  # every step's metrics
-        self.validation: dict[str, float] = {}  # the last validation's metrics
+        self.record: RunRecord | None = None  # what the run logged, once it runs
 
     def describe(self) -> str:
         """What this run trains, for the console and ``run.json``."""
@@ -137,24 +137,32 @@ class SFTTrainer:
             raise RuntimeError("the trainer's workers are not running; call it inside trainer.started()")
         return self.workers
 
-    @contextlib.contextmanager
-    def tracked(self) -> Iterator[list]:
-        """The run's trackers (``metrics.jsonl``, and the report unless ``trainer.report`` is
-        off), inside ``status.json``'s running/finished/failed bracket; closed after."""
-        # tandem.rl imports this module (its demo warms up with SFT): import its tracker late
-        from tandem.rl.trackers import JsonlTracker
-
+    def trackers(self) -> list:
+        """``metrics.jsonl``, the report unless ``trainer.report`` is off, and a console line every
+        ``trainer.log_every`` steps."""
         trainer = self.config.trainer
         trackers: list = [JsonlTracker(self.output_dir / "metrics.jsonl", self.step if self.step else None)]
         self.report = ReportTracker(self.output_dir, trainer.report_every) if trainer.report else None
         if self.report is not None:
             trackers.append(self.report)
-        try:
-            with self.run_info.running(self.step):
-                yield trackers
-        finally:
-            for tracker in trackers:
-                tracker.close()
+        trackers.append(
+            EveryNthStep(self.console, trainer.log_every, self.total_steps, "eval_loss", self.console_line)
+        )
+        return trackers
+
+    def run_loop(self) -> RunRecord:
+        """Step, evaluate and checkpoint on schedule (evaluation and a checkpoint at the end too),
+        inside ``status.json``'s running / finished / failed bracket; what it logged."""
+        trainer = self.config.trainer
+        schedule = Schedule(
+            total_steps=self.total_steps,
+            validate_every=trainer.eval_every,
+            save_every=trainer.save_every,
+            validates=self.val is not None,
+        )
+        with recording(self.run_info, self.trackers(), self.step, self.console) as self.record:
+            run_steps(self, schedule, self.record)
+        return self.record
 
     def _fit(self) -> SFTResult:
         trainer = self.config.trainer
@@ -164,25 +172,9 @@ class SFTTrainer:
             f"[bold]SFT[/] {len(self.train)} conversations ({self.train.dropped} dropped as too long), "
             f"{self.total_steps} steps of {trainer.global_batch_size}, starting at step {self.step}"
         )
-        with self.tracked() as trackers:
-            self._train_loop(trackers)
-        eval_losses = {entry["step"]: entry["eval_loss"] for entry in self.history if "eval_loss" in entry}
-        return SFTResult([entry["loss"] for entry in self.history], eval_losses, self.export())
-
-    def _train_loop(self, trackers: list) -> None:
-        """Step, evaluate and checkpoint on schedule (evaluation and a checkpoint at the end too)."""
-        trainer = self.config.trainer
-        while self.step < self.total_steps:
-            metrics = self.train_step()
-            last = self.step == self.total_steps
-            if self.val is not None and (
-                (trainer.eval_every and self.step % trainer.eval_every == 0) or last
-            ):
-                self.validation = self.validate()
-                metrics.update(self.validation)
-            self._log(trackers, metrics)
-            if (trainer.save_every and self.step % trainer.save_every == 0) or last:
-                self.save_checkpoint()
+        history = self.run_loop().history
+        eval_losses = {entry["step"]: entry["eval_loss"] for entry in history if "eval_loss" in entry}
+        return SFTResult([entry["loss"] for entry in history], eval_losses, self.export())
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step on ``global_batch_size`` conversations; returns its metrics."""
@@ -214,22 +206,10 @@ class SFTTrainer:
         """The validation metrics logged with a step: ``eval_loss``."""
         return {"eval_loss": self.evaluate()}
 
-    def _log(self, trackers: list, metrics: dict[str, float]) -> None:
-        """Keep the step's metrics, hand them to the trackers, and print every ``log_every`` steps."""
-        self.history.append({"step": self.step, **metrics})
-        for tracker in trackers:
-            tracker.log(metrics, self.step)
-        self.run_info.progress(self.step)
-        if (
-            self.step % self.config.trainer.log_every == 0
-            or self.step == self.total_steps
-            or "eval_loss" in metrics
-        ):
-            self.console.print(self.console_line(metrics))
-
-    def console_line(self, metrics: dict[str, float]) -> str:
+    def console_line(self, step: int, metrics: dict[str, float]) -> str:
+        """The console's line for a logged step."""
         line = (
-            f"step {self.step}/{self.total_steps}  loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}  "
+            f"step {step}/{self.total_steps}  loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}  "
             f"lr {metrics['learning_rate']:.2e}  {metrics['perf/throughput']:,.0f} tok/s"
         )
         return line + (f"  eval_loss {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else "")
@@ -241,7 +221,7 @@ class SFTTrainer:
         if skipped:
             self.console.print(f"[yellow]step {self.step}: loss or gradient norm not finite; update skipped")
         self.skipped.check(self.step)
-        check_health(self.group.health(probe), self.step, self._latest_checkpoint)
+        check_health(self.group.health(probe), self.step, self.checkpoints.latest)
 
     def evaluate(self) -> float:
         """Mean assistant-token NLL over the whole validation set."""
@@ -251,26 +231,20 @@ class SFTTrainer:
         return float(-summed.sum() / batch["loss_mask"].sum())
 
     def save_checkpoint(self) -> Path:
-        """Engine state plus the trainer's step and sampler position, under ``checkpoints/step_<n>``."""
-        path = self.output_dir.resolve() / "checkpoints" / f"step_{self.step}"
-        self.group.save_checkpoint(str(path))
-        (path / STATE_FILE).write_text(json.dumps({"step": self.step, "sampler": self.sampler.state()}))
-        return path
-
-    def _latest_checkpoint(self) -> Path | None:
-        checkpoints = sorted(
-            (p for p in (self.output_dir / "checkpoints").glob("step_*") if (p / STATE_FILE).exists()),
-            key=lambda p: int(p.name.split("_")[1]),
+        """Engine state (``engine/``) plus the trainer's step and sampler position, under
+        ``checkpoints/global_step_<n>`` (:class:`~tandem.run.checkpoints.CheckpointManager`)."""
+        state = {"step": self.step, "sampler": self.sampler.state()}
+        return self.checkpoints.save(
+            self.step, state, lambda path: self.group.save_checkpoint(str(path / "engine"))
         )
-        return checkpoints[-1] if checkpoints else None
 
     def _resume(self) -> None:
-        latest = self._latest_checkpoint()
+        latest = self.checkpoints.latest()
         if latest is None:
             self.console.print(f"no checkpoint in {self.output_dir}; starting fresh")
             return
-        self.group.load_checkpoint(str(latest.resolve()))
-        state = json.loads((latest / STATE_FILE).read_text())
+        self.group.load_checkpoint(str((latest / "engine").resolve()))
+        state = CheckpointManager.read_state(latest)
         self.step = state["step"]
         self.sampler.load_state(state["sampler"])
         self.console.print(f"resumed from {latest}")

@@ -13,7 +13,7 @@ from typing import Any
 
 from tandem.device import cuda_device_count
 from tandem.verl import names
-from tandem.verl.keys import ACTOR, ALGO, MODEL, ROLLOUT
+from tandem.verl.keys import ACTOR, ALGO, MODEL, REF, ROLLOUT
 
 
 @dataclass
@@ -32,21 +32,20 @@ class Context:
         return key in self.given
 
 
-def _one_file(ctx: Context, key: str, to: str) -> None:
+def _files(ctx: Context, key: str, to: str) -> None:
+    """verl's file or list of files (read in order as one dataset) -> tandem's path or list."""
     value = ctx.get(key)
     if value is None:
         return
-    files = list(value) if isinstance(value, (list, tuple)) else [value]
-    if len(files) != 1:
-        raise ValueError(
-            f"{key}: tandem reads one file per split, got {len(files)}; concatenate them into one parquet file"
-        )
-    ctx.out[to] = str(files[0])
+    files = [str(path) for path in value] if isinstance(value, (list, tuple)) else [str(value)]
+    if not files:
+        raise ValueError(f"{key}: an empty list of files")
+    ctx.out[to] = files[0] if len(files) == 1 else files
 
 
 def data_files(ctx: Context) -> None:
-    _one_file(ctx, "data.train_files", "data.train_path")
-    _one_file(ctx, "data.val_files", "data.val_path")
+    _files(ctx, "data.train_files", "data.train_path")
+    _files(ctx, "data.val_files", "data.val_path")
 
 
 TRUNCATION = {
@@ -99,9 +98,15 @@ def optimizer(ctx: Context, verl: str = ACTOR, tandem: str = "actor.engine") -> 
         ctx.out[f"{tandem}.warmup_ratio"] = float(ctx.get(f"{verl}.optim.lr_warmup_steps_ratio") or 0.0)
     ctx.out[f"{tandem}.warmup_from_zero"] = True  # verl's warmup starts at lr 0
     ctx.out["trainer.lr_schedule_unit"] = "step"
-    style = ctx.get(f"{verl}.optim.warmup_style")
-    schedule = style if style is not None else ctx.get(f"{verl}.optim.lr_scheduler_type")
+    # verl's older FSDP name (warmup_style), then Megatron's (lr_decay_style, min_lr), then the current one
+    styles = (
+        ctx.get(f"{verl}.optim.{name}") for name in ("warmup_style", "lr_decay_style", "lr_scheduler_type")
+    )
+    schedule = next((style for style in styles if style is not None), None)
     ctx.out[f"{tandem}.lr_schedule"] = names.tandem_name(f"{ACTOR}.optim.lr_scheduler_type", schedule)
+    min_lr = ctx.get(f"{verl}.optim.min_lr")
+    if min_lr is not None:
+        ctx.out[f"{tandem}.min_lr_ratio"] = float(min_lr) / float(ctx.get(f"{verl}.optim.lr"))
 
 
 def dtypes(ctx: Context, on_gpu: bool) -> None:
@@ -233,27 +238,67 @@ def policy_loss(ctx: Context) -> None:
     ctx.out["actor.policy_loss.loss_agg_mode"] = names.tandem_name(
         f"{ACTOR}.loss_agg_mode", ctx.get(f"{ACTOR}.loss_agg_mode")
     )
-    for setting, value in VERL_LOSS_BEHAVIOUR.get(name, {}).items():
+    behaviour = VERL_LOSS_BEHAVIOUR.get(name)
+    for setting, value in (behaviour.settings if behaviour else {}).items():
         ctx.out[f"actor.policy_loss.{setting}"] = value
     beta = ctx.get(f"{ACTOR}.policy_loss.dro_beta")
     if beta is not None:
         ctx.out["actor.policy_loss.dro_beta"] = float(beta)
 
 
-# Settings that make a tandem loss compute verl's numbers where tandem differs on purpose
-# (docs/algorithms.md, "Where tandem differs from verl"): verl's GSPO and SAPO average the policy
-# term per sequence whatever loss_agg_mode says; its covariance losses, GMPO and GSPO's ppo_kl do
-# not clamp log-ratios; its DPPO tests zero-advantage tokens against the lower bound; its GMPO
-# takes the geometric mean of rollout-correction weights.
-VERL_LOSS_BEHAVIOUR: dict[str, dict[str, Any]] = {
-    "gspo": {"pg_loss_agg_mode": "seq-mean-token-mean", "log_ratio_clamp": None},
-    "sapo": {"pg_loss_agg_mode": "seq-mean-token-mean"},
-    "clip_cov": {"log_ratio_clamp": None},
-    "kl_cov": {"log_ratio_clamp": None},
-    "gmpo": {"log_ratio_clamp": None, "gmpo_is_weight_mean": "geometric"},
-    "dppo_tv": {"dppo_zero_advantage_region": "negative"},
-    "dppo_kl": {"dppo_zero_advantage_region": "negative"},
+VERL_VERSION = "0.9.1"  # the verl release the translation reproduces (docs/migrating-from-verl.md)
+
+
+@dataclass(frozen=True)
+class VerlBehaviour:
+    """Settings that make one tandem loss compute verl's numbers where tandem differs on purpose
+    (docs/algorithms.md, "Where tandem differs from verl").
+
+    Attributes:
+        settings: ``actor.policy_loss.*`` values (without the prefix).
+        verl: the verl release whose ``core_algos.py`` these settings were checked against.
+        why: what verl does that the settings reproduce.
+    """
+
+    settings: dict[str, Any]
+    verl: str
+    why: str
+
+
+VERL_LOSS_BEHAVIOUR: dict[str, VerlBehaviour] = {
+    # GSPO aggregates by loss_agg_mode from verl 0.9.1 on; up to 0.9.0 it forced seq-mean-token-mean.
+    "gspo": VerlBehaviour({"log_ratio_clamp": None}, "0.9.1", "ppo_kl from the unclamped log-ratio"),
+    "sapo": VerlBehaviour(
+        {"pg_loss_agg_mode": "seq-mean-token-mean"},
+        "0.9.1",
+        "the policy term is seq-mean-token-mean whatever loss_agg_mode says",
+    ),
+    "clip_cov": VerlBehaviour({"log_ratio_clamp": None}, "0.9.1", "the log-ratio is never clamped"),
+    "kl_cov": VerlBehaviour({"log_ratio_clamp": None}, "0.9.1", "the log-ratio is never clamped"),
+    "gmpo": VerlBehaviour(
+        {"log_ratio_clamp": None, "gmpo_is_weight_mean": "geometric"},
+        "0.9.1",
+        "no log-ratio clamp; one rollout-correction weight per sequence, their geometric mean",
+    ),
+    "dppo_tv": VerlBehaviour(
+        {"dppo_zero_advantage_region": "negative"}, "0.9.1", "A = 0 is tested against the lower bound"
+    ),
+    "dppo_kl": VerlBehaviour(
+        {"dppo_zero_advantage_region": "negative"}, "0.9.1", "A = 0 is tested against the lower bound"
+    ),
 }
+
+
+def cispo_lower_clip(ctx: Context) -> None:
+    """CISPO clips the ratio to ``[1 - low, 1 + high]``; a ratio is positive, so any ``low >= 1``
+    (verl's CISPO example sets 10) never binds and equals tandem's largest allowed value, 1."""
+    low = ctx.out.get("actor.policy_loss.clip_ratio_low")
+    if ctx.out.get("actor.policy_loss.name") == "cispo" and low is not None and low > 1.0:
+        ctx.out["actor.policy_loss.clip_ratio_low"] = 1.0
+        ctx.notes.append(
+            f"{ACTOR}.clip_ratio_low={low}: CISPO's lower bound 1 - {low} never binds on a positive ratio; "
+            "tandem writes the same as clip_ratio_low=1.0"
+        )
 
 
 def kl_estimator(ctx: Context) -> None:
@@ -330,6 +375,30 @@ def rollout_correction(ctx: Context) -> None:
     # verl bounds -log(rho) by [log LOW, log HIGH]: rho = pi_old / pi_rollout lies in [1/HIGH, 1/LOW]
     ctx.out["algorithm.rollout_correction.rejection_low"] = 1.0 / upper
     ctx.out["algorithm.rollout_correction.rejection_high"] = 1.0 / lower
+
+
+# The training strategies verl 0.9.1 has (its actor configs); another name is a typo. tandem trains
+# with its own engine whichever is named (DDP or FSDP2, by the number of workers).
+VERL_STRATEGIES = ("fsdp", "fsdp2", "megatron", "veomni", "torchtitan")
+STRATEGY_KEYS: dict[str, tuple[str, ...]] = {
+    f"{ACTOR}.strategy": VERL_STRATEGIES,
+    f"{REF}.strategy": VERL_STRATEGIES,
+    "critic.strategy": VERL_STRATEGIES,
+    f"{ACTOR}.fsdp_config.strategy": ("fsdp", "fsdp2"),  # which FSDP: its engine's own choice
+}
+
+
+def engine_settings(ctx: Context) -> None:
+    """verl's engine choices that change nothing here must still be values verl has: a strategy verl
+    names, a parallel size that is a positive integer (sizes tandem lacks are refused in the key
+    table). A typo is an error naming the key, not a note."""
+    for key, allowed in STRATEGY_KEYS.items():
+        if ctx.set_by_user(key) and ctx.get(key) not in allowed:
+            raise ValueError(f"{key}={ctx.get(key)}: verl's strategies here are {', '.join(allowed)}")
+    for key in sorted(ctx.given):
+        value = ctx.get(key)
+        if key.endswith("parallel_size") and (type(value) is not int or value < 1):
+            raise ValueError(f"{key}={value}: a parallel size is a positive integer")
 
 
 def rollout_engine(ctx: Context) -> None:
@@ -409,7 +478,8 @@ def rewards(ctx: Context) -> None:
             f"reward manager {manager!r}: tandem scores like verl's 'naive' (and 'gdpo') manager, and 'dapo' with "
             "an overlong buffer; use custom_reward_function for anything else"
         )
-    for prefix in ("reward.reward_kwargs.overlong_buffer_cfg", "reward_model.overlong_buffer"):
+    _same_at_both_places(ctx, "reward.reward_kwargs", "reward_model.reward_kwargs")
+    for prefix in OVERLONG_PLACES:
         given = [k for k in ("enable", "len", "penalty_factor") if ctx.get(f"{prefix}.{k}") is not None]
         if not given:
             continue
@@ -426,12 +496,13 @@ def rewards(ctx: Context) -> None:
         ctx.out["reward.overlong.buffer"] = int(ctx.get(f"{prefix}.len"))
         factor = ctx.get(f"{prefix}.penalty_factor")
         ctx.out["reward.overlong.penalty_factor"] = 1.0 if factor is None else float(factor)
-    limit = ctx.get("reward.reward_kwargs.max_resp_len")
-    if limit is not None and int(limit) != int(ctx.get("data.max_response_length")):
-        raise ValueError(
-            f"reward.reward_kwargs.max_resp_len={limit} differs from data.max_response_length="
-            f"{ctx.get('data.max_response_length')}; tandem measures the overlong buffer from the latter"
-        )
+    for key in ("reward.reward_kwargs.max_resp_len", "reward_model.reward_kwargs.max_resp_len"):
+        limit = ctx.get(key)
+        if limit is not None and int(limit) != int(ctx.get("data.max_response_length")):
+            raise ValueError(
+                f"{key}={limit} differs from data.max_response_length="
+                f"{ctx.get('data.max_response_length')}; tandem measures the overlong buffer from the latter"
+            )
     for prefix, path_key in (("reward_model", "model.path"), ("reward.reward_model", "model_path")):
         if not ctx.get(f"{prefix}.enable"):
             continue
@@ -447,6 +518,26 @@ def rewards(ctx: Context) -> None:
     for key in ("reward.num_workers", "reward_model.num_workers"):
         if ctx.get(key) is not None:
             ctx.out["reward.num_workers"] = int(ctx.get(key))
+
+
+# DAPO's overlong buffer: verl 0.8+ reads reward.reward_kwargs; older scripts set reward_model.reward_kwargs
+# (verl 0.9 still copies it over) or, older still, reward_model.overlong_buffer.
+OVERLONG_PLACES = (
+    "reward.reward_kwargs.overlong_buffer_cfg",
+    "reward_model.reward_kwargs.overlong_buffer_cfg",
+    "reward_model.overlong_buffer",
+)
+
+
+def _same_at_both_places(ctx: Context, new: str, old: str) -> None:
+    """A setting a script gives at verl's new and old place must have one value."""
+    for key in sorted(k for k in ctx.given if k.startswith(f"{old}.")):
+        twin = new + key[len(old) :]
+        if twin in ctx.given and ctx.get(twin) != ctx.get(key):
+            raise ValueError(
+                f"{key}={ctx.get(key)} and {twin}={ctx.get(twin)}: the same verl setting at its old and new "
+                "place with two values; keep one"
+            )
 
 
 def placement(ctx: Context) -> tuple[int, bool]:
@@ -510,10 +601,12 @@ TRANSLATORS: tuple[Callable[[Context], None], ...] = (
     position_limit,
     optimizer,
     policy_loss,
+    cispo_lower_clip,
     kl_estimator,
     gdpo_normalisation,
     filter_groups,
     rollout_correction,
+    engine_settings,
     rollout_engine,
     validation_sampling,
     rewards,

@@ -1,68 +1,33 @@
 """verl's names for estimators, policy losses and KL types, and tandem's name for each.
 
-One table per kind. A verl name missing from its table is one tandem does not implement:
-the translation fails with a message naming the key and the value (never a silent fallback).
+One table per kind. The algorithms' tables come from tandem's registries, where verl's names are
+aliases of the registered ones (:func:`registered_names`). A verl name missing from its table is
+one tandem does not implement: the translation fails with a message naming the key and the value
+(never a silent fallback).
 """
 
 from __future__ import annotations
 
-ADVANTAGE_ESTIMATORS: dict[str, str] = {
-    "gae": "gae",
-    "grpo": "grpo",
-    "grpo_vectorized": "grpo",  # the same math as grpo, vectorised
-    "rloo": "rloo",
-    "rloo_vectorized": "rloo",
-    "reinforce_plus_plus": "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline",
-    "remax": "remax",
-    "opo": "opo",
-    "grpo_passk": "grpo_passk",
-    "gpg": "gpg",
-    "gdpo": "gdpo",
-    "optimal_token_baseline": "optimal_token_baseline",
-}
+from tandem import algos
+from tandem.registry import Registry
+from tandem.rollout import config as rollout_config
 
-POLICY_LOSSES: dict[str, str] = {
-    "vanilla": "ppo",
-    "gspo": "gspo",
-    "sapo": "sapo",
-    "gpg": "gpg",
-    "clip_cov": "clip_cov",
-    "kl_cov": "kl_cov",
-    "geo_mean": "gmpo",
-    "dppo_tv": "dppo_tv",
-    "dppo_kl": "dppo_kl",
-    "dro": "dro",
-    "cispo": "cispo",
-}
 
-KL_ESTIMATORS: dict[str, str] = {
-    "kl": "k1",
-    "k1": "k1",
-    "abs": "abs",
-    "mse": "k2",
-    "k2": "k2",
-    "low_var_kl": "k3",
-    "k3": "k3",
-    "kl+": "k1+",
-    "k1+": "k1+",
-    "abs+": "abs+",
-    "mse+": "k2",  # k2's gradient is already the KL's: verl treats k2+ as k2
-    "k2+": "k2",
-    "low_var_kl+": "k3+",
-    "k3+": "k3+",
-}
+def registered_names(registry: Registry) -> dict[str, str]:
+    """Every name ``registry`` answers to (its registered names and their aliases, verl's among
+    them) and the registered name each stands for."""
+    return {**{name: name for name in registry.names()}, **registry.aliases()}
 
-LOSS_AGG_MODES: dict[str, str] = {
-    mode: mode
-    for mode in (
-        "token-mean",
-        "token-sum",
-        "seq-mean-token-sum",
-        "seq-mean-token-mean",
-        "seq-mean-token-sum-norm",
-    )
-}
+
+ADVANTAGE_ESTIMATORS: dict[str, str] = registered_names(
+    algos.ADVANTAGE_ESTIMATORS
+)  # grpo_vectorized: grpo, ...
+
+POLICY_LOSSES: dict[str, str] = registered_names(algos.POLICY_LOSSES)  # verl's vanilla is ppo, geo_mean gmpo
+
+KL_ESTIMATORS: dict[str, str] = registered_names(algos.KL_ESTIMATORS)  # verl's low_var_kl is k3, mse k2, ...
+
+LOSS_AGG_MODES: dict[str, str] = {mode: mode for mode in algos.LOSS_AGG_MODES}
 
 KL_CONTROLLERS: dict[str, str] = {"fixed": "fixed", "adaptive": "adaptive"}
 
@@ -76,7 +41,7 @@ LOGGERS: dict[str, str] = {
     "file": "jsonl",
 }
 
-ROLLOUT_ENGINES: dict[str, str] = {"vllm": "vllm", "hf": "hf", "native": "native"}
+ROLLOUT_ENGINES: dict[str, str] = {name: name for name in rollout_config.ROLLOUT_ENGINES}
 
 ROLLOUT_IS_LEVELS: dict[str | None, str] = {None: "none", "token": "token", "sequence": "sequence"}
 

@@ -20,7 +20,7 @@ from hydra.errors import HydraException
 
 from tandem.rl.config import TrainConfig
 from tandem.rl.config_loader import load_train_config
-from tandem.verl import joint
+from tandem.verl import joint, multi_turn
 from tandem.verl.keys import BY_KEY, DEFAULTS, RULES, Rule
 
 BASE_PRESET = "grpo"  # every key the preset sets is also set by the translation, from verl's values
@@ -38,6 +38,25 @@ NOTED_PREFIXES: dict[str, str] = {
     "critic.model.fsdp_config.": "FSDP settings: tandem decides sharding and offloading itself",
     "critic.checkpoint.": "tandem saves the critic's model, optimizer and scheduler with the actor's",
     "critic.profiler.": "use trainer.profile_steps (tandem's PyTorch profiler)",
+    **{
+        f"{role}.{backend}.": f"a {name} engine setting (parallel sizes, offloading, recomputation, fused "
+        "kernels): tandem trains with its own engine, DDP or FSDP2 (docs/engine.md)"
+        for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+        for backend, name in (("megatron", "Megatron-LM"), ("mindspeed", "MindSpeed"), ("veomni", "VeOmni"))
+    },
+    "actor_rollout_ref.actor.engine.": "verl's engine settings (parallel sizes, offloading, recomputation): "
+    "tandem trains with its own engine, DDP or FSDP2 (docs/engine.md)",
+    "actor_rollout_ref.actor.optim.override_optimizer_config.": "Megatron optimizer settings (CPU offload, "
+    "precision-aware optimizer): tandem uses torch's AdamW (actor.offload.optimizer offloads its state)",
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision.": "tandem's FSDP2 computes in bf16 and reduces "
+    "gradients in fp32 (actor.fsdp_config.dtype decides); verl's mixed-precision dtypes are not read",
+    "actor_rollout_ref.model.mtp.": "read only with actor_rollout_ref.model.mtp.enable, which tandem refuses",
+    "actor_rollout_ref.actor.fsdp_config.qat.": "read only with actor_rollout_ref.actor.fsdp_config.qat.enable, "
+    "which tandem refuses",
+    "distillation.": "read only with distillation.enabled, which tandem refuses",
+    "actor_rollout_ref.rollout.prometheus.": "metrics export of verl's rollout servers; tandem logs rollout metrics itself",
+    "reward_model.rollout.": "the reward model's serving engine: tandem runs reward.model in its own worker",
+    "reward.reward_model.rollout.": "the reward model's serving engine: tandem runs reward.model in its own worker",
 }
 
 
@@ -72,6 +91,7 @@ def translate(items: Sequence[str]) -> Translation:
             ctx.out[rule.to] = _convert(rule, values[rule.key])
     for translate_group in joint.TRANSLATORS:
         translate_group(ctx)
+    multi_turn.agent_loops(ctx)
     workers, on_gpu = joint.placement(ctx)
     joint.micro_batches(ctx, workers)
     joint.critic(ctx, workers)

@@ -15,8 +15,8 @@ from tandem.agents.trajectory import TurnEncoder
 from tandem.engine import EngineConfig, TorchTrainEngine
 from tandem.models import load_tokenizer, save_tiny_model
 from tandem.protocol import Batch
+from tandem.protocol.generation import Completion
 from tandem.rollout import NativeEngineConfig, NativeRolloutEngine, SamplingParams
-from tandem.rollout.types import Completion
 from tests.serve.conftest import free_port, serve_process
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
@@ -95,7 +95,7 @@ def test_errors_go_back_to_the_model_and_the_episode_ends_at_its_limits(model_di
     assert tools[1].startswith("error: unknown tool 'search'") and tools[2] == "408"
     assert trajectory.finish_reason == "max_turns" and trajectory.tool_errors == 2
     metrics = agent_metrics([trajectory], runner)
-    assert metrics["agent/turns/mean"] == 3 and metrics["agent/tool_errors"] == 2.0
+    assert metrics["agent/turns/mean"] == 3 and metrics["agent/tool/errors"] == 2.0
     assert metrics["agent/finish/max_turns"] == 1.0 and "agent/tool/calculator/latency_s" in metrics
 
     short = ScriptedModel(tokenizer, [CALL, "408"])

@@ -27,7 +27,7 @@ def test_hermes_parses_calls_and_keeps_the_prose():
         ('["calculator"]', "expected a JSON object"),
         ('{"arguments": {}}', "no tool 'name'"),
         ('{"name": "calculator", "arguments": [1]}', "'arguments' must be a JSON object"),
-        ('{"name": "calculator", "arguments": "{oops"}', "not JSON"),
+        ('{"name": "calculator", "arguments": "{oops"}', "'arguments' is a string that is not valid JSON"),
     ],
 )
 def test_malformed_calls_become_errors_and_the_good_ones_still_run(body, message):
@@ -70,7 +70,7 @@ def test_the_runner_returns_errors_to_the_model_and_counts_them():
     assert results[3] == "error: argument 'expression' must be a string, got int"
     assert results[4] == "error: ZeroDivisionError: division by zero"
     metrics = runner.stats.metrics()
-    assert metrics["agent/tool_errors"] == 4.0
+    assert metrics["agent/tool/errors"] == 4.0
     assert metrics["agent/tool/calculator/calls"] == 4.0 and metrics["agent/tool/calculator/errors"] == 3.0
     assert metrics["agent/tool/unknown_tool/errors"] == 1.0
     runner.close()

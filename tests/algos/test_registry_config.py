@@ -78,7 +78,7 @@ def test_everything_the_issue_asks_for_is_registered():
             lambda: PolicyLossConfig(clip_cov_lb=6.0),
             "actor.policy_loss.clip_cov_lb=6.0 must be below clip_cov_ub=5.0",
         ),
-        (lambda: KLConfig(estimator="k4"), "algorithm.kl.estimator='k4' is not allowed"),
+        (lambda: KLConfig(estimator="k4"), "algorithm.kl.estimator='k4' is not registered"),
         (
             lambda: PolicyLossConfig(name="dro"),
             r"actor.policy_loss.dro_beta must be set \(> 0\) when actor.policy_loss.name=dro",
@@ -117,3 +117,36 @@ def test_everything_the_issue_asks_for_is_registered():
 def test_config_validation_names_the_field(factory, message):
     with pytest.raises(ValueError, match=message):
         factory()
+
+
+def test_an_alias_names_the_same_function_and_configs_store_the_registered_name(caplog):
+    """verl's names are aliases in tandem's own config: the config keeps tandem's name, computes
+    with the same function, and a note on ``tandem.names`` says what tandem calls it."""
+    assert KL_ESTIMATORS.get("low_var_kl") is KL_ESTIMATORS.get("k3")
+    assert POLICY_LOSSES.get("vanilla") is POLICY_LOSSES.get("ppo")
+    with caplog.at_level("INFO", logger="tandem.names"):
+        assert KLConfig(estimator="low_var_kl").estimator == "k3"
+        assert PolicyLossConfig(name="geo_mean").name == "gmpo"
+        assert AdvantageConfig(estimator="grpo_vectorized").estimator == "grpo"
+        assert KLConfig(estimator="k3").estimator == "k3"  # a registered name: no note
+    assert caplog.messages == [
+        "algorithm.kl.estimator=low_var_kl: tandem calls this KL estimator 'k3'",
+        "actor.policy_loss.name=geo_mean: tandem calls this policy loss 'gmpo'",
+        "algorithm.estimator=grpo_vectorized: tandem calls this advantage estimator 'grpo'",
+    ]
+    assert "low_var_kl" not in KL_ESTIMATORS.names() and KL_ESTIMATORS.aliases()["low_var_kl"] == "k3"
+
+
+def test_aliases_cannot_shadow_a_name_or_point_nowhere():
+    registry = Registry("thing")
+    registry.register("a", aliases=("b",))(print)
+    with pytest.raises(ValueError, match="thing 'b' is already registered"):
+        registry.register("b")(print)
+    with pytest.raises(ValueError, match="thing 'a' is already registered"):
+        registry.add_alias("a", "a")
+    with pytest.raises(ValueError, match="'z' is not registered"):
+        registry.add_alias("c", "z")
+    with pytest.raises(
+        ValueError, match=r"x.key='q' is not registered; choose one of \['a'\] \(aliases: \['b'\]\)"
+    ):
+        registry.canonical("q", "x.key")

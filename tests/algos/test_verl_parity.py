@@ -1,6 +1,7 @@
 """With the settings docs/algorithms.md lists, tandem computes verl's numbers: each policy loss's value,
 gradient and every metric verl reports, the KL estimators, aggregation, GDPO and OTB, against
-verl's formulas re-derived in ``verl_formulas.py``."""
+verl 0.9.1's formulas re-derived in ``verl_formulas.py``; where docs/algorithms.md lists a difference
+with no setting (GPG's alpha, OTB's ``handle_zero_tail=False``), the test pins its exact size."""
 
 import dataclasses
 
@@ -48,7 +49,6 @@ CASES = {
             name="gspo",
             clip_ratio_low=3e-4,
             clip_ratio_high=4e-4,
-            pg_loss_agg_mode="seq-mean-token-mean",
             log_ratio_clamp=None,
         ),
         constant_zero=("pg_clipfrac_lower",),
@@ -217,3 +217,41 @@ def test_optimal_token_baseline_reproduces_verl(seed, with_weights):
     )
     torch.testing.assert_close(out.advantages, advantages)
     torch.testing.assert_close(out.returns, returns)
+
+
+def test_gpg_differs_from_verl_by_alpha_alone():
+    """tandem's alpha is B / (B - M) (the paper's, M = responses in zero-spread groups); verl's is
+    B / (number of non-zero scores): the advantages differ by that ratio and nothing else."""
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 2.0, 0.5, -1.5], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2, 2, 3, 4, 4])  # 1 and 2 have no spread, 3 is alone
+    mask = torch.ones(len(scores), 3, dtype=torch.float64)
+    rewards = torch.zeros_like(mask)
+    rewards[:, -1] = scores
+    out = compute_advantage(AdvantageInput(rewards, mask, groups), AdvantageConfig(estimator="gpg"))
+    expected = verl.gpg_advantage(scores, uid_index(groups)).unsqueeze(-1) * mask
+    tandem_alpha, verl_alpha = 12 / (12 - 5), 12 / 8  # M = 5; 8 non-zero scores
+    torch.testing.assert_close(out.advantages * (verl_alpha / tandem_alpha), expected)
+
+
+def test_optimal_token_baseline_zeroes_the_tail_as_verl_s_trainer_does():
+    """verl's trainer calls OTB with ``handle_zero_tail=True`` (its default), as tandem always does;
+    ``False`` (reachable only by calling verl's function) keeps the group baseline on the tail of a
+    group's sole longest response, past the second-longest length, and changes nothing else."""
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.float64)
+    rewards = torch.zeros_like(mask)
+    rewards[0, 4], rewards[1, 1], rewards[2, 0] = 1.0, 0.5, -1.0
+    gen = torch.Generator().manual_seed(0)
+    old = -torch.rand(mask.shape, generator=gen, dtype=torch.float64) * 2
+    sum_pi_squared = torch.rand(mask.shape, generator=gen, dtype=torch.float64)
+    groups = torch.tensor([0, 0, 0])
+    out = compute_advantage(
+        AdvantageInput(rewards, mask, groups, old_log_probs=old, sum_pi_squared=sum_pi_squared),
+        AdvantageConfig(estimator="optimal_token_baseline"),
+    )
+    index = uid_index(groups)
+    zeroed, _ = verl.optimal_token_baseline(rewards, mask, index, old, sum_pi_squared)
+    kept, _ = verl.optimal_token_baseline(rewards, mask, index, old, sum_pi_squared, handle_zero_tail=False)
+    torch.testing.assert_close(out.advantages, zeroed)
+    tail = torch.zeros_like(mask, dtype=torch.bool)
+    tail[0, 2:] = True  # the sole longest response (5 tokens) past the second-longest (2)
+    assert torch.equal(zeroed != kept, tail)

@@ -1,5 +1,6 @@
-"""verl's policy losses, KL estimators and two of its advantage estimators, re-derived from their
-formulas for comparison tests (verl/trainer/ppo/core_algos.py, as of verl commit 1dda039).
+"""verl's policy losses, KL estimators and some of its advantage estimators, re-derived from their
+formulas for comparison tests (verl/trainer/ppo/core_algos.py of verl 0.9.1, the release
+docs/migrating-from-verl.md targets; where an older release differs, the function says so).
 
 Our own code, written from the definitions; it does not import verl. It keeps verl's
 numerical details: ``masked_mean`` divides by ``count + 1e-8``, ``seq-mean-token-mean`` divides
@@ -92,7 +93,7 @@ def dppo_kl(old, lp, adv, mask, mode, low=0.2, high=0.2, cap=3.0, weights=None):
 
 
 def gspo(old, lp, adv, mask, mode, low=3e-4, high=4e-4, weights=None):
-    """``mode`` is ignored: verl always aggregates GSPO with seq-mean-token-mean."""
+    """Aggregated by ``mode`` (verl 0.9.1; up to 0.9.0 verl forced seq-mean-token-mean)."""
     log_ratio = lp - old
     lengths = mask.sum(-1).clamp(min=1)
     seq_log_ratio = (log_ratio * mask).sum(-1) / lengths
@@ -105,11 +106,11 @@ def gspo(old, lp, adv, mask, mode, low=3e-4, high=4e-4, weights=None):
         "ppo_kl": masked_mean(-log_ratio, mask),
         "pg_clipfrac_lower": torch.zeros(()),
     }
-    return aggregate(_weighted(losses, weights), mask, "seq-mean-token-mean"), metrics
+    return aggregate(_weighted(losses, weights), mask, mode), metrics
 
 
 def sapo(old, lp, adv, mask, mode, tau_pos=1.0, tau_neg=1.05, weights=None):
-    """``mode`` is ignored: verl always aggregates SAPO with seq-mean-token-mean."""
+    """``mode`` is ignored: verl (0.9.1 included) aggregates SAPO with seq-mean-token-mean."""
     log_ratio = torch.clamp(lp - old, -20.0, 20.0)
     ratio = torch.exp(log_ratio)
     tau = torch.where(adv > 0, torch.tensor(tau_pos, dtype=lp.dtype), torch.tensor(tau_neg, dtype=lp.dtype))
@@ -253,7 +254,46 @@ def gdpo(components, mask, index, weights=None, norm_by_std=True, epsilon=1e-6):
     return masked_whiten(combined, mask) * mask
 
 
-def optimal_token_baseline(rewards, mask, index, old_log_probs, sum_pi_squared, is_weights=None):
+def rloo(scores, index):
+    """verl's loop RLOO per sequence ``[B]``: ``n/(n-1) (s_i - mean_g)``; a group of one keeps its score."""
+    out = scores.clone()
+    for group in np.unique(index):
+        rows = torch.as_tensor(np.nonzero(index == group)[0])
+        n = len(rows)
+        if n > 1:
+            out[rows] = (scores[rows] - scores[rows].mean()) * n / (n - 1)
+    return out
+
+
+def rloo_vectorized(scores, index):
+    """verl's ``rloo_vectorized`` per sequence ``[B]``: ``(n s_i - sum_g) / (n - 1)``, and 0 for a group
+    of one (its ``(c > 1)`` factor), where the loop version keeps the score."""
+    out = torch.zeros_like(scores)
+    for group in np.unique(index):
+        rows = torch.as_tensor(np.nonzero(index == group)[0])
+        n = len(rows)
+        if n > 1:
+            out[rows] = (n * scores[rows] - scores[rows].sum()) / (n - 1)
+    return out
+
+
+def gpg_advantage(scores, index, f_norm=1.0):
+    """verl's GPG advantage per sequence ``[B]``: ``alpha (s_i - mean_g) / f_norm`` with
+    ``alpha = B / max(1, number of non-zero scores)`` (a group of one: mean 0)."""
+    alpha = len(scores) / max(1, int(torch.count_nonzero(scores)))
+    out = scores.clone()
+    for group in np.unique(index):
+        rows = torch.as_tensor(np.nonzero(index == group)[0])
+        mean = scores[rows].mean() if len(rows) > 1 else torch.tensor(0.0, dtype=scores.dtype)
+        out[rows] = alpha * (scores[rows] - mean) / f_norm
+    return out
+
+
+def optimal_token_baseline(
+    rewards, mask, index, old_log_probs, sum_pi_squared, is_weights=None, handle_zero_tail=True
+):
+    """verl's OTB. ``handle_zero_tail`` is an argument of verl's function (default True); verl's
+    trainer never passes it, so a verl run always zeroes that tail."""
     returns = (rewards * mask).flip(-1).cumsum(-1).flip(-1)
     per_token = 1 - 2 * torch.exp(old_log_probs) + sum_pi_squared
     if is_weights is not None:
@@ -272,6 +312,6 @@ def optimal_token_baseline(rewards, mask, index, old_log_probs, sum_pi_squared, 
         ordered = torch.sort(lengths).values
         longest, second = int(ordered[-1]), int(ordered[-2])
         at_longest = (lengths == longest).nonzero(as_tuple=True)[0]
-        if at_longest.numel() == 1 and longest > second:
+        if handle_zero_tail and at_longest.numel() == 1 and longest > second:
             baselines[rows[int(at_longest[0])], second:] = 0.0
     return (returns - baselines) * mask, returns

@@ -13,11 +13,11 @@ from tandem.controller import ResourcePool, create_worker_group
 from tandem.engine import EngineConfig
 from tandem.models import load_model
 from tandem.models.loading import load_tokenizer
-from tandem.rl.rollout_worker import RolloutReplicaWorker
+from tandem.models.weights import load_named_tensors
+from tandem.pipeline.replica_worker import RolloutReplicaWorker
 from tandem.rollout import RolloutRequest, SamplingParams
 from tandem.rollout.config import RolloutEngineConfig
 from tandem.rollout.native import NativeEngineConfig, NativeRolloutEngine
-from tandem.rollout.weights import load_named_tensors
 from tests.engine.conftest import random_batch
 from tests.engine.workers import EngineWorker
 

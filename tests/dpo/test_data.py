@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tandem.dpo import PreferenceDataConfig, PreferenceDataset
+from tandem.models.chat import template_ids
 from tandem.models.loading import load_tokenizer
-from tandem.sft.data import template_ids
 from tests.dpo.conftest import addition_pairs, write_jsonl
 
 GOOD = {"prompt": [{"role": "user", "content": "2+2="}], "chosen": "4", "rejected": "5"}

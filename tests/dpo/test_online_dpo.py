@@ -77,7 +77,6 @@ def test_two_workers_train_the_same_pairs_as_one(rl_files, tmp_path):
     [
         (("rollout.n=1",), "rollout.n must be at least 2"),
         (("actor.ppo_mini_batch_size=2",), "leave actor.ppo_mini_batch_size unset"),
-        (("pipeline.mode=fully_async",), "pipeline.mode=sync for now"),
         (("algorithm.kl.use_kl_loss=true", "algorithm.kl.kl_loss_coef=0.1"), "turn algorithm.kl.use_kl_loss"),
         (("actor.preference.beta=0",), "preference.beta"),
     ],

@@ -13,7 +13,7 @@ from tandem.dpo import DPOTrainer, PreferenceDataConfig, PreferenceDataset
 from tandem.dpo.loss import pair_metrics, preference_loss
 from tandem.engine import EngineConfig, TorchTrainEngine
 from tandem.models.loading import load_tokenizer
-from tandem.rl.trackers import read_jsonl
+from tandem.run.trackers import read_jsonl
 from tests.dpo.conftest import dpo_config
 
 

@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from tandem.engine import EngineConfig, TorchTrainEngine
 from tandem.models import TinyModelConfig, load_model, save_tiny_model
-from tandem.pipeline.runner import replica_first_gpu
 from tandem.rl import RLTrainer
+from tandem.rl.derived import replica_plan
 from tandem.rollout import NativeEngineConfig, NativeRolloutEngine, RolloutRequest, SamplingParams
 from tandem.sft.loss import sft_loss
 from tests.conftest import ROOT
@@ -197,7 +197,7 @@ def test_a_replica_broadcasting_by_nccl_binds_the_gpu_after_the_trainers(rl_file
     config = small_config(rl_files, tmp_path, *overrides)
     if torch.cuda.device_count() < 2:
         with pytest.raises(ValueError, match="pipeline.checkpoint_engine.backend=broadcast"):
-            replica_first_gpu(config)
+            replica_plan(config)
         return
     history = RLTrainer(config).fit().history
     assert [h["step"] for h in history] == [1, 2]

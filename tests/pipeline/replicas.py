@@ -6,7 +6,7 @@ import signal
 import time
 
 from tandem.controller import register
-from tandem.rl.rollout_worker import RolloutReplicaWorker
+from tandem.pipeline.replica_worker import RolloutReplicaWorker
 
 
 class DelayedReplica(RolloutReplicaWorker):

@@ -17,6 +17,7 @@ from tandem.pipeline import runner
 from tandem.pipeline.sample_store import PREFIX as SAMPLE_PREFIX
 from tandem.protocol.shared import PROBE_PREFIX
 from tandem.rl import RLTrainer
+from tandem.rl.derived import replica_plan
 from tests.pipeline.replicas import DelayedReplica, DyingReplica
 from tests.rl.conftest import small_config
 
@@ -51,7 +52,7 @@ def _token_staleness(trained):
 
 
 def test_fully_async_never_trains_a_token_older_than_the_threshold(rl_files, tmp_path, monkeypatch):
-    monkeypatch.setattr(runner, "_replica_class", lambda: DelayedReplica)  # out-of-order, late groups
+    monkeypatch.setattr(runner.AsyncRollout, "replica_class", DelayedReplica)  # out-of-order, late groups
     trainer, result = _train(
         rl_files, tmp_path, "pipeline.mode=fully_async", "pipeline.staleness_threshold=1",
         "pipeline.rollout_replicas=2", "trainer.total_steps=8",
@@ -239,7 +240,7 @@ def test_a_killed_replica_stops_the_run_naming_it(rl_files, tmp_path, request, b
 
 
 def test_a_replica_lost_during_a_weight_sync_stops_the_run_naming_it(rl_files, tmp_path, monkeypatch):
-    monkeypatch.setattr(runner, "_replica_class", lambda: DyingReplica)  # dies as version 2 arrives
+    monkeypatch.setattr(runner.AsyncRollout, "replica_class", DyingReplica)  # dies as version 2 arrives
     thread, outcome = _run_in_thread(RLTrainer(_async_config(rl_files, tmp_path)))
     _assert_stopped_naming_replica_0(thread, outcome)  # not after the sync's 300 s timeout
     assert "weight version 2" in str(outcome["error"])
@@ -265,7 +266,6 @@ def test_an_async_run_resumes_from_its_checkpoint(rl_files, tmp_path):
             ["pipeline.trigger_parameter_sync_step=3", "pipeline.staleness_threshold=1"],
             "staleness_threshold=1",
         ),
-        (["algorithm.filter_groups.enable=true"], "filter_groups"),
         (["pipeline.mode=sometimes"], "pipeline.mode"),
         (["pipeline.old_log_probs=rollout", "rollout.top_p=0.9"], "rollout.top_p=1"),
     ],
@@ -279,5 +279,5 @@ def test_local_replicas_take_the_gpus_after_the_trainers(rl_files, tmp_path):
     """With spawned processes the trainer holds GPUs 0..W-1 and replica 0 binds GPU W (on the CPU
     the index changes nothing); Ray assigns each replica a GPU of its own."""
     shape = ("pipeline.mode=one_step_off", "trainer.n_workers=2", "pipeline.rollout_replicas=2")
-    assert runner.replica_first_gpu(small_config(rl_files, tmp_path, *shape)) == 2
-    assert runner.replica_first_gpu(small_config(rl_files, tmp_path, *shape, "trainer.backend=ray")) == 0
+    assert replica_plan(small_config(rl_files, tmp_path, *shape)).first_gpu == 2
+    assert replica_plan(small_config(rl_files, tmp_path, *shape, "trainer.backend=ray")).first_gpu == 0

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.rl.demo import ACCURACY_KEY, DemoSettings, run_demo
+from tandem.demos.arithmetic import ACCURACY_KEY, DemoSettings, run_demo
 
 
 def _final_accuracy(result) -> float:

@@ -1,6 +1,6 @@
 """The report opened in a real headless Chromium: it draws every chart without console errors
-or network requests, the smoothing slider matches a Python reference, and the screenshot is
-saved (``test-artifacts/`` or ``$TANDEM_TEST_ARTIFACTS``).
+or network requests (names that try to end its script included), the smoothing slider matches a
+Python reference, and the screenshot is saved (``test-artifacts/`` or ``$TANDEM_TEST_ARTIFACTS``).
 
 Needs a Chromium binary (Debian's ``chromium`` package; CI installs it). Skipped without one,
 except under CI, where a missing browser fails the test."""
@@ -12,6 +12,7 @@ import pytest
 
 from tandem.report import write_report
 from tandem.report.browser import check_page, find_browser
+from tests.report.test_hostile_runs import HOSTILE_NAMES, write_run
 from tests.report.test_report import figures_of
 
 ARTIFACTS = Path(os.environ.get("TANDEM_TEST_ARTIFACTS", Path(__file__).parents[2] / "test-artifacts"))
@@ -85,3 +86,30 @@ def test_report_screenshot_from_the_command_line(report_runs, tmp_path, browser,
         == 0
     )
     assert shot.read_bytes()[:4] == b"\x89PNG" and "page error" not in capsys.readouterr().out
+
+
+def test_hostile_names_neither_blank_the_charts_nor_run_as_script(tmp_path, browser):
+    runs = [
+        write_run(tmp_path / "a", "<!--<script>", HOSTILE_NAMES),
+        write_run(tmp_path / "b", "</script><!--", HOSTILE_NAMES[::-1]),
+    ]
+    page = write_report(runs, tmp_path / "hostile.html")
+    figures = figures_of(page.read_text())
+    check = check_page(
+        page,
+        READY,
+        probes=(
+            "Array.from(document.querySelectorAll('.js-plotly-plot')).map(d => d.data.map(t => t.name || ''))",
+            "typeof window.pwned",
+        ),
+        browser=browser,
+        timeout=30,
+    )
+    (ARTIFACTS / "report-hostile.png").parent.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / "report-hostile.png").write_bytes(check.screenshot)
+    assert check.ready, "the charts never finished drawing"
+    assert check.errors == []
+    drawn_names, pwned = check.values
+    assert drawn_names == [[t.get("name", "") for t in f["data"]] for f in figures]  # every chart, as given
+    assert any(name.startswith("<!--<script> · ") for names in drawn_names for name in names)
+    assert pwned == "undefined"  # no name ran as script

@@ -10,13 +10,14 @@ import pytest
 from tandem.cli import main
 from tandem.report import load_run, write_report
 from tandem.report.panels import NEVER_DRAWN, STEP_TIME
-from tandem.rl.trackers import read_jsonl
+from tandem.run.trackers import read_jsonl
 
 
 def figures_of(page: str) -> list[dict]:
-    """The plotly figures a report page draws (its ``FIGURES`` constant)."""
-    match = re.search(r"const FIGURES = (\[.*?\]); const REFRESH_S", page, re.S)
-    return json.loads(match.group(1).replace("<\\/", "</"))
+    """The plotly figures a report page draws (its ``FIGURES`` constant; the last ``; const REFRESH_S``
+    ends it, as a metric name may contain that text too)."""
+    start = page.index("const FIGURES = ") + len("const FIGURES = ")
+    return json.loads(page[start : page.rindex("; const REFRESH_S")])
 
 
 def titles_and_traces(page: str) -> dict[str, list[dict]]:

@@ -4,10 +4,10 @@ import subprocess
 import sys
 
 from tandem.cli import main
+from tandem.demos.arithmetic import ACCURACY_KEY, DemoSettings, run_demo
 from tandem.models import build_char_tokenizer
 from tandem.rl.data import RLDataset
-from tandem.rl.demo import ACCURACY_KEY, DemoSettings, run_demo
-from tandem.rl.trackers import read_jsonl
+from tandem.run.trackers import read_jsonl
 
 
 def test_prepare_data_refuses_a_format_it_cannot_write_before_doing_work(tmp_path, capsys):

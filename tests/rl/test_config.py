@@ -2,6 +2,7 @@
 
 import pytest
 
+from tandem.cli import main
 from tandem.rl import load_train_config, presets
 
 BASE = ["model_path=/m", "data.train_path=/d.parquet"]
@@ -184,3 +185,13 @@ def test_validation_sampling_uses_its_own_top_p_and_top_k_where_set():
     assert (greedy.top_p, greedy.top_k) == (1.0, 0)
     with pytest.raises(ValueError, match="rollout.val_top_p"):
         RolloutConfig(val_top_p=0.0)
+
+
+def test_verls_algorithm_names_work_in_tandems_own_keys_with_a_note(capsys):
+    """``algorithm.kl.estimator=low_var_kl`` is verl's k3: the train command accepts it and says so."""
+    config = load_train_config([*BASE, "algorithm.kl.estimator=low_var_kl", "actor.policy_loss.name=vanilla"])
+    assert config.algorithm.kl.estimator == "k3" and config.actor.policy_loss.name == "ppo"
+    assert main(["train", "--print-config", *BASE, "algorithm.kl.estimator=low_var_kl"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("note: algorithm.kl.estimator=low_var_kl: tandem calls this KL estimator 'k3'") == 1
+    assert "estimator: k3" in out

@@ -4,16 +4,12 @@ import json
 
 import pytest
 
+from tandem.data import write_parquet
 from tandem.models import build_char_tokenizer
-from tandem.rl.data import (
-    ArithmeticTaskConfig,
-    RLDataset,
-    arithmetic_rows,
-    gsm8k_rows,
-    math_rows,
-    write_parquet,
-)
-from tandem.sft.data import template_ids
+from tandem.models.chat import template_ids
+from tandem.rl import RLTrainer
+from tandem.rl.data import ArithmeticTaskConfig, RLDataset, arithmetic_rows, gsm8k_rows, math_rows
+from tests.rl.conftest import small_config
 
 
 def test_arithmetic_rows_are_correct_deterministic_and_follow_the_difficulty():
@@ -170,3 +166,105 @@ def test_gsm8k_and_math_converters(tmp_path):
     gsm.write_text(json.dumps({"question": "q", "answer": "no marker"}) + "\n")
     with pytest.raises(ValueError, match="row 0: field 'answer' has no '#### <answer>' line"):
         gsm8k_rows(gsm)
+
+
+def _mixed_files(tmp_path):
+    """Two files with their own data sources, as verl's gsm8k + MATH mix."""
+    first = arithmetic_rows(3, ArithmeticTaskConfig(), seed=0)
+    second = arithmetic_rows(2, ArithmeticTaskConfig(), seed=1)
+    for row in second:
+        row["data_source"] = "math"
+    return (
+        first,
+        second,
+        write_parquet(first, tmp_path / "a.parquet"),
+        write_parquet(second, tmp_path / "b.parquet"),
+    )
+
+
+def test_several_files_load_as_one_dataset_in_order(tmp_path):
+    tokenizer = build_char_tokenizer()
+    first, second, a, b = _mixed_files(tmp_path)
+    data = RLDataset.load([a, b], tokenizer, max_prompt_length=64)
+    one_by_one = RLDataset.load(a, tokenizer, 64).samples + RLDataset.load(b, tokenizer, 64).samples
+    assert data.samples == one_by_one  # the reference: each file loaded alone, concatenated
+    assert [s.data_source for s in data.samples] == ["arithmetic"] * 3 + ["math"] * 2
+    assert [s.ground_truth for s in data.samples] == [
+        str(r["reward_model"]["ground_truth"]) for r in first + second
+    ]
+
+
+def test_a_bad_row_in_the_second_file_names_that_file(tmp_path):
+    _, second, a, _ = _mixed_files(tmp_path)
+    second[1].pop("reward_model")
+    b = tmp_path / "broken.jsonl"  # the files of a list may differ in format
+    b.write_text("".join(json.dumps(row) + "\n" for row in second))
+    with pytest.raises(ValueError, match=r"broken\.jsonl: row 1: missing field 'reward_model'"):
+        RLDataset.load([a, b], build_char_tokenizer(), 64)
+
+
+@pytest.mark.parametrize(
+    "content", [b"PAR1" + b"\0" * 100 + b"PAR1", b"PAR1" + b"\0" * 4096], ids=["thrift", "no-footer"]
+)
+def test_a_corrupt_parquet_file_is_named(tmp_path, content):
+    path = tmp_path / "corrupt.parquet"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=r"corrupt\.parquet is not a readable parquet file"):
+        RLDataset.load(path, build_char_tokenizer(), 64)
+
+
+def test_a_directory_as_the_data_path_is_named(tmp_path):
+    (tmp_path / "shards.parquet").mkdir()
+    with pytest.raises(ValueError, match=r"shards\.parquet is a directory; .*list several"):
+        RLDataset.load(tmp_path / "shards.parquet", build_char_tokenizer(), 64)
+
+
+def test_an_empty_file_says_it_has_no_rows(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    with pytest.raises(ValueError, match=r"empty\.jsonl has no rows"):
+        RLDataset.load(path, build_char_tokenizer(), 64)
+
+
+def test_a_dataset_smaller_than_one_batch_is_an_error_with_the_numbers(tmp_path):
+    rows = arithmetic_rows(3, ArithmeticTaskConfig(), seed=0)
+    rows[0]["prompt"][0]["content"] = "9" * 200  # filtered: 2 usable prompts remain
+    data = RLDataset.load(write_parquet(rows, tmp_path / "small.parquet"), build_char_tokenizer(), 64)
+    data.check_fills_batch(2, "data.train_path")  # exactly one batch is fine
+    with pytest.raises(
+        ValueError,
+        match=r"data.train_path has 2 usable prompts \(1 dropped as longer than data.max_prompt_length\), "
+        r"fewer than data.train_batch_size=64",
+    ):
+        data.check_fills_batch(64, "data.train_path")
+
+
+def test_the_trainer_refuses_a_dataset_smaller_than_one_batch_even_with_total_steps(rl_files, tmp_path):
+    """It used to run, with a step's batch repeating prompts, whenever trainer.total_steps was set."""
+    config = small_config(rl_files, tmp_path, "data.train_batch_size=128", "trainer.total_steps=2")
+    with pytest.raises(
+        ValueError, match=r"data.train_path has 64 usable prompts, fewer than data.train_batch_size=128"
+    ):
+        RLTrainer(config)
+
+
+def test_the_data_config_takes_one_file_or_a_list(tmp_path):
+    from tandem.rl.config import RLDataConfig
+
+    assert RLDataConfig(train_path="a.parquet").train_files == ("a.parquet",)
+    assert RLDataConfig(train_path=["a.parquet", "b.jsonl"]).train_files == ("a.parquet", "b.jsonl")
+    assert RLDataConfig(val_path="").val_files == ()
+    with pytest.raises(ValueError, match=r"data.train_path\[1\] must be a file path"):
+        RLDataConfig(train_path=["a.parquet", 3])
+    with pytest.raises(ValueError, match=r"data.val_path\[0\] must be a file path"):
+        RLDataConfig(train_path="a.parquet", val_path=[""])
+
+
+def test_a_list_of_files_goes_through_the_command_line():
+    from tandem.rl.config_loader import load_train_config
+
+    config = load_train_config(["model_path=/m", "data.train_path=[/d/gsm8k.parquet,/d/math.parquet]"])
+    assert config.data.train_files == ("/d/gsm8k.parquet", "/d/math.parquet")
+    assert load_train_config(["model_path=/m", "data.train_path=/d/one.parquet"]).data.train_files == (
+        "/d/one.parquet",
+    )

@@ -9,8 +9,8 @@ import pytest
 import tandem.rl.worker as worker_module
 from tandem.engine.divergence import DivergenceError
 from tandem.rl import RLTrainer
-from tandem.rl.checkpoints import CheckpointManager
-from tandem.rl.trackers import read_jsonl
+from tandem.run.checkpoints import CheckpointManager
+from tandem.run.trackers import read_jsonl
 from tests.rl.conftest import small_config
 
 NO_VAL = ("data.val_path=", "trainer.save_every=1")

@@ -8,14 +8,15 @@ import pytest
 
 from tandem.cli import main
 from tandem.errors import OutputDirInUseError
+from tandem.files import atomic_directory
 from tandem.rl import RLTrainer
-from tandem.run_dir import OutputDirLock, atomic_directory
+from tandem.run.output_dir import OutputDirLock
 from tests.rl.conftest import small_config
 
 HOLD_LOCK = textwrap.dedent(
     """
     import sys
-    from tandem.run_dir import OutputDirLock
+    from tandem.run.output_dir import OutputDirLock
     with OutputDirLock(sys.argv[1], "trainer.output_dir"):
         print("held", flush=True)
         sys.stdin.read()  # until the test closes our stdin
@@ -76,7 +77,7 @@ def test_atomic_directory_keeps_the_old_contents_when_the_writer_dies(tmp_path):
     writer = textwrap.dedent(
         f"""
         import os
-        from tandem.run_dir import atomic_directory
+        from tandem.files import atomic_directory
         with atomic_directory({str(target)!r}) as staging:
             (staging / "weights").write_text("half of v2")
             os._exit(9)  # killed mid-export

@@ -4,7 +4,7 @@ slow tier, ``pytest -m slow``)."""
 
 import pytest
 
-from tandem.rl.demo import ACCURACY_KEY, DemoSettings, run_demo
+from tandem.demos.arithmetic import ACCURACY_KEY, DemoSettings, run_demo
 
 
 @pytest.mark.slow

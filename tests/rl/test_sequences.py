@@ -5,9 +5,9 @@ import random
 import torch
 
 from tandem.protocol import Batch
-from tandem.rl.sequences import concat_sequences, sequence_tensors, trim_padding
+from tandem.protocol.generation import Completion
+from tandem.protocol.sequences import concat_sequences, sequence_tensors, trim_padding
 from tandem.rl.trainer import _groups_with_spread
-from tandem.rollout.types import Completion
 
 PAD = 0
 

@@ -12,8 +12,8 @@ import torch
 
 from tandem.models import load_model
 from tandem.rl import RLTrainer
-from tandem.rl.checkpoints import CheckpointManager
-from tandem.rl.trackers import read_jsonl
+from tandem.run.checkpoints import CheckpointManager
+from tandem.run.trackers import read_jsonl
 from tests.rl.conftest import small_config
 
 CORE_METRICS = [
@@ -88,7 +88,7 @@ KILL_SCRIPT = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
 from tandem.rl import RLTrainer
-from tandem.rl.checkpoints import CheckpointManager
+from tandem.run.checkpoints import CheckpointManager
 from tests.rl.conftest import small_config
 
 files = {files!r}

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
+from tandem.models.weights import read_hf_weights
 from tandem.rl import RLTrainer
 from tandem.rollout import RolloutRequest, SamplingParams
-from tandem.rollout.weights import read_hf_weights
 from tests.rl.conftest import small_config
 from tests.rollout.test_native_engine import random_prompts
 

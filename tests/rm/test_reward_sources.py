@@ -8,6 +8,7 @@ from transformers import AutoModelForSequenceClassification
 
 from tandem.config.overrides import config_from_overrides
 from tandem.controller import ResourcePool, create_worker_group
+from tandem.models.chat import template_ids
 from tandem.models.loading import load_tokenizer
 from tandem.protocol import Batch
 from tandem.rl.config import RewardConfig, RewardModelSourceConfig
@@ -15,7 +16,6 @@ from tandem.rl.rewards.model_worker import RewardModelWorker
 from tandem.rl.rewards.sources import RewardSources
 from tandem.rl.trainer import RLTrainer
 from tandem.rm import RewardModelConfig, RewardModelTrainer
-from tandem.sft.data import template_ids
 from tests.rl.conftest import small_config
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tandem.models import TinyModelConfig, load_model, load_tokenizer, save_tiny_model
+from tandem.models.weights import read_hf_weights
 from tandem.rollout import HFRolloutEngine, RolloutRequest, SamplingParams
-from tandem.rollout.weights import read_hf_weights
 from tests.rollout.test_native_engine import greedy, processed_reference, random_prompts, trainer_log_probs
 
 pytestmark = pytest.mark.slow

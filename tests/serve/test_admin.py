@@ -60,6 +60,11 @@ def test_bad_weight_updates_are_refused(server, tmp_path):
     )
     code, body = http(url, {"path": str(small)})
     assert code == 400 and "shape" in body["error"]["message"]
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "model.safetensors").write_bytes(b"\xff" * 64)  # not a safetensors file
+    code, body = http(url, {"path": str(corrupt)})
+    assert code == 400 and body["error"]["param"] == "path" and str(corrupt) in body["error"]["message"], body
     assert http(server.url + "/admin/weight_version")[1]["version"] == version  # nothing changed
 
 

@@ -33,6 +33,19 @@ GOOD = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0}
         ({"frequency_penalty": 0.5}, 400, "penalt"),
         ({"stop_token_ids": [-1]}, 400, "stop_token_ids"),
         ({"stream": True, "prompt": [10**6]}, 400, "unknown token ids"),
+        ({"prompt": "\ud800"}, 400, "prompt"),
+        ({"prompt": ["ok", "a\udfffb"]}, 400, "prompt.1"),
+        ({"stop": ["\ud800"]}, 400, "stop.0"),
+        ({"max_tokens": True}, 400, "max_tokens"),
+        ({"max_tokens": 2.0}, 400, "max_tokens"),
+        ({"n": True}, 400, "n"),
+        ({"seed": False}, 400, "seed"),
+        ({"temperature": True}, 400, "temperature"),
+        ({"stream": "yes"}, 400, "stream"),
+        ({"prompt": [True, 5]}, 400, "prompt"),
+        ({"stop": [""]}, 400, "stop"),
+        ({"stop": ""}, 400, "stop"),
+        ({"stop": ["x", ""]}, 400, "stop"),
     ],
 )
 def test_bad_completion_requests_are_4xx_naming_the_problem(server, change, status, mentions):
@@ -40,6 +53,52 @@ def test_bad_completion_requests_are_4xx_naming_the_problem(server, change, stat
     assert code == status, body
     assert mentions in body["error"]["message"] + str(body["error"]["param"])
     assert http(server.url + "/v1/completions", GOOD)[0] == 200  # still serving
+
+
+@pytest.mark.parametrize(
+    ("url", "change", "param"),
+    [
+        ("/v1/completions", {"prompt": "\ud800"}, "prompt"),
+        ("/v1/completions", {"max_tokens": True}, "max_tokens"),
+        ("/v1/completions", {"stop": [""]}, "stop"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": True},
+            "max_tokens",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
+    ],
+    ids=[
+        "surrogate",
+        "bool-max-tokens",
+        "empty-stop",
+        "chat-surrogate",
+        "chat-bool-max-tokens",
+        "chat-empty-stop",
+    ],
+)
+def test_invalid_text_bools_and_empty_stops_are_openai_style_400s_naming_the_field(
+    server, url, change, param
+):
+    """Refused before anything runs, in OpenAI's error shape, with the field in ``param``: the same
+    answer a client gets for any other invalid field (not a plain-text 500, not 1 token, not a
+    stop after the first token)."""
+    code, body = http(server.url + url, {**{k: v for k, v in GOOD.items() if k != "prompt"}, **change})
+    assert code == 400, body
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == 400
+    assert body["error"]["param"] == param and param in body["error"]["message"], body
+
+
+def test_a_stop_string_still_cuts_the_text_where_it_appears(server):
+    """The reference for the empty-stop refusal: a real stop string ends the text just before it."""
+    full = http(server.url + "/v1/completions", {**GOOD, "max_tokens": 12, "ignore_eos": True})[1]
+    text = full["choices"][0]["text"]
+    stop = text[3:5]
+    code, cut = http(
+        server.url + "/v1/completions", {**GOOD, "max_tokens": 12, "ignore_eos": True, "stop": [stop]}
+    )
+    assert code == 200 and cut["choices"][0]["text"] == text[: text.index(stop)]
 
 
 def test_bad_chat_requests(server):

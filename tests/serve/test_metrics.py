@@ -1,6 +1,6 @@
 """``/metrics`` text: label values escaped per the Prometheus text format."""
 
-from tandem.rollout.types import EngineMetrics
+from tandem.protocol.generation import EngineMetrics
 from tandem.serve.metrics import UNMATCHED_ROUTE, HTTPCounters, escape_label, render_metrics
 
 

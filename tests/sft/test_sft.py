@@ -11,7 +11,7 @@ import torch
 from tandem.config.overrides import config_from_overrides
 from tandem.engine import EngineConfig
 from tandem.models import build_char_tokenizer, load_model, save_tiny_model
-from tandem.rl.trackers import read_jsonl
+from tandem.run.trackers import read_jsonl
 from tandem.sft import (
     SFTConfig,
     SFTDataConfig,

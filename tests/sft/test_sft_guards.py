@@ -5,7 +5,7 @@ import pytest
 from tandem.engine import EngineConfig
 from tandem.errors import DivergenceError, OutputDirInUseError
 from tandem.models import save_tiny_model
-from tandem.run_dir import OutputDirLock
+from tandem.run.output_dir import OutputDirLock
 from tandem.sft import SFTConfig, SFTDataConfig, SFTTrainer, SFTTrainerConfig
 from tests.sft.test_sft import addition_conversations, write_jsonl
 

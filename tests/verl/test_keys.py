@@ -33,6 +33,16 @@ TEMPERATURE = ["actor_rollout_ref.rollout.val_kwargs.temperature=1.0"]
 DAPO_MANAGER = ["reward.reward_manager.name=dapo"]
 OVERLONG_ON = [*DAPO_MANAGER, "reward.reward_kwargs.overlong_buffer_cfg.enable=true"]
 OLD_OVERLONG_ON = ["reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true"]
+TOOL_LOOP = ["actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"]
+MULTI_TURN_WITH_LOOP = (
+    "max_assistant_turns",
+    "max_user_turns",
+    "format",
+    "max_parallel_calls",
+    "max_tool_response_length",
+    "tool_response_truncate_side",
+)
+OLD_KWARGS_ON = [*DAPO_MANAGER, "reward_model.reward_kwargs.overlong_buffer_cfg.enable=true"]
 CONTEXT = {
     **{r.key: GAE for r in RULES if r.key.startswith("critic.") or r.key == "trainer.critic_warmup"},
     "critic.ppo_max_token_len_per_gpu": [*GAE, "critic.use_dynamic_bsz=true"],
@@ -77,6 +87,17 @@ CONTEXT = {
     "actor_rollout_ref.rollout.val_kwargs.top_p": TEMPERATURE,
     "actor_rollout_ref.rollout.val_kwargs.top_k": TEMPERATURE,
     "actor_rollout_ref.rollout.val_kwargs.n": TEMPERATURE,
+    **{f"actor_rollout_ref.rollout.multi_turn.{name}": TOOL_LOOP for name in MULTI_TURN_WITH_LOOP},
+    "reward_model.reward_kwargs.overlong_buffer_cfg.enable": [
+        *DAPO_MANAGER,
+        "reward_model.reward_kwargs.overlong_buffer_cfg.len=64",
+    ],
+    "reward_model.reward_kwargs.overlong_buffer_cfg.len": OLD_KWARGS_ON,
+    "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": [
+        *OLD_KWARGS_ON,
+        "reward_model.reward_kwargs.overlong_buffer_cfg.len=64",
+    ],
+    "reward_model.reward_kwargs.max_resp_len": ["data.max_response_length=512"],
 }
 
 # What each joint key's example becomes (tandem key -> value), with CONTEXT beside it.
@@ -102,6 +123,8 @@ JOINT = {
     },
     "actor_rollout_ref.actor.optim.lr_scheduler_type": {"actor.engine.lr_schedule": "cosine"},
     "actor_rollout_ref.actor.optim.warmup_style": {"actor.engine.lr_schedule": "cosine"},
+    "actor_rollout_ref.actor.optim.lr_decay_style": {"actor.engine.lr_schedule": "cosine"},
+    "actor_rollout_ref.actor.optim.min_lr": {"actor.engine.min_lr_ratio": 0.1},  # verl's lr 1e-6
     "actor_rollout_ref.actor.ppo_micro_batch_size": {"actor.engine.max_tokens_per_micro_batch": 16 * 1024},
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": {
         "actor.engine.max_tokens_per_micro_batch": 4 * 1024
@@ -170,6 +193,28 @@ JOINT = {
     "reward.reward_kwargs.overlong_buffer_cfg.len": {"reward.overlong.buffer": 48},
     "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor": {"reward.overlong.penalty_factor": 0.5},
     "reward.reward_kwargs.max_resp_len": {},
+    "reward_model.reward_kwargs.overlong_buffer_cfg.enable": {
+        "reward.overlong.enable": True,
+        "reward.overlong.buffer": 64,
+    },
+    "reward_model.reward_kwargs.overlong_buffer_cfg.len": {"reward.overlong.buffer": 48},
+    "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": {"reward.overlong.penalty_factor": 0.5},
+    "reward_model.reward_kwargs.max_resp_len": {},
+    "actor_rollout_ref.rollout.multi_turn.enable": {},  # no tools: single-turn episodes, with a note
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": {},  # null; tests/verl/test_moved_and_agent_keys.py
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": {
+        "agent.max_turns": 5,
+        "agent.name": "tool_agent",
+    },
+    "actor_rollout_ref.rollout.multi_turn.max_user_turns": {"agent.max_turns": 3},
+    "actor_rollout_ref.rollout.multi_turn.format": {"agent.tool_parser": "hermes"},
+    "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": {},
+    "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": {"agent.max_message_chars": 1024},
+    "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": {},
+    "actor_rollout_ref.rollout.agent.default_agent_loop": {
+        "agent.name": "tool_agent",
+        "agent.max_turns": 512,
+    },
     "reward_model.overlong_buffer.enable": {"reward.overlong.enable": True, "reward.overlong.buffer": 64},
     "reward_model.overlong_buffer.len": {"reward.overlong.buffer": 48},
     "reward_model.overlong_buffer.penalty_factor": {"reward.overlong.penalty_factor": 0.5},
@@ -222,6 +267,9 @@ JOINT_NOTES = {
     "actor_rollout_ref.rollout.val_kwargs.do_sample": "verl samples validation by val_kwargs.temperature",
     "actor_rollout_ref.actor.clip_ratio": "use clip_ratio only where those are null",
     "algorithm.filter_groups.metric": "verl generates until the batch is full",
+    "actor_rollout_ref.rollout.multi_turn.enable": "episodes are single-turn",
+    "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": "drops the rest",
+    "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": "keeps the first and last halves",
 }
 
 

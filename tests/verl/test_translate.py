@@ -152,9 +152,10 @@ def test_unknown_key_names_it_and_the_nearest():
 
 def test_unimplemented_feature_names_the_key():
     with pytest.raises(
-        ValueError, match=r"actor_rollout_ref.rollout.multi_turn.enable=True: tandem does not implement"
+        ValueError,
+        match=r"actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts=2: tandem does not implement",
     ):
-        translate([*BASE, "actor_rollout_ref.rollout.multi_turn.enable=true"])
+        translate([*BASE, "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts=2"])
     with pytest.raises(
         ValueError, match=r"algorithm.adv_estimator=tir_optimal_token_baseline: tandem does not implement"
     ):
@@ -211,3 +212,60 @@ def test_dapo_filtering_needs_verl_s_metric_names():
     assert (
         score.algorithm.filter_groups.metric == "raw_score"
     )  # verl's score field: before the overlong penalty
+
+
+STRATEGY_KEYS = [
+    "actor_rollout_ref.actor.strategy",
+    "actor_rollout_ref.ref.strategy",
+    "critic.strategy",
+    "actor_rollout_ref.actor.fsdp_config.strategy",
+]
+
+
+@pytest.mark.parametrize("key", STRATEGY_KEYS)
+def test_a_training_strategy_verl_does_not_have_is_refused_naming_the_key(key):
+    with pytest.raises(ValueError, match=rf"{key}=fsdp_typo: .*fsdp2"):
+        translate(args(f"{key}=fsdp_typo"))
+    translation = translate(args(f"{key}=fsdp2"))  # one of verl's: tandem's engine stands in for it
+    assert any(note.startswith(f"{key}:") for note in translation.notes)
+
+
+def test_verl_s_other_engines_are_strategies_too():
+    translate(args("actor_rollout_ref.actor.strategy=megatron"))
+    with pytest.raises(ValueError, match="actor_rollout_ref.actor.fsdp_config.strategy=megatron"):
+        translate(args("actor_rollout_ref.actor.fsdp_config.strategy=megatron"))  # FSDP's own: fsdp, fsdp2
+
+
+PARALLEL_SIZE_KEYS = [
+    "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    "actor_rollout_ref.rollout.data_parallel_size",
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+]
+
+
+@pytest.mark.parametrize("key", PARALLEL_SIZE_KEYS)
+@pytest.mark.parametrize("value", ["banana", "0", "-2", "1.5", "true", "null"])
+def test_a_parallel_size_that_is_not_a_positive_integer_is_refused_naming_the_key(key, value):
+    with pytest.raises(ValueError, match=rf"{key}=.*a positive integer"):
+        translate(args(f"{key}={value}"))
+
+
+@pytest.mark.parametrize("key", PARALLEL_SIZE_KEYS)
+def test_a_parallel_size_changes_memory_only_and_is_noted(key):
+    translation = translate(args(f"{key}=4"))
+    assert any(note.startswith(f"{key}:") for note in translation.notes)
+
+
+@pytest.mark.parametrize(
+    ("key", "what"),
+    [
+        ("actor_rollout_ref.rollout.pipeline_model_parallel_size", "pipeline parallelism"),
+        ("actor_rollout_ref.rollout.expert_parallel_size", "expert parallelism"),
+    ],
+)
+def test_pipeline_and_expert_parallelism_are_refused_above_one(key, what):
+    translation = translate(args(f"{key}=1"))
+    assert not any("decides it itself" in note for note in translation.notes)
+    for value in ("2", "banana"):
+        with pytest.raises(ValueError, match=rf"{key}=.*tandem does not implement {what}"):
+            translate(args(f"{key}={value}"))

@@ -100,10 +100,7 @@ class AdvantageConfig:
         check_range(owner, "lam", self.lam, 0.0, 1.0)
         check_positive(owner, "epsilon", self.epsilon)
         check_positive(owner, "gpg_f_norm", self.gpg_f_norm)
-        if self.estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(
-                f"{owner}.estimator={self.estimator!r} is not registered; choose one of {ADVANTAGE_ESTIMATORS.names()}"
-            )
+        object.__setattr__(self, "estimator", ADVANTAGE_ESTIMATORS.canonical(self.estimator, f"{owner}.estimator"))
         keys, weights = tuple(self.gdpo_reward_keys), tuple(self.gdpo_reward_weights)
         if len(set(keys)) != len(keys) or not all(isinstance(key, str) and key for key in keys):
             raise ValueError(f"{owner}.gdpo_reward_keys={list(keys)} must be distinct, non-empty field names")
@@ -141,13 +138,16 @@ _USES_IF_GIVEN: dict[str, tuple[str, ...]] = {}
 
 
 def register_advantage_estimator(
-    name: str, requires: tuple[str, ...] = (), uses_if_given: tuple[str, ...] = ()
+    name: str,
+    requires: tuple[str, ...] = (),
+    uses_if_given: tuple[str, ...] = (),
+    aliases: tuple[str, ...] = (),
 ) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Register an estimator under ``name``; ``requires`` names the optional inputs it must have,
-    ``uses_if_given`` those it reads when present (and does without otherwise)."""
+    """Register an estimator under ``name`` (and ``aliases``); ``requires`` names the optional
+    inputs it must have, ``uses_if_given`` those it reads when present (and does without otherwise)."""
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
-        ADVANTAGE_ESTIMATORS.register(name)(fn)
+        ADVANTAGE_ESTIMATORS.register(name, aliases)(fn)
         _REQUIREMENTS[name] = requires
         _USES_IF_GIVEN[name] = uses_if_given
         return fn
@@ -159,14 +159,13 @@ def estimator_requirements(name: str) -> tuple[str, ...]:
     """The optional :class:`AdvantageInput` fields the estimator ``name`` must have (``group_ids``,
     ``reward_baselines``, ``values``, ``old_log_probs``, ``sum_pi_squared``): what a trainer must
     provide for it."""
-    ADVANTAGE_ESTIMATORS.get(name)  # an unknown name is an error naming the choices
-    return _REQUIREMENTS[name]
+    return _REQUIREMENTS[ADVANTAGE_ESTIMATORS.canonical(name)]  # an unknown name: an error naming the choices
 
 
 def estimator_inputs(name: str) -> tuple[str, ...]:
     """Every optional :class:`AdvantageInput` field the estimator ``name`` reads: the required ones
     and those it uses when given (``reward_components``, ``rollout_is_weights``)."""
-    return estimator_requirements(name) + _USES_IF_GIVEN[name]
+    return estimator_requirements(name) + _USES_IF_GIVEN[ADVANTAGE_ESTIMATORS.canonical(name)]
 
 
 def compute_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> AdvantageOutput:

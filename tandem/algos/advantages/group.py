@@ -27,7 +27,7 @@ def _broadcast(per_sequence: torch.Tensor, inputs: AdvantageInput) -> AdvantageO
     return AdvantageOutput(advantages=advantages, returns=advantages)
 
 
-@register_advantage_estimator("grpo", requires=("group_ids",))
+@register_advantage_estimator("grpo", requires=("group_ids",), aliases=("grpo_vectorized",))
 def compute_grpo_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> AdvantageOutput:
     """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300): ``A_i = (s_i - mean_g) / (std_g + eps)``.
 
@@ -56,7 +56,9 @@ def grpo_normalised_scores(
     return centred
 
 
-@register_advantage_estimator("rloo", requires=("group_ids",))
+# verl's rloo_vectorized: the same math for groups of two or more (verl gives a group of one 0, its loop
+# rloo and tandem the score; tandem asks rollout.n >= 2 of every estimator that compares groups)
+@register_advantage_estimator("rloo", requires=("group_ids",), aliases=("rloo_vectorized",))
 def compute_rloo_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> AdvantageOutput:
     """RLOO (Ahmadian et al. 2024, arXiv:2402.14740): ``A_i = s_i - mean_{j != i} s_j`` within the group.
 

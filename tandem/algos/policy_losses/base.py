@@ -119,10 +119,7 @@ class PolicyLossConfig:
 
     def __post_init__(self) -> None:
         owner = "actor.policy_loss"
-        if self.name not in POLICY_LOSSES:
-            raise ValueError(
-                f"{owner}.name={self.name!r} is not registered; choose one of {POLICY_LOSSES.names()}"
-            )
+        object.__setattr__(self, "name", POLICY_LOSSES.canonical(self.name, f"{owner}.name"))
         check_choice(owner, "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         check_range(owner, "clip_ratio_low", self.clip_ratio_low, 0.0, 1.0)
         check_range(owner, "clip_ratio_high", self.clip_ratio_high, low=0.0)

@@ -16,7 +16,7 @@ from tandem.algos.policy_losses.base import (
 )
 
 
-@register_policy_loss("ppo")
+@register_policy_loss("ppo", aliases=("vanilla",))
 def compute_ppo_loss(inputs: PolicyLossInput, config: PolicyLossConfig) -> PolicyLossOutput:
     """PPO-clip (Schulman et al. 2017, arXiv:1707.06347) with clip-higher and dual-clip.
 

@@ -44,7 +44,7 @@ def compute_gspo_loss(inputs: PolicyLossInput, config: PolicyLossConfig) -> Poli
     )
 
 
-@register_policy_loss("gmpo")
+@register_policy_loss("gmpo", aliases=("geo_mean",))
 def compute_gmpo_loss(inputs: PolicyLossInput, config: PolicyLossConfig) -> PolicyLossOutput:
     """GMPO (Zhao et al. 2025, arXiv:2507.20673): maximise the geometric mean of token ratios.
 

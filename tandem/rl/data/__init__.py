@@ -2,7 +2,6 @@
 
 from tandem.rl.data.arithmetic import ArithmeticTaskConfig, arithmetic_rows
 from tandem.rl.data.dataset import PromptSample, RLDataset, validate_row
-from tandem.rl.data.io import write_parquet, write_rows
 from tandem.rl.data.public import gsm8k_rows, math_rows
 
 __all__ = [
@@ -13,6 +12,4 @@ __all__ = [
     "gsm8k_rows",
     "math_rows",
     "validate_row",
-    "write_parquet",
-    "write_rows",
 ]

@@ -8,12 +8,14 @@ A malformed row is an error naming the file, the row and the field.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.data.rows import read_rows
+from tandem.models.chat import check_message, template_ids
 from tandem.protocol import Batch
-from tandem.sft.data import check_message, read_rows, template_ids
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,42 @@ def truncate(ids: list[int], length: int, how: str) -> list[int]:
     raise ValueError(f"data.overlong_prompts={how!r} is not a truncation")
 
 
+DataFiles = str | Path | Sequence[str | Path]
+
+
+def as_files(paths: DataFiles) -> tuple[Path, ...]:
+    """``paths`` — one file, or a list of files as in verl's ``data.train_files`` — as a tuple."""
+    files = (paths,) if isinstance(paths, (str, Path)) else tuple(paths)
+    if not files:
+        raise ValueError("no data files given (an empty list)")
+    return tuple(Path(path) for path in files)
+
+
+def _sample(
+    row: Any, where: str, tokenizer: Any, max_prompt_length: int, overlong: str
+) -> PromptSample | None:
+    """One validated, tokenised row; ``None`` when ``overlong=filter`` drops it."""
+    validate_row(row, where)
+    ids = template_ids(tokenizer, row["prompt"], add_generation_prompt=True)
+    if len(ids) > max_prompt_length:
+        if overlong == "error":
+            raise ValueError(
+                f"{where}: field 'prompt' is {len(ids)} tokens, over data.max_prompt_length="
+                f"{max_prompt_length} (raise it, or set data.overlong_prompts=filter)"
+            )
+        if overlong == "filter":
+            return None
+        ids = truncate(ids, max_prompt_length, overlong)
+    return PromptSample(
+        prompt_ids=tuple(ids),
+        data_source=row["data_source"],
+        ground_truth=str(row["reward_model"]["ground_truth"]),
+        extra_info=dict(row.get("extra_info") or {}),
+        raw_prompt=list(row["prompt"]),
+        agent_name=str(row.get("agent_name") or ""),
+    )
+
+
 @dataclass
 class RLDataset:
     """Tokenised prompts; ``filtered`` counts the prompts dropped as longer than ``max_prompt_length``."""
@@ -94,37 +132,43 @@ class RLDataset:
     filtered: int = 0
 
     @staticmethod
-    def load(path: str | Path, tokenizer: Any, max_prompt_length: int, overlong: str = "filter") -> RLDataset:
-        """Read and tokenise ``path``; ``overlong`` is ``filter`` (drop and count), ``error``, or
-        ``truncate_left`` / ``truncate_right`` / ``truncate_middle`` (cut to ``max_prompt_length``)."""
+    def load(paths: DataFiles, tokenizer: Any, max_prompt_length: int, overlong: str = "filter") -> RLDataset:
+        """Read and tokenise ``paths``: one file, or several read in order as one dataset (verl
+        concatenates the files of ``data.train_files`` the same way), every row checked against
+        verl's schema with errors naming its file and row. ``overlong`` is ``filter`` (drop and
+        count), ``error``, or ``truncate_left`` / ``truncate_right`` / ``truncate_middle`` (cut
+        to ``max_prompt_length``)."""
+        files = as_files(paths)
         samples, filtered = [], 0
-        for index, row in enumerate(read_rows(path)):
-            where = f"{path}: row {index}"
-            validate_row(row, where)
-            ids = template_ids(tokenizer, row["prompt"], add_generation_prompt=True)
-            if len(ids) > max_prompt_length:
-                if overlong == "error":
-                    raise ValueError(
-                        f"{where}: field 'prompt' is {len(ids)} tokens, over data.max_prompt_length="
-                        f"{max_prompt_length} (raise it, or set data.overlong_prompts=filter)"
-                    )
-                if overlong == "filter":
+        for path in files:
+            rows = read_rows(path)
+            if not rows:
+                raise ValueError(f"data file {path} has no rows")
+            for index, row in enumerate(rows):
+                sample = _sample(row, f"{path}: row {index}", tokenizer, max_prompt_length, overlong)
+                if sample is None:
                     filtered += 1
-                    continue
-                ids = truncate(ids, max_prompt_length, overlong)
-            samples.append(
-                PromptSample(
-                    prompt_ids=tuple(ids),
-                    data_source=row["data_source"],
-                    ground_truth=str(row["reward_model"]["ground_truth"]),
-                    extra_info=dict(row.get("extra_info") or {}),
-                    raw_prompt=list(row["prompt"]),
-                    agent_name=str(row.get("agent_name") or ""),
-                )
-            )
+                else:
+                    samples.append(sample)
         if not samples:
-            raise ValueError(f"{path}: no usable prompts ({filtered} longer than {max_prompt_length} tokens)")
+            names = ", ".join(str(path) for path in files)
+            raise ValueError(
+                f"{names}: no usable prompts ({filtered} longer than {max_prompt_length} tokens)"
+            )
         return RLDataset(samples, filtered)
+
+    def check_fills_batch(self, batch_size: int, field: str) -> None:
+        """Raise ``ValueError`` with the numbers when there are fewer prompts than one batch:
+        every step would then sample some prompts several times into the same batch (a
+        1-prompt file and ``train_batch_size=64`` gave 64 copies of that prompt per step)."""
+        if len(self) >= batch_size:
+            return
+        dropped = f" ({self.filtered} dropped as longer than data.max_prompt_length)" if self.filtered else ""
+        raise ValueError(
+            f"{field} has {len(self)} usable prompts{dropped}, fewer than data.train_batch_size="
+            f"{batch_size}: every step would repeat prompts within its batch; lower "
+            "data.train_batch_size or add prompts"
+        )
 
     def __len__(self) -> int:
         return len(self.samples)

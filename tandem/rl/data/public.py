@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tandem.data.rows import read_rows
 from tandem.rl.rewards.math_answers import last_boxed_content
-from tandem.sft.data import read_rows
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."

@@ -17,10 +17,10 @@ from transformers.utils import logging as hf_logging
 from tandem.controller import Worker, register
 from tandem.device import bind_device
 from tandem.engine import EngineConfig, TorchTrainEngine
+from tandem.models.chat import template_ids
 from tandem.models.loading import load_tokenizer
 from tandem.protocol import Batch
 from tandem.rl.config import RewardModelSourceConfig
-from tandem.sft.data import template_ids
 
 
 class RewardModelWorker(Worker):

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from tandem.protocol import Batch
-from tandem.rollout.types import Completion
+from tandem.protocol.generation import Completion
 
 
 def _left_pad(rows: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Protocol
 
@@ -140,8 +141,22 @@ class WandbTracker:
         self.run.finish()
 
 
+def mlflow_name(name: str) -> str:
+    """``name`` as MLflow accepts it for a metric or a parameter: ``@`` becomes ``_at_`` and every
+    other character outside letters, digits, ``_ - . / :`` and space becomes ``_``; an empty,
+    ``.`` or ``..`` path segment becomes ``_`` (MLflow refuses names that a file path would
+    normalise to something else). Without this, one reward field named ``a|b`` stops the run.
+    Two names that differ only in such characters share one MLflow name (the last value wins)."""
+    name = re.sub(r"[^\w\-. /:]", "_", name.replace("@", "_at_"))
+    return "/".join("_" if part in ("", ".", "..") else part for part in name.split("/"))
+
+
 class MLflowTracker:
-    """MLflow (``pip install mlflow``); the tracking URI comes from ``MLFLOW_TRACKING_URI`` or defaults to ``./mlruns``."""
+    """MLflow (``pip install mlflow``, or the lighter ``mlflow-skinny``). The store comes from
+    ``MLFLOW_TRACKING_URI`` (a server URL, ``sqlite:///mlflow.db`` with the full ``mlflow``
+    package, or ``file:./mlruns`` with ``MLFLOW_ALLOW_FILE_STORE=true`` on MLflow 3); unset, MLflow
+    picks its own default (``./mlruns`` before MLflow 3, ``sqlite:///mlflow.db`` from 3 on).
+    Metric and parameter names are renamed as :func:`mlflow_name` says."""
 
     def __init__(self, experiment: str, run_name: str, config: dict) -> None:
         try:
@@ -151,11 +166,10 @@ class MLflowTracker:
         self.mlflow = mlflow
         mlflow.set_experiment(experiment)
         mlflow.start_run(run_name=run_name)
-        mlflow.log_params({k: str(v)[:500] for k, v in config.items()})
+        mlflow.log_params({mlflow_name(k): str(v)[:500] for k, v in config.items()})
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        clean = {k.replace("@", "_at_"): v for k, v in metrics.items()}  # MLflow rejects '@' in names
-        self.mlflow.log_metrics(clean, step=step)
+        self.mlflow.log_metrics({mlflow_name(k): v for k, v in metrics.items()}, step=step)
 
     def close(self) -> None:
         self.mlflow.end_run()

@@ -25,17 +25,18 @@ from rich.console import Console
 from rich.table import Table
 from transformers.utils import logging as hf_logging
 
+from tandem.data import write_parquet
 from tandem.engine import EngineConfig
 from tandem.models import TinyModelConfig, save_tiny_model
 from tandem.rl.config_loader import load_train_config
-from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows, write_parquet
+from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows
 from tandem.rl.trainer import RLResult, RLTrainer
 from tandem.sft import SFTConfig, SFTTrainer
 from tandem.sft.config import SFTTrainerConfig
 from tandem.sft.data import SFTDataConfig
 
 if TYPE_CHECKING:
-    from tandem.agents.demo import ToolDemoSettings
+    from tandem.demos.tool_agent import ToolDemoSettings
 
 TASK = ArithmeticTaskConfig(min_digits=1, max_digits=2, num_operands=2, operators="+")
 MODEL = TinyModelConfig(

@@ -1,5 +1,4 @@
-"""A run's output directory: checked before anything loads, held by one run at a time, and
-whole directories (an exported model) written into it atomically.
+"""A run's output directory: checked before anything loads and held by one run at a time.
 
 Two runs writing one ``output_dir`` would interleave ``metrics.jsonl`` lines and prune each
 other's checkpoints. :class:`OutputDirLock` takes an exclusive ``flock`` on
@@ -9,11 +8,8 @@ on ``kill -9``, so a crashed run never leaves a stale lock behind.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -69,23 +65,3 @@ class OutputDirLock:
         if self._file is not None:
             self._file.close()  # closing the descriptor releases the flock
             self._file = None
-
-
-@contextlib.contextmanager
-def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
-    """Yields a staging directory next to ``target``; once the body finishes it replaces ``target``.
-
-    A crash mid-write leaves the previous ``target`` (or none) in place and a ``.tmp`` sibling,
-    never a half-written ``target``.
-    """
-    target = Path(target)
-    staging = target.with_name(target.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    yield staging
-    previous = target.with_name(target.name + ".old")
-    shutil.rmtree(previous, ignore_errors=True)
-    if target.exists():
-        target.rename(previous)
-    staging.rename(target)
-    shutil.rmtree(previous, ignore_errors=True)

@@ -1,7 +1,7 @@
 """The DPO demo: the main demo's flawed-teacher warm-up, then DPO on pairs that prefer the right
 sum to the teacher's slip (one too high), and held-out greedy accuracy before and after.
 
-It shares the main demo's model, task and SFT warm-up (:mod:`tandem.rl.demo`): the warmed-up
+It shares the main demo's model, task and SFT warm-up (:mod:`tandem.demos.arithmetic`): the warmed-up
 model answers one too high most of the time. The preference pairs are built from the SFT
 problems (never from the validation ones): chosen = the right sum, rejected = the sum plus one.
 Offline DPO only sees those fixed pairs — no sampling, no reward function at training time.
@@ -20,16 +20,16 @@ from rich.table import Table
 from transformers.utils import logging as hf_logging
 
 from tandem.config.overrides import config_from_overrides
+from tandem.demos.arithmetic import MODEL, DemoSettings, warm_up, write_demo_data
 from tandem.dpo.config import DPOConfig
 from tandem.dpo.trainer import DPOResult, DPOTrainer
 from tandem.models import save_tiny_model
+from tandem.models.chat import template_ids
 from tandem.models.loading import load_tokenizer
-from tandem.rl.demo import MODEL, DemoSettings, warm_up, write_demo_data
 from tandem.rl.rewards.scorers import arithmetic_score
 from tandem.rollout import RolloutRequest, SamplingParams
 from tandem.rollout.config import RolloutEngineConfig
 from tandem.rollout.factory import build_rollout_engine
-from tandem.sft.data import template_ids
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
-"""Trainer checkpoints: ``<output_dir>/checkpoints/global_step_<k>/`` with the actor's engine state
-(``actor/``: model, optimizer, scheduler, RNG), the critic's when one trains (``critic/``), and
-``trainer_state.json`` (step, sampler, KL controller, ...).
+"""Trainer checkpoints, for every trainer: ``<output_dir>/checkpoints/global_step_<k>/`` with the
+engines' states (the RL trainer's ``actor/`` and ``critic/``, the SFT-family trainers' ``engine/``:
+model, optimizer, scheduler, RNG) and ``trainer_state.json`` (step, sampler, KL controller, ...).
 
 A checkpoint is assembled in ``global_step_<k>.tmp`` and renamed into place only when complete,
 then the ``latest`` pointer is replaced atomically: a crash at any point leaves the previous
-checkpoint usable, and resume ignores a half-written one. Only the newest ``keep_last`` stay.
+checkpoint usable, and resume ignores a half-written one. Only the newest ``keep_last`` stay
+(``0``: every one).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class CheckpointManager:
         return json.loads((path / STATE_FILE).read_text())
 
     def _prune(self) -> None:
-        for old in self.complete()[: -self.keep_last]:
+        for old in self.complete()[: -self.keep_last] if self.keep_last else []:
             shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(f"{PREFIX}*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)

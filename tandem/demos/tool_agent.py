@@ -21,10 +21,11 @@ from rich.console import Console
 from rich.table import Table
 from transformers.utils import logging as hf_logging
 
+from tandem.data import write_parquet
+from tandem.demos.arithmetic import pipeline_overrides, sft_warm_up
 from tandem.models import TinyModelConfig, save_tiny_model
 from tandem.rl.config_loader import load_train_config
-from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows, write_parquet
-from tandem.rl.demo import pipeline_overrides, sft_warm_up
+from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows
 from tandem.rl.trainer import RLResult, RLTrainer
 
 TASK = ArithmeticTaskConfig(min_digits=3, max_digits=3, operators="*")

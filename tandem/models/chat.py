@@ -1,0 +1,32 @@
+"""Chat messages: their validation and their rendering to token ids with a tokenizer's chat template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_message(message: Any, where: str) -> None:
+    """A chat message is a dict with a known string ``role`` and non-empty string ``content``;
+    ``where`` names it in the error (file, row and turn)."""
+    if (
+        not isinstance(message, dict)
+        or not isinstance(message.get("role"), str)
+        or not isinstance(message.get("content"), str)
+    ):
+        raise ValueError(f"{where} needs string 'role' and 'content' fields, got {message!r}")
+    if message["role"] not in ROLES:
+        raise ValueError(f"{where} has role {message['role']!r}; roles are {', '.join(ROLES)}")
+    if not message["content"].strip():
+        raise ValueError(f"{where} ({message['role']}) has empty content")
+
+
+def template_ids(
+    tokenizer: Any, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+) -> list[int]:
+    """Token ids of ``messages`` (and the ``tools``' schemas) rendered with the tokenizer's chat template."""
+    ids = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt
+    )
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

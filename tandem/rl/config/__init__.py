@@ -1,0 +1,42 @@
+"""``TrainConfig``: everything ``tandem train`` reads, as typed dataclasses validated up front.
+
+One module per concern, each with its fields and the checks that concern them: ``data``,
+``actor`` (online DPO's checks too), ``rollout``, ``algorithm``, ``reward``, ``trainer``, the
+asynchronous pipelines' checks (``pipeline``), and ``train`` (the whole run: batch shapes,
+placement, the derived engine settings). See :mod:`tandem.rl.config.train` for the batch-size
+semantics.
+"""
+
+from tandem.rl.config.actor import OBJECTIVES, ActorConfig, ActorOffloadConfig
+from tandem.rl.config.algorithm import AlgorithmConfig, FilterGroupsConfig
+from tandem.rl.config.data import OVERLONG_PROMPTS, RLDataConfig, data_files
+from tandem.rl.config.reward import (
+    REWARD_SOURCES,
+    OverlongPenaltyConfig,
+    RewardConfig,
+    RewardModelSourceConfig,
+)
+from tandem.rl.config.rollout import RolloutConfig
+from tandem.rl.config.train import TrainConfig
+from tandem.rl.config.trainer import BACKENDS, LOGGERS, RESUME_MODES, TrainerConfig
+
+__all__ = [
+    "BACKENDS",
+    "LOGGERS",
+    "OBJECTIVES",
+    "OVERLONG_PROMPTS",
+    "REWARD_SOURCES",
+    "RESUME_MODES",
+    "ActorConfig",
+    "ActorOffloadConfig",
+    "AlgorithmConfig",
+    "FilterGroupsConfig",
+    "OverlongPenaltyConfig",
+    "RLDataConfig",
+    "RewardConfig",
+    "RewardModelSourceConfig",
+    "RolloutConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "data_files",
+]

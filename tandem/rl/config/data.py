@@ -1,0 +1,71 @@
+"""``data.*``: where the prompts are and how they are cut."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tandem.config.validation import check_choice, check_positive, check_range
+
+if TYPE_CHECKING:
+    pass
+
+
+OVERLONG_PROMPTS = ("filter", "error", "truncate_left", "truncate_right", "truncate_middle")
+
+
+@dataclass(frozen=True)
+class RLDataConfig:
+    """Prompts (``data.*``): parquet or JSONL files in verl's schema (see :mod:`tandem.rl.data`).
+
+    Attributes:
+        train_path / val_path: a parquet or JSONL file, or a list of them read in order as one
+            dataset (verl's ``data.train_files=[gsm8k.parquet,math.parquet]``); ``val_path``
+            empty: no validation. ``train_files`` / ``val_files`` give either as a tuple.
+        train_batch_size: prompts per step.
+        max_prompt_length: longest tokenised prompt (chat template applied).
+        overlong_prompts: ``filter`` (drop them, counted and reported), ``error``, or cut them
+            to ``max_prompt_length`` tokens: ``truncate_left`` (keep the end), ``truncate_right``
+            (keep the start), ``truncate_middle`` (keep both ends).
+        shuffle: a fresh seeded order each epoch.
+        val_max_samples: evaluate on at most this many validation prompts (0: all).
+    """
+
+    train_path: Any = ""  # str | list[str]: OmegaConf cannot type a union with a list
+    val_path: Any = ""
+    train_batch_size: int = 32
+    max_prompt_length: int = 256
+    overlong_prompts: str = "filter"
+    shuffle: bool = True
+    val_max_samples: int = 0
+
+    def __post_init__(self) -> None:
+        check_positive("data", "train_batch_size", self.train_batch_size)
+        check_positive("data", "max_prompt_length", self.max_prompt_length)
+        check_choice("data", "overlong_prompts", self.overlong_prompts, OVERLONG_PROMPTS)
+        check_range("data", "val_max_samples", self.val_max_samples, low=0)
+        data_files("train_path", self.train_path)
+        data_files("val_path", self.val_path)
+
+    @property
+    def train_files(self) -> tuple[str, ...]:
+        """The training files, in order (one or several)."""
+        return data_files("train_path", self.train_path)
+
+    @property
+    def val_files(self) -> tuple[str, ...]:
+        """The validation files, in order (none when ``val_path`` is empty)."""
+        return data_files("val_path", self.val_path)
+
+
+def data_files(name: str, value: Any) -> tuple[str, ...]:
+    """``data.<name>`` (a path, or a list of paths) as a tuple; ``ValueError`` naming the entry
+    that is not a non-empty string."""
+    if isinstance(value, str):
+        return (value,) if value else ()
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"data.{name} must be a file path or a list of them, got {type(value).__name__}")
+    for index, path in enumerate(value):
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"data.{name}[{index}] must be a file path (a non-empty string), got {path!r}")
+    return tuple(value)

@@ -1,0 +1,227 @@
+"""``TrainConfig``: everything ``tandem train`` reads, as typed dataclasses validated up front.
+
+Batch-size semantics (the same as verl's):
+
+* ``data.train_batch_size`` — prompts sampled per step; each gets ``rollout.n`` responses,
+  so a step trains on ``train_batch_size * n`` sequences.
+* ``actor.ppo_mini_batch_size`` — prompts per optimizer step (``* n`` sequences); a step
+  makes ``train_batch_size / ppo_mini_batch_size`` optimizer steps per epoch, for
+  ``actor.ppo_epochs`` epochs.
+* micro-batches — how a mini-batch is cut for gradient accumulation: a token budget
+  (``actor.engine.max_tokens_per_micro_batch``, with packing) or a sequence count
+  (``actor.engine.micro_batch_size``). They change memory, never the result.
+* workers — ``trainer.nnodes`` nodes of ``trainer.n_gpus_per_node`` GPU workers each (one
+  per GPU), or of ``trainer.n_workers`` CPU workers each; every worker gets an equal share of
+  every mini-batch, so ``ppo_mini_batch_size * n`` must divide by their number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from tandem.agents.config import AgentConfig
+from tandem.controller.resource_pool import ResourcePool
+from tandem.pipeline.config import PipelineConfig
+from tandem.rl.config.actor import ActorConfig, check_preference
+from tandem.rl.config.algorithm import AlgorithmConfig
+from tandem.rl.config.data import RLDataConfig
+from tandem.rl.config.pipeline import check_pipeline
+from tandem.rl.config.reward import RewardConfig
+from tandem.rl.config.rollout import RolloutConfig
+from tandem.rl.config.trainer import TrainerConfig
+from tandem.rl.critic_config import CriticConfig, check_critic
+from tandem.rl.derived import check_derived_fields
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything ``tandem train`` reads; ``model_path`` is the policy (and reference) HF directory."""
+
+    model_path: str = ""
+    data: RLDataConfig = field(default_factory=RLDataConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("model_path is required (a local HF model directory)")
+        if not self.data.train_path:
+            raise ValueError("data.train_path is required (a parquet file of prompts in verl's schema)")
+        n, workers = self.rollout.n, self.world_size
+        if self.algorithm.compares_groups and n < 2:
+            raise ValueError(
+                f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} compares the responses of a prompt, "
+                f"so rollout.n must be at least 2 (got {n})"
+            )
+        if self.algorithm.filter_groups.enable and n < 2:
+            raise ValueError("algorithm.filter_groups.enable needs rollout.n >= 2")
+        mini = self.mini_batch_prompts
+        if self.data.train_batch_size % mini:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size={mini} must divide data.train_batch_size={self.data.train_batch_size}"
+            )
+        if (mini * n) % workers:
+            raise ValueError(
+                f"a mini-batch of actor.ppo_mini_batch_size * rollout.n = {mini * n} sequences must divide "
+                f"evenly over the {workers} workers (trainer.nnodes x trainer.n_gpus_per_node or trainer.n_workers)"
+            )
+        longest = self.data.max_prompt_length + self.rollout.max_response_length
+        engine = self.actor.engine
+        if engine.use_packing and engine.max_tokens_per_micro_batch < longest:
+            raise ValueError(
+                f"actor.engine.max_tokens_per_micro_batch={engine.max_tokens_per_micro_batch} is below the longest "
+                f"sequence, data.max_prompt_length + rollout.max_response_length = {longest}"
+            )
+        rollout = self.rollout.engine
+        if engine.logprob_head_dtype == "bfloat16" and rollout.selected.dtype != "bfloat16":
+            raise ValueError(
+                f"actor.engine.logprob_head_dtype=bfloat16 rounds the head's inputs to bf16, but the rollout's "
+                f"log-probs come from a {rollout.selected.dtype} model (rollout.engine.{rollout.name}.dtype): they "
+                f"would disagree by that rounding; set rollout.engine.{rollout.name}.dtype=bfloat16 or keep the "
+                "float32 head"
+            )
+        if self.algorithm.kl.use_kl_loss and self.algorithm.kl.kl_loss_coef == 0:
+            raise ValueError("algorithm.kl.use_kl_loss is on but algorithm.kl.kl_loss_coef is 0")
+        if "interaction" in self.reward.sources and not self.agent.interaction_path:
+            raise ValueError(
+                "reward.sources has 'interaction': set agent.interaction_path (the user function whose "
+                "reward ends an episode) and agent.name=interaction"
+            )
+        check_pipeline(self)
+        check_preference(self)
+        check_critic(self)
+        check_derived_fields(self)
+
+    @property
+    def uses_critic(self) -> bool:
+        """A critic is trained (the advantage estimator reads values)."""
+        return self.algorithm.needs_values and not self.prefers
+
+    @property
+    def critic_mini_batch_prompts(self) -> int:
+        return self.critic.ppo_mini_batch_size or self.mini_batch_prompts
+
+    @property
+    def critic_epochs(self) -> int:
+        return self.critic.ppo_epochs or self.actor.ppo_epochs
+
+    @property
+    def critic_loss_agg_mode(self) -> str:
+        return self.critic.loss_agg_mode or self.actor.policy_loss.loss_agg_mode
+
+    @property
+    def prefers(self) -> bool:
+        """Online DPO: the actor trains on best/worst response pairs (``actor.objective=preference``)."""
+        return self.actor.objective == "preference"
+
+    @property
+    def needs_reference(self) -> bool:
+        """Reference log-probs are computed: for a KL term, or for a preference loss that has one."""
+        if self.prefers:
+            return self.actor.preference.needs_reference
+        return self.algorithm.needs_reference
+
+    @property
+    def workers_per_node(self) -> int:
+        return self.trainer.n_gpus_per_node or self.trainer.n_workers
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel workers in all: ``nnodes * (n_gpus_per_node or n_workers)``."""
+        return self.trainer.nnodes * self.workers_per_node
+
+    @property
+    def gpus_per_worker(self) -> float:
+        """What every pool of the run reserves per process: one GPU on GPUs, none on CPU workers."""
+        return 1.0 if self.trainer.n_gpus_per_node else 0.0
+
+    def resource_pool(self) -> ResourcePool:
+        """The workers' placement: ``workers_per_node`` on each of ``nnodes`` nodes, one GPU each on GPUs."""
+        return ResourcePool(
+            (self.workers_per_node,) * self.trainer.nnodes,
+            gpus_per_process=self.gpus_per_worker,
+            name="actor_rollout_ref",
+        )
+
+    def critic_resource_pool(self) -> ResourcePool:
+        """The critic group's placement: the actor's shape, in a pool of its own (with Ray, GPUs of its
+        own; the local backend binds critic rank ``r`` to actor rank ``r``'s device)."""
+        return dataclasses.replace(self.resource_pool(), name="critic")
+
+    def reward_model_resource_pool(self) -> ResourcePool:
+        """The reward-model scorers' placement: ``reward.model.n_workers`` on the first node, one
+        GPU each on GPUs."""
+        return ResourcePool(
+            (self.reward.model.n_workers,),
+            gpus_per_process=self.gpus_per_worker,
+            name="reward_model",
+        )
+
+    def rollout_resource_pool(self) -> ResourcePool:
+        """The rollout replicas' placement (every pipeline mode but ``sync``): ``pipeline.rollout_replicas``
+        processes, one GPU each on GPUs."""
+        return ResourcePool(
+            (self.pipeline.rollout_replicas,),
+            gpus_per_process=self.gpus_per_worker,
+            name="rollout",
+        )
+
+    def resource_pools(self) -> list[ResourcePool]:
+        """Every pool the run places: the actor's, and the critic's, the reward model's and the rollout
+        replicas' when the run has them apart from the actor."""
+        pools = [self.resource_pool()]
+        if self.uses_critic and self.critic.placement != "colocated":
+            pools.append(self.critic_resource_pool())
+        if "model" in self.reward.sources:
+            pools.append(self.reward_model_resource_pool())
+        if self.pipeline.disaggregated:
+            pools.append(self.rollout_resource_pool())
+        return pools
+
+    def schedule_steps(self, total_steps: int, epochs: int, mini_batch_prompts: int) -> int:
+        """Learning-rate schedule steps over a run of ``total_steps`` RL steps (``trainer.lr_schedule_unit``)."""
+        if self.trainer.lr_schedule_unit == "step":
+            return total_steps
+        return total_steps * epochs * (self.data.train_batch_size // mini_batch_prompts)
+
+    @property
+    def mini_batch_prompts(self) -> int:
+        return self.actor.ppo_mini_batch_size or self.data.train_batch_size
+
+    @property
+    def needs_old_log_probs(self) -> bool:
+        """PPO's old log-probs are used (not by online DPO, whose loss compares to the reference)."""
+        return not self.prefers
+
+    @property
+    def old_log_probs_from_update(self) -> bool:
+        """True when the step is purely on-policy, so the update's forward gives the old log-probs
+        (never when the advantage estimator reads them, since it runs before the update)."""
+        correction = self.algorithm.rollout_correction
+        return (
+            not self.pipeline.disaggregated  # replicas lag the trainer: old log-probs are recomputed
+            and not self.algorithm.advantages_need_old_log_probs
+            and not self.actor.recompute_old_log_probs
+            and self.actor.ppo_epochs == 1
+            and self.mini_batch_prompts == self.data.train_batch_size
+            and not self.algorithm.kl.use_kl_in_reward
+            and correction.is_level == "none"
+            and correction.rejection == "none"
+            and correction.veto_threshold is None
+        )
+
+    @property
+    def old_log_probs_from_rollout(self) -> bool:
+        """True when an asynchronous pipeline takes PPO's old log-probs from the rollout (``pipeline.old_log_probs``)."""
+        return self.pipeline.disaggregated and self.pipeline.old_log_probs == "rollout"
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.data.max_prompt_length + self.rollout.max_response_length
