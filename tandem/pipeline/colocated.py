@@ -60,6 +60,10 @@ class ColocatedRollout:
         self.workers.sync_rollout_weights(version)
         return {}
 
+    def host_pids(self) -> list[int]:
+        """None of its own: generation runs in the trainer's workers."""
+        return []
+
     def agent_tool_totals(self) -> list[dict[str, tuple[int, int, float]]]:
         """Each worker's tool ``(calls, errors, seconds)`` since the last call."""
         return self.workers.agent_tool_totals()

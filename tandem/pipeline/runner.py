@@ -234,6 +234,10 @@ class AsyncRollout:
         )
         return trim_padding(batch, self.pad_id)
 
+    def host_pids(self) -> list[int]:
+        """The replicas' processes on this host."""
+        return _local_pids(self.replicas) if self.replicas is not None else []
+
     def agent_tool_totals(self) -> list[dict[str, tuple[int, int, float]]]:
         """Each replica's tool ``(calls, errors, seconds)`` since the last call."""
         with self.fleet.hold():

@@ -56,6 +56,10 @@ class BatchSource(Protocol):
         """The trainer now has weights ``version``; returns the weight sync's metrics."""
         ...
 
+    def host_pids(self) -> list[int]:
+        """The processes of this host that the source started (their shared-memory files are the run's)."""
+        ...
+
     def agent_tool_totals(self) -> list[dict[str, tuple[int, int, float]]]:
         """Each engine's agent tool ``(calls, errors, seconds)`` since the last call."""
         ...

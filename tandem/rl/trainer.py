@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ from tandem.rl.scoring import score_responses
 from tandem.rl.worker import ActorRolloutRefWorker, reduce_metric
 from tandem.rollout.factory import check_engine_installed
 from tandem.run.checkpoints import CheckpointManager
+from tandem.run.leftovers import record_processes, remove_leftovers
 from tandem.run.loop import RunRecord, Schedule, recording, run_steps
 from tandem.run.output_dir import OutputDirLock, check_output_dir
 from tandem.run.sampler import EpochSampler
@@ -166,6 +168,9 @@ class RLTrainer:
         )
         if trainer.backend != "ray":  # Ray's nodes may have packages the controller's host lacks
             check_engine_installed(config.rollout.engine.name)
+        removed = remove_leftovers(self.output_dir)
+        if removed:
+            self.console.print(f"removed {removed} shared-memory file(s) left by an interrupted run here")
         with contextlib.ExitStack() as groups:
             params = self._start_workers(groups)
             resumed = self._resume()
@@ -176,6 +181,7 @@ class RLTrainer:
                 with recording(self.run_info, trackers, self.step, self.console) as self.record:
                     self.rollout = self._batch_source(self.workers)
                     self.rollout.start(self.step)
+                    self._record_processes()
                     run_steps(self, self._schedule(), self.record, self._profiled)
                 failed = False
             finally:
@@ -257,6 +263,14 @@ class RLTrainer:
             report = ReportTracker(self.output_dir, trainer.report_every)
             trackers.append(report)
         return trackers, report
+
+    def _record_processes(self) -> None:
+        """Note this host's processes of the run, so that a run after a ``kill -9`` here removes
+        the shared-memory files they leave (:mod:`tandem.run.leftovers`)."""
+        groups = [g for g in (self.workers, self.critics, self.rewards.model_group) if g is not None]
+        pids = [os.getpid(), *self.rollout.host_pids(), *(pid for g in groups for pid in g.backend.host_pids)]
+        directory = self.config.pipeline.checkpoint_engine.directory
+        record_processes(self.output_dir, pids, ["/dev/shm", *([directory] if directory else [])])
 
     def _batch_source(self, workers: Any) -> BatchSource:
         """Where the steps' prompt groups come from: the workers' own engines (``sync``) or rollout

@@ -71,31 +71,16 @@ class RewardSources:
             parts["rule"] = rule.raw_scores
             metrics.update(rule.metrics)
             errors += rule.errors
-        if "model" in self.weights:
-            if self.model_group is None:
-                raise RuntimeError("reward.sources has 'model', but the reward-model workers are not running")
-            asked = Batch(non_tensors={"raw_prompt": list(batch["raw_prompt"]), "response_text": list(texts)})
-            scored = self.model_group.score(asked)
-            parts["model"] = scored["score"].float()
-            metrics["reward/model/truncated"] = float(scored["truncated"].sum())
-            failed = scored["failed"].bool()
-            metrics["reward/model/errors"] = float(failed.sum())
-            metrics["reward/errors"] += float(failed.sum())
-            errors += [
-                f"item {row} ({texts[row][:40]!r}): the reward model's tokenizer cannot encode it; scored 0"
-                for row in failed.nonzero().flatten().tolist()
-            ]
-        if "interaction" in self.weights:
-            given = list(batch["agent_reward"])
-            parts["interaction"] = torch.tensor([0.0 if r is None else float(r) for r in given])
-            metrics["reward/interaction/missing"] = float(sum(r is None for r in given))
-        if self.judge is not None:
-            prompts = [prompt_text(messages) for messages in batch["raw_prompt"]]
-            judged = self.judge.score(prompts, texts, list(batch["ground_truth"]))
-            parts["judge"] = judged.scores
-            metrics.update(judged.metrics())
-            metrics["reward/errors"] += len(judged.errors)
-            errors += [f"judge {error}" for error in judged.errors]
+        for name, source in (
+            ("model", self._model_scores),
+            ("interaction", self._interaction_scores),
+            ("judge", self._judge_scores),
+        ):
+            if name in self.weights:
+                parts[name], source_metrics, source_errors = source(batch, texts)
+                metrics["reward/errors"] += source_metrics.pop("reward/errors", 0.0)
+                metrics.update(source_metrics)
+                errors += source_errors
         raw = sum(self.weights[name] * parts[name] for name in self.weights)
         assert isinstance(raw, torch.Tensor)
         if list(parts) != ["rule"]:
@@ -114,3 +99,42 @@ class RewardSources:
             rule.components if rule is not None else None,
             raw,
         )
+
+    def _model_scores(
+        self, batch: Batch, texts: Sequence[str]
+    ) -> tuple[torch.Tensor, dict[str, float], list[str]]:
+        """The reward model's score of each decoded prompt and response; one its tokenizer cannot
+        encode scores 0, counted."""
+        if self.model_group is None:
+            raise RuntimeError("reward.sources has 'model', but the reward-model workers are not running")
+        asked = Batch(non_tensors={"raw_prompt": list(batch["raw_prompt"]), "response_text": list(texts)})
+        scored = self.model_group.score(asked)
+        failed = scored["failed"].bool()
+        metrics = {
+            "reward/model/truncated": float(scored["truncated"].sum()),
+            "reward/model/errors": float(failed.sum()),
+            "reward/errors": float(failed.sum()),
+        }
+        errors = [
+            f"item {row} ({texts[row][:40]!r}): the reward model's tokenizer cannot encode it; scored 0"
+            for row in failed.nonzero().flatten().tolist()
+        ]
+        return scored["score"].float(), metrics, errors
+
+    def _interaction_scores(
+        self, batch: Batch, texts: Sequence[str]
+    ) -> tuple[torch.Tensor, dict[str, float], list[str]]:
+        """The reward each episode's interaction ended it with; 0 (counted) where it ended otherwise."""
+        given = list(batch["agent_reward"])
+        scores = torch.tensor([0.0 if r is None else float(r) for r in given])
+        return scores, {"reward/interaction/missing": float(sum(r is None for r in given))}, []
+
+    def _judge_scores(
+        self, batch: Batch, texts: Sequence[str]
+    ) -> tuple[torch.Tensor, dict[str, float], list[str]]:
+        """The LLM judge's grade of each response (0 for a failed request, counted)."""
+        assert self.judge is not None
+        prompts = [prompt_text(messages) for messages in batch["raw_prompt"]]
+        judged = self.judge.score(prompts, texts, list(batch["ground_truth"]))
+        metrics = {**judged.metrics(), "reward/errors": float(len(judged.errors))}
+        return judged.scores, metrics, [f"judge {error}" for error in judged.errors]
