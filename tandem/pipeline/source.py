@@ -3,7 +3,7 @@
 The trainer asks a source for each step's generated prompt groups (:meth:`BatchSource.next_batch`),
 scores them and runs its stages over them (DAPO's dynamic sampling draws again, ReMax adds greedy
 baselines through :meth:`BatchSource.generate`), trains, and hands back each new weight version
-(:meth:`BatchSource.after_update`). It never asks which mode it runs:
+(:meth:`BatchSource.after_update`). Once it has built its source it never asks which mode it runs:
 
 * ``sync`` — :class:`tandem.pipeline.colocated.ColocatedRollout`: the trainer's workers generate
   the draw when it is asked for.

