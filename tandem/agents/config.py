@@ -84,10 +84,10 @@ class AgentConfig:
         self._check_user_files()
 
     def _check_user_files(self) -> None:
-        """Load the user's tools and interaction files now, as ``reward.custom_path`` is: a broken
-        one (a failing import, a parameter without a type, ``TOOLS = [42]``, a name given twice, a
-        function that cannot take ``(messages, extra_info)``) is then a one-line ``ValueError``
-        naming the field before any model loads, not a worker's traceback after."""
+        """Load the user's tools and interaction files now: a broken one (a failing import, a
+        parameter without a type, ``TOOLS = [42]``, a name given twice, a function that cannot
+        take ``(messages, extra_info)``) is then a one-line ``ValueError`` naming the field before
+        any model loads, not a worker's traceback after."""
         if self.tools_path:
             names = [*self.tools, *(tool.name for tool in load_user_tools(self.tools_path))]
             duplicates = duplicate_names(names)

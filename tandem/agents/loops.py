@@ -29,8 +29,6 @@ import asyncio
 import dataclasses
 import inspect
 import logging
-import math
-import numbers
 import statistics
 import threading
 from collections import Counter
@@ -44,7 +42,7 @@ from tandem.agents.tool_calls import ToolCallParser
 from tandem.agents.tools import ToolRunner, UserCodeError, describe_error, start_user_call, tool_metrics
 from tandem.agents.trajectory import Trajectory, TurnEncoder
 from tandem.config.user_code import load_user_function
-from tandem.config.validation import check_positive
+from tandem.config.user_values import describe, real_number
 from tandem.models.chat import template_ids
 from tandem.protocol.generation import Completion, SamplingParams
 from tandem.registry import Registry
@@ -87,8 +85,6 @@ class AgentContext:
     reported: set[str] = field(init=False, default_factory=set)  # interaction failures already logged
 
     def __post_init__(self) -> None:
-        check_positive("agent", "interaction_timeout_s", self.interaction_timeout_s)
-        check_positive("agent", "max_message_chars", self.max_message_chars)
         self.encoder = TurnEncoder(self.tokenizer)
 
     def prompt_ids(self, messages: list[dict]) -> tuple[int, ...]:
@@ -237,16 +233,10 @@ def read_reply(reply: object) -> InteractionReply:
     content, reward = reply.get("content"), reply.get("reward")
     if content is not None and not isinstance(content, str):
         raise ValueError(f"returned 'content' of type {type(content).__name__}, not text or None")
-    if reward is not None:
-        if not isinstance(reward, numbers.Real):
-            raise ValueError(f"returned a 'reward' of type {type(reward).__name__}, not a number or None")
-        try:
-            reward = float(reward)
-        except OverflowError:
-            raise ValueError("returned a 'reward' too large for a float") from None
-        if not math.isfinite(reward):
-            raise ValueError(f"returned a 'reward' of {reward}, not a finite number")
-    return InteractionReply(content, bool(reply.get("done")), reward)
+    number = None if reward is None else real_number(reward)
+    if reward is not None and number is None:
+        raise ValueError(f"returned a 'reward' that is {describe(reward)}, not a finite number or None")
+    return InteractionReply(content, bool(reply.get("done")), number)
 
 
 async def interaction_reply(

@@ -27,7 +27,7 @@ import operator
 import re
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from tandem.agents.sandbox import SandboxLimits, run_python
 from tandem.agents.tool_calls import ToolCall
 from tandem.config.user_code import load_user_module
-from tandem.config.validation import check_positive
 
 UNKNOWN_TOOL = "unknown_tool"
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
@@ -212,7 +211,7 @@ def load_user_tools(path: str) -> list[Tool]:
 
 def duplicate_names(names: Sequence[str]) -> list[str]:
     """The tool names given more than once (a call could not say which tool it means)."""
-    return sorted({name for name in names if list(names).count(name) > 1})
+    return sorted(name for name, count in Counter(names).items() if count > 1)
 
 
 # ---------------------------------------------------------------------------- calling user code
@@ -232,7 +231,8 @@ def start_user_call(function: Callable[..., object], /, *args: object, **kwargs:
     future: Future = Future()
 
     def run() -> None:
-        future.set_running_or_notify_cancel()
+        if not future.set_running_or_notify_cancel():  # cancelled (timed out) before it started
+            return
         try:
             future.set_result(function(*args, **kwargs))
         except BaseException as error:  # SystemExit and KeyboardInterrupt too: user code must not end the run
@@ -311,7 +311,6 @@ class ToolRunner:
         duplicates = duplicate_names([tool.name for tool in tools])
         if duplicates:
             raise ValueError(f"tools {duplicates} are declared twice")
-        check_positive("agent", "tool_timeout_s", timeout_s)
         self.tools = {tool.name: tool for tool in tools}
         self.timeout_s = timeout_s
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="tandem-tool")

@@ -22,12 +22,12 @@ import datetime
 import json
 import os
 import shlex
-import socket
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tandem.processes import process_gone, process_identity
 from tandem.report.machine import machine_facts, package_versions
 
 RUN_FILE = "run.json"
@@ -63,70 +63,8 @@ def read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _proc_stat(pid: int) -> tuple[str, str] | None:
-    """``(state, start time in clock ticks since boot)`` of ``pid`` from ``/proc`` (Linux), or None."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # the name, in parentheses, may hold spaces
-    return fields[0], fields[19]
-
-
-def _boot_id() -> str | None:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return None
-
-
-def _pid_namespace() -> str | None:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-
-
-def process_identity() -> dict:
-    """What names this process across time: pid, host and pid namespace (a container with the
-    host's name still has pids of its own), the machine's boot and the process's start (these two
-    tell a reused pid, or a rebooted machine, from the process that wrote the file)."""
-    stat = _proc_stat(os.getpid())
-    return {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "pid_namespace": _pid_namespace(),
-        "boot_id": _boot_id(),
-        "process_start": stat[1] if stat else None,
-    }
-
-
-def process_gone(status: dict) -> bool:
-    """Whether the process that wrote ``status`` is known to have ended: it ran on this host and
-    the machine has rebooted since, or no process has its pid, or the one that has is a zombie or
-    started at another time. False when it cannot be told (another host or pid namespace, no pid)."""
-    pid = status.get("pid")
-    if type(pid) is not int or not 0 < pid < 2**22:
-        return False  # 0 and negative pids would signal process groups below; 2**22 is Linux's limit
-    if status.get("host") != socket.gethostname() or status.get("pid_namespace") != _pid_namespace():
-        return False
-    if status.get("boot_id") and _boot_id() and status["boot_id"] != _boot_id():
-        return True
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # it exists, owned by another user
-        pass
-    stat = _proc_stat(pid)
-    if stat is None:
-        return False
-    state, started = stat
-    return state == "Z" or (status.get("process_start") is not None and started != status["process_start"])
-
-
 def settled_status(status: dict) -> dict:
-    """``status`` as read, or, when it says ``running`` but its process is gone (:func:`process_gone`),
+    """``status`` as read, or, when it says ``running`` but its process is gone (:func:`tandem.processes.process_gone`),
     a copy marked ``interrupted`` with an ``error`` that says which process and when it last wrote."""
     if status.get("status") != "running" or not process_gone(status):
         return status

@@ -15,29 +15,21 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 from collections.abc import Iterable
 from pathlib import Path
+
+from tandem.processes import on_this_machine, pid_unused, process_identity
 
 RECORD = ".processes.json"
 FILE_NAME = re.compile(r"^tandem-[a-z]+-(\d+)-")  # tandem-<kind>-<pid>-...: the creating process
 
 
-def boot_id() -> str:
-    """This boot of this machine (pids are reused across boots)."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
 def record_processes(output_dir: str | os.PathLike, pids: Iterable[int], directories: Iterable[str]) -> None:
     """Note that ``pids`` (processes of this host) belong to the run in ``output_dir`` and keep
-    their shared-memory files in ``directories``."""
+    their shared-memory files in ``directories``; each is recorded with what names it across
+    time (:func:`tandem.processes.process_identity`), so a reused pid is never taken for it."""
     record = {
-        "host": socket.gethostname(),
-        "boot_id": boot_id(),
-        "pids": sorted({int(pid) for pid in pids}),
+        "processes": [process_identity(pid) for pid in sorted({int(pid) for pid in pids})],
         "directories": sorted(set(directories)),
     }
     path = Path(output_dir) / RECORD
@@ -46,32 +38,23 @@ def record_processes(output_dir: str | os.PathLike, pids: Iterable[int], directo
     os.replace(staging, path)
 
 
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive, and not ours to judge
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state != "Z"
-
-
 def remove_leftovers(output_dir: str | os.PathLike) -> int:
     """Delete the shared-memory files of the recorded processes of the last run in
-    ``output_dir`` that are gone (same host, same boot); returns how many were deleted."""
-    path = Path(output_dir) / RECORD
+    ``output_dir`` whose pid no running process has (same host and boot); returns how many were
+    deleted. A pid that a new process has taken keeps its files: they may be the new one's."""
     try:
-        record = json.loads(path.read_text())
+        record = json.loads((Path(output_dir) / RECORD).read_text())
     except (OSError, ValueError):
         return 0
-    if record.get("host") != socket.gethostname() or record.get("boot_id") != boot_id():
-        return 0
-    gone = {pid for pid in record.get("pids", []) if isinstance(pid, int) and not alive(pid)}
+    gone = {
+        p["pid"]
+        for p in record.get("processes", [])
+        if isinstance(p, dict)
+        and type(p.get("pid")) is int
+        and p["pid"] > 0
+        and on_this_machine(p)
+        and pid_unused(p["pid"])
+    }
     removed = 0
     for directory in record.get("directories", []):
         try:

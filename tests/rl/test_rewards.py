@@ -147,7 +147,7 @@ RETURNS = {
     "array0d": np.array(0.75), "tensor0d": torch.tensor(0.5), "tensor1": torch.tensor([0.125]),
     "bf16": torch.tensor(0.5, dtype=torch.bfloat16), "int": 1, "bool": False,
     "nan": float("nan"), "inf": math.inf, "npnan": np.float32("nan"), "str": "0.5", "none": None,
-    "complex": 1 + 2j, "vector": np.array([0.5, 0.5]),
+    "complex": 1 + 2j, "vector": np.array([0.5, 0.5]), "huge": 10**400,
     "dict_ok": {"score": np.float32(1.0), "acc": torch.tensor(0.0), "steps": np.int64(3)},
     "dict_bad_field": {"score": 0.5, "note": "abc", "acc": "yes", "steps": float("nan")},
     "dict_bad_score": {"score": "x"},
@@ -165,6 +165,7 @@ EXPECTED = {  # solution -> (score, acc, counted as a reward error)
     "tensor1": (0.125, 0.125, False), "bf16": (0.5, 0.5, False), "int": (1.0, 1.0, False),
     "bool": (0.0, 0.0, False), "nan": (0.0, 0.0, True), "inf": (0.0, 0.0, True), "npnan": (0.0, 0.0, True),
     "str": (0.0, 0.0, True), "none": (0.0, 0.0, True), "complex": (0.0, 0.0, True), "vector": (0.0, 0.0, True),
+    "huge": (0.0, 0.0, True),
     "dict_ok": (1.0, 0.0, False), "dict_bad_field": (0.5, 0.5, False), "dict_bad_score": (0.0, 0.0, True),
     "dict_no_score": (0.0, 0.0, True),
 }  # fmt: skip

@@ -9,8 +9,9 @@ import subprocess
 import sys
 import time
 
+from tandem.processes import pid_unused
 from tandem.rl import RLTrainer
-from tandem.run.leftovers import RECORD, alive, record_processes, remove_leftovers
+from tandem.run.leftovers import RECORD, record_processes, remove_leftovers
 from tests.conftest import ROOT
 from tests.rl.conftest import small_config
 
@@ -42,7 +43,8 @@ def test_only_the_files_of_recorded_processes_that_are_gone_are_removed(tmp_path
 
     record = json.loads((run / RECORD).read_text())
     (shm / f"tandem-weights-{dead}-ab12cd34-slot").write_bytes(b"x")
-    (run / RECORD).write_text(json.dumps({**record, "boot_id": "another boot"}))  # pids of another boot
+    another_boot = [{**p, "boot_id": "another boot"} for p in record["processes"]]
+    (run / RECORD).write_text(json.dumps({**record, "processes": another_boot}))  # pids of another boot
     assert remove_leftovers(run) == 0
     assert remove_leftovers(tmp_path / "never_ran") == 0
 
@@ -75,11 +77,11 @@ def test_a_run_after_kill_9_removes_the_files_the_killed_run_left(rl_files, tmp_
     )  # fmt: skip
     try:
         _wait_for(lambda: (output / RECORD).exists() and _shared_memory_files([trainer.pid]), 180, "the run")
-        pids = json.loads((output / RECORD).read_text())["pids"]
+        pids = [p["pid"] for p in json.loads((output / RECORD).read_text())["processes"]]
         assert trainer.pid in pids and len(pids) >= 2  # the trainer and its rollout replica
         os.kill(trainer.pid, signal.SIGKILL)
         trainer.wait()
-        _wait_for(lambda: not any(alive(pid) for pid in pids), 60, "the replica to exit")
+        _wait_for(lambda: all(pid_unused(pid) for pid in pids), 60, "the replica to exit")
         left = _shared_memory_files(pids)
         assert left, "the killed trainer left no file to clean (the test would prove nothing)"
     finally:

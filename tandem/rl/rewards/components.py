@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from tandem.config.user_values import describe, real_number
 from tandem.rl.rewards.parallel import CallResult
-from tandem.rl.rewards.values import describe, real_number
 
 KEYS_SETTING = "algorithm.gdpo_reward_keys"
 

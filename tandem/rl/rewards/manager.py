@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.config.user_values import describe, real_number
 from tandem.rl.config import OverlongPenaltyConfig, RewardConfig
 from tandem.rl.rewards.components import reward_components
 from tandem.rl.rewards.custom import load_reward_function
 from tandem.rl.rewards.parallel import CallResult, run_with_timeouts
 from tandem.rl.rewards.scorers import SCORERS
-from tandem.rl.rewards.values import describe, real_number
 
 
 @dataclass

@@ -1,9 +1,10 @@
-"""What a reward function may return as a number: every real type, nothing else.
+"""What a user's function (a reward function, an agent interaction) may return as a number:
+every real type, nothing else.
 
 Python ``int``/``float``/``bool``, numpy scalars (``np.float32(0.5)``, ``np.int64``,
 ``np.bool_``), and 0-d or one-element numpy arrays and torch tensors of a real dtype are
-numbers. Strings, ``None``, complex values, larger arrays and NaN/inf are not: the manager
-counts those as reward errors instead of training on them.
+numbers. Strings, ``None``, complex values, larger arrays, NaN/inf and integers too large for
+a float are not: the callers count those as errors instead of training on them.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ def real_number(value: Any) -> float | None:
     """``value`` as a finite float, or ``None`` when it is not a finite real number."""
     if isinstance(value, (bool, np.bool_)):
         return float(value)
-    if isinstance(value, numbers.Real):
-        number = float(value)
-    elif isinstance(value, (np.ndarray, torch.Tensor)) and _one_real(value):
-        number = float(value.item())
-    else:
+    try:
+        if isinstance(value, numbers.Real):
+            number = float(value)
+        elif isinstance(value, (np.ndarray, torch.Tensor)) and _one_real(value):
+            number = float(value.item())
+        else:
+            return None
+    except OverflowError:  # an int of 400 digits
         return None
     return number if math.isfinite(number) else None
 
