@@ -7,12 +7,13 @@ cannot reproduce is a ``ValueError`` naming the verl keys.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.device import cuda_device_count
-from tandem.verl import names
+from tandem.verl import multi_turn, names
 from tandem.verl.keys import ACTOR, ALGO, MODEL, REF, ROLLOUT
 
 
@@ -30,6 +31,47 @@ class Context:
 
     def set_by_user(self, key: str) -> bool:
         return key in self.given
+
+
+# DAPO's overlong buffer: verl 0.8+ reads reward.reward_kwargs; older scripts set reward_model.reward_kwargs
+# (verl 0.9 still copies it over) or, older still, reward_model.overlong_buffer.
+OVERLONG_PLACES = (
+    "reward.reward_kwargs.overlong_buffer_cfg",
+    "reward_model.reward_kwargs.overlong_buffer_cfg",
+    "reward_model.overlong_buffer",
+)
+
+# Settings verl moved between releases: each tuple holds one setting's places (a key, or a group
+# whose keys end alike). A script may give any of them, and gives each setting one value.
+MOVED: tuple[tuple[str, ...], ...] = (
+    ("reward.reward_kwargs", "reward_model.reward_kwargs"),
+    OVERLONG_PLACES,
+    ("reward.reward_manager.name", "reward_model.reward_manager"),
+    ("reward.custom_reward_function", "custom_reward_function"),
+    ("reward.num_workers", "reward_model.num_workers"),
+    *(  # the learning-rate schedule: current, older FSDP and Megatron names
+        tuple(f"{role}.optim.{name}" for name in ("lr_scheduler_type", "warmup_style", "lr_decay_style"))
+        for role in (ACTOR, "critic")
+    ),
+    (f"{MODEL}.lora_rank", f"{MODEL}.lora.rank"),  # FSDP's and Megatron's LoRA
+    (f"{MODEL}.lora_alpha", f"{MODEL}.lora.alpha"),
+)
+
+
+def moved_keys(ctx: Context) -> None:
+    """A setting given at two of its places (:data:`MOVED`) must have one value there."""
+    for places in MOVED:
+        first: dict[str, str] = {}  # the rest of a key after its place -> the first key given
+        for key in sorted(ctx.given):
+            place = next((p for p in places if key == p or key.startswith(f"{p}.")), None)
+            if place is None:
+                continue
+            twin = first.setdefault(key[len(place) :], key)
+            if ctx.get(twin) != ctx.get(key):
+                raise ValueError(
+                    f"{key}={ctx.get(key)} and {twin}={ctx.get(twin)}: the same verl setting at two of its "
+                    "places (verl moved it between releases) with two values; keep one"
+                )
 
 
 def _files(ctx: Context, key: str, to: str) -> None:
@@ -104,9 +146,15 @@ def optimizer(ctx: Context, verl: str = ACTOR, tandem: str = "actor.engine") -> 
     )
     schedule = next((style for style in styles if style is not None), None)
     ctx.out[f"{tandem}.lr_schedule"] = names.tandem_name(f"{ACTOR}.optim.lr_scheduler_type", schedule)
-    min_lr = ctx.get(f"{verl}.optim.min_lr")
+    min_lr, ratio_key = ctx.get(f"{verl}.optim.min_lr"), f"{verl}.optim.min_lr_ratio"
     if min_lr is not None:
-        ctx.out[f"{tandem}.min_lr_ratio"] = float(min_lr) / float(ctx.get(f"{verl}.optim.lr"))
+        ratio = float(min_lr) / float(ctx.get(f"{verl}.optim.lr"))
+        if ctx.set_by_user(ratio_key) and not math.isclose(float(ctx.get(ratio_key) or 0.0), ratio):
+            raise ValueError(
+                f"{verl}.optim.min_lr={min_lr} (a ratio of {ratio:g} to optim.lr) and {ratio_key}="
+                f"{ctx.get(ratio_key)}: Megatron's and FSDP's name for one setting with two values; keep one"
+            )
+        ctx.out[f"{tandem}.min_lr_ratio"] = ratio
 
 
 def dtypes(ctx: Context, on_gpu: bool) -> None:
@@ -478,7 +526,6 @@ def rewards(ctx: Context) -> None:
             f"reward manager {manager!r}: tandem scores like verl's 'naive' (and 'gdpo') manager, and 'dapo' with "
             "an overlong buffer; use custom_reward_function for anything else"
         )
-    _same_at_both_places(ctx, "reward.reward_kwargs", "reward_model.reward_kwargs")
     for prefix in OVERLONG_PLACES:
         given = [k for k in ("enable", "len", "penalty_factor") if ctx.get(f"{prefix}.{k}") is not None]
         if not given:
@@ -518,26 +565,6 @@ def rewards(ctx: Context) -> None:
     for key in ("reward.num_workers", "reward_model.num_workers"):
         if ctx.get(key) is not None:
             ctx.out["reward.num_workers"] = int(ctx.get(key))
-
-
-# DAPO's overlong buffer: verl 0.8+ reads reward.reward_kwargs; older scripts set reward_model.reward_kwargs
-# (verl 0.9 still copies it over) or, older still, reward_model.overlong_buffer.
-OVERLONG_PLACES = (
-    "reward.reward_kwargs.overlong_buffer_cfg",
-    "reward_model.reward_kwargs.overlong_buffer_cfg",
-    "reward_model.overlong_buffer",
-)
-
-
-def _same_at_both_places(ctx: Context, new: str, old: str) -> None:
-    """A setting a script gives at verl's new and old place must have one value."""
-    for key in sorted(k for k in ctx.given if k.startswith(f"{old}.")):
-        twin = new + key[len(old) :]
-        if twin in ctx.given and ctx.get(twin) != ctx.get(key):
-            raise ValueError(
-                f"{key}={ctx.get(key)} and {twin}={ctx.get(twin)}: the same verl setting at its old and new "
-                "place with two values; keep one"
-            )
 
 
 def placement(ctx: Context) -> tuple[int, bool]:
@@ -596,6 +623,7 @@ def trainer_outputs(ctx: Context) -> None:
 
 
 TRANSLATORS: tuple[Callable[[Context], None], ...] = (
+    moved_keys,
     data_files,
     overlong_prompts,
     position_limit,
@@ -611,4 +639,5 @@ TRANSLATORS: tuple[Callable[[Context], None], ...] = (
     validation_sampling,
     rewards,
     trainer_outputs,
+    multi_turn.agent_loops,
 )

@@ -8,6 +8,7 @@ from tandem.verl.rules import (
     DIST_CKPT,
     FP8,
     LOGPROB_MICRO,
+    LOGPROB_MICRO_KEYS,
     MEMORY,
     MODEL,
     MOE_LOSS,
@@ -29,8 +30,8 @@ from tandem.verl.rules import (
 
 POLICY_RULES: tuple[Rule, ...] = (
     # ---- data ----
-    joint("data.train_files", "data.train_path (one file)", example="/data/train.parquet"),
-    joint("data.val_files", "data.val_path (one file)", example="/data/test.parquet"),
+    joint("data.train_files", "data.train_path (a file or a list)", example="/data/train.parquet"),
+    joint("data.val_files", "data.val_path (a file or a list)", example="/data/test.parquet"),
     mapped("data.train_batch_size", "data.train_batch_size", 1024, int, example=8),
     mapped("data.max_prompt_length", "data.max_prompt_length", 512, int),
     mapped("data.max_response_length", "rollout.max_response_length", 512, int),
@@ -268,10 +269,7 @@ POLICY_RULES: tuple[Rule, ...] = (
     only(f"{ACTOR}.megatron.dtype", ("bfloat16", "bf16"), "Megatron compute dtypes other than bf16"),
     only(f"{ACTOR}.router_replay.mode", ("disabled",), "MoE router replay"),
     # ---- reference ----
-    noted(f"{REF}.log_prob_micro_batch_size", LOGPROB_MICRO),
-    noted(f"{REF}.log_prob_micro_batch_size_per_gpu", LOGPROB_MICRO),
-    noted(f"{REF}.log_prob_use_dynamic_bsz", LOGPROB_MICRO),
-    noted(f"{REF}.log_prob_max_token_len_per_gpu", LOGPROB_MICRO),
+    *(noted(f"{REF}.{name}", LOGPROB_MICRO) for name in LOGPROB_MICRO_KEYS),
     mapped(f"{REF}.fsdp_config.param_offload", "actor.offload.reference", False, bool, example=True),
     noted(f"{REF}.fsdp_config.reshard_after_forward", MEMORY),
     noted(f"{REF}.fsdp_config.wrap_policy.min_num_params", MEMORY),

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import yaml
 
 from tandem.verl.keys import ROLLOUT
+
+if TYPE_CHECKING:
+    from tandem.verl.joint import Context
 
 MULTI_TURN = f"{ROLLOUT}.multi_turn"
 AGENT = f"{ROLLOUT}.agent"
@@ -28,7 +31,7 @@ PARSERS = {"hermes": "hermes"}
 CODE_TOOLS = ("verl.tools.sandbox_fusion_tools.SandboxFusionTool",)  # verl 0.7's code interpreter
 
 
-def agent_loops(ctx: Any) -> None:
+def agent_loops(ctx: Context) -> None:
     """The agent loop, its tools and its turn limit; nothing when the command uses neither tools
     nor a multi-turn loop (verl's default: one turn per prompt)."""
     loop = ctx.get(f"{AGENT}.default_agent_loop")
@@ -58,7 +61,7 @@ def agent_loops(ctx: Any) -> None:
     _differences(ctx)
 
 
-def _model_turns(ctx: Any) -> int:
+def _model_turns(ctx: Context) -> int:
     """tandem's ``agent.max_turns``. verl ends an episode after an assistant turn once it has made
     ``max_assistant_turns`` of them, or once ``max_user_turns`` tool or user turns came before it:
     ``min(max_assistant_turns, max_user_turns + 1)`` model turns. Without limits the response
@@ -72,7 +75,7 @@ def _model_turns(ctx: Any) -> int:
     return min(limits)
 
 
-def _tools(ctx: Any, path: str) -> None:
+def _tools(ctx: Context, path: str) -> None:
     """The tools of verl's tool config file: each must be one tandem can run."""
     key = f"{MULTI_TURN}.tool_config_path"
     entries = _read_tool_config(key, path)
@@ -109,7 +112,7 @@ def _read_tool_config(key: str, path: str) -> list[dict]:
     return entries
 
 
-def _code_tool(ctx: Any, where: str, config: dict) -> None:
+def _code_tool(ctx: Context, where: str, config: dict) -> None:
     """The sandbox limits of verl's code tool: its timeout and memory limit."""
     language = config.get("default_language", "python")
     if language != "python":
@@ -122,7 +125,7 @@ def _code_tool(ctx: Any, where: str, config: dict) -> None:
         ctx.out["agent.python.memory_mb"] = int(config["memory_limit_mb"])
 
 
-def _differences(ctx: Any) -> None:
+def _differences(ctx: Context) -> None:
     """Notes for verl settings whose behaviour tandem does not copy."""
     calls = ctx.get(f"{MULTI_TURN}.max_parallel_calls")
     ctx.notes.append(

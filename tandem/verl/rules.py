@@ -109,6 +109,12 @@ WITH_LORA = (f"{MODEL}.lora_rank", tuple(range(1, 4097)))
 MEMORY = "a memory or speed setting; tandem decides it itself and the results do not depend on it"
 OFFLOAD = "offloading within a phase: tandem keeps what a phase computes with on the worker's device"
 LOGPROB_MICRO = "forward-only passes use the actor's micro-batch budget in tandem"
+LOGPROB_MICRO_KEYS = (  # the reference's and the rollout's log-prob batching
+    "log_prob_micro_batch_size",
+    "log_prob_micro_batch_size_per_gpu",
+    "log_prob_use_dynamic_bsz",
+    "log_prob_max_token_len_per_gpu",
+)
 SEQUENCE_PARALLEL = "tandem has no sequence parallelism: each worker holds whole sequences (memory only)"
 RAY = "tandem starts Ray itself (trainer.backend=ray)"
 # A name verl does not have is refused by tandem.verl.joint.engine_settings, as are parallel sizes

@@ -20,7 +20,7 @@ from hydra.errors import HydraException
 
 from tandem.rl.config import TrainConfig
 from tandem.rl.config_loader import load_train_config
-from tandem.verl import joint, multi_turn
+from tandem.verl import joint
 from tandem.verl.keys import BY_KEY, DEFAULTS, RULES, Rule
 
 BASE_PRESET = "grpo"  # every key the preset sets is also set by the translation, from verl's values
@@ -91,7 +91,6 @@ def translate(items: Sequence[str]) -> Translation:
             ctx.out[rule.to] = _convert(rule, values[rule.key])
     for translate_group in joint.TRANSLATORS:
         translate_group(ctx)
-    multi_turn.agent_loops(ctx)
     workers, on_gpu = joint.placement(ctx)
     joint.micro_batches(ctx, workers)
     joint.critic(ctx, workers)

@@ -216,3 +216,39 @@ def test_megatron_schedule_and_lora_keys_are_read_at_their_place():
     assert settings["actor.engine.lr_schedule"] == "cosine"
     assert float(settings["actor.engine.min_lr_ratio"]) == pytest.approx(0.1)
     assert (settings["actor.engine.lora.rank"], settings["actor.engine.lora.alpha"]) == ("8", "32.0")
+
+
+OPTIM = "actor_rollout_ref.actor.optim"
+
+
+@pytest.mark.parametrize(
+    "new, old",
+    [
+        (f"{OPTIM}.lr_scheduler_type=constant", f"{OPTIM}.warmup_style=cosine"),
+        (f"{OPTIM}.lr_scheduler_type=constant", f"{OPTIM}.lr_decay_style=cosine"),
+        (f"{OPTIM}.min_lr_ratio=0.5", f"{OPTIM}.min_lr=1e-7"),
+        ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.rank=16"),
+        ("reward.reward_manager.name=dapo", "reward_model.reward_manager=naive"),
+        ("reward.num_workers=4", "reward_model.num_workers=8"),
+    ],
+)
+def test_a_moved_setting_given_at_two_places_with_two_values_is_refused(new, old):
+    """Each pair is one setting at verl's newer and its older (or Megatron's) place."""
+    with pytest.raises(ValueError, match=re.escape(old.split("=")[0])):
+        translate([*BASE, new, old])
+
+
+def test_a_moved_setting_given_at_two_places_with_one_value_is_read():
+    settings = _settings(
+        [
+            f"{OPTIM}.lr_scheduler_type=cosine",
+            f"{OPTIM}.warmup_style=cosine",
+            f"{OPTIM}.min_lr_ratio=0.1",
+            f"{OPTIM}.min_lr=1e-7",
+            "actor_rollout_ref.model.lora_rank=8",
+            "actor_rollout_ref.model.lora.rank=8",
+        ]
+    )
+    assert settings["actor.engine.lr_schedule"] == "cosine"
+    assert float(settings["actor.engine.min_lr_ratio"]) == pytest.approx(0.1)
+    assert settings["actor.engine.lora.rank"] == "8"

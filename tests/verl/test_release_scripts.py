@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from tandem.data import write_parquet
 from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows
 from tandem.verl import translate
 from tests.verl import release_scripts
-from tests.verl.test_scripts import NATIVE
+from tests.verl.test_keys import _settings
+from tests.verl.test_scripts import NATIVE, run_script
 
 ROOT = Path(__file__).parents[2]
 
@@ -41,10 +41,6 @@ FILES = {
     "MATH_TRAIN": "/data/math/train.parquet",
     "MATH_TEST": "/data/math/test.parquet",
 }
-
-
-def _settings(translation) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in translation.overrides)
 
 
 def test_the_cispo_script_reads_both_training_files():
@@ -93,30 +89,17 @@ def test_the_cispo_script_trains_on_two_files(rl_files, tmp_path):
             key = f"{source.upper()}_{split.upper()}"
             files[key] = str(write_parquet(rows, tmp_path / source / f"{split}.parquet"))
     out = tmp_path / "cispo"
-    env = {**files, "MODEL_PATH": rl_files["model"]}
-    done = subprocess.run(
-        [
-            "bash",
-            "-c",
-            release_scripts.CISPO_GSM8K_MATH,
-            "script",
-            "trainer.total_training_steps=1",
-            "trainer.val_before_train=False",
-            "trainer.test_freq=1",
-            f"trainer.default_local_dir={out}",
-            "trainer.logger=[console]",
-            f"custom_reward_function.path={rl_files['reward']}",
-            *NATIVE,
-        ],
-        env={
-            **os.environ,
-            **env,
-            "LAUNCH": "tandem.verl.main_ppo",
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        },
-        capture_output=True,
-        text=True,
-        timeout=600,
+    done = run_script(
+        release_scripts.CISPO_GSM8K_MATH,
+        rl_files,
+        "trainer.total_training_steps=1",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=1",
+        f"trainer.default_local_dir={out}",
+        "trainer.logger=[console]",
+        f"custom_reward_function.path={rl_files['reward']}",
+        *NATIVE,
+        env=files,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -20,10 +20,12 @@ NATIVE = ["--set", "rollout.engine.name=native"]  # the scripts ask for vLLM; th
 
 
 def run_script(
-    text: str, files: dict, *args: str, output_dir: Path | None = None
+    text: str, files: dict, *args: str, output_dir: Path | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
+    """Run a verl script on tandem; ``env`` adds the variables a script reads beyond the usual files."""
     env = {
         **os.environ,
+        **(env or {}),
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # python3 is this interpreter
         "LAUNCH": "tandem.verl.main_ppo",
         "TRAIN_FILE": files["train"],
