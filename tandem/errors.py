@@ -13,7 +13,17 @@ class OutputDirInUseError(RuntimeError):
 
 
 class RolloutReplicaError(RuntimeError):
-    """A rollout replica of an asynchronous pipeline died, hung or failed; the message names it."""
+    """A rollout replica of an asynchronous pipeline died, hung or failed; the message names it.
+
+    ``rank``: the replica's rank when one replica is to blame (None otherwise).
+    """
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+    def __reduce__(self):
+        return (RolloutReplicaError, (str(self), self.rank))
 
 
 USER_ERRORS = (ValueError, FileNotFoundError, DivergenceError, OutputDirInUseError, RolloutReplicaError)

@@ -148,5 +148,5 @@ def _replicas_result(received: Any, version: int) -> None:
         received.result()
     except (WorkerError, WorkerDiedError) as error:
         raise RolloutReplicaError(
-            f"rollout replica {error.rank} failed to receive weight version {version}: {error}"
+            f"rollout replica {error.rank} failed to receive weight version {version}: {error}", error.rank
         ) from error

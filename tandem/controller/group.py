@@ -248,7 +248,9 @@ class WorkerGroup:
     def ranks_reading(self, path: str, token: str) -> set[int]:
         """The ranks whose process reads ``token`` in the probe file ``path`` (written by
         :func:`~tandem.protocol.shared.write_probe`, here or in another group's worker)."""
-        handles = [self.backend.submit(r, "_tandem_read_probe", (path, token), {}) for r in range(self.world_size)]
+        handles = [
+            self.backend.submit(r, "_tandem_read_probe", (path, token), {}) for r in range(self.world_size)
+        ]
         seen = [self.backend.result(r, h, None) for r, h in enumerate(handles)]
         return {r for r, ok in enumerate(seen) if ok}
 
@@ -276,6 +278,16 @@ class WorkerGroup:
             return future.result()  # handles of another kind of backend cannot travel; wait here
         collect = functools.partial(_collect_values, future.mode, future.group.snapshot(), future.context)
         return self.backend.derive(future.handles, collect)
+
+    def restart(self, rank: int) -> None:
+        """Replace rank ``rank``'s worker by a fresh one built with the group's arguments (a dead
+        or hung rollout replica). Only for workers that share no process group; the in-process
+        backend cannot (it would restart the controller)."""
+        restart = getattr(self.backend, "restart", None)
+        if restart is None:
+            raise ValueError(f"a {type(self.backend).__name__} cannot restart a worker")
+        restart(rank)
+        self._shared_ranks = None  # the new process is asked again which files it sees
 
     def shutdown(self) -> None:
         """Stop every worker (idempotent) and delete batch files no worker opened."""

@@ -86,8 +86,10 @@ class _Mailbox:
                 self._pending -= 1
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        """End the thread after the calls already queued (waits up to ``timeout_s`` for it)."""
         self._queue.put(None)
-        self._thread.join(timeout=timeout_s)
+        if timeout_s > 0:
+            self._thread.join(timeout=timeout_s)
 
 
 class _LocalBackendBase:
@@ -131,7 +133,9 @@ class InProcessBackend(_LocalBackendBase):
 
     def __init__(self, worker_cls: type, args: tuple = (), kwargs: dict | None = None) -> None:
         self.world_size = 1
-        self.worker = construct_worker(worker_cls, DistInfo(), args, kwargs or {})  # a world of one meets no one
+        self.worker = construct_worker(
+            worker_cls, DistInfo(), args, kwargs or {}
+        )  # a world of one meets no one
         self._mailboxes = [_Mailbox(0, self._run, "tandem-worker-0")]
 
     @property
@@ -199,24 +203,17 @@ class ProcessBackend(_LocalBackendBase):
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         self.world_size = world_size
-        context = multiprocessing.get_context("spawn")
+        self._context = multiprocessing.get_context("spawn")
+        self._worker = (worker_cls, args, kwargs or {})
         # the ranks meet here, for the group's lifetime (a world of one meets no one)
         self._store = host_rendezvous_store() if world_size > 1 else None
         port = self._store.port if self._store is not None else 0
+        self._infos = [DistInfo(r, world_size, r, world_size, "127.0.0.1", port) for r in range(world_size)]
         self._processes, self._conns = [], []
         for rank in range(world_size):
-            info = DistInfo(rank, world_size, rank, world_size, "127.0.0.1", port)
-            parent, child = context.Pipe()
-            process = context.Process(
-                target=_process_main,
-                args=(child, worker_cls, args, kwargs or {}, info.as_env()),
-                name=f"tandem-worker-{rank}",
-                daemon=True,
-            )
-            process.start()
-            child.close()
+            process, conn = self._spawn(rank)
             self._processes.append(process)
-            self._conns.append(parent)
+            self._conns.append(conn)
         for rank in range(world_size):  # wait for every constructor; report the first failure
             status, payload = self._receive(rank)
             if status == "error":
@@ -224,8 +221,40 @@ class ProcessBackend(_LocalBackendBase):
                 raise payload
         self._mailboxes = [_Mailbox(r, self._caller(r), f"tandem-mailbox-{r}") for r in range(world_size)]
 
-    def _receive(self, rank: int) -> tuple[str, Any]:
-        conn, process = self._conns[rank], self._processes[rank]
+    def _spawn(self, rank: int) -> tuple[Any, Any]:
+        """Start rank ``rank``'s process; returns it and the controller's end of its pipe."""
+        worker_cls, args, kwargs = self._worker
+        parent, child = self._context.Pipe()
+        process = self._context.Process(
+            target=_process_main,
+            args=(child, worker_cls, args, kwargs, self._infos[rank].as_env()),
+            name=f"tandem-worker-{rank}",
+            daemon=True,
+        )
+        process.start()
+        child.close()
+        return process, parent
+
+    def restart(self, rank: int) -> None:
+        """Replace rank ``rank``'s process by a fresh one built with the group's arguments (the old
+        one is killed if it still runs). Calls queued for the old process fail as it is gone; the
+        new one takes calls submitted from now on. Raises what its constructor raised.
+
+        Meant for workers that share no process group (rollout replicas): the new process does
+        not rejoin a collective group its peers formed.
+        """
+        _kill_process_tree(self._processes[rank])
+        process, conn = self._spawn(rank)
+        self._processes[rank], self._conns[rank] = process, conn
+        status, payload = self._receive(rank)
+        if status == "error":
+            raise payload
+        self._mailboxes[rank].stop(timeout_s=0.0)  # its queued calls fail against the dead process
+        self._mailboxes[rank] = _Mailbox(rank, self._caller(rank), f"tandem-mailbox-{rank}")
+
+    def _receive(self, rank: int, conn: Any = None, process: Any = None) -> tuple[str, Any]:
+        conn = conn or self._conns[rank]
+        process = process or self._processes[rank]
         while not conn.poll(POLL_S):
             if not process.is_alive():
                 raise WorkerDiedError(rank, f"process {process.pid} exited with code {process.exitcode}")
@@ -238,12 +267,15 @@ class ProcessBackend(_LocalBackendBase):
             ) from None
 
     def _caller(self, rank: int) -> Callable[[str, tuple, dict], Any]:
+        """Calls to rank ``rank``'s current process (bound to it: a restart does not redirect them)."""
+        conn, process = self._conns[rank], self._processes[rank]
+
         def call(method: str, args: tuple, kwargs: dict) -> Any:
             try:
-                self._conns[rank].send(("call", method, args, kwargs))
+                conn.send(("call", method, args, kwargs))
             except (BrokenPipeError, OSError):
-                raise WorkerDiedError(rank, f"process {self._processes[rank].pid} is gone") from None
-            status, payload = self._receive(rank)
+                raise WorkerDiedError(rank, f"process {process.pid} is gone") from None
+            status, payload = self._receive(rank, conn, process)
             if status == "error":
                 raise payload
             return payload
@@ -270,14 +302,19 @@ class ProcessBackend(_LocalBackendBase):
         deadline = time.monotonic() + grace_s
         for process in self._processes:
             process.join(timeout=max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
-            with contextlib.suppress(ProcessLookupError, PermissionError):  # what the worker started
-                os.killpg(process.pid, signal.SIGKILL)
+            _kill_process_tree(process)
         for mailbox in getattr(self, "_mailboxes", []):
             mailbox.stop()
         for conn in self._conns:
             conn.close()
         self._mailboxes, self._conns, self._processes = [], [], []
         self._store = None
+
+
+def _kill_process_tree(process: Any) -> None:
+    """Kill ``process`` if it still runs, and what it started (its process group; see ``_process_main``)."""
+    if process.is_alive():
+        process.kill()
+        process.join(timeout=5)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)

@@ -72,31 +72,53 @@ class RayBackend:
                 f"Ray could not place pool {pool.name!r} ({pool.processes_per_node} processes per node, "
                 f"{bundle} each) within {PLACEMENT_TIMEOUT_S:.0f} s; cluster resources: {ray.cluster_resources()}"
             ) from None
-        actor_cls = ray.remote(worker_cls)
+        self._actor_cls = ray.remote(worker_cls)
+        self._pool, self._args = pool, (args, kwargs or {})
+        self._scheduling = PlacementGroupSchedulingStrategy
         self._actors: list[Any] = []
-        master: tuple[str, int] = ("127.0.0.1", 0)
+        self._master: tuple[str, int] = ("127.0.0.1", 0)
         for rank in range(self.world_size):
-            node, local_rank = pool.node_and_local_rank(rank)
-            info = DistInfo(rank, self.world_size, local_rank, pool.processes_per_node[node], *master)
-            env = info.as_env()
-            if not pool.gpus_per_process:  # recent Ray shows every GPU to an actor that reserved none
-                env["CUDA_VISIBLE_DEVICES"] = ""
-            actor = actor_cls.options(
-                num_cpus=pool.cpus_per_process,
-                num_gpus=pool.gpus_per_process,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._placement_groups[node], placement_group_bundle_index=local_rank
-                ),
-                runtime_env={"env_vars": env},
-            ).remote(*args, **(kwargs or {}))
-            self._actors.append(actor)
+            self._actors.append(self._start_actor(rank))
             if rank == 0:
-                master = tuple(self.result(0, actor._tandem_execute.remote("_tandem_claim_master"), None))
-        here = ray.get_runtime_context().get_node_id()
-        places = [self.result(r, a._tandem_execute.remote("_tandem_process"), None) for r, a in enumerate(self._actors)]
-        # the processes on the controller's node: whose /dev/shm files the controller can delete
-        # after a failure (Ray ends actors with SIGKILL, so theirs are never cleaned up by them)
-        self.host_pids = [pid for pid, node in places if node == here]
+                claim = self._actors[0]._tandem_execute.remote("_tandem_claim_master")
+                self._master = tuple(self.result(0, claim, None))
+        self._here = ray.get_runtime_context().get_node_id()
+        self._places = [self._place(r) for r in range(self.world_size)]
+
+    def _start_actor(self, rank: int) -> Any:
+        """Rank ``rank``'s actor in its placement-group bundle, told its place and the rendezvous address."""
+        pool = self._pool
+        node, local_rank = pool.node_and_local_rank(rank)
+        info = DistInfo(rank, self.world_size, local_rank, pool.processes_per_node[node], *self._master)
+        env = info.as_env()
+        if not pool.gpus_per_process:  # recent Ray shows every GPU to an actor that reserved none
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        args, kwargs = self._args
+        return self._actor_cls.options(
+            num_cpus=pool.cpus_per_process,
+            num_gpus=pool.gpus_per_process,
+            scheduling_strategy=self._scheduling(
+                placement_group=self._placement_groups[node], placement_group_bundle_index=local_rank
+            ),
+            runtime_env={"env_vars": env},
+        ).remote(*args, **kwargs)
+
+    def _place(self, rank: int) -> tuple[int, str | None]:
+        """Rank ``rank``'s process id and node (its constructor's failure is raised here)."""
+        return self.result(rank, self._actors[rank]._tandem_execute.remote("_tandem_process"), None)
+
+    @property
+    def host_pids(self) -> list[int]:
+        """The processes on the controller's node: whose /dev/shm files the controller can delete
+        after a failure (Ray ends actors with SIGKILL, so theirs are never cleaned up by them)."""
+        return [pid for pid, node in self._places if node == self._here]
+
+    def restart(self, rank: int) -> None:
+        """Replace rank ``rank``'s actor by a fresh one in the same bundle (see
+        :meth:`tandem.controller.local.ProcessBackend.restart`)."""
+        self._ray.kill(self._actors[rank], no_restart=True)
+        self._actors[rank] = self._start_actor(rank)
+        self._places[rank] = self._place(rank)
 
     def submit(self, rank: int, method: str, args: tuple, kwargs: dict) -> Any:
         return self._actors[rank]._tandem_execute.remote(method, *args, **kwargs)

@@ -45,6 +45,11 @@ class PipelineConfig:
             ``auto`` (shared memory for the replicas that see the controller's ``/dev/shm``,
             inline for the others).
         replica_timeout_s: a replica that does not answer a call for this long is reported as hung.
+        replica_restarts: how many times in a run a rollout replica that died, hung or failed is
+            replaced by a fresh process instead of ending the run: the new one (and every other
+            replica) receives the trainer's current weights, and the prompt groups the lost one
+            held are generated again (``pipeline/replica_restarts`` counts them). 0: the first
+            failure ends the run, naming the replica.
         old_log_probs: where PPO's old log-probs come from in the asynchronous modes:
             ``recompute`` (a forward with the trainer's current weights, which then act as the
             proximal policy; ``algorithm.rollout_correction.*`` weighs the samples against the
@@ -63,6 +68,7 @@ class PipelineConfig:
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=_shared_memory)
     sample_store: str = "auto"
     replica_timeout_s: float = 30.0
+    replica_restarts: int = 0
     old_log_probs: str = "recompute"
 
     def __post_init__(self) -> None:
@@ -73,6 +79,7 @@ class PipelineConfig:
         check_range("pipeline", "trainer_threads", self.trainer_threads, low=0)
         check_range("pipeline", "rollout_threads", self.rollout_threads, low=0)
         check_positive("pipeline", "replica_timeout_s", self.replica_timeout_s)
+        check_range("pipeline", "replica_restarts", self.replica_restarts, low=0)
         check_choice("pipeline", "old_log_probs", self.old_log_probs, OLD_LOG_PROBS)
         check_choice("pipeline", "sample_store", self.sample_store, SAMPLE_STORES)
         if self.mode != "sync" and self.checkpoint_engine.backend == "naive":

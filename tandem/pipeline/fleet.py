@@ -5,7 +5,9 @@ which returns at once: the replica's engine generates on its own thread) and pol
 finished groups (``collect``), whose metadata goes into the :class:`SampleQueue`. A replica
 that dies, raises or does not answer within ``timeout_s`` stops its driver; the error, naming
 the replica, is raised by the next :meth:`check` — the trainer's wait calls it every poll,
-so a dead replica surfaces within a second rather than as a hang.
+so a dead replica surfaces within a second rather than as a hang. The fleet remembers which
+groups each replica holds, so that after the controller has restarted a failed replica
+:meth:`revive` hands the groups it lost to the new one.
 
 A replica runs one call at a time, so a long call (a weight sync, validation) would hold up
 the drivers' polls behind it; the controller brackets such calls with :meth:`hold`, during
@@ -39,39 +41,62 @@ class RolloutFleet:
         self.timeout_s = timeout_s
         self.size = group.world_size
         self._todo: list[deque[GroupRequest]] = [deque() for _ in range(self.size)]
-        self._outstanding = [0] * self.size  # assigned and not yet reported finished
+        self._assigned: list[dict[str, GroupRequest]] = [{} for _ in range(self.size)]  # not yet reported
         self._idle = [0.0] * self.size
+        self._idle_before = [0.0] * self.size  # idle seconds of a replica's earlier processes
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._holding = False
         self._calls = threading.Condition()  # drivers send under it; hold() waits on it
-        self.error: RolloutReplicaError | None = None
-        self._threads = [
-            threading.Thread(target=self._drive, args=(rank,), name=f"tandem-fleet-{rank}", daemon=True)
-            for rank in range(self.size)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self.failures: dict[int, RolloutReplicaError] = {}  # by rank, until revived
+        self._generation = [0] * self.size  # a driver whose rank's generation moved on retires
+        self._threads = [self._start_driver(rank) for rank in range(self.size)]
 
     # ------------------------------------------------------------------ controller calls
     def submit(self, groups: list[GroupRequest]) -> None:
         """Assign each group to the replica with the fewest groups outstanding."""
         with self._lock:
             for group in groups:
-                rank = min(range(self.size), key=lambda r: self._outstanding[r])
-                self._outstanding[rank] += 1
+                rank = min(range(self.size), key=lambda r: len(self._assigned[r]))
+                self._assigned[rank][group.uid] = group
                 self._todo[rank].append(group)
 
     @property
     def outstanding(self) -> int:
         """Groups assigned to replicas and not yet in the queue."""
         with self._lock:
-            return sum(self._outstanding)
+            return sum(len(assigned) for assigned in self._assigned)
 
     def idle_seconds(self) -> list[float]:
-        """Each replica's seconds with nothing to generate, since it started."""
+        """Each replica's seconds with nothing to generate, since the fleet started."""
         with self._lock:
-            return list(self._idle)
+            return [before + now for before, now in zip(self._idle_before, self._idle, strict=True)]
+
+    @property
+    def error(self) -> RolloutReplicaError | None:
+        """The first replica failure not yet revived, if any."""
+        failures = dict(self.failures)
+        return failures[min(failures)] if failures else None
+
+    def revive(self, rank: int) -> int:
+        """Rank ``rank``'s replica was restarted (its old process is gone): a new driver hands the
+        new replica every group the old one had not reported. Returns how many groups that is.
+
+        The old driver retires first: it sends nothing more, and what its last call to the dead
+        process brought back is counted before the lost groups are.
+        """
+        with self._calls:
+            self._generation[rank] += 1
+            self._calls.notify_all()
+        self._threads[rank].join(timeout=self.timeout_s)
+        with self._lock:
+            lost = list(self._assigned[rank].values())
+            self._todo[rank] = deque(lost)
+            self._idle_before[rank] += self._idle[rank]
+            self._idle[rank] = 0.0
+            self.failures.pop(rank, None)
+        self._threads[rank] = self._start_driver(rank)
+        return len(lost)
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
@@ -88,8 +113,9 @@ class RolloutFleet:
 
     def check(self) -> None:
         """Raise the first replica failure (see the module docstring)."""
-        if self.error is not None:
-            raise self.error
+        error = self.error
+        if error is not None:
+            raise error
 
     def generate(self, requests: list[RolloutRequest]) -> list[Completion]:
         """Completions of ``requests`` in order, spread over the replicas (validation)."""
@@ -114,27 +140,40 @@ class RolloutFleet:
         self.queue.drain()
 
     # ------------------------------------------------------------------ the drivers
+    def _start_driver(self, rank: int) -> threading.Thread:
+        thread = threading.Thread(target=self._drive, args=(rank,), name=f"tandem-fleet-{rank}", daemon=True)
+        thread.start()
+        return thread
+
     def _drive(self, rank: int) -> None:
+        generation = self._generation[rank]
         try:
             while not self._stop.is_set():
                 with self._lock:
                     todo = list(self._todo[rank])
                     self._todo[rank].clear()
                 if todo:
-                    self._call(rank, "start_groups", todo)
-                groups, idle = self._call(rank, "collect", COLLECT_WAIT_S)
+                    self._call(rank, generation, "start_groups", todo)
+                groups, idle = self._call(rank, generation, "collect", COLLECT_WAIT_S)
                 with self._lock:
-                    self._outstanding[rank] -= len(groups)
+                    for group in groups:
+                        self._assigned[rank].pop(group.uid, None)
                     self._idle[rank] = idle
                 self.queue.put(groups)
+        except _Retired:
+            return
         except RolloutReplicaError as error:
-            self.error = error
+            with self._lock:
+                if generation == self._generation[rank]:
+                    self.failures[rank] = error
 
     def _submit(self, rank: int, method: str, *args: Any) -> Any:
         try:
             return self.group.backend.submit(rank, method, args, {})
         except Exception as error:
-            raise RolloutReplicaError(f"rollout replica {rank} cannot take {method}: {error}") from error
+            raise RolloutReplicaError(
+                f"rollout replica {rank} cannot take {method}: {error}", rank
+            ) from error
 
     def _result(self, rank: int, handle: Any, timeout: float | None) -> Any:
         started = time.monotonic()
@@ -143,15 +182,23 @@ class RolloutFleet:
         except TimeoutError:
             raise RolloutReplicaError(
                 f"rollout replica {rank} did not answer within {time.monotonic() - started:.0f} s "
-                "(pipeline.replica_timeout_s); it is hung or overloaded"
+                "(pipeline.replica_timeout_s); it is hung or overloaded",
+                rank,
             ) from None
         except Exception as error:
-            raise RolloutReplicaError(f"rollout replica {rank} failed: {error}") from error
+            raise RolloutReplicaError(f"rollout replica {rank} failed: {error}", rank) from error
 
-    def _call(self, rank: int, method: str, *args: Any) -> Any:
-        """A driver's call: sent only while not held, answered within ``timeout_s``."""
+    def _call(self, rank: int, generation: int, method: str, *args: Any) -> Any:
+        """A driver's call: sent only while not held and while the driver is its rank's current
+        one, answered within ``timeout_s``."""
         with self._calls:
-            while self._holding and not self._stop.is_set():
+            while self._holding and not self._stop.is_set() and generation == self._generation[rank]:
                 self._calls.wait(timeout=0.1)
+            if generation != self._generation[rank]:
+                raise _Retired
             handle = self._submit(rank, method, *args)
         return self._result(rank, handle, self.timeout_s)
+
+
+class _Retired(Exception):
+    """A driver whose replica was restarted under it stops (:meth:`RolloutFleet.revive`)."""

@@ -70,6 +70,13 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
         with the broadcast backend the sender joins at the same time)."""
         self.receiver = WeightReceiver(config, address, self.rank + 1, self.device)
 
+    @register(dispatch="ONE_TO_ALL")
+    def disconnect_weights(self) -> None:
+        """Leave the weight sender (a replica of the group was restarted: everyone joins a new one)."""
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+
     @register(dispatch="ONE_TO_ALL", blocking=False)
     def receive_weights(self, version: int, pause: str = "keep") -> int:
         """Apply weight ``version`` from the sender: ``pause(pause)``, load bucket by bucket, resume.

@@ -14,6 +14,13 @@ A :class:`~tandem.pipeline.source.BatchSource`: the RL trainer asks it for each 
   ``partial_rollout`` is on (their later tokens carry the new version). Groups that still
   end up too stale are dropped and counted.
 
+A replica that dies, hangs or fails ends the run with an error naming it, unless
+``pipeline.replica_restarts`` allows a restart: then a fresh process takes its place, every
+replica leaves the weight sender and joins a new one (a broadcast group cannot lose a member),
+all of them receive the trainer's current weights, and the prompt groups the lost replica held
+are generated again by the new one. The staleness bound holds as before: the groups start
+again under newer weights.
+
 A step may draw more than once (DAPO's dynamic sampling): each further draw takes the next
 groups, and the groups it consumed are handed out again on top of the staleness allowance, so
 the replicas stay as far ahead as the bound lets them; the bound itself holds for every draw.
@@ -26,7 +33,9 @@ shared-memory files until :func:`assemble_batch` pulls them.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +45,7 @@ from tandem.agents.config import AgentConfig
 from tandem.checkpoint_engine.roles import PendingSync, connect_weight_sync, start_weight_sync
 from tandem.checkpoint_engine.transports import SLOT_PREFIX
 from tandem.controller import ResourcePool, create_worker_group
+from tandem.controller.errors import WorkerDiedError, WorkerError
 from tandem.device import cuda_device_count
 from tandem.errors import RolloutReplicaError
 from tandem.pipeline.config import PipelineConfig
@@ -52,6 +62,7 @@ from tandem.rollout import RolloutRequest, SamplingParams
 from tandem.rollout.config import RolloutEngineConfig
 from tandem.seeds import derive_seed
 
+LOG = logging.getLogger(__name__)
 GROUP_SEED_TAG = 202  # derive_seed(run seed, this, group serial, response): an async group's seeds
 
 
@@ -109,6 +120,11 @@ class AsyncRollout:
         self._sample_dir = self._weights_dir = "/dev/shm"
         self.fleet: RolloutFleet | None = None
         self._pending_sync: PendingSync | None = None  # sent; the replicas may still be loading it
+        self._trainer_version = 0  # the trainer's newest weights, as far as this source was told
+        self._restarts = 0  # replicas restarted since start
+        self._last_restarts = 0
+        self._dead_pids: list[int] = []  # this host's replica processes lost and replaced
+        self._last_sync_gb_per_s = 0.0  # of the sync a restart made
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, trainer_version: int) -> None:
@@ -130,7 +146,7 @@ class AsyncRollout:
             self.replicas.write_samples_inline(inline)
         connect_weight_sync(self.trainer, self.replicas, pipeline.checkpoint_engine)
         self.fleet = RolloutFleet(self.replicas, self.queue, pipeline.replica_timeout_s)
-        self._start_version = trainer_version
+        self._start_version = self._trainer_version = trainer_version
         if trainer_version > 0:
             self._send(trainer_version, "abort")
         self._hand_out(self._allowance())
@@ -146,7 +162,7 @@ class AsyncRollout:
             self.fleet = None
         if self.replicas is None:
             return
-        replica_pids = _local_pids(self.replicas)
+        replica_pids = _local_pids(self.replicas) + self._dead_pids
         try:
             if not failed:
                 self._settle()
@@ -178,7 +194,7 @@ class AsyncRollout:
         """The prompt groups of step ``step``'s ``draw``-th draw (generation fields, as the sync
         pipeline makes them, plus ``weight_version``), and the draw's ``pipeline/*`` metrics."""
         assert self.fleet is not None, "start() first"
-        trainer_version = step - 1
+        trainer_version = self._trainer_version = step - 1
         if draw > 1 and self.pipeline.mode == "fully_async":
             self._redrawn += self.groups_per_step  # replaced on top of the allowance
             self._hand_out(self._allowance() - self._serial)
@@ -199,6 +215,7 @@ class AsyncRollout:
         """The trainer now has weights ``version``: sync them on schedule (fully async) and hand out
         the prompt groups that the staleness bound now allows. Returns the sync's metrics."""
         metrics: dict[str, float] = {}
+        self._trainer_version = version
         if self.pipeline.mode != "fully_async":
             return metrics
         if version % self.pipeline.trigger_parameter_sync_step == 0:
@@ -227,7 +244,7 @@ class AsyncRollout:
             RolloutRequest(f"val-{version}-{i}", tuple(ids), dataclasses.replace(sampling, seed=int(seed)))
             for i, (ids, seed) in enumerate(zip(prompts["prompt_ids"], seeds, strict=True))
         ]
-        completions = self.fleet.generate(requests)
+        completions = self._recovering(lambda: self.fleet.generate(requests))
         tensors = sequence_tensors(prompts["prompt_ids"], completions, self.pad_id)
         batch = prompts.assign(
             tensors=tensors, non_tensors={"finish_reason": [c.finish_reason for c in completions]}
@@ -240,8 +257,12 @@ class AsyncRollout:
 
     def agent_tool_totals(self) -> list[dict[str, tuple[int, int, float]]]:
         """Each replica's tool ``(calls, errors, seconds)`` since the last call."""
-        with self.fleet.hold():
-            return self.replicas.agent_tool_totals()
+
+        def totals() -> list[dict[str, tuple[int, int, float]]]:
+            with self.fleet.hold():
+                return self.replicas.agent_tool_totals()
+
+        return self._recovering(totals)
 
     # ------------------------------------------------------------------ internals
     def _replicas_sending_inline(self) -> list[int]:
@@ -299,24 +320,76 @@ class AsyncRollout:
         """
         assert self.fleet is not None
         started = time.monotonic()
-        with self.fleet.hold():
-            self._settle()
-            self._pending_sync = start_weight_sync(self.trainer, self.replicas, version, pause)
-        self.rollout_version = version
-        return {
-            "pipeline/weight_sync_s": time.monotonic() - started,
-            "pipeline/weight_sync_gbps": self._pending_sync.stats.gb_per_s,
-        }
+        try:
+            with self.fleet.hold():
+                self._settle()
+                self._pending_sync = start_weight_sync(self.trainer, self.replicas, version, pause)
+            self.rollout_version = version
+            gb_per_s = self._pending_sync.stats.gb_per_s
+        except RolloutReplicaError as error:
+            if not self._restart_failed(error):
+                raise
+            gb_per_s = self._last_sync_gb_per_s  # the restart sent every replica the newest weights
+        return {"pipeline/weight_sync_s": time.monotonic() - started, "pipeline/weight_sync_gbps": gb_per_s}
 
     def _check(self) -> None:
-        """Raise a replica's failure; one that died while loading the last sync is named with it."""
+        """Raise a replica's failure (one that died while loading the last sync is named with
+        it), or restart the replica when ``pipeline.replica_restarts`` allows."""
         try:
             self.fleet.check()
-        except RolloutReplicaError:
+        except RolloutReplicaError as error:
+            if self._restart_failed(error):
+                return
             pending = self._pending_sync
             if pending is not None and pending.received.done():
                 self._settle()  # raises, naming the weight version it failed to receive
             raise
+
+    def _recovering(self, call: Callable[[], Any]) -> Any:
+        """``call()``, again after each replica failure it meets that a restart repairs."""
+        while True:
+            try:
+                return call()
+            except (RolloutReplicaError, WorkerDiedError, WorkerError) as error:
+                if not self._restart_failed(error):
+                    raise
+
+    def _restart_failed(self, error: Exception) -> bool:
+        """Replace the failed replicas (``error``'s and any the fleet saw) when the restart budget
+        allows (see the module docstring); False when it does not, and the caller raises."""
+        ranks = set(self.fleet.failures)
+        if getattr(error, "rank", None) is not None:
+            ranks.add(error.rank)
+        if not ranks or self._restarts + len(ranks) > self.pipeline.replica_restarts:
+            return False
+        with self.fleet.hold():
+            self._pending_sync = None  # abandoned: every replica receives the newest weights below
+            before = set(_local_pids(self.replicas))
+            for rank in sorted(ranks):
+                LOG.warning("rollout replica %d failed (%s); restarting it", rank, str(error).splitlines()[0])
+                self.replicas.restart(rank)
+            self._dead_pids.extend(before - set(_local_pids(self.replicas)))
+            self._rejoin_weight_sync(sorted(ranks))
+        for rank in sorted(ranks):
+            self.fleet.revive(rank)
+        self._restarts += len(ranks)
+        return True
+
+    def _rejoin_weight_sync(self, restarted: list[int]) -> None:
+        """Every replica joins a new weight sender and receives the trainer's newest weights."""
+        inline = [rank for rank in self._replicas_sending_inline() if rank in restarted]
+        if inline:
+            self.replicas.write_samples_inline(inline)
+        self.replicas.disconnect_weights()
+        self.trainer.close_weight_sender()
+        connect_weight_sync(self.trainer, self.replicas, self.pipeline.checkpoint_engine)
+        partial = self.pipeline.mode == "fully_async" and self.pipeline.partial_rollout
+        self._pending_sync = start_weight_sync(
+            self.trainer, self.replicas, self._trainer_version, "keep" if partial else "wait"
+        )
+        self._last_sync_gb_per_s = self._pending_sync.stats.gb_per_s
+        self._settle()
+        self.rollout_version = self._trainer_version
 
     def _settle(self) -> None:
         """Wait until the replicas have applied the last sync (a failed replica raises, named)."""
@@ -339,8 +412,10 @@ class AsyncRollout:
             "pipeline/rollout_idle_s": idle - self._last_idle,
             "pipeline/dropped_stale": float(self.queue.dropped_stale - self._last_dropped),
             "pipeline/rollout_version": float(self.rollout_version),
+            "pipeline/replica_restarts": float(self._restarts - self._last_restarts),
         }
         self._last_idle, self._last_dropped = idle, self.queue.dropped_stale
+        self._last_restarts = self._restarts
         return metrics
 
 

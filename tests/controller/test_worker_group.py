@@ -149,6 +149,27 @@ def test_killed_worker_is_detected(fresh_echo_group, backend_world):
     assert info.value.rank == echo_group.world_size - 1
 
 
+def test_a_killed_worker_is_restarted(fresh_echo_group, backend_world):
+    """``restart`` replaces one rank's process: later calls reach the new one, with the same
+    place in the group; the other ranks are untouched."""
+    echo_group = fresh_echo_group
+    if backend_world == ("local", 1):
+        with pytest.raises(ValueError, match="cannot restart"):
+            echo_group.restart(0)
+        return
+    before = echo_group.whoami()
+    victim = before[-1][2]
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(WorkerDiedError):
+        echo_group.whoami()
+    echo_group.restart(echo_group.world_size - 1)
+    after = echo_group.whoami()
+    assert [(r, w) for r, w, _ in after] == [(r, w) for r, w, _ in before]
+    assert [pid for _, _, pid in after[:-1]] == [pid for _, _, pid in before[:-1]]
+    assert after[-1][2] != victim
+    assert victim not in echo_group.backend.host_pids and after[-1][2] in echo_group.backend.host_pids
+
+
 def _running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:

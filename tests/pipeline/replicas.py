@@ -29,10 +29,24 @@ class DelayedReplica(RolloutReplicaWorker):
 
 
 class DyingReplica(RolloutReplicaWorker):
-    """Kills its own process when weight version 2 arrives: a replica lost in the middle of a sync."""
+    """Kills its own process when weight version 2 or later arrives: a replica lost in the middle
+    of a sync (and again after each restart)."""
 
     @register(dispatch="ONE_TO_ALL", blocking=False)
     def receive_weights(self, version: int, pause: str = "keep") -> int:
-        if version == 2:
+        if version >= 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().receive_weights(version, pause)
+
+
+class DyingOnceReplica(RolloutReplicaWorker):
+    """Kills its own process when weight version 2 arrives, if the file named by ``DIE_ONCE_FILE``
+    exists (it deletes the file first): the replica a restart replaces does not die again."""
+
+    @register(dispatch="ONE_TO_ALL", blocking=False)
+    def receive_weights(self, version: int, pause: str = "keep") -> int:
+        marker = os.environ.get("DIE_ONCE_FILE", "")
+        if version == 2 and marker and os.path.exists(marker):
+            os.unlink(marker)
             os.kill(os.getpid(), signal.SIGKILL)
         return super().receive_weights(version, pause)

@@ -192,7 +192,7 @@ def _run_in_thread(trainer):
 
     def run():
         try:
-            trainer.fit()
+            outcome["result"] = trainer.fit()
         except BaseException as error:
             outcome["error"] = error
 
