@@ -1,4 +1,5 @@
-"""Seconds per DPO step: tandem's trainer vs TRL's DPOTrainer on the same model, pairs and settings.
+"""Seconds per step of DPO, KTO and ORPO: tandem's trainer vs TRL's DPOTrainer, KTOTrainer and
+ORPOTrainer (``trl.experimental.orpo``) on the same model, data and settings, one comparison each.
 
 Both: the benchmark's ~3M-parameter Qwen2 (hidden 256, 4 layers) and character tokenizer,
 fp32 on CPU, 16 pairs per optimizer step, the sigmoid loss with beta 0.1, and a reference model
@@ -8,11 +9,16 @@ defaults otherwise (padded batches) and ``use_cpu=True, bf16=False, gradient_che
 ``uniform`` makes every prompt and response the same length, so padding costs TRL nothing and
 only tandem's shared prompt copy differs.
 
+KTO trains on the pairs' responses as unpaired rows (chosen desirable, rejected not: 16 rows
+per step), with a reference model and TRL's mismatched-completion KL estimate on both sides.
+ORPO trains on the pairs with beta 0.1 and no reference model on either side.
+
 Each side runs in a fresh process of its own for ``--rounds`` rounds that alternate which side
 goes first; ``--warmup`` untimed steps, then ``--steps`` timed ones; medians and their ratio
 are printed (bench/side_by_side.py). TRL is optional: without it only tandem's numbers print.
 
     python bench/dpo_step.py [--steps 8] [--warmup 2] [--rounds 3] [--lengths varied|uniform]
+        [--objectives dpo,kto,orpo]
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ from machine import describe_machine  # noqa: E402
 from side_by_side import TRL_CPU_ARGS, compare, run_child, side_parser, step_timer  # noqa: E402
 
 from tandem.config.overrides import config_from_overrides  # noqa: E402
-from tandem.dpo import DPOConfig, DPOTrainer  # noqa: E402
+from tandem.dpo import DPOConfig, preference_trainer  # noqa: E402
 from tandem.models import load_model, load_tokenizer, save_tiny_model  # noqa: E402
 
 PAIRS, LR, BETA = 16, 1e-5, 0.1
+OBJECTIVES = ("dpo", "kto", "orpo")
+TRL_NAMES = {"dpo": "TRL DPOTrainer", "kto": "TRL KTOTrainer", "orpo": "TRL ORPOTrainer"}
 
 
 FILLER = "Please explain each step of the addition carefully and check the result at the end. "
@@ -69,14 +77,26 @@ def pairs(count: int, varied: bool, seed: int = 0) -> list[dict]:
     return rows
 
 
+def unpaired(rows: list[dict]) -> list[dict]:
+    """The pairs as unpaired rows in pair order (chosen desirable, rejected not), for KTO."""
+    return [
+        {"prompt": row["prompt"], "completion": row[key], "label": key == "chosen"}
+        for row in rows
+        for key in ("chosen", "rejected")
+    ]
+
+
 def time_tandem(root: Path, steps: int, warmup: int) -> dict[str, list[float]]:
+    """``root``: the objective's directory (its name) beside the shared ``model``."""
+    objective = root.name
+    loss = {"dpo": ["reference=model"], "kto": ["reference=model", "preference.name=kto"]}
     config = config_from_overrides(
         DPOConfig,
         [
-            f"model_path={root / 'model'}",
-            f"data.train_path={root / 'pairs.jsonl'}",
+            f"model_path={root.parent / 'model'}",
+            f"data.train_path={root / 'data.jsonl'}",
             "data.max_length=512",
-            "reference=model",
+            *loss.get(objective, ["preference.name=orpo"]),
             f"preference.beta={BETA}",
             f"engine.lr={LR}",
             f"trainer.global_batch_size={PAIRS}",
@@ -86,18 +106,32 @@ def time_tandem(root: Path, steps: int, warmup: int) -> dict[str, list[float]]:
             f"trainer.output_dir={root / 'tandem'}",
         ],
     )
-    history = DPOTrainer(config).fit().history[warmup:]
+    history = preference_trainer(config).fit().history[warmup:]
     return {"step": [h["timing_s/step"] for h in history]}
+
+
+def trl_classes(objective: str) -> tuple[type, type]:
+    """TRL's config and trainer for ``objective``; ImportError when not installed."""
+    if objective == "dpo":
+        from trl import DPOConfig as TRLConfig
+        from trl import DPOTrainer as TRLTrainer
+    elif objective == "kto":
+        from trl import KTOConfig as TRLConfig
+        from trl import KTOTrainer as TRLTrainer
+    else:
+        from trl.experimental.orpo import ORPOConfig as TRLConfig
+        from trl.experimental.orpo import ORPOTrainer as TRLTrainer
+    return TRLConfig, TRLTrainer
 
 
 def time_trl(root: Path, steps: int, warmup: int) -> list[float] | None:
     try:
         from datasets import Dataset
-        from trl import DPOConfig as TRLConfig
-        from trl import DPOTrainer as TRLTrainer
+
+        TRLConfig, TRLTrainer = trl_classes(root.name)
     except ImportError:
         return None
-    rows = [json.loads(line) for line in (root / "pairs.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (root / "data.jsonl").read_text().splitlines()]
     args = TRLConfig(
         output_dir=str(root / "trl"),
         per_device_train_batch_size=PAIRS,
@@ -109,10 +143,10 @@ def time_trl(root: Path, steps: int, warmup: int) -> list[float] | None:
     )
     timer = step_timer()
     trainer = TRLTrainer(
-        model=load_model(root / "model"),
+        model=load_model(root.parent / "model"),
         args=args,
         train_dataset=Dataset.from_list(rows),
-        processing_class=load_tokenizer(root / "model"),
+        processing_class=load_tokenizer(root.parent / "model"),
         callbacks=[timer],
     )
     trainer.train()
@@ -131,6 +165,7 @@ def main() -> None:
         default="varied",
         help="prompt and response lengths (see pairs())",
     )
+    parser.add_argument("--objectives", default=",".join(OBJECTIVES), help="which of dpo,kto,orpo to compare")
     args = parser.parse_args()
     if args.side:
         child(args.side, args.root, args.steps, args.warmup)
@@ -140,11 +175,27 @@ def main() -> None:
         model = save_tiny_model(root / "model", BENCH_MODEL)
         count = PAIRS * (args.steps + args.warmup)
         rows = pairs(count, varied=args.lengths == "varied")
-        (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         params = sum(p.numel() for p in load_model(model).parameters())
         print(describe_machine())
-        print(f"model: {params / 1e6:.2f}M parameters, fp32; {PAIRS} pairs per step, {args.lengths} lengths")
-        compare(__file__, root, args.rounds, args.steps, args.warmup, "TRL DPOTrainer", "DPO step")
+        print(
+            f"model: {params / 1e6:.2f}M parameters, fp32; {PAIRS} pairs (rows) per step, {args.lengths} lengths"
+        )
+        for objective in args.objectives.split(","):
+            if objective not in OBJECTIVES:
+                raise SystemExit(f"--objectives: {objective!r} is not one of {list(OBJECTIVES)}")
+            (root / objective).mkdir()
+            data = unpaired(rows) if objective == "kto" else rows
+            (root / objective / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+            print(f"--- {objective.upper()}")
+            compare(
+                __file__,
+                root / objective,
+                args.rounds,
+                args.steps,
+                args.warmup,
+                TRL_NAMES[objective],
+                f"{objective.upper()} step",
+            )
 
 
 if __name__ == "__main__":

@@ -8,10 +8,13 @@ extra only when it is used. (The CLI is the top layer, so these deferred imports
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import logging
 import os
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -19,6 +22,28 @@ from rich.table import Table
 
 from tandem import __version__
 from tandem.errors import USER_ERRORS
+
+
+class _ChoicesFrom(Sequence[str]):
+    """An argument's choices, read from their one source of truth (``module.name``) the first
+    time argparse needs them: to check a given value, or to print the command's help. Those
+    modules load torch, and building the parser must not, so ``tandem --help`` and the other
+    commands' arguments answer at once. The argument needs a ``metavar`` (argparse formats one
+    when the argument is added); ``%(choices)s`` puts the names in its help."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module = module
+        self.name = name
+
+    @functools.cached_property
+    def _names(self) -> tuple[str, ...]:
+        return tuple(getattr(importlib.import_module(self.module), self.name))
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._names[index]
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def _first_line(fn: object) -> str:
@@ -29,7 +54,8 @@ def _first_line(fn: object) -> str:
 def print_registries(console: Console) -> None:
     """One table per registry: every registered name with the first line of its docstring."""
     from tandem.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
-    from tandem.algos.preference import PREFERENCE_LOSSES
+    from tandem.algos.preference import PREFERENCE_LOSSES, UNPAIRED_LOSSES
+    from tandem.rl.config import REWARD_SOURCES
 
     for title, registry in (
         ("advantage estimators (algorithm.adv_estimator)", ADVANTAGE_ESTIMATORS),
@@ -39,6 +65,7 @@ def print_registries(console: Console) -> None:
             "preference losses (preference.name in tandem dpo, actor.preference.name online)",
             PREFERENCE_LOSSES,
         ),
+        ("unpaired preference losses (preference.name in tandem dpo, labelled rows)", UNPAIRED_LOSSES),
     ):
         table = Table(title=title, title_justify="left")
         table.add_column("name", style="bold cyan")
@@ -50,6 +77,7 @@ def print_registries(console: Console) -> None:
             table.add_row(name, also, _first_line(registry.get(name)))
         console.print(table)
     console.print(f"loss aggregation modes (actor.policy_loss.loss_agg_mode): {', '.join(LOSS_AGG_MODES)}")
+    console.print(f"reward sources (reward.sources): {', '.join(REWARD_SOURCES)}")
 
 
 def run_train(args: argparse.Namespace, console: Console) -> None:
@@ -188,9 +216,11 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     )
     demo.add_argument(
         "--pipeline",
-        choices=["sync", "one_step_off", "fully_async"],
+        choices=_ChoicesFrom("tandem.pipeline.config", "MODES"),
+        metavar="MODE",
         default="sync",
-        help="the RL pipeline: colocated (sync) or a rollout process beside the trainer, one thread each",
+        help="the RL pipeline (%(choices)s): colocated (sync) or a rollout process beside the trainer, "
+        "one thread each",
     )
 
 
@@ -297,7 +327,13 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     server.add_argument(
         "--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin (or set TANDEM_API_KEY)"
     )
-    server.add_argument("--engine", choices=["native", "vllm"], default="native")
+    server.add_argument(
+        "--engine",
+        choices=_ChoicesFrom("tandem.rollout.engines", "SERVING_ENGINES"),
+        metavar="ENGINE",
+        default="native",
+        help="the rollout engine that generates (%(choices)s)",
+    )
     server.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     server.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + response")
     server.add_argument("--max-num-seqs", type=int, default=256, help="most requests generating at once")
@@ -332,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(commands)
     _add_train(commands)
     _add_prepare_data(commands)
-    commands.add_parser("algos", help="list every registered algorithm")
+    commands.add_parser("algos", help="list every registered algorithm, and the reward sources")
     _add_report(commands)
     _add_trainers(commands)
     _add_serve(commands)
@@ -404,11 +440,13 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         console.print(f"model written to {result.hf_model_dir}")
     elif args.command in ("dpo", "rm"):
         from tandem.config.overrides import config_from_overrides
-        from tandem.dpo import DPOConfig, DPOTrainer
+        from tandem.dpo import DPOConfig, preference_trainer
         from tandem.rm import RewardModelConfig, RewardModelTrainer
 
         config_cls, trainer_cls = (
-            (DPOConfig, DPOTrainer) if args.command == "dpo" else (RewardModelConfig, RewardModelTrainer)
+            (DPOConfig, preference_trainer)
+            if args.command == "dpo"
+            else (RewardModelConfig, RewardModelTrainer)
         )
         result = trainer_cls(config_from_overrides(config_cls, args.overrides, args.config), console).fit()
         if result.validation:

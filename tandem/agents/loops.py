@@ -39,13 +39,14 @@ from typing import Any
 
 from tandem.agents.generators import TokenGenerator
 from tandem.agents.tool_calls import ToolCallParser
-from tandem.agents.tools import ToolRunner, UserCodeError, describe_error, start_user_call, tool_metrics
+from tandem.agents.tools import ToolRunner, tool_metrics
 from tandem.agents.trajectory import Trajectory, TurnEncoder
 from tandem.config.user_code import load_user_function
 from tandem.config.user_values import describe, real_number
 from tandem.models.chat import template_ids
 from tandem.protocol.generation import Completion, SamplingParams
 from tandem.registry import Registry
+from tandem.user_calls import UserCodeError, describe_error, start_user_call
 
 TURN_SEED_STRIDE = 1_000_003  # turn t of an episode samples with seed + t * stride
 INTERACTION_ERROR = "interaction_error"  # the finish reason of an episode whose interaction failed
@@ -245,7 +246,7 @@ async def interaction_reply(
     """The interaction's checked reply to the conversation so far; None when the function raised,
     ran past ``ctx.interaction_timeout_s`` or replied malformed (logged: each distinct failure
     once, the first ``MAX_REPORTED`` of them). It runs on a thread of its own
-    (:func:`~tandem.agents.tools.start_user_call`): one that never returns holds neither the
+    (:func:`~tandem.user_calls.start_user_call`): one that never returns holds neither the
     event loop nor a worker that other episodes wait for."""
     call = start_user_call(ctx.interaction, list(trajectory.messages), sample.extra_info)
     try:

@@ -112,9 +112,7 @@ def run_python(
     a path that does not exist, or ``/``.
     """
     limits = limits or SandboxLimits()
-    child_limits = asdict(limits)
-    if os.geteuid() != 0:  # the kernel counts every thread of the uid: leave room for ours
-        child_limits["processes"] = limits.processes + _threads_of(os.getuid())
+    child_limits = _child_limits(limits)
     mounts = _mount_paths(read_only)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tandem-sandbox-") as base:
@@ -122,50 +120,71 @@ def run_python(
         os.mkdir(workdir)
         os.mkdir(root)  # stays empty here: the child mounts its new root on it in its own namespace
         setup = {"limits": child_limits, "workdir": workdir, "root": root, "mounts": mounts}
-        process = subprocess.Popen(
-            [sys.executable, "-I", str(CHILD), json.dumps(setup)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # its own process group: killed as one
-            cwd=workdir,
-            env=_sandbox_environment(),
-        )
-        flooded = threading.Event()
+        return _supervise(_start_child(setup), code, limits, started)
 
-        def flood() -> None:
-            flooded.set()
-            _kill_group_quietly(process.pid)
 
-        readers = [_Capped(pipe, limits.output_bytes, flood) for pipe in (process.stdout, process.stderr)]
-        cgroup = _join_pids_cgroup(process.pid, limits.processes) if os.geteuid() == 0 else None
-        try:
-            process.stdin.write(code.encode())
-            process.stdin.close()
-        except BrokenPipeError:
-            pass
-        timed_out = False
-        try:
-            process.wait(timeout=limits.wall_seconds)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(process)
-        for reader in readers:
-            reader.join()
-        if cgroup is not None:
-            _remove_cgroup(cgroup)
-        stdout, stderr = (reader.text() for reader in readers)
-        if process.returncode == SETUP_FAILED and "sandbox setup failed" in stderr:
-            raise SandboxUnavailable(stderr.strip().splitlines()[-1])
-        return SandboxResult(
-            process.returncode,
-            stdout,
-            stderr,
-            sum(reader.dropped for reader in readers),
-            timed_out,
-            time.monotonic() - started,
-            flooded.is_set(),
-        )
+def _child_limits(limits: SandboxLimits) -> dict:
+    """The limits the child sets on itself; as a non-root user its process limit leaves room
+    for the threads the user already runs (the kernel counts every thread of the uid)."""
+    child_limits = asdict(limits)
+    if os.geteuid() != 0:
+        child_limits["processes"] = limits.processes + _threads_of(os.getuid())
+    return child_limits
+
+
+def _start_child(setup: dict) -> subprocess.Popen:
+    """``python -I`` on the sandbox's child script with ``setup`` (limits, directories, mounts),
+    in its working directory, in a process group of its own, with the sandbox's environment."""
+    return subprocess.Popen(
+        [sys.executable, "-I", str(CHILD), json.dumps(setup)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its own process group: killed as one
+        cwd=setup["workdir"],
+        env=_sandbox_environment(),
+    )
+
+
+def _supervise(process: subprocess.Popen, code: str, limits: SandboxLimits, started: float) -> SandboxResult:
+    """Hand ``code`` to the started child and see its run through: output capped (a flood kills
+    it), the process count capped by a pids cgroup as root, the wall clock enforced (the whole
+    group killed); :class:`SandboxUnavailable` when the child could not isolate itself."""
+    flooded = threading.Event()
+
+    def flood() -> None:
+        flooded.set()
+        _kill_group_quietly(process.pid)
+
+    readers = [_Capped(pipe, limits.output_bytes, flood) for pipe in (process.stdout, process.stderr)]
+    cgroup = _join_pids_cgroup(process.pid, limits.processes) if os.geteuid() == 0 else None
+    try:
+        process.stdin.write(code.encode())
+        process.stdin.close()
+    except BrokenPipeError:
+        pass
+    timed_out = False
+    try:
+        process.wait(timeout=limits.wall_seconds)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(process)
+    for reader in readers:
+        reader.join()
+    if cgroup is not None:
+        _remove_cgroup(cgroup)
+    stdout, stderr = (reader.text() for reader in readers)
+    if process.returncode == SETUP_FAILED and "sandbox setup failed" in stderr:
+        raise SandboxUnavailable(stderr.strip().splitlines()[-1])
+    return SandboxResult(
+        process.returncode,
+        stdout,
+        stderr,
+        sum(reader.dropped for reader in readers),
+        timed_out,
+        time.monotonic() - started,
+        flooded.is_set(),
+    )
 
 
 def _sandbox_environment() -> dict[str, str]:

@@ -15,13 +15,13 @@ samples at once): an unknown tool, arguments that do not fit the schema, a tool 
 come back as the tool message's text (``error: ...``) and are counted; per-tool calls, errors
 and seconds feed the ``agent/*`` metrics. Each call runs on a thread of its own, so a call that
 never returns costs its thread, never a worker of the pool or the step: Python cannot stop a
-thread, so it is left to end by itself (a daemon, it does not keep the process alive).
+thread, so it is left to end by itself (a daemon, it does not keep the process alive;
+:mod:`tandem.user_calls`).
 """
 
 from __future__ import annotations
 
 import ast
-import concurrent.futures
 import inspect
 import operator
 import re
@@ -29,12 +29,13 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tandem.agents.sandbox import SandboxLimits, run_python
 from tandem.agents.tool_calls import ToolCall
 from tandem.config.user_code import load_user_module
+from tandem.user_calls import UserCodeError, start_user_call, wait_user_call
 
 UNKNOWN_TOOL = "unknown_tool"
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
@@ -212,55 +213,6 @@ def load_user_tools(path: str) -> list[Tool]:
 def duplicate_names(names: Sequence[str]) -> list[str]:
     """The tool names given more than once (a call could not say which tool it means)."""
     return sorted(name for name, count in Counter(names).items() if count > 1)
-
-
-# ---------------------------------------------------------------------------- calling user code
-class UserCodeError(Exception):
-    """A user's function raised (anything, ``SystemExit`` included) or ran past its time limit;
-    the message says which, in words the model or the log can show."""
-
-
-def start_user_call(function: Callable[..., object], /, *args: object, **kwargs: object) -> Future:
-    """Start ``function(*args, **kwargs)`` on a daemon thread of its own; a ``Future`` of its
-    result, failing with :class:`UserCodeError` whatever it raised.
-
-    A thread per call, not a pool's: a call that never returns then holds no worker others wait
-    for, and, being a daemon, does not keep the process alive at exit. (``function`` is
-    positional-only, so a tool may have an argument of that name.)
-    """
-    future: Future = Future()
-
-    def run() -> None:
-        if not future.set_running_or_notify_cancel():  # cancelled (timed out) before it started
-            return
-        try:
-            future.set_result(function(*args, **kwargs))
-        except BaseException as error:  # SystemExit and KeyboardInterrupt too: user code must not end the run
-            future.set_exception(UserCodeError(describe_error(error)))
-
-    threading.Thread(target=run, name="tandem-user-code", daemon=True).start()
-    return future
-
-
-def wait_user_call(future: Future, timeout_s: float, what: str) -> object:
-    """The result of :func:`start_user_call`'s ``future``; :class:`UserCodeError` when it failed
-    or did not return within ``timeout_s`` seconds (``what`` names the call in that message)."""
-    try:
-        return future.result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
-        raise UserCodeError(f"{what} did not return within {timeout_s:g} s") from None
-
-
-def describe_error(error: BaseException, limit: int = 2000) -> str:
-    """``Type: message``, the message cut to ``limit`` characters, even for an exception whose
-    ``str()`` itself raises (user code may raise anything)."""
-    try:
-        message = str(error)
-    except Exception:
-        message = "<the exception's message cannot be shown>"
-    if len(message) > limit:
-        message = f"{message[:limit]} [... {len(message) - limit} characters cut]"
-    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 # ---------------------------------------------------------------------------- running calls

@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.table import Table
 from transformers.utils import logging as hf_logging
 
 from tandem.data import write_parquet
+from tandem.demos.accuracy import ACCURACY_KEY as ACCURACY_KEY  # where tests/pipeline reads it
+from tandem.demos.accuracy import accuracy_curve, accuracy_table
 from tandem.engine import EngineConfig
 from tandem.models import TinyModelConfig, save_tiny_model
 from tandem.rl.config_loader import load_train_config
@@ -43,7 +44,6 @@ MODEL = TinyModelConfig(
     family="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
     intermediate_size=384, max_position_embeddings=128,
 )  # fmt: skip
-ACCURACY_KEY = "val-core/arithmetic/acc/mean@1"
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,37 @@ def pipeline_overrides(mode: str) -> list[str]:
     return overrides
 
 
+def rl_overrides(settings: DemoSettings, sft_model: str, paths: dict[str, Path], root: Path) -> list[str]:
+    """The RL run's settings: the preset from the warmed-up model on the demo's prompts, a cosine
+    schedule over the run's optimizer steps, validation every ``val_every`` steps, the pipeline,
+    and ``settings.overrides`` last."""
+    optimizer_steps = settings.rl_steps * settings.prompts_per_step // settings.mini_batch_prompts
+    return [
+        f"preset={settings.preset}",
+        f"model_path={sft_model}",
+        f"data.train_path={paths['train']}",
+        f"data.val_path={paths['val']}",
+        f"data.train_batch_size={settings.prompts_per_step}",
+        "data.max_prompt_length=64",
+        f"rollout.n={settings.responses_per_prompt}",
+        "rollout.max_response_length=8",
+        f"actor.engine.lr={settings.rl_lr}",
+        "actor.engine.lr_schedule=cosine",
+        f"actor.engine.total_steps={optimizer_steps}",
+        "actor.engine.min_lr_ratio=0.1",
+        f"actor.ppo_mini_batch_size={settings.mini_batch_prompts}",
+        f"trainer.total_steps={settings.rl_steps}",
+        f"trainer.val_every={settings.val_every}",
+        f"trainer.output_dir={root / settings.preset}",
+        "trainer.resume=disable",
+        f"trainer.seed={settings.seed}",
+        f"trainer.experiment=demo-{settings.preset.replace('_', '-')}-arithmetic",
+        *pipeline_overrides(settings.pipeline),
+        *(PPO_DEMO if settings.preset == "ppo" else ()),
+        *settings.overrides,
+    ]
+
+
 def run_demo(settings: DemoSettings | None = None, console: Console | None = None) -> RLResult:
     """Build, warm up with SFT, train with GRPO, and print held-out accuracy before and after."""
     settings = settings or DemoSettings()
@@ -175,46 +206,12 @@ def run_demo(settings: DemoSettings | None = None, console: Console | None = Non
         f"2. {settings.preset} ({settings.rl_steps} steps of {settings.prompts_per_step} prompts x {settings.responses_per_prompt}"
         f", pipeline {settings.pipeline})"
     )
-    pipeline = pipeline_overrides(settings.pipeline)
-    config = load_train_config(
-        [
-            f"preset={settings.preset}",
-            f"model_path={sft_model}",
-            f"data.train_path={paths['train']}",
-            f"data.val_path={paths['val']}",
-            f"data.train_batch_size={settings.prompts_per_step}",
-            "data.max_prompt_length=64",
-            f"rollout.n={settings.responses_per_prompt}",
-            "rollout.max_response_length=8",
-            f"actor.engine.lr={settings.rl_lr}",
-            "actor.engine.lr_schedule=cosine",
-            f"actor.engine.total_steps={settings.rl_steps * settings.prompts_per_step // settings.mini_batch_prompts}",
-            "actor.engine.min_lr_ratio=0.1",
-            f"actor.ppo_mini_batch_size={settings.mini_batch_prompts}",
-            f"trainer.total_steps={settings.rl_steps}",
-            f"trainer.val_every={settings.val_every}",
-            f"trainer.output_dir={root / settings.preset}",
-            "trainer.resume=disable",
-            f"trainer.seed={settings.seed}",
-            f"trainer.experiment=demo-{settings.preset.replace('_', '-')}-arithmetic",
-            *pipeline,
-            *(PPO_DEMO if settings.preset == "ppo" else ()),
-            *settings.overrides,
-        ]
-    )
+    config = load_train_config(rl_overrides(settings, sft_model, paths, root))
     result = RLTrainer(config, console).fit()
 
-    curve = [(r["step"], r[ACCURACY_KEY]) for r in result.history if ACCURACY_KEY in r]
-    before, after = curve[0][1], curve[-1][1]
-    table = Table(title="held-out greedy accuracy (256 unseen problems)", title_justify="left")
-    table.add_column("stage")
-    table.add_column("accuracy", justify="right")
     method = settings.preset.upper().replace("_", " ").replace("ONLINE DPO", "online DPO")
-    table.add_row(f"after SFT warm-up ({method} step 0)", f"{before:.1%}")
-    for step, value in curve[1:-1]:
-        table.add_row(f"{method} step {step}", f"{value:.1%}")
-    table.add_row(f"after {method} (step {curve[-1][0]})", f"[bold]{after:.1%}")
-    console.print(table)
+    title = "held-out greedy accuracy (256 unseen problems)"
+    console.print(accuracy_table(title, method, accuracy_curve(result)))
     console.print(
         f"total time {time.monotonic() - started:.0f} s; report: {result.report}; final model: {result.hf_model_dir}"
     )

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 from transformers.utils import logging as hf_logging
 
 from tandem.data import write_parquet
+from tandem.demos.accuracy import accuracy_curve, accuracy_table
 from tandem.demos.arithmetic import pipeline_overrides, sft_warm_up
 from tandem.models import TinyModelConfig, save_tiny_model
 from tandem.rl.config_loader import load_train_config
@@ -33,7 +33,6 @@ MODEL = TinyModelConfig(
     family="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
     intermediate_size=384, max_position_embeddings=256,
 )  # fmt: skip
-ACCURACY_KEY = "val-core/arithmetic/acc/mean@1"
 
 
 def calculator_call(expression: str) -> str:
@@ -98,6 +97,36 @@ def write_tool_data(root: Path, settings: ToolDemoSettings) -> dict[str, Path]:
     }
 
 
+def rl_overrides(settings: ToolDemoSettings, sft_model: str, paths: dict[str, Path], root: Path) -> list[str]:
+    """The RL run's settings: GRPO from the warmed-up model with the ``tool_agent`` loop and the
+    calculator (at most 3 turns), validation every ``val_every`` steps, and the pipeline."""
+    return [
+        "preset=grpo",
+        f"model_path={sft_model}",
+        f"data.train_path={paths['train']}",
+        f"data.val_path={paths['val']}",
+        f"data.train_batch_size={settings.prompts_per_step}",
+        "data.max_prompt_length=32",
+        f"rollout.n={settings.responses_per_prompt}",
+        "rollout.max_response_length=160",
+        f"actor.engine.lr={settings.rl_lr}",
+        f"actor.ppo_mini_batch_size={settings.prompts_per_step}",
+        "agent.name=tool_agent",
+        "agent.tools=[calculator]",
+        "agent.max_turns=3",
+        f"trainer.total_steps={settings.rl_steps}",
+        f"trainer.val_every={settings.val_every}",
+        f"trainer.output_dir={root / 'tool_agent'}",
+        "trainer.resume=disable",
+        f"trainer.seed={settings.seed}",
+        "trainer.experiment=demo-tool-agent-multiplication",
+        *pipeline_overrides(settings.pipeline),
+        # Asynchronous: the PPO ratio against the policy that sampled (recomputing it with the
+        # trainer's newer weights, uncorrected, degenerated here: 74% at step 5, 0% at 10).
+        *(["pipeline.old_log_probs=rollout"] if settings.pipeline != "sync" else []),
+    ]
+
+
 def run_tool_demo(settings: ToolDemoSettings | None = None, console: Console | None = None) -> RLResult:
     """Build, warm up on the imperfect teacher, train with GRPO and ``tool_agent``, and print
     held-out accuracy before and after."""
@@ -118,47 +147,10 @@ def run_tool_demo(settings: ToolDemoSettings | None = None, console: Console | N
         f"2. GRPO with the tool_agent loop ({settings.rl_steps} steps of {settings.prompts_per_step} "
         f"prompts x {settings.responses_per_prompt} episodes, pipeline {settings.pipeline})"
     )
-    config = load_train_config(
-        [
-            "preset=grpo",
-            f"model_path={sft_model}",
-            f"data.train_path={paths['train']}",
-            f"data.val_path={paths['val']}",
-            f"data.train_batch_size={settings.prompts_per_step}",
-            "data.max_prompt_length=32",
-            f"rollout.n={settings.responses_per_prompt}",
-            "rollout.max_response_length=160",
-            f"actor.engine.lr={settings.rl_lr}",
-            f"actor.ppo_mini_batch_size={settings.prompts_per_step}",
-            "agent.name=tool_agent",
-            "agent.tools=[calculator]",
-            "agent.max_turns=3",
-            f"trainer.total_steps={settings.rl_steps}",
-            f"trainer.val_every={settings.val_every}",
-            f"trainer.output_dir={root / 'tool_agent'}",
-            "trainer.resume=disable",
-            f"trainer.seed={settings.seed}",
-            "trainer.experiment=demo-tool-agent-multiplication",
-            *pipeline_overrides(settings.pipeline),
-            # Asynchronous: the PPO ratio against the policy that sampled (recomputing it with the
-            # trainer's newer weights, uncorrected, degenerated here: 74% at step 5, 0% at 10).
-            *(["pipeline.old_log_probs=rollout"] if settings.pipeline != "sync" else []),
-        ]
-    )
-    result = RLTrainer(config, console).fit()
-    curve = [(r["step"], r[ACCURACY_KEY]) for r in result.history if ACCURACY_KEY in r]
+    result = RLTrainer(load_train_config(rl_overrides(settings, str(sft_model), paths, root)), console).fit()
     calls = [r["agent/tool_calls/mean"] for r in result.history if "agent/tool_calls/mean" in r]
-    table = Table(
-        title=f"held-out greedy accuracy ({settings.val_prompts} unseen 3-digit products)",
-        title_justify="left",
-    )
-    table.add_column("stage")
-    table.add_column("accuracy", justify="right")
-    table.add_row("after SFT warm-up (GRPO step 0)", f"{curve[0][1]:.1%}")
-    for step, value in curve[1:-1]:
-        table.add_row(f"GRPO step {step}", f"{value:.1%}")
-    table.add_row(f"after GRPO (step {curve[-1][0]})", f"[bold]{curve[-1][1]:.1%}")
-    console.print(table)
+    title = f"held-out greedy accuracy ({settings.val_prompts} unseen 3-digit products)"
+    console.print(accuracy_table(title, "GRPO", accuracy_curve(result)))
     console.print(
         f"calculator calls per sampled episode: {calls[0]:.2f} at step 1, {calls[-1]:.2f} at step {len(calls)}; "
         f"total time {time.monotonic() - started:.0f} s; report: {result.report}"

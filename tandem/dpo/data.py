@@ -35,7 +35,9 @@ class PreferenceDataConfig:
 
     Attributes:
         train_path / val_path: parquet or JSONL files of pairs.
-        prompt_key / chosen_key / rejected_key: the columns.
+        prompt_key / chosen_key / rejected_key: the columns of pairs.
+        completion_key / label_key: the columns of unpaired rows (KTO): a completion and whether
+            it is desirable (a boolean).
         max_length: most tokens of prompt + the longer response.
         overlong_pairs: ``drop`` (skip, counted) or ``error`` (name the row).
         invalid_pairs: ``error`` (name the row and what is wrong) or ``drop`` (skip, counted).
@@ -46,6 +48,8 @@ class PreferenceDataConfig:
     prompt_key: str = "prompt"
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
+    completion_key: str = "completion"
+    label_key: str = "label"
     max_length: int = 1024
     overlong_pairs: str = "drop"
     invalid_pairs: str = "error"

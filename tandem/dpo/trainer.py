@@ -27,7 +27,7 @@ from rich.console import Console
 
 from tandem.dpo.config import DPOConfig
 from tandem.dpo.data import PreferenceDataset
-from tandem.dpo.loss import pair_metrics, preference_loss, summed_preference_loss
+from tandem.dpo.loss import pair_metrics, preference_loss, row_summaries, summed_preference_loss
 from tandem.protocol import Batch
 from tandem.run.output_dir import OutputDirLock
 from tandem.sft.engine_worker import merged_metrics
@@ -62,7 +62,7 @@ class DPOTrainer(SFTTrainer):
         """What this run trains, for the console and ``run.json``."""
         loss = self.config.preference
         reference = f", reference {self.config.reference}" if loss.needs_reference else ""
-        return f"DPO: {loss.name} loss, beta {loss.beta}{reference}"
+        return f"DPO: {loss.label} loss, beta {loss.beta}{reference}"
 
     def load_data(self) -> tuple[PreferenceDataset, PreferenceDataset | None]:
         data = self.config.data
@@ -104,7 +104,9 @@ class DPOTrainer(SFTTrainer):
             total_pairs=len(indices),
             chosen_tokens=chosen_tokens,
         )
-        reports = self.group.train_step(batch, loss_fn=loss_fn)  # each rank: whole pairs
+        reports = self.group.train_step(  # each rank: whole pairs
+            batch, loss_fn=loss_fn, with_sum_pi_squared=self.config.preference.use_weighting
+        )
         return {
             **self._finish_step(reports, batch, started),
             **pair_metrics(merged_metrics(reports), chosen_tokens),
@@ -126,7 +128,7 @@ class DPOTrainer(SFTTrainer):
             batch = self._with_reference(self.val.collate(indices, self.tokenizer.pad_token_id), "val")
             part, metrics = summed_preference_loss(
                 batch,
-                self.group.sequence_scores(batch)["score"],
+                self._policy_summaries(batch),
                 self.config.preference,
                 total_pairs=len(self.val),
                 chosen_tokens=chosen_total,
@@ -153,23 +155,39 @@ class DPOTrainer(SFTTrainer):
             values = self._score_reference(batch)
         return batch.assign(tensors={"ref_log_prob": values})
 
+    def _policy_summaries(self, batch: Batch) -> Batch:
+        """Each row's :func:`~tandem.dpo.loss.row_summaries` under the policy, without gradients."""
+        loss = self.config.preference
+        summarize = functools.partial(row_summaries, ld_alpha=loss.ld_alpha, with_weights=loss.use_weighting)
+        return self.group.sequence_scores(batch, summarize=summarize, with_sum_pi_squared=loss.use_weighting)
+
     def _score_reference(self, batch: Batch) -> torch.Tensor:
-        """Summed response log-probs ``[2P]`` of ``batch`` under the reference: the base model
-        with LoRA's adapter off, the policy itself before its first update, else a frozen copy
-        of ``ref_model_path`` (or ``model_path``) on each worker."""
-        return self.group.sequence_scores(batch, reference=True)["score"].float()
+        """Summed response log-probs ``[2P]`` of ``batch`` under the reference (LD-desensitised
+        like the policy's with ``ld_alpha``): the base model with LoRA's adapter off, the policy
+        itself before its first update, else a frozen copy of ``ref_model_path`` (or
+        ``model_path``) on each worker."""
+        summarize = functools.partial(
+            row_summaries, ld_alpha=self.config.preference.ld_alpha, with_weights=False
+        )
+        return self.group.sequence_scores(batch, reference=True, summarize=summarize)["score"].float()
 
     def _precompute_reference(self) -> None:
         """Score every training and validation pair under the reference once (or load the scores
         a previous run of this output directory saved)."""
         path = self.output_dir / REFERENCE_FILE
         sizes = {"train": len(self.train), **({"val": len(self.val)} if self.val is not None else {})}
+        ld_alpha = self.config.preference.ld_alpha  # LD-DPO scores the reference as it scores the policy
         if path.exists():
             saved = torch.load(path)
-            if {k: v.shape[0] for k, v in saved.items()} == sizes:
-                self.reference = saved
+            tables, scored_with = (saved["tables"], saved["ld_alpha"]) if "tables" in saved else (saved, None)
+            if {k: v.shape[0] for k, v in tables.items()} == sizes and scored_with == ld_alpha:
+                self.reference = tables
                 self.console.print(f"reference log-probs loaded from {path}")
                 return
+            if scored_with != ld_alpha:
+                self.console.print(
+                    f"{path} was scored with preference.ld_alpha={scored_with}, this run has {ld_alpha}: scoring again"
+                )
         started = time.monotonic()
         for split, dataset in (("train", self.train), ("val", self.val)):
             if dataset is None:
@@ -182,7 +200,7 @@ class DPOTrainer(SFTTrainer):
                 table[batch["pair"], 1 - batch["chosen"]] = self._score_reference(batch)
             self.reference[split] = table
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(self.reference, path)
+        torch.save({"tables": self.reference, "ld_alpha": ld_alpha}, path)
         self.console.print(
             f"reference log-probs of {sum(sizes.values())} pairs in {time.monotonic() - started:.1f} s"
         )

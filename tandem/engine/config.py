@@ -81,6 +81,11 @@ class EngineConfig:
             first step at lr 0) instead of ``lr * (s + 1) / warmup_steps``.
         warmup_ratio: with ``warmup_steps`` 0, warm up for ``int(warmup_ratio * total_steps)``
             steps (verl's ``lr_warmup_steps_ratio``).
+        sp_size: Ulysses sequence parallelism: each packed micro-batch is split along the
+            sequence over this many ranks, which trade sequence shards for head shards around
+            attention (see docs/parallelism.md). The world size must divide by it, and the
+            model's attention heads too; needs ``use_packing``. 1: off.
+        tp_size: tensor parallelism, reserved: only 1 (it is not built yet).
         lora: LoRA adapter settings.
         seed: parameter-init / dropout seed.
     """
@@ -111,6 +116,8 @@ class EngineConfig:
     min_lr_ratio: float = 0.0
     warmup_from_zero: bool = False
     warmup_ratio: float = 0.0
+    sp_size: int = 1
+    tp_size: int = 1
     lora: LoraConfig = field(default_factory=LoraConfig)
     seed: int = 0
 
@@ -131,8 +138,19 @@ class EngineConfig:
             "logprob_temperature",
             "lr",
             "eps",
+            "sp_size",
+            "tp_size",
         ):
             check_positive(owner, name, getattr(self, name))
+        if self.tp_size > 1:
+            raise ValueError(
+                f"{owner}.tp_size={self.tp_size}: tensor parallelism is not built yet; set {owner}.tp_size=1"
+            )
+        if self.sp_size > 1 and not self.use_packing:
+            raise ValueError(
+                f"{owner}.sp_size={self.sp_size} needs {owner}.use_packing=True: sequence parallelism "
+                "splits packed rows"
+            )
         check_range(owner, "weight_decay", self.weight_decay, low=0.0)
         check_range(owner, "warmup_steps", self.warmup_steps, low=0)
         check_range(owner, "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)

@@ -1,5 +1,10 @@
 """Data parallelism for the engine: DDP or FSDP2 ``fully_shard`` over the default process group.
 
+The default group is the whole ``(dp, sp)`` mesh (:mod:`tandem.engine.mesh`): with sequence
+parallelism each rank's gradient covers its shard of the tokens only, so gradients are
+reduced over the sequence-parallel ranks as well as the data-parallel ones, and FSDP2 shards
+parameters over all of them (as verl does).
+
 FSDP2 is applied bottom-up: each decoder layer is its own shard unit, then the root (embeddings,
 final norm, output head, LoRA adapters) — the order FSDP2 expects so each layer's parameters
 are gathered just before it runs and freed after. It runs on CPU with gloo and on GPU with NCCL.
@@ -22,10 +27,6 @@ def rank_strategy(configured: str, world_size: int) -> str:
     if world_size == 1:
         return "single"
     return "ddp" if configured == "single" else configured
-
-
-def data_parallel_size(strategy: str) -> int:
-    return dist.get_world_size() if strategy != "single" else 1
 
 
 def decoder_layers(module: nn.Module) -> list[nn.Module]:

@@ -16,6 +16,7 @@ from torch import nn
 
 from tandem.engine.packing import Predictions
 from tandem.engine.token_model import decoder_hidden_states
+from tandem.engine.ulysses import SequenceParallel
 from tandem.engine.value_model import scalar_head
 from tandem.engine.varlen_attention import AttentionPlan
 
@@ -48,12 +49,22 @@ class TokenScoreModel(nn.Module):
         attention_plan: AttentionPlan | None = None,
         predictions: Predictions | None = None,
         with_sum_pi_squared: bool = False,
+        sequence_parallel: SequenceParallel | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per-token scores ``[B, S]``; the arguments are :class:`TokenLogProbModel`'s
         (``predictions`` is not needed: every token is scored where it stands)."""
         if with_sum_pi_squared:
             raise ValueError("a reward model has no token distribution: with_sum_pi_squared must be False")
         hidden = decoder_hidden_states(
-            self.reward_model.base_model, input_ids, position_ids, attention_mask, cu_seqlens, attention_plan
+            self.reward_model.base_model,
+            input_ids,
+            position_ids,
+            attention_mask,
+            cu_seqlens,
+            attention_plan,
+            sequence_parallel,
         )
-        return {"scores": scalar_head(self.reward_model.score, hidden).squeeze(-1)}
+        scores = scalar_head(self.reward_model.score, hidden).squeeze(-1)  # [B, S] (this rank's [1, T / P])
+        if sequence_parallel is not None:
+            scores = sequence_parallel.gather(scores)
+        return {"scores": scores}

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from tandem.engine.packing import Predictions, next_token_predictions
+from tandem.engine.ulysses import SequenceParallel
+from tandem.engine.ulysses_attention import SEQUENCE_PARALLEL_KEYWORD
 from tandem.engine.varlen_attention import PLAN_KEYWORD, AttentionPlan
 from tandem.models.logprobs import log_probs_from_hidden
 
@@ -22,11 +24,21 @@ def decoder_hidden_states(
     attention_mask: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
     attention_plan: AttentionPlan | None,
+    sequence_parallel: SequenceParallel | None = None,
 ) -> torch.Tensor:
     """The decoder's last hidden states ``[B, S, H]``; ``cu_seqlens`` or ``attention_plan`` describe
-    a packed row (varlen attention, possibly with shared prompts), else ``attention_mask`` pads."""
+    a packed row (varlen attention, possibly with shared prompts), else ``attention_mask`` pads.
+
+    With ``sequence_parallel`` the packed row ``[1, T]`` (and its ``attention_plan``) is whole
+    and the states come back for this rank's shard only: ``[1, T / P, H]``.
+    """
     attention = {}
-    if attention_plan is not None:  # packed row, possibly with shared prompts
+    if sequence_parallel is not None:  # this rank's tokens; attention sees the whole row
+        if attention_plan is None:
+            raise ValueError("a sequence-parallel forward needs the packed row's attention_plan")
+        input_ids, position_ids = sequence_parallel.shard(input_ids), sequence_parallel.shard(position_ids)
+        attention = {PLAN_KEYWORD: attention_plan, SEQUENCE_PARALLEL_KEYWORD: sequence_parallel}
+    elif attention_plan is not None:  # packed row, possibly with shared prompts
         attention = {PLAN_KEYWORD: attention_plan}
     elif cu_seqlens is not None:  # packed row: sequence boundaries for varlen attention kernels
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
@@ -90,36 +102,54 @@ class TokenLogProbModel(nn.Module):
         attention_plan: AttentionPlan | None = None,
         predictions: Predictions | None = None,
         with_sum_pi_squared: bool = False,
+        sequence_parallel: SequenceParallel | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per-token log-probs, entropy and (``with_sum_pi_squared``) ``sum_v p(v)^2`` ``[B, S]``;
         positions that nothing predicts hold 0.
 
         ``cu_seqlens`` or ``attention_plan`` describe a packed row (varlen attention);
         ``predictions`` names which hidden states predict which tokens (default: each token
-        from the one before it within its sequence).
+        from the one before it within its sequence). With ``sequence_parallel`` the packed row
+        is split over its group: this rank runs the decoder and the head on its shard, and the
+        outputs of the whole row come back on every rank.
         """
         hidden = decoder_hidden_states(
-            self.decoder(), input_ids, position_ids, attention_mask, cu_seqlens, attention_plan
+            self.decoder(),
+            input_ids,
+            position_ids,
+            attention_mask,
+            cu_seqlens,
+            attention_plan,
+            sequence_parallel,
         )
         if predictions is None:
             predictions = next_token_predictions(position_ids)
+        computed, mine = predictions, None
+        if sequence_parallel is not None:
+            computed, mine = sequence_parallel.split_predictions(predictions, input_ids.shape[1])
         width = hidden.shape[-1]
         head = log_probs_from_hidden(
-            hidden.reshape(-1, width).index_select(0, predictions.sources),
+            hidden.reshape(-1, width).index_select(0, computed.sources),
             self.head_weight(),
-            input_ids.reshape(-1).index_select(0, predictions.targets),
+            input_ids.reshape(-1).index_select(0, computed.targets),
             self.temperature,
             self.chunk_size,
             with_sum_pi_squared,
             self.head_dtype,
         )
-        zeros = head.log_probs.new_zeros(input_ids.numel())
-
         outputs = {
             "log_probs": head.log_probs,
             "entropy": head.entropy,
             "sum_pi_squared": head.sum_pi_squared,
         }
+        if sequence_parallel is not None:  # [N_r] -> [N]: every rank's predictions
+            count = predictions.targets.numel()
+            outputs = {
+                name: sequence_parallel.gather_predicted(values, mine, count)
+                for name, values in outputs.items()
+                if values is not None
+            }
+        zeros = head.log_probs.new_zeros(input_ids.numel())
         return {
             name: zeros.index_put((predictions.targets,), values).view_as(input_ids)
             for name, values in outputs.items()

@@ -1,4 +1,5 @@
-"""The PyTorch training engine: single process, DDP or FSDP2; packing; token-budget micro-batches; LoRA."""
+"""The PyTorch training engine: single process, DDP or FSDP2, Ulysses sequence parallelism; packing;
+token-budget micro-batches; LoRA."""
 
 from __future__ import annotations
 
@@ -20,19 +21,23 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.divergence import ModelHealth
 from tandem.engine.lora import apply_lora, iter_merged_lora_parameters
 from tandem.engine.lr_schedule import build_scheduler
+from tandem.engine.mesh import EngineMesh, build_engine_mesh
 from tandem.engine.micro_batch import token_budget_micro_batches
 from tandem.engine.offload import HostCopies
 from tandem.engine.packing import (
+    PackedSequences,
     next_token_predictions,
     pack_sequences,
     pad_to_multiple,
     positions_from_mask,
     unpack,
 )
-from tandem.engine.parallel import data_parallel_size, reshard, wrap_data_parallel
+from tandem.engine.parallel import reshard, wrap_data_parallel
 from tandem.engine.reward_model import TokenScoreModel
 from tandem.engine.shared_prompts import pack_shared_prompts, prompt_groups
 from tandem.engine.token_model import TokenLogProbModel
+from tandem.engine.ulysses import SequenceParallel
+from tandem.engine.ulysses_attention import ULYSSES_ATTENTION, check_heads
 from tandem.engine.value_model import TokenValueModel
 from tandem.engine.varlen_attention import VARLEN_ATTENTION
 from tandem.files import atomic_directory
@@ -57,18 +62,24 @@ class TorchTrainEngine:
         self.step_count = 0
         self.last_step_skipped = False
         self.device = torch.device("cpu")  # bound by initialize()
+        self.mesh = EngineMesh.flat()  # built by initialize()
+        self.sequence_parallel: SequenceParallel | None = None  # this rank's sp group when sp_size > 1
         self._offloaded: dict[str, HostCopies] = {}  # "model" / "optimizer": state held in host memory
 
     # ------------------------------------------------------------------ set-up
     def initialize(self) -> None:
-        """Bind the device, load (or take) the model, add LoRA, wrap for data parallelism, build
-        optimizer and schedule."""
+        """Bind the device, build the ``(dp, sp)`` mesh, load (or take) the model, add LoRA, wrap
+        for data parallelism, build optimizer and schedule."""
         config = self.config
         if config.strategy != "single" and not dist.is_initialized():
             raise RuntimeError(
                 f"engine.strategy={config.strategy!r} needs an initialised torch.distributed group"
             )
         self.device = bind_device(config.device)
+        # a single-strategy engine alone, unless it splits rows (a frozen reference, forward only)
+        distributed = config.strategy != "single" or config.sp_size > 1
+        self.mesh = build_engine_mesh(self.device.type, config.sp_size, distributed)
+        self.sequence_parallel = self.mesh.sequence_parallel()
         torch.manual_seed(config.seed)
         model = (
             self._given_model
@@ -82,7 +93,11 @@ class TorchTrainEngine:
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-        if config.use_packing:  # attention within each packed sequence only (cost sum(len^2), not T^2)
+        if config.sp_size > 1:
+            heads = model.config.num_attention_heads
+            check_heads(heads, getattr(model.config, "num_key_value_heads", None) or heads, config.sp_size)
+            model.set_attn_implementation(ULYSSES_ATTENTION)  # the varlen attention between all-to-alls
+        elif config.use_packing:  # attention within each packed sequence only (cost sum(len^2), not T^2)
             model.set_attn_implementation(VARLEN_ATTENTION)
         if config.lora.rank:
             model = apply_lora(model, config.lora)
@@ -95,8 +110,9 @@ class TorchTrainEngine:
             self.module = TokenLogProbModel(
                 model, config.logprob_chunk_size, config.logprob_temperature, config.logprob_head_dtype
             )
+        # gradients reduce over every rank of the mesh: sequence-parallel ranks hold partial ones
         self.wrapped = wrap_data_parallel(self.module, config.strategy, self.device, config.mixed_precision)
-        self.dp_size = data_parallel_size(config.strategy)
+        self.dp_size = self.mesh.dp_size
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             trainable,
@@ -120,12 +136,13 @@ class TorchTrainEngine:
 
     # ------------------------------------------------------------------ forward/backward
     def global_normalizer(self, mask: torch.Tensor) -> LossNormalizer:
-        """Token and sequence counts of ``mask [B, L]`` summed over all data-parallel ranks."""
+        """Token and sequence counts of ``mask [B, L]`` summed over all data-parallel ranks (the
+        ranks of a sequence-parallel group hold the same rows and count once)."""
         counts = torch.tensor(
             [float(mask.sum()), float((mask.sum(-1) > 0).sum())], dtype=torch.float64, device=self.device
         )
         if self.dp_size > 1:
-            dist.all_reduce(counts)
+            dist.all_reduce(counts, group=self.mesh.dp_group)
         return LossNormalizer(num_tokens=float(counts[0]), num_seqs=float(counts[1]))
 
     def micro_batches(self, batch: Batch) -> list[list[int]]:
@@ -165,8 +182,9 @@ class TorchTrainEngine:
         return self.config.use_packing and self.config.share_prompts and "prompts" in batch
 
     def _agree_on_count(self, local: int) -> int:
-        # Every rank must run the same number of forwards: FSDP2 gathers parameters in each one.
-        if self.dp_size == 1:
+        # Every rank must run the same number of forwards: FSDP2 gathers parameters in each one
+        # (and a sequence-parallel group exchanges activations in each).
+        if self.mesh.world_size == 1:
             return local
         count = torch.tensor([local], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -187,19 +205,7 @@ class TorchTrainEngine:
         ``with_sum_pi_squared`` adds ``sum_v p(v)^2`` per token to the outputs (the optimal token
         baseline's statistic), from the same fp32 head pass.
         """
-        self._require_module()
-        if "input_ids" not in batch or "attention_mask" not in batch:
-            raise ValueError(
-                f"forward_backward needs input_ids and attention_mask; the batch has {sorted(batch.keys())}"
-            )
-        if not forward_only and loss_fn is None:
-            raise ValueError("forward_backward needs a loss_fn unless forward_only=True")
-        vocab = self.module.vocab_size()
-        largest = int(batch["input_ids"].max()) if batch["input_ids"].numel() else 0
-        if largest >= vocab:
-            raise ValueError(
-                f"input_ids hold token id {largest}, but the model's vocabulary has {vocab} entries"
-            )
+        self._check_step(batch, loss_fn, forward_only)
         parts = self.micro_batches(batch)
         result = StepResult(num_micro_batches=len(parts))
         collected: list[tuple[list[int], TokenOutputs]] = []
@@ -219,8 +225,8 @@ class TorchTrainEngine:
                     if loss_fn is None:
                         continue
                 loss, metrics = loss_fn(micro, outputs)
-                if not forward_only:
-                    (loss * self.dp_size).backward()
+                if not forward_only:  # DDP and FSDP2 average gradients over the ranks: make it a sum
+                    (loss * self.mesh.world_size).backward()
                 losses.append(loss.detach())
                 for name, value in metrics.items():
                     metrics_seen.setdefault(name, []).append(value)
@@ -231,6 +237,30 @@ class TorchTrainEngine:
             result.outputs = _reassemble(collected, batch["input_ids"].shape)
             reshard(self.wrapped)
         return result
+
+    def _check_step(self, batch: Batch, loss_fn: LossFn | None, forward_only: bool) -> None:
+        """Refuse a step the engine cannot run, naming what is wrong (see :meth:`forward_backward`)."""
+        self._require_module()
+        if "input_ids" not in batch or "attention_mask" not in batch:
+            raise ValueError(
+                f"forward_backward needs input_ids and attention_mask; the batch has {sorted(batch.keys())}"
+            )
+        if not forward_only and loss_fn is None:
+            raise ValueError("forward_backward needs a loss_fn unless forward_only=True")
+        if not forward_only and self.sequence_parallel is not None and self.config.strategy == "single":
+            raise ValueError(
+                f"engine.sp_size={self.config.sp_size} trains with engine.strategy ddp or fsdp2 only (single: "
+                "forward passes only): the ranks of a sequence-parallel group hold partial gradients, "
+                "summed over the mesh"
+            )
+        vocab = self.module.vocab_size()
+        largest = int(batch["input_ids"].max()) if batch["input_ids"].numel() else 0
+        if largest >= vocab:
+            raise ValueError(
+                f"input_ids hold token id {largest}, but the model's vocabulary has {vocab} entries"
+            )
+        if self.sequence_parallel is not None:
+            self.sequence_parallel.check_same_rows(batch["input_ids"])
 
     def _forward(self, micro: Batch, with_sum_pi_squared: bool = False) -> TokenOutputs:
         """Log-probs and entropy (and ``sum_pi_squared`` when asked) ``[B, S]`` on the engine's device
@@ -254,18 +284,30 @@ class TorchTrainEngine:
             packed = pack_shared_prompts(input_ids, attention_mask, micro["prompts"].shape[1])
         else:
             packed = pack_sequences(input_ids, attention_mask)
-        packed = pad_to_multiple(packed, self.config.pad_tokens_to_multiple)
+        outputs, packed = self._run_packed(packed, with_sum_pi_squared)
+        return TokenOutputs(**{name: unpack(values, packed) for name, values in outputs.items()})
+
+    def _run_packed(
+        self, packed: PackedSequences, with_sum_pi_squared: bool = False
+    ) -> tuple[dict[str, torch.Tensor], PackedSequences]:
+        """The model's outputs ``[1, T]`` for a packed row (on the CPU) and the row as it ran:
+        padded with fillers to a multiple of ``pad_tokens_to_multiple`` (and of ``sp_size``,
+        which splits it), on the engine's device."""
+        multiple = math.lcm(self.config.pad_tokens_to_multiple, self.config.sp_size)
+        packed = pad_to_multiple(packed, multiple)
         if packed.predictions is None:  # found on the CPU: on a GPU, finding them waits for the device
             packed = dataclasses.replace(packed, predictions=next_token_predictions(packed.position_ids))
         packed = packed.to(self.device)
+        parallel = {} if self.sequence_parallel is None else {"sequence_parallel": self.sequence_parallel}
         outputs = self.wrapped(
             input_ids=packed.input_ids,
             position_ids=packed.position_ids,
             attention_plan=packed.attention_plan,
             predictions=packed.predictions,
             with_sum_pi_squared=with_sum_pi_squared,
+            **parallel,
         )
-        return TokenOutputs(**{name: unpack(values, packed) for name, values in outputs.items()})
+        return outputs, packed
 
     def _on_device(self, batch: Batch) -> Batch:
         return batch if self.device.type == "cpu" else batch.to(self.device)
@@ -301,17 +343,19 @@ class TorchTrainEngine:
         (One token would have no prediction: its backward would skip the layers, and FSDP2's
         backward all-gathers on the other ranks would wait forever.)
         """
-        ids = batch["input_ids"][:1, :2].to(self.device)
+        ids = batch["input_ids"][:1, :2]
         if ids.shape[1] < 2:
             ids = ids.repeat(1, 2)
-        positions = torch.arange(2, device=self.device).unsqueeze(0)
         with self._autocast():
-            outputs = self.wrapped(
-                input_ids=ids,
-                position_ids=positions,
-                attention_mask=None,
-                cu_seqlens=torch.tensor([0, 2], dtype=torch.int32, device=self.device),
-            )
+            if self.sequence_parallel is not None:  # the row is split like any other: pack it
+                outputs, _ = self._run_packed(pack_sequences(ids, torch.ones_like(ids)))
+            else:
+                outputs = self.wrapped(
+                    input_ids=ids.to(self.device),
+                    position_ids=torch.arange(2, device=self.device).unsqueeze(0),
+                    attention_mask=None,
+                    cu_seqlens=torch.tensor([0, 2], dtype=torch.int32, device=self.device),
+                )
         if not forward_only:
             (sum(values.sum() for values in outputs.values()) * 0.0).backward()
 

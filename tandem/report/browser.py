@@ -155,34 +155,9 @@ def check_page(
     with tempfile.TemporaryDirectory(prefix="tandem-browser-", ignore_cleanup_errors=True) as profile:
         tools = _DevTools(browser, profile)
         try:
-            targets = tools.send("Target.getTargets")["targetInfos"]
-            page_target = next(t["targetId"] for t in targets if t["type"] == "page")
-            tools.session = tools.send("Target.attachToTarget", {"targetId": page_target, "flatten": True})[
-                "sessionId"
-            ]
-            for domain in ("Runtime", "Log", "Page", "Network"):
-                tools.send(f"{domain}.enable")
-            tools.send(
-                "Emulation.setDeviceMetricsOverride",
-                {"width": width, "height": height or 900, "deviceScaleFactor": 1, "mobile": False},
-            )
-            tools.events.clear()
-            tools.send("Page.navigate", {"url": Path(page).resolve().as_uri()})
-            tools.wait_event("Page.loadEventFired", timeout)
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                value = tools.send("Runtime.evaluate", {"expression": f"Boolean({ready_expression})"})
-                if value.get("result", {}).get("value") is True:
-                    result.ready = True
-                    break
-                time.sleep(0.1)
-            for probe in probes:
-                answer = tools.send(
-                    "Runtime.evaluate", {"expression": probe, "returnByValue": True, "awaitPromise": True}
-                )
-                if "exceptionDetails" in answer:
-                    raise RuntimeError(f"probe {probe!r} failed: {answer['exceptionDetails'].get('text')}")
-                result.values.append(answer.get("result", {}).get("value"))
+            _open_page(tools, Path(page), width, height, timeout)
+            result.ready = _wait_until_true(tools, ready_expression, timeout)
+            result.values = [_evaluate(tools, probe) for probe in probes]
             shot = tools.send(
                 "Page.captureScreenshot", {"format": "png", "captureBeyondViewport": not height}
             )
@@ -196,6 +171,47 @@ def check_page(
         finally:
             tools.close()
     return result
+
+
+def _open_page(tools: _DevTools, page: Path, width: int, height: int, timeout: float) -> None:
+    """Attach to the browser's page, enable the domains whose events are collected, size the
+    viewport, then load ``page`` and wait for its load event (the events before it are dropped)."""
+    targets = tools.send("Target.getTargets")["targetInfos"]
+    page_target = next(t["targetId"] for t in targets if t["type"] == "page")
+    tools.session = tools.send("Target.attachToTarget", {"targetId": page_target, "flatten": True})[
+        "sessionId"
+    ]
+    for domain in ("Runtime", "Log", "Page", "Network"):
+        tools.send(f"{domain}.enable")
+    tools.send(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": height or 900, "deviceScaleFactor": 1, "mobile": False},
+    )
+    tools.events.clear()
+    tools.send("Page.navigate", {"url": page.resolve().as_uri()})
+    tools.wait_event("Page.loadEventFired", timeout)
+
+
+def _wait_until_true(tools: _DevTools, expression: str, timeout: float) -> bool:
+    """Whether the JavaScript ``expression`` became true within ``timeout`` seconds (polled)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = tools.send("Runtime.evaluate", {"expression": f"Boolean({expression})"})
+        if value.get("result", {}).get("value") is True:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _evaluate(tools: _DevTools, probe: str) -> object:
+    """The JSON value of the JavaScript expression ``probe`` (a promise awaited); ``RuntimeError``
+    when it throws."""
+    answer = tools.send(
+        "Runtime.evaluate", {"expression": probe, "returnByValue": True, "awaitPromise": True}
+    )
+    if "exceptionDetails" in answer:
+        raise RuntimeError(f"probe {probe!r} failed: {answer['exceptionDetails'].get('text')}")
+    return answer.get("result", {}).get("value")
 
 
 def _errors(events: list[dict]) -> list[str]:

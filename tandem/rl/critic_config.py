@@ -77,8 +77,12 @@ def check_critic(config: TrainConfig) -> None:
         raise ValueError(
             f"critic.ppo_mini_batch_size={mini} must divide data.train_batch_size={config.data.train_batch_size}"
         )
-    if (mini * config.rollout.n) % config.world_size:
+    sp = config.critic.engine.sp_size
+    if config.world_size % sp:
+        raise ValueError(f"critic.engine.sp_size={sp} must divide the {config.world_size} workers")
+    ranks = config.world_size // sp
+    if (mini * config.rollout.n) % ranks:
         raise ValueError(
             f"a critic mini-batch of critic.ppo_mini_batch_size * rollout.n = {mini * config.rollout.n} sequences "
-            f"must divide evenly over the {config.world_size} workers"
+            f"must divide evenly over the {ranks} " + ("workers" if sp == 1 else "data-parallel ranks")
         )

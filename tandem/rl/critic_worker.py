@@ -19,7 +19,7 @@ from transformers.utils import logging as hf_logging
 
 from tandem.algos import LossNormalizer, compute_value_loss
 from tandem.algos.masked import masked_mean
-from tandem.controller import Worker, register
+from tandem.controller import Worker, mesh_dispatch, register
 from tandem.device import bind_device
 from tandem.engine import TorchTrainEngine
 from tandem.engine.base import TokenOutputs
@@ -32,6 +32,7 @@ from tandem.rl.config import TrainConfig
 from tandem.rl.derived import critic_engine_config
 
 SUMMED = ("critic/vf_loss",)  # micro-batch shares of one loss: add up
+CRITIC_MESH = "critic"  # the engine's data-parallel ranks: sequence-parallel peers get the same rows
 
 
 def value_loss(
@@ -71,6 +72,8 @@ class CriticWorker(Worker):
             critic_engine_config(config, str(self.device), strategy, schedule_steps)
         )
         self.engine.initialize()
+        mesh = self.engine.mesh  # the ranks of a sequence-parallel group share rows; one reports
+        self.set_mesh_rank(CRITIC_MESH, mesh.dp_rank, mesh.dp_size, is_collect=mesh.sp_rank == 0)
         self.skipped = SkippedUpdates(
             config.trainer.max_skipped_updates_in_a_row, "trainer.max_skipped_updates_in_a_row"
         )
@@ -80,19 +83,19 @@ class CriticWorker(Worker):
         self.residency.offload()  # waits on the CPU between its passes (when asked, on a GPU)
         return sum(p.numel() for p in self.engine.causal_lm.parameters())
 
-    @register(dispatch="DP_COMPUTE")
+    @register(dispatch=mesh_dispatch(CRITIC_MESH))
     def compute_values(self, batch: Batch) -> Batch:
         """``values [B, R]``: ``V(s_t)`` of each response token under the current critic."""
         with self.residency.computing():
             outputs = self.engine.forward_backward(batch, None, forward_only=True).outputs
         return Batch({"values": response_part(outputs.values, batch["prompts"].shape[1])})
 
-    @register(dispatch="DP_COMPUTE")
+    @register(dispatch=mesh_dispatch(CRITIC_MESH))
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Clipped value-loss updates on this rank's shard (needs ``values`` and ``returns``);
         returns the metrics averaged over the optimizer steps."""
         config = self.config
-        local_mini = config.critic_mini_batch_prompts * config.rollout.n // self.world_size
+        local_mini = config.critic_mini_batch_prompts * config.rollout.n // self.engine.mesh.dp_size
         collected: dict[str, list[float]] = defaultdict(list)
         with self.residency.computing(optimizer=True):
             self._update_epochs(batch, local_mini, collected)

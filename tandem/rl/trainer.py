@@ -50,7 +50,7 @@ from tandem.protocol.sequences import (
 from tandem.report import RunInfo
 from tandem.report.tracker import ReportTracker
 from tandem.rl.balance import balanced_rank_order
-from tandem.rl.config import TrainConfig
+from tandem.rl.config import MODEL_SOURCE, TrainConfig
 from tandem.rl.critic_worker import CriticWorker
 from tandem.rl.data import RLDataset
 from tandem.rl.derived import replica_plan, step_shape
@@ -231,7 +231,7 @@ class RLTrainer:
                 f"critic: {params_critic / 1e6:.2f}M parameters, {config.world_size} worker(s), "
                 f"{config.critic.placement}"
             )
-        if "model" in config.reward.sources:  # a pool of its own
+        if MODEL_SOURCE in config.reward.sources:  # a pool of its own
             self._start_reward_model(groups)
         return params
 
@@ -322,9 +322,9 @@ class RLTrainer:
         self, batch: Batch, timings: dict[str, float]
     ) -> tuple[Batch, dict[str, float]]:
         """Old and reference log-probs, advantages, then the actor's PPO-style update."""
-        if self.config.trainer.balance_batch and self.config.world_size > 1:
+        if self.config.trainer.balance_batch and self.config.actor_dp_size > 1:
             order = balanced_rank_order(
-                batch["attention_mask"], self.config.rollout.n, self.config.world_size
+                batch["attention_mask"], self.config.rollout.n, self.config.actor_dp_size
             )
             batch = batch.reorder(order)
         if self.config.old_log_probs_from_rollout:
@@ -360,7 +360,7 @@ class RLTrainer:
             tensors={"token_level_rewards": batch["token_level_scores"]}
         )  # no KL in the reward
         with timed(timings, "adv"):
-            pairs, metrics = best_worst_pairs(batch, self.config.rollout.n, self.config.world_size)
+            pairs, metrics = best_worst_pairs(batch, self.config.rollout.n, self.config.actor_dp_size)
         if pairs is None:  # no prompt scored its responses differently: nothing to prefer
             self.console.print(f"[yellow]step {self.step}: no prompt group has a preference; update skipped")
             return batch, metrics

@@ -23,7 +23,7 @@ from transformers.utils import logging as hf_logging
 
 from tandem.agents.rollout import AgentRollout
 from tandem.checkpoint_engine.roles import SendsWeights
-from tandem.controller import Worker, register
+from tandem.controller import Worker, mesh_dispatch, register
 from tandem.controller.profiling import ProfilesCalls
 from tandem.device import bind_device, max_memory_allocated_gb, release_cached_memory, reset_peak_memory
 from tandem.dpo.loss import pair_metrics, preference_loss
@@ -48,6 +48,7 @@ SUMMED_METRICS = (
     "critic/vf_loss",
 )  # micro-batch (and worker) shares of one loss: add up
 MAX_METRICS = ("rollout_corr/max_abs_log_prob_diff",)
+ACTOR_MESH = "actor"  # the engine's data-parallel ranks: sequence-parallel peers get the same rows
 SHUFFLE_SEED_TAG = 101  # derive_seed(run seed, this, step, epoch): the mini-batch order of an epoch
 
 
@@ -81,6 +82,8 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         engine_config = actor_engine_config(config, str(self.device), strategy, schedule_steps)
         self.engine = TorchTrainEngine(engine_config)
         self.engine.initialize()
+        mesh = self.engine.mesh  # the ranks of a sequence-parallel group share rows; one reports
+        self.set_mesh_rank(ACTOR_MESH, mesh.dp_rank, mesh.dp_size, is_collect=mesh.sp_rank == 0)
         check_vocab_compatible(self.engine.causal_lm, self.tokenizer)
         self.skipped = SkippedUpdates(
             config.trainer.max_skipped_updates_in_a_row, "trainer.max_skipped_updates_in_a_row"
@@ -190,7 +193,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
             release_cached_memory(self.device)
 
     # ------------------------------------------------------------------ log-probs
-    @register(dispatch="DP_COMPUTE")
+    @register(dispatch=mesh_dispatch(ACTOR_MESH))
     def compute_log_prob(self, batch: Batch) -> Batch:
         """``old_log_probs [B, R]`` of the responses under the current policy, and ``sum_pi_squared
         [B, R]`` (``sum_v pi_old(v)^2`` per response token) when the advantage estimator reads it."""
@@ -206,7 +209,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
             tensors["sum_pi_squared"] = response_part(outputs.sum_pi_squared, width)
         return Batch(tensors)
 
-    @register(dispatch="DP_COMPUTE")
+    @register(dispatch=mesh_dispatch(ACTOR_MESH))
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """``ref_log_probs [B, R]`` under the frozen reference (the base model when LoRA is on)."""
         with self._phase("ref"):
@@ -220,7 +223,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         return Batch({"ref_log_probs": response_part(outputs.log_probs, batch["prompts"].shape[1])})
 
     # ------------------------------------------------------------------ update
-    @register(dispatch="DP_COMPUTE")
+    @register(dispatch=mesh_dispatch(ACTOR_MESH))
     def update_actor(self, batch: Batch, *, step: int) -> dict[str, float]:
         """PPO-style update on this rank's shard: ``ppo_epochs`` passes over its mini-batches.
 
@@ -230,7 +233,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         """
         config = self.config
         actor = config.actor
-        local_mini = config.mini_batch_prompts * config.rollout.n // self.world_size
+        local_mini = config.mini_batch_prompts * config.rollout.n // self.engine.mesh.dp_size
         collected: dict[str, list[float]] = defaultdict(list)
         skipped_before = self.skipped.total
         with self._phase("update_actor"):

@@ -3,7 +3,8 @@
 from tandem.protocol.generation import Completion, RolloutRequest, SamplingParams
 from tandem.rollout.base import RolloutEngine
 from tandem.rollout.hf_engine import HFRolloutEngine
-from tandem.rollout.native import NativeEngineConfig, NativeRolloutEngine
+from tandem.rollout.native import NativeRolloutEngine
+from tandem.rollout.native_config import NativeEngineConfig
 
 __all__ = [
     "Completion",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -22,8 +22,14 @@ class RolloutEngine(Protocol):
     carry (asleep, too: the cache stays freed until ``wake``); ``sleep``/``wake`` free and
     restore cache memory; ``reset_prefix_cache`` drops
     reusable prompt state; ``metrics`` is a monitoring snapshot.
+
+    ``generates_in_background`` says whether requests run on the engine's own thread: ``submit``
+    returns at once, ``on_token`` sees each token as it is sampled and ``abort`` stops a request
+    midway. A server needs that (``tandem serve`` offers only such engines); an engine that
+    generates inside ``submit`` would hold the server's event loop for a whole response.
     """
 
+    generates_in_background: ClassVar[bool]
     version: int
     max_model_len: int  # longest prompt + response
     vocab_size: int

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 
 from tandem.config.validation import check_choice
 from tandem.device import check_device_setting
-from tandem.rollout.native import NativeEngineConfig
+from tandem.rollout.engines import ROLLOUT_ENGINES
+from tandem.rollout.native_config import NativeEngineConfig
 from tandem.rollout.vllm_engine import VLLMEngineConfig
-
-ROLLOUT_ENGINES = ("native", "vllm", "hf")
 
 
 @dataclass(frozen=True)

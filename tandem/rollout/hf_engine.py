@@ -22,6 +22,8 @@ class HFRolloutEngine:
     pause/sleep have nothing to hold or free and only track state.
     """
 
+    generates_in_background = False  # submit() generates the whole response on the calling thread
+
     def __init__(self, model: torch.nn.Module, tokenizer) -> None:
         self.model = model.eval()
         self.device = next(model.parameters()).device

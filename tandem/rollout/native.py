@@ -22,6 +22,9 @@ of an older version are never used (they are dropped on every weight update).
 
 Threading: one background thread runs steps; the public methods are thread-safe and the
 async ones (:meth:`generate`) integrate with asyncio.
+
+The engine's config is :mod:`tandem.rollout.native_config`; the parts of a step (each request's
+state, the prefill plan, the stop rule) are :mod:`tandem.rollout.native_step`.
 """
 
 from __future__ import annotations
@@ -33,12 +36,11 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
-from tandem.config.validation import check_choice, check_positive
-from tandem.device import bind_device, check_device_setting, host_tensor, uses_cpu_kernels, uses_cuda_graphs
+from tandem.config.validation import check_choice
+from tandem.device import bind_device, host_tensor, uses_cpu_kernels, uses_cuda_graphs
 from tandem.kernels.cpu import enable_cpu_kernels
 from tandem.kernels.cpu.linear import PackedLinears
 from tandem.kernels.cuda.head import half_head_logits
@@ -52,83 +54,21 @@ from tandem.protocol.generation import (
     prompt_problem,
 )
 from tandem.rollout.decode_graphs import DecodeGraphs
-from tandem.rollout.kv_cache import KV_ATTENTION, PrefillSegment, SlotKVCache, StepPlan
+from tandem.rollout.kv_cache import KV_ATTENTION, SlotKVCache, StepPlan
 from tandem.rollout.lean import LeanDecoder, lean_unsupported_reason
+from tandem.rollout.native_config import PAUSE_MODES, NativeEngineConfig
+from tandem.rollout.native_step import (
+    PrefillPlan,
+    PrefixCache,
+    PrefixEntry,
+    SequenceState,
+    as_list,
+    plan_prefill,
+    stop_reason,
+)
 from tandem.rollout.sampling import draw_step
 from tandem.rollout.shared_prefix import SharedPrefixes, group_by_prefix
 from tandem.rollout.stats import EngineStats
-
-PAUSE_MODES = ("keep", "abort", "wait")
-
-
-@dataclass(frozen=True)
-class NativeEngineConfig:
-    """Sizes and limits of the native engine.
-
-    Attributes:
-        max_num_seqs: KV-cache slots = most requests running at once (admission waits beyond).
-        max_model_len: longest prompt + response in tokens.
-        max_prefill_tokens: most prompt tokens admitted into one step.
-        dtype: model and KV-cache dtype (the head is fp32 regardless).
-        device: ``auto``, ``cpu``, ``cuda`` (this process's local-rank GPU) or ``cuda:N``.
-        prefix_cache_entries: prompts whose KV stays cached for reuse (0: only within a step).
-        seed: seeds the random streams of requests that bring no seed of their own.
-        lean_forward: run Llama/Qwen2/Qwen3 models through :class:`LeanDecoder` (the same
-            computation as HF's forward, bit for bit, without its per-layer Python overhead);
-            other models always use HF's forward.
-        prepack_weights: keep an inference copy of each fp32 linear weight in oneDNN's
-            blocked layout (CPU): decode matmuls 1.3-1.8x faster for one more copy of those
-            weights. Used by the lean forward and the output head.
-        share_prefix_reads: when running requests share long prompts (the n samples of a
-            GRPO prompt), decode attention reads each prompt's keys/values once per step
-            instead of once per request (:mod:`tandem.rollout.shared_prefix`).
-        cuda_graphs: on CUDA, decode-only steps replay CUDA graphs, one per (batch, length)
-            bucket, captured on first use (:mod:`tandem.rollout.decode_graphs`); needs the
-            lean forward. Such steps read each prompt once per request (no shared reads).
-    """
-
-    max_num_seqs: int = 256
-    max_model_len: int = 2048
-    max_prefill_tokens: int = 8192
-    dtype: str = "float32"
-    device: str = "auto"
-    prefix_cache_entries: int = 64
-    seed: int = 0
-    lean_forward: bool = True
-    prepack_weights: bool = True
-    share_prefix_reads: bool = True
-    cuda_graphs: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_model_len", "max_prefill_tokens"):
-            check_positive("rollout", name, getattr(self, name))
-        check_choice("rollout", "dtype", self.dtype, ["float32", "bfloat16", "float16"])
-        check_device_setting("rollout", "device", self.device)
-
-
-@dataclass
-class _Sequence:
-    request: RolloutRequest
-    future: Future
-    seed: int
-    completion: Completion
-    stop_ids: frozenset[int]  # tokens that end it: its stop tokens, and EOS unless ignored
-    token_limit: int  # most new tokens: max_tokens, or what fits in max_model_len
-    on_token: TokenCallback | None = None
-    slot: int = -1
-    cached_len: int = 0  # tokens whose keys/values are in the cache
-    prefill_version: int = -1  # the weight version its prompt's keys/values were computed under
-
-    @property
-    def prompt(self) -> tuple[int, ...]:
-        return self.request.prompt_ids
-
-
-@dataclass
-class _PrefixEntry:
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    last_hidden: torch.Tensor
 
 
 class NativeRolloutEngine:
@@ -139,6 +79,8 @@ class NativeRolloutEngine:
         tokenizer: its tokenizer (EOS and stop strings).
         config: sizes and limits.
     """
+
+    generates_in_background = True  # the step loop, on a thread of its own
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: NativeEngineConfig | None = None) -> None:
         self.config = config or NativeEngineConfig()
@@ -155,7 +97,7 @@ class NativeRolloutEngine:
         hf = self.model.config
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.eos_ids = frozenset(
-            i for i in _as_list(hf.eos_token_id) + [tokenizer.eos_token_id] if i is not None
+            i for i in as_list(hf.eos_token_id) + [tokenizer.eos_token_id] if i is not None
         )
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.cache = SlotKVCache(
@@ -176,11 +118,11 @@ class NativeRolloutEngine:
         self.decode_graphs = DecodeGraphs(self._lean, self.cache) if graphs else None
         self.version = 0
         self.stats = EngineStats()
-        self._waiting: collections.deque[_Sequence] = collections.deque()
-        self._running: list[_Sequence] = []  # index == KV slot
+        self._waiting: collections.deque[SequenceState] = collections.deque()
+        self._running: list[SequenceState] = []  # index == KV slot
         self._batch_epoch = 0  # bumped whenever the running set or its slots change
         self._sharing: tuple[tuple[int, int], SharedPrefixes | None] = ((-1, 0), None)  # ((epoch, D), groups)
-        self._prefix: collections.OrderedDict[tuple, _PrefixEntry] = collections.OrderedDict()
+        self._prefix: PrefixCache = collections.OrderedDict()
         self._seed_counter = itertools.count()
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
@@ -224,7 +166,7 @@ class NativeRolloutEngine:
             if params.seed is not None
             else self.config.seed * 1_000_003 + next(self._seed_counter)
         )
-        sequence = _Sequence(
+        sequence = SequenceState(
             request,
             future,
             seed,
@@ -428,83 +370,92 @@ class NativeRolloutEngine:
     @torch.inference_mode()
     def step(self) -> None:
         """Admit what fits, run one packed forward (prefill + decode), sample, retire finished requests."""
-        old = list(self._running)
+        decoding = list(self._running)
         admitted = [] if self._draining else self._admit()
-        segments, copies, hidden_rows, cursor = [], [], {}, 0
-        prefilling: dict[tuple[int, ...], _Sequence] = {}
-        prefill_ids, prefill_pos = [], []
-        for sequence in admitted:
-            entry = self._prefix.get((self.version, sequence.prompt))
-            if entry is not None:
-                self._prefix.move_to_end((self.version, sequence.prompt))
-                self.cache.write(sequence.slot, entry.keys, entry.values)
-                hidden_rows[id(sequence)] = entry.last_hidden
-                self.stats.prefix_hits += 1
-            elif sequence.prompt in prefilling:  # same prompt as another request in this step
-                copies.append((sequence, prefilling[sequence.prompt]))
-            else:
-                prefilling[sequence.prompt] = sequence
-                n = len(sequence.prompt)
-                segments.append((sequence, PrefillSegment(cursor, cursor + n, sequence.slot)))
-                prefill_ids.extend(sequence.prompt)
-                prefill_pos.extend(range(n))
-                cursor += n
-            sequence.cached_len = len(sequence.prompt)
-            sequence.prefill_version = self.version
-        decode_ids = [s.completion.token_ids[-1] for s in old]
-        decode_pos = [s.cached_len for s in old]
-        tokens = prefill_ids + decode_ids
+        prefill = plan_prefill(admitted, self._prefix, self.version, self.cache, self.stats)
+        hidden = self._forward(prefill, decoding, graphs_allowed=not admitted)
+        for sequence in decoding:  # each wrote its decode token's keys and values
+            sequence.cached_len += 1
+        self._copy_prompts(prefill)
+        last_hidden = self._last_hidden(prefill, admitted, decoding, hidden)
+        if last_hidden is not None:
+            self._sample_and_append(admitted + decoding, last_hidden)
+        self.stats.steps += 1
+
+    def _forward(
+        self, prefill: PrefillPlan, decoding: list[SequenceState], graphs_allowed: bool
+    ) -> torch.Tensor | None:
+        """The hidden states ``[T, H]`` of one packed row, ``prefill``'s prompts then one token of
+        each of ``decoding``; None when there is nothing to compute. Each computed prompt's last
+        hidden state goes to ``prefill.hidden_rows`` and the prefix cache."""
+        decode_ids = [s.completion.token_ids[-1] for s in decoding]
+        decode_pos = [s.cached_len for s in decoding]
+        if not prefill.token_ids and not decode_ids:
+            return None
         # A graph pads the decode rows into the slots after them, so none may be newly filled
         # (a request admitted from the prefix cache holds one without a prefill).
-        if tokens and not admitted and self.decode_graphs is not None:
+        if graphs_allowed and self.decode_graphs is not None:
             hidden = self.decode_graphs.run(
                 host_tensor(decode_ids, torch.long, self.device),
                 host_tensor(decode_pos, torch.long, self.device),
                 max(decode_pos) + 1,
             )
             self.stats.graph_steps += 1
-        elif tokens:
-            plan = StepPlan(
-                self.cache,
-                tuple(seg for _, seg in segments),
-                cursor,
-                host_tensor(decode_pos, torch.long, self.device),
-                self._shared_prefixes(old) if old else None,
-            )
-            input_ids = host_tensor([tokens], torch.long, self.device)
-            position_ids = host_tensor([prefill_pos + decode_pos], torch.long, self.device)
-            if self._lean is not None:
-                hidden = self._lean(input_ids[0], position_ids[0], plan)
-            else:
-                hidden = self._decoder()(
-                    input_ids=input_ids, position_ids=position_ids, use_cache=False, tandem_plan=plan
-                ).last_hidden_state[0]
-            for sequence, seg in segments:
-                hidden_rows[id(sequence)] = hidden[seg.token_end - 1]
-                self._remember_prefix(sequence, hidden[seg.token_end - 1])
-            self.stats.prefilled_tokens += cursor
-        for sequence in old:  # each wrote its decode token's keys and values
-            sequence.cached_len += 1
-        if copies:
+            return hidden
+        plan = StepPlan(
+            self.cache,
+            tuple(segment for _, segment in prefill.segments),
+            prefill.length,
+            host_tensor(decode_pos, torch.long, self.device),
+            self._shared_prefixes(decoding) if decoding else None,
+        )
+        input_ids = host_tensor([prefill.token_ids + decode_ids], torch.long, self.device)
+        position_ids = host_tensor([prefill.positions + decode_pos], torch.long, self.device)
+        if self._lean is not None:
+            hidden = self._lean(input_ids[0], position_ids[0], plan)
+        else:
+            hidden = self._decoder()(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, tandem_plan=plan
+            ).last_hidden_state[0]
+        for sequence, segment in prefill.segments:
+            prefill.hidden_rows[id(sequence)] = hidden[segment.token_end - 1]
+            self._remember_prefix(sequence, hidden[segment.token_end - 1])
+        self.stats.prefilled_tokens += prefill.length
+        return hidden
+
+    def _copy_prompts(self, prefill: PrefillPlan) -> None:
+        """Give each request whose prompt another one computed in this step that prompt's keys,
+        values and last hidden state."""
+        if prefill.copies:
             self.cache.copy_slots(
-                [source.slot for _, source in copies],
-                [sequence.slot for sequence, _ in copies],
-                max(len(sequence.prompt) for sequence, _ in copies),
+                [source.slot for _, source in prefill.copies],
+                [sequence.slot for sequence, _ in prefill.copies],
+                max(len(sequence.prompt) for sequence, _ in prefill.copies),
             )
-        for sequence, source in copies:
-            hidden_rows[id(sequence)] = hidden_rows[id(source)]
-        # The batch's last hidden states: admitted requests' prompt ends, then the decode rows in order.
-        parts = [torch.stack([hidden_rows[id(s)] for s in admitted])] if admitted else []
-        if old:
-            parts.append(hidden[cursor:])
-        if parts:
-            self._sample_and_append(admitted + old, parts[0] if len(parts) == 1 else torch.cat(parts))
-        self.stats.steps += 1
+        for sequence, source in prefill.copies:
+            prefill.hidden_rows[id(sequence)] = prefill.hidden_rows[id(source)]
+
+    @staticmethod
+    def _last_hidden(
+        prefill: PrefillPlan,
+        admitted: list[SequenceState],
+        decoding: list[SequenceState],
+        hidden: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """The batch's last hidden states ``[B, H]``: the admitted requests' prompt ends, then the
+        decode rows in order (None when the step has neither)."""
+        parts = [torch.stack([prefill.hidden_rows[id(s)] for s in admitted])] if admitted else []
+        if decoding:
+            assert hidden is not None  # decode rows always run the forward
+            parts.append(hidden[prefill.length :])
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _decoder(self) -> torch.nn.Module:
         return self.model.get_decoder()
 
-    def _shared_prefixes(self, decoding: list[_Sequence]) -> SharedPrefixes | None:
+    def _shared_prefixes(self, decoding: list[SequenceState]) -> SharedPrefixes | None:
         """The decode tokens grouped by shared prompt (same prompt, same weight version), when
         reading each prompt once pays; recomputed only after the running set changed."""
         if not self.config.share_prefix_reads:
@@ -520,7 +471,7 @@ class NativeRolloutEngine:
             self.stats.shared_prefix_steps += 1
         return shared
 
-    def _admit(self) -> list[_Sequence]:
+    def _admit(self) -> list[SequenceState]:
         admitted, prompt_tokens = [], 0
         while self._waiting and len(self._running) < self.config.max_num_seqs:
             sequence = self._waiting[0]
@@ -535,15 +486,15 @@ class NativeRolloutEngine:
             self._batch_epoch += 1
         return admitted
 
-    def _remember_prefix(self, sequence: _Sequence, last_hidden: torch.Tensor) -> None:
+    def _remember_prefix(self, sequence: SequenceState, last_hidden: torch.Tensor) -> None:
         if self.config.prefix_cache_entries <= 0:
             return
         keys, values = self.cache.read(sequence.slot, len(sequence.prompt))
-        self._prefix[(self.version, sequence.prompt)] = _PrefixEntry(keys, values, last_hidden.clone())
+        self._prefix[(self.version, sequence.prompt)] = PrefixEntry(keys, values, last_hidden.clone())
         while len(self._prefix) > self.config.prefix_cache_entries:
             self._prefix.popitem(last=False)
 
-    def _sample_and_append(self, batch: list[_Sequence], hidden: torch.Tensor) -> None:
+    def _sample_and_append(self, batch: list[SequenceState], hidden: torch.Tensor) -> None:
         # The fp32 head, as in the trainer (half-precision inputs: their products, summed in fp32).
         head = self.model.get_output_embeddings()
         logits = half_head_logits(hidden, head.weight) if head.bias is None else None
@@ -566,24 +517,12 @@ class NativeRolloutEngine:
                 except Exception as error:  # a broken listener ends its own request only
                     self._release(sequence, "error", f"on_token callback failed: {error!r}")
                     continue
-            reason = self._stop_reason(sequence, token)
+            reason = stop_reason(sequence, token, self.tokenizer)
             if reason:
                 self._release(sequence, reason)
         self.stats.record_step(len(batch), time.monotonic())
 
-    def _stop_reason(self, sequence: _Sequence, token: int) -> str | None:
-        if token in sequence.stop_ids:
-            return "stop"
-        stop = sequence.request.params.stop
-        if stop:
-            tail = self.tokenizer.decode(sequence.completion.token_ids[-64:])
-            if any(s in tail for s in stop):
-                return "stop"
-        if len(sequence.completion.token_ids) >= sequence.token_limit:
-            return "length"
-        return None
-
-    def _release(self, sequence: _Sequence, reason: str, error: str | None = None) -> None:
+    def _release(self, sequence: SequenceState, reason: str, error: str | None = None) -> None:
         """Retire a running sequence and keep slots compact: the last slot moves into the freed one."""
         slot = sequence.slot
         self._batch_epoch += 1
@@ -594,15 +533,9 @@ class NativeRolloutEngine:
             self._running[slot] = last
         self._finish(sequence, reason, error)
 
-    def _finish(self, sequence: _Sequence, reason: str, error: str | None = None) -> None:
+    def _finish(self, sequence: SequenceState, reason: str, error: str | None = None) -> None:
         sequence.completion.finish_reason = reason
         sequence.completion.error = error
         self.stats.finished[reason] += 1
         if not sequence.future.done():
             sequence.future.set_result(sequence.completion)
-
-
-def _as_list(value) -> list:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]

@@ -46,7 +46,7 @@ from tandem.protocol.generation import (
     TokenCallback,
     prompt_problem,
 )
-from tandem.rollout.native import PAUSE_MODES
+from tandem.rollout.native_config import PAUSE_MODES
 from tandem.rollout.stats import EngineStats
 
 WORKER_EXTENSION = "tandem.rollout.vllm_worker.TandemWorkerExtension"
@@ -135,6 +135,8 @@ class VLLMRolloutEngine:
         model_path: an HF model directory (weights, config, tokenizer).
         config: engine settings.
     """
+
+    generates_in_background = True  # vLLM's engine loop, on a thread of its own
 
     def __init__(self, model_path: str, config: VLLMEngineConfig | None = None) -> None:
         from transformers import AutoConfig

@@ -36,30 +36,7 @@ def admin_router(engine, authorize: Callable[[Request], None]) -> APIRouter:
     async def update_weights(body: UpdateWeightsRequest):
         """Read the directory's tensors, then pause (keep), load, resume: requests continue."""
         async with weights_lock:
-            version = engine.version + 1 if body.version is None else body.version
-            if version <= engine.version:
-                raise APIError(
-                    409, f"version must increase: got {version}, current {engine.version}", "version"
-                )
-            try:
-                tensors = await asyncio.to_thread(lambda: list(read_hf_weights(body.path)))
-            except FileNotFoundError as error:
-                raise APIError(400, str(error), "path") from error
-            except Exception as error:  # a corrupt or foreign file is the caller's problem, not the server's
-                raise APIError(
-                    400, f"could not read weights from {body.path}: {type(error).__name__}: {error}", "path"
-                ) from error
-            was_paused = (await asyncio.to_thread(engine.metrics)).paused
-            if not was_paused:
-                await asyncio.to_thread(engine.pause, "keep")
-            try:
-                loaded = await asyncio.to_thread(engine.update_weights, tensors, version)
-            except (KeyError, ValueError) as error:
-                raise APIError(400, f"these weights do not fit the served model: {error}", "path") from error
-            finally:
-                if not was_paused:
-                    await asyncio.to_thread(engine.resume)
-        return {"version": version, "tensors": loaded}
+            return await _update_weights(engine, body)
 
     @admin.post("/sleep")
     async def sleep():
@@ -80,3 +57,32 @@ def admin_router(engine, authorize: Callable[[Request], None]) -> APIRouter:
         return {"reset": True}
 
     return admin
+
+
+async def _update_weights(engine, body: UpdateWeightsRequest) -> dict:
+    """Load the weights in ``body.path`` as ``body.version`` (default: the next one): read them
+    first, then pause the engine (keeping its requests), load, and resume. The caller holds the
+    one-update-at-a-time lock. ``APIError`` 409 for a version that does not increase, 400 for
+    weights that cannot be read or do not fit the model."""
+    version = engine.version + 1 if body.version is None else body.version
+    if version <= engine.version:
+        raise APIError(409, f"version must increase: got {version}, current {engine.version}", "version")
+    try:
+        tensors = await asyncio.to_thread(lambda: list(read_hf_weights(body.path)))
+    except FileNotFoundError as error:
+        raise APIError(400, str(error), "path") from error
+    except Exception as error:  # a corrupt or foreign file is the caller's problem, not the server's
+        raise APIError(
+            400, f"could not read weights from {body.path}: {type(error).__name__}: {error}", "path"
+        ) from error
+    was_paused = (await asyncio.to_thread(engine.metrics)).paused
+    if not was_paused:
+        await asyncio.to_thread(engine.pause, "keep")
+    try:
+        loaded = await asyncio.to_thread(engine.update_weights, tensors, version)
+    except (KeyError, ValueError) as error:
+        raise APIError(400, f"these weights do not fit the served model: {error}", "path") from error
+    finally:
+        if not was_paused:
+            await asyncio.to_thread(engine.resume)
+    return {"version": version, "tensors": loaded}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,7 +35,36 @@ def create_app(engine, tokenizer, config: ServerConfig | None = None) -> FastAPI
     http = HTTPCounters()
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None)
 
-    # ------------------------------------------------------------------ errors, limits, auth
+    _add_error_handlers(app)
+    app.add_middleware(BodySizeLimit, limit=config.max_request_bytes)
+    # outermost, so refused bodies (413) count too; labels are the schema's paths, never the client's
+    served_paths: list[str] = []  # filled once every route is registered, below
+    app.add_middleware(RouteCounter, counters=http, route_templates=served_paths)
+    authorize = _bearer_check(config.api_key)
+
+    # ------------------------------------------------------------------ probes
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "version": engine.version}
+
+    @app.get("/metrics")
+    async def metrics():
+        snapshot = await asyncio.to_thread(engine.metrics)  # takes the engine's lock: a step may hold it
+        return PlainTextResponse(
+            render_metrics(snapshot, http, config.model_name),
+            media_type="text/plain; version=0.0.4",
+        )
+
+    app.include_router(openai_router(engine, tokenizer, config, authorize))
+    app.include_router(admin_router(engine, authorize))
+    served_paths.extend(app.openapi()["paths"])
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: ours (:class:`APIError`), a body that fails validation
+    (400, naming the field), Starlette's HTTP errors, and a bug (500; its traceback goes to the log)."""
+
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
         return error.response()
@@ -56,38 +86,21 @@ def create_app(engine, tokenizer, config: ServerConfig | None = None) -> FastAPI
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
         return APIError(error.status_code, str(error.detail)).response()
 
-    app.add_middleware(BodySizeLimit, limit=config.max_request_bytes)
-    # outermost, so refused bodies (413) count too; labels are the schema's paths, never the client's
-    served_paths: list[str] = []  # filled once every route is registered, below
-    app.add_middleware(RouteCounter, counters=http, route_templates=served_paths)
 
-    api_key = None if config.api_key is None else config.api_key.encode()
+def _bearer_check(api_key: str | None) -> Callable[[Request], None]:
+    """The routes' dependency that checks ``Authorization: Bearer <api_key>`` (``APIError`` 401
+    otherwise); with no key it lets every request through."""
+    key = None if api_key is None else api_key.encode()
 
     def authorize(request: Request) -> None:
-        if api_key is None:
+        if key is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         # bytes, not str: compare_digest refuses non-ASCII str (a client's header would be a 500);
         # headers arrive latin-1 decoded, so this gets the client's raw bytes back
         sent = token.strip().encode("latin-1", "replace")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(sent, api_key):
+        if scheme.lower() != "bearer" or not secrets.compare_digest(sent, key):
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
 
-    # ------------------------------------------------------------------ probes
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "version": engine.version}
-
-    @app.get("/metrics")
-    async def metrics():
-        snapshot = await asyncio.to_thread(engine.metrics)  # takes the engine's lock: a step may hold it
-        return PlainTextResponse(
-            render_metrics(snapshot, http, config.model_name),
-            media_type="text/plain; version=0.0.4",
-        )
-
-    app.include_router(openai_router(engine, tokenizer, config, authorize))
-    app.include_router(admin_router(engine, authorize))
-    served_paths.extend(app.openapi()["paths"])
-    return app
+    return authorize

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from transformers.utils import logging as hf_logging
@@ -21,11 +22,19 @@ from transformers.utils import logging as hf_logging
 from tandem.controller import Worker, register
 from tandem.device import bind_device
 from tandem.engine import EngineConfig, TorchTrainEngine
-from tandem.engine.base import LossFn
+from tandem.engine.base import LossFn, TokenOutputs
 from tandem.engine.divergence import ModelHealth
 from tandem.engine.parallel import rank_strategy
 from tandem.models.loading import load_tokenizer
 from tandem.protocol import Batch
+
+Summarize = Callable[[Batch, TokenOutputs], Batch]  # rows and their outputs -> per-row values [B]
+
+
+def summed_log_probs(batch: Batch, outputs: TokenOutputs) -> Batch:
+    """``score [B]``: each row's log-prob summed over its ``loss_mask`` tokens (a reward model:
+    its score at the last one)."""
+    return Batch({"score": outputs.sequence_summary(batch["loss_mask"])})
 
 
 @dataclass
@@ -71,11 +80,12 @@ class EngineWorker(Worker):
         return int(self.engine.causal_lm.get_input_embeddings().weight.shape[0])
 
     @register(dispatch="DP_COMPUTE")
-    def train_step(self, batch: Batch, *, loss_fn: LossFn) -> StepReport:
+    def train_step(self, batch: Batch, *, loss_fn: LossFn, with_sum_pi_squared: bool = False) -> StepReport:
         """Forward/backward of ``loss_fn`` on this rank's shard, then one optimizer step (skipped
         on every rank when any rank's loss or the gradient norm is not finite) and one
-        learning-rate step."""
-        result = self.engine.forward_backward(batch, loss_fn)
+        learning-rate step. ``with_sum_pi_squared``: the outputs ``loss_fn`` sees carry
+        ``sum_pi_squared`` (WPO's weights)."""
+        result = self.engine.forward_backward(batch, loss_fn, with_sum_pi_squared=with_sum_pi_squared)
         learning_rate = self.engine.lr
         grad_norm = self.engine.optimizer_step(skip=not math.isfinite(result.loss))
         self.engine.lr_step()
@@ -84,25 +94,39 @@ class EngineWorker(Worker):
         )
 
     @register(dispatch="DP_COMPUTE")
-    def sequence_scores(self, batch: Batch, *, reference: bool = False) -> Batch:
+    def sequence_scores(
+        self,
+        batch: Batch,
+        *,
+        reference: bool = False,
+        summarize: Summarize | None = None,
+        with_sum_pi_squared: bool = False,
+    ) -> Batch:
         """``score [B]``: each row's log-prob summed over its ``loss_mask`` tokens (a reward
-        model: its score at the last one), under the policy or (``reference``) the reference:
-        the base model with LoRA's adapter off, the policy itself before its first update, else
-        a frozen copy loaded once."""
+        model: its score at the last one), or whatever ``summarize(batch, outputs)`` returns
+        per row (the DPO trainer's LD-DPO sums and WPO weights; ``with_sum_pi_squared`` gives it
+        ``outputs.sum_pi_squared``), under the policy or (``reference``) the reference: the base
+        model with LoRA's adapter off, the policy itself before its first update, else a frozen
+        copy loaded once."""
+        summarize = summarize or summed_log_probs
         if not reference:
             engine = self.engine
         elif self.engine_config.lora.rank:
             with self.engine.adapter_disabled():
-                return self._summed(self.engine, batch)
+                return self._summed(self.engine, batch, summarize, with_sum_pi_squared)
         elif self.engine.step_count == 0 and not self.reference_path:
             engine = self.engine
         else:
             engine = self._reference_engine()
-        return self._summed(engine, batch)
+        return self._summed(engine, batch, summarize, with_sum_pi_squared)
 
-    def _summed(self, engine: TorchTrainEngine, batch: Batch) -> Batch:
-        outputs = engine.forward_backward(batch, None, forward_only=True).outputs
-        return Batch({"score": outputs.sequence_summary(batch["loss_mask"])})
+    def _summed(
+        self, engine: TorchTrainEngine, batch: Batch, summarize: Summarize, with_sum_pi_squared: bool
+    ) -> Batch:
+        outputs = engine.forward_backward(
+            batch, None, forward_only=True, with_sum_pi_squared=with_sum_pi_squared
+        ).outputs
+        return summarize(batch, outputs)
 
     def _reference_engine(self) -> TorchTrainEngine:
         if self.reference_engine is None:  # a full frozen copy per rank: forward only, no collectives

@@ -21,7 +21,7 @@ import yaml
 from tandem.verl.keys import ROLLOUT
 
 if TYPE_CHECKING:
-    from tandem.verl.joint import Context
+    from tandem.verl.context import Context
 
 MULTI_TURN = f"{ROLLOUT}.multi_turn"
 AGENT = f"{ROLLOUT}.agent"

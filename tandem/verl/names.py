@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tandem import algos
 from tandem.registry import Registry
-from tandem.rollout import config as rollout_config
+from tandem.rollout.engines import ROLLOUT_ENGINES as TANDEM_ROLLOUT_ENGINES
 
 
 def registered_names(registry: Registry) -> dict[str, str]:
@@ -41,7 +41,7 @@ LOGGERS: dict[str, str] = {
     "file": "jsonl",
 }
 
-ROLLOUT_ENGINES: dict[str, str] = {name: name for name in rollout_config.ROLLOUT_ENGINES}
+ROLLOUT_ENGINES: dict[str, str] = {name: name for name in TANDEM_ROLLOUT_ENGINES}
 
 ROLLOUT_IS_LEVELS: dict[str | None, str] = {None: "none", "token": "token", "sequence": "sequence"}
 

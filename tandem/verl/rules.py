@@ -115,7 +115,9 @@ LOGPROB_MICRO_KEYS = (  # the reference's and the rollout's log-prob batching
     "log_prob_use_dynamic_bsz",
     "log_prob_max_token_len_per_gpu",
 )
-SEQUENCE_PARALLEL = "tandem has no sequence parallelism: each worker holds whole sequences (memory only)"
+REFERENCE_SP = (
+    "the actor's actor.engine.sp_size (the reference runs in the actor's workers); another size is refused"
+)
 RAY = "tandem starts Ray itself (trainer.backend=ray)"
 # A name verl does not have is refused by tandem.verl.joint.engine_settings, as are parallel sizes
 # that are not positive integers.
@@ -127,7 +129,8 @@ TOKEN_IN_TOKEN_OUT = (
     "tokens for the other turns (docs/agents.md)"
 )
 BACKEND = (
-    "verl's training backend (dp, megatron, veomni, ...); tandem trains with its own engine (docs/engine.md)"
+    "verl's training backend (dp, veomni, ...); tandem trains with its own engine (docs/engine.md); "
+    "megatron and mindspeed are refused"
 )
 UNREAD_TAU = (
     "verl's SAPO reads actor_rollout_ref.actor.tau_pos/tau_neg; this key (added with + in verl's SAPO "

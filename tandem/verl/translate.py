@@ -20,7 +20,8 @@ from hydra.errors import HydraException
 
 from tandem.rl.config import TrainConfig
 from tandem.rl.config_loader import load_train_config
-from tandem.verl import joint
+from tandem.verl import joint, joint_training
+from tandem.verl.context import Context
 from tandem.verl.keys import BY_KEY, DEFAULTS, RULES, Rule
 
 BASE_PRESET = "grpo"  # every key the preset sets is also set by the translation, from verl's values
@@ -85,16 +86,16 @@ def translate(items: Sequence[str]) -> Translation:
     given = _parse(items)
     notes = [note for key in given if (note := _check(key, given[key]))]
     values = {**DEFAULTS, **given}
-    ctx = joint.Context(values, set(given))
+    ctx = Context(values, set(given))
     for rule in RULES:
         if rule.kind == "mapped" and rule.key in values and _matters(rule, values, given):
             ctx.out[rule.to] = _convert(rule, values[rule.key])
     for translate_group in joint.TRANSLATORS:
         translate_group(ctx)
-    workers, on_gpu = joint.placement(ctx)
-    joint.micro_batches(ctx, workers)
-    joint.critic(ctx, workers)
-    joint.dtypes(ctx, on_gpu)
+    workers, on_gpu = joint_training.placement(ctx)
+    joint_training.micro_batches(ctx, workers)
+    joint_training.critic(ctx, workers)
+    joint_training.dtypes(ctx, on_gpu)
     overrides = tuple(f"{key}={render(value)}" for key, value in sorted(ctx.out.items()))
     return Translation(overrides, tuple(notes + ctx.notes))
 

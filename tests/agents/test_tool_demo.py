@@ -2,7 +2,8 @@
 ``tool_agent`` loop teaches a tiny model to multiply 3-digit numbers with the calculator
 (a short run: about 90 s on 2 CPU cores)."""
 
-from tandem.demos.tool_agent import ACCURACY_KEY, ToolDemoSettings, run_tool_demo
+from tandem.demos.accuracy import ACCURACY_KEY
+from tandem.demos.tool_agent import ToolDemoSettings, run_tool_demo
 
 
 def test_grpo_with_the_calculator_raises_held_out_accuracy(tmp_path):

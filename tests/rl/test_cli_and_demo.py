@@ -4,7 +4,8 @@ import subprocess
 import sys
 
 from tandem.cli import main
-from tandem.demos.arithmetic import ACCURACY_KEY, DemoSettings, run_demo
+from tandem.demos.accuracy import ACCURACY_KEY
+from tandem.demos.arithmetic import DemoSettings, run_demo
 from tandem.models import build_char_tokenizer
 from tandem.rl.data import RLDataset
 from tandem.run.trackers import read_jsonl

@@ -1,9 +1,14 @@
 """Configuration: presets compose, overrides are checked against the typed schema, impossible combinations fail early."""
 
+import re
+from pathlib import Path
+
 import pytest
 
 from tandem.cli import main
 from tandem.rl import load_train_config, presets
+from tandem.rl.config import REWARD_SOURCES
+from tests.conftest import ROOT
 
 BASE = ["model_path=/m", "data.train_path=/d.parquet"]
 
@@ -79,6 +84,18 @@ def test_overrides_apply_and_bad_ones_name_the_key():
         (
             ["trainer.n_workers=3", "rollout.n=2", "data.train_batch_size=4"],
             "must divide evenly over the 3 workers",
+        ),
+        (
+            ["trainer.n_workers=3", "actor.engine.sp_size=2"],
+            r"actor.engine.sp_size=2 must divide the 3 workers \(trainer.nnodes x",
+        ),
+        (
+            ["trainer.n_workers=4", "actor.engine.sp_size=2", "rollout.n=3", "actor.ppo_mini_batch_size=1"],
+            r"rollout.n = 3 sequences must divide evenly over the 2 data-parallel ranks",
+        ),
+        (
+            ["preset=ppo", "trainer.n_workers=2", "critic.engine.sp_size=4"],
+            "critic.engine.sp_size=4 must divide the 2 workers",
         ),
         (
             ["actor.engine.max_tokens_per_micro_batch=100"],
@@ -195,3 +212,26 @@ def test_verls_algorithm_names_work_in_tandems_own_keys_with_a_note(capsys):
     out = capsys.readouterr().out
     assert out.count("note: algorithm.kl.estimator=low_var_kl: tandem calls this KL estimator 'k3'") == 1
     assert "estimator: k3" in out
+
+
+def test_every_reward_source_is_documented_and_listed_by_tandem_algos(capsys):
+    """``REWARD_SOURCES`` is the one list: docs/rl.md describes each, and ``tandem algos`` prints it."""
+    docs = (Path(ROOT) / "docs" / "rl.md").read_text()
+    section = docs[docs.index("### Reward sources") : docs.index("### Agents and tools")]
+    documented = re.findall(r"^- `(\w+)`", section, flags=re.MULTILINE)
+    assert documented == list(REWARD_SOURCES)
+    assert main(["algos"]) == 0
+    assert f"reward sources (reward.sources): {', '.join(REWARD_SOURCES)}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("actor.preference.name=kto", "'kto' is an unpaired loss"),
+        ("actor.preference.ld_alpha=0.5", "actor.preference.ld_alpha weighs tokens"),
+        ("actor.preference.use_weighting=true", "actor.preference.use_weighting weighs tokens"),
+    ],
+)
+def test_online_dpo_refuses_what_its_pairs_cannot_take(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_train_config(["preset=online_dpo", *BASE, "rollout.n=4", override])

@@ -132,14 +132,24 @@ def test_a_colocated_critic_trains_as_a_separate_one(rl_files, tmp_path, backend
             assert colocated[name] == pytest.approx(separate[name], rel=1e-5, abs=1e-7), name
 
 
-def test_two_workers_train_the_critic_like_one(rl_files, tmp_path):
+SEQUENCE_PARALLEL = ("actor.engine.sp_size=2", "critic.engine.sp_size=2")
+
+
+@pytest.mark.parametrize(
+    "two_workers",
+    [(), SEQUENCE_PARALLEL, (*SEQUENCE_PARALLEL, "critic.placement=colocated")],
+    ids=["data-parallel", "sequence-parallel", "sequence-parallel-colocated"],
+)
+def test_two_workers_train_the_critic_like_one(rl_files, tmp_path, two_workers):
     """The critic's group splits each step over its workers and divides by global counts: the
-    same losses, values and returns as one worker (DDP over two processes)."""
+    same losses, values and returns as one worker (DDP over two processes; or both workers on
+    every row, each packed row split between them: sequence parallelism, the critic in its
+    own processes or in the actor's)."""
     runs = [
         RLTrainer(
-            small_config(rl_files, tmp_path / str(n), *PPO, f"trainer.n_workers={n}", "data.val_path=")
+            small_config(rl_files, tmp_path / str(n), *PPO, f"trainer.n_workers={n}", "data.val_path=", *extra)
         ).fit().history
-        for n in (1, 2)
+        for n, extra in ((1, ()), (2, two_workers))
     ]  # fmt: skip
     names = (
         "critic/vf_loss",

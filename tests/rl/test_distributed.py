@@ -47,6 +47,26 @@ def test_two_workers_match_one(rl_files, tmp_path, single_worker_run, backend, s
         assert two[name] == pytest.approx(one[name], rel=1e-4, abs=1e-6), name
 
 
+def test_two_sequence_parallel_workers_match_one(rl_files, tmp_path, single_worker_run):
+    """``actor.engine.sp_size=2`` over two workers: one data-parallel rank, so both workers get
+    every row (dispatched by data-parallel rank) and split each packed row between them; the
+    frozen reference splits its rows too. Generation still spreads the prompts over both."""
+    config = small_config(
+        rl_files,
+        tmp_path,
+        "trainer.total_steps=1",
+        "data.val_path=",
+        "trainer.n_workers=2",
+        "actor.engine.sp_size=2",
+    )
+    (two,) = RLTrainer(config).fit().history
+    (one,) = single_worker_run
+    for name in SAME:
+        assert two[name] == one[name], name
+    for name in CLOSE:
+        assert two[name] == pytest.approx(one[name], rel=1e-4, abs=1e-6), name
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for GPUs that the CPU tier lacks")
 @pytest.mark.parametrize("backend", ["local", "ray"])
 def test_a_run_asking_for_gpus_that_are_not_there_is_refused_before_workers_start(

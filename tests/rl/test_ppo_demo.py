@@ -4,7 +4,8 @@ slow tier, ``pytest -m slow``)."""
 
 import pytest
 
-from tandem.demos.arithmetic import ACCURACY_KEY, DemoSettings, run_demo
+from tandem.demos.accuracy import ACCURACY_KEY
+from tandem.demos.arithmetic import DemoSettings, run_demo
 
 
 @pytest.mark.slow

@@ -54,6 +54,25 @@ def test_parallel_scoring_matches_a_sequential_loop_and_survives_errors_and_hang
             assert result.error is None and result.value == i * i
 
 
+def test_a_reward_function_that_exits_is_an_error_at_once_not_a_timeout():
+    """``SystemExit`` (or ``KeyboardInterrupt``) from user code is reported like any exception
+    (:mod:`tandem.user_calls`): the run goes on and no call waits for its time limit."""
+
+    def fn(i):
+        if i == 1:
+            raise SystemExit(3)
+        return i
+
+    started = time.monotonic()
+    results = run_with_timeouts(fn, [(i,) for i in range(3)], num_threads=2, timeout_s=30)
+    assert time.monotonic() - started < 5
+    assert [(r.value, r.error, r.timeout) for r in results] == [
+        (0, None, False),
+        (None, "SystemExit: 3", False),
+        (2, None, False),
+    ]
+
+
 def test_reward_manager_with_a_user_function_counts_failures(tmp_path):
     source = tmp_path / "my_reward.py"
     source.write_text(

@@ -95,7 +95,7 @@ actor_ppo_max_token_len=$(((max_prompt_length + max_response_length) * 2))
 infer_ppo_max_token_len=$(((max_prompt_length + max_response_length) * 3))
 offload=True
 gen_tp=2
-sp_size=4
+sp_size=1  # verl's example splits over 4 of its 16 GPUs; one worker cannot split (sp_size must divide the workers)
 fsdp_size=2
 python3 -m ${LAUNCH} \
     data.train_files="${TRAIN_FILE}" \

@@ -45,6 +45,10 @@ MULTI_TURN_WITH_LOOP = (
 OLD_KWARGS_ON = [*DAPO_MANAGER, "reward_model.reward_kwargs.overlong_buffer_cfg.enable=true"]
 CONTEXT = {
     **{r.key: GAE for r in RULES if r.key.startswith("critic.") or r.key == "trainer.critic_warmup"},
+    # a sequence-parallel size of 2 splits over 2 workers
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": ["trainer.n_gpus_per_node=2"],
+    "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size": ["trainer.n_gpus_per_node=2"],
+    "critic.ulysses_sequence_parallel_size": [*GAE, "trainer.n_gpus_per_node=2"],
     "critic.ppo_max_token_len_per_gpu": [*GAE, "critic.use_dynamic_bsz=true"],
     "algorithm.gdpo_reward_keys": ["algorithm.adv_estimator=gdpo"],
     "algorithm.gdpo_reward_weights": [
@@ -109,6 +113,11 @@ JOINT = {
     },  # verl's default: keep them, truncation=error
     "data.truncation": {"data.overlong_prompts": "truncate_left"},
     "actor_rollout_ref.model.override_config.max_position_embeddings": {},
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": {"actor.engine.sp_size": 2},
+    "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size": {"actor.engine.sp_size": 2},
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": {},  # the actor's size (1): nothing to write
+    "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size": {},
+    "critic.ulysses_sequence_parallel_size": {"critic.engine.sp_size": 2},
     "actor_rollout_ref.actor.optim.clip_grad": {"actor.engine.grad_clip": 0.5},
     "actor_rollout_ref.actor.grad_clip": {"actor.engine.grad_clip": 1.0},  # verl's v1 trainer reads clip_grad
     "trainer.use_v1": {"actor.engine.grad_clip": 0.3},  # the legacy trainer reads grad_clip

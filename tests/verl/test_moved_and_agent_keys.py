@@ -169,12 +169,10 @@ def test_the_agent_notes_no_longer_say_there_are_no_agent_loops():
 @pytest.mark.parametrize(
     "item",
     [
-        "model_engine=megatron",
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
         "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=uniform",
         "actor_rollout_ref.ref.mindspeed.param_offload=True",
         "actor_rollout_ref.actor.veomni.expert_parallel_size=8",
-        "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2",
         "actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=True",
         "reward.reward_model.rollout.gpu_memory_utilization=0.4",
         "actor_rollout_ref.actor.policy_loss.tau_pos=1.0",

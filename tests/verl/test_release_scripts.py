@@ -9,6 +9,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tandem.data import write_parquet
 from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows
 from tandem.verl import translate
@@ -52,12 +54,15 @@ def test_the_cispo_script_reads_both_training_files():
     assert settings["actor.policy_loss.clip_ratio_low"] == "1.0"  # verl's 10: no lower bound either way
 
 
-def test_the_megatron_moe_script_translates_with_its_engine_keys_noted():
+def test_the_megatron_moe_script_is_refused_naming_its_engine():
+    """The script runs on Megatron-LM (model_engine=megatron); tandem has no stand-in for its
+    parallelism, so the command is refused rather than run as something else."""
     items = launch_items(release_scripts.MOE_MEGATRON, FILES, "trainer.device=cpu")
-    assert "model_engine=megatron" in items and any(
-        i.startswith("+reward_model.reward_kwargs") for i in items
-    )
-    translation = translate(items)
+    assert "model_engine=megatron" in items
+    with pytest.raises(ValueError, match="model_engine=megatron: tandem has no Megatron-LM engine"):
+        translate(items)
+    # without the engine choice its other keys translate, the Megatron ones noted
+    translation = translate([item for item in items if item != "model_engine=megatron"])
     settings = _settings(translation)
     expected = {
         "reward.overlong.enable": "true",  # read at verl's older place
@@ -69,7 +74,6 @@ def test_the_megatron_moe_script_translates_with_its_engine_keys_noted():
     assert {key: settings[key] for key in expected} == expected
     noted = {note.split(":")[0] for note in translation.notes}
     assert {
-        "model_engine",
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
         "actor_rollout_ref.ref.megatron.use_mbridge",
         "actor_rollout_ref.rollout.moe_tensor_parallel_size",

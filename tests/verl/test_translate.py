@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -231,9 +233,25 @@ def test_a_training_strategy_verl_does_not_have_is_refused_naming_the_key(key):
 
 
 def test_verl_s_other_engines_are_strategies_too():
-    translate(args("actor_rollout_ref.actor.strategy=megatron"))
-    with pytest.raises(ValueError, match="actor_rollout_ref.actor.fsdp_config.strategy=megatron"):
-        translate(args("actor_rollout_ref.actor.fsdp_config.strategy=megatron"))  # FSDP's own: fsdp, fsdp2
+    translate(args("actor_rollout_ref.actor.strategy=veomni"))  # FSDP underneath: tandem's FSDP2 stands in
+    with pytest.raises(ValueError, match="actor_rollout_ref.actor.fsdp_config.strategy=veomni"):
+        translate(args("actor_rollout_ref.actor.fsdp_config.strategy=veomni"))  # FSDP's own: fsdp, fsdp2
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        "actor_rollout_ref.actor.strategy=megatron",
+        "critic.strategy=megatron",
+        "model_engine=megatron",
+        "actor_rollout_ref.actor.model_engine=mindspeed",
+    ],
+)
+def test_a_megatron_engine_is_refused_with_the_nearest_setting(item):
+    with pytest.raises(
+        ValueError, match=rf"{re.escape(item)}: tandem has no Megatron-LM engine.*actor.engine.sp_size"
+    ):
+        translate(args(item))
 
 
 PARALLEL_SIZE_KEYS = [
@@ -250,8 +268,10 @@ def test_a_parallel_size_that_is_not_a_positive_integer_is_refused_naming_the_ke
         translate(args(f"{key}={value}"))
 
 
-@pytest.mark.parametrize("key", PARALLEL_SIZE_KEYS)
-def test_a_parallel_size_changes_memory_only_and_is_noted(key):
+@pytest.mark.parametrize(
+    "key", [key for key in PARALLEL_SIZE_KEYS if key.startswith("actor_rollout_ref.rollout.")]
+)
+def test_a_rollout_parallel_size_changes_memory_only_and_is_noted(key):
     translation = translate(args(f"{key}=4"))
     assert any(note.startswith(f"{key}:") for note in translation.notes)
 
@@ -269,3 +289,40 @@ def test_pipeline_and_expert_parallelism_are_refused_above_one(key, what):
     for value in ("2", "banana"):
         with pytest.raises(ValueError, match=rf"{key}=.*tandem does not implement {what}"):
             translate(args(f"{key}={value}"))
+
+
+@pytest.mark.parametrize(
+    "place",
+    [
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+        "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size",
+    ],
+)
+def test_ulysses_sizes_become_the_engines_sp_size(place):
+    overrides = translate(args(f"{place}=2", "critic.ulysses_sequence_parallel_size=2")).overrides
+    assert "actor.engine.sp_size=2" in overrides and "critic.engine.sp_size=2" in overrides
+    assert not any(o.startswith("actor.engine.sp_size") for o in translate(args()).overrides)
+
+
+@pytest.mark.parametrize(
+    ("items", "message"),
+    [
+        (
+            [
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=4",
+            ],
+            "the same verl setting at two of its places",
+        ),
+        (
+            [
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                "actor_rollout_ref.ref.ulysses_sequence_parallel_size=1",
+            ],
+            r"actor_rollout_ref.ref.ulysses_sequence_parallel_size=1 with an actor sequence-parallel size of 2",
+        ),
+    ],
+)
+def test_ulysses_sizes_that_disagree_are_refused(items, message):
+    with pytest.raises(ValueError, match=message):
+        translate(args(*items))

@@ -22,7 +22,7 @@ from tandem.algos import (
     compute_policy_loss,
 )
 from tandem.verl import translate
-from tandem.verl.joint import VERL_LOSS_BEHAVIOUR, VERL_VERSION
+from tandem.verl.joint_algorithm import VERL_LOSS_BEHAVIOUR, VERL_VERSION
 from tests.algos import verl_formulas as verl
 from tests.algos.test_verl_parity import CASES, assert_loss_matches_verl, make_inputs
 from tests.verl.test_translate import args

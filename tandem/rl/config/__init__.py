@@ -9,9 +9,13 @@ semantics.
 
 from tandem.rl.config.actor import OBJECTIVES, ActorConfig, ActorOffloadConfig
 from tandem.rl.config.algorithm import AlgorithmConfig, FilterGroupsConfig
-from tandem.rl.config.data import OVERLONG_PROMPTS, RLDataConfig, data_files
+from tandem.rl.config.data import OVERLONG_PROMPTS, RLDataConfig
 from tandem.rl.config.reward import (
+    INTERACTION_SOURCE,
+    JUDGE_SOURCE,
+    MODEL_SOURCE,
     REWARD_SOURCES,
+    RULE_SOURCE,
     OverlongPenaltyConfig,
     RewardConfig,
     RewardModelSourceConfig,
@@ -25,7 +29,11 @@ __all__ = [
     "LOGGERS",
     "OBJECTIVES",
     "OVERLONG_PROMPTS",
+    "INTERACTION_SOURCE",
+    "JUDGE_SOURCE",
+    "MODEL_SOURCE",
     "REWARD_SOURCES",
+    "RULE_SOURCE",
     "RESUME_MODES",
     "ActorConfig",
     "ActorOffloadConfig",
@@ -38,5 +46,4 @@ __all__ = [
     "RolloutConfig",
     "TrainConfig",
     "TrainerConfig",
-    "data_files",
 ]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from tandem.algos import (
     PolicyLossConfig,
 )
-from tandem.algos.preference import PreferenceLossConfig
+from tandem.algos.preference import UNPAIRED_LOSSES, PreferenceLossConfig
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.engine.config import EngineConfig
 from tandem.engine.offload import OffloadConfig
@@ -110,4 +110,23 @@ def check_preference(config: TrainConfig) -> None:
         raise ValueError(
             f"{objective}: the preference loss already measures the policy against the reference; "
             "turn algorithm.kl.use_kl_loss and use_kl_in_reward off"
+        )
+    check_online_preference_loss(config.actor.preference, objective)
+
+
+def check_online_preference_loss(preference: PreferenceLossConfig, objective: str) -> None:
+    """What online DPO's pairs cannot take: unpaired losses (they need labelled single responses),
+    and LD-DPO's and WPO's per-token weighting (its reference log-probs are plain sums)."""
+    names = preference.names or (preference.name,)
+    unpaired = [name for name in names if name in UNPAIRED_LOSSES]
+    if unpaired:
+        raise ValueError(
+            f"{objective} pairs each prompt's best and worst responses; actor.preference {unpaired[0]!r} is an "
+            "unpaired loss (tandem dpo trains it on labelled data)"
+        )
+    if preference.ld_alpha is not None or preference.use_weighting:
+        key = "ld_alpha" if preference.ld_alpha is not None else "use_weighting"
+        raise ValueError(
+            f"{objective}: actor.preference.{key} weighs tokens, and online DPO scores its reference as plain "
+            "sums; leave it unset (tandem dpo has it)"
         )

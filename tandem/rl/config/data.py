@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tandem.config.validation import check_choice, check_positive, check_range
-
-if TYPE_CHECKING:
-    pass
-
+from tandem.data.file_lists import file_list
 
 OVERLONG_PROMPTS = ("filter", "error", "truncate_left", "truncate_right", "truncate_middle")
 
@@ -44,28 +41,15 @@ class RLDataConfig:
         check_positive("data", "max_prompt_length", self.max_prompt_length)
         check_choice("data", "overlong_prompts", self.overlong_prompts, OVERLONG_PROMPTS)
         check_range("data", "val_max_samples", self.val_max_samples, low=0)
-        data_files("train_path", self.train_path)
-        data_files("val_path", self.val_path)
+        file_list(self.train_path, "data.train_path")
+        file_list(self.val_path, "data.val_path")
 
     @property
     def train_files(self) -> tuple[str, ...]:
         """The training files, in order (one or several)."""
-        return data_files("train_path", self.train_path)
+        return file_list(self.train_path, "data.train_path")
 
     @property
     def val_files(self) -> tuple[str, ...]:
         """The validation files, in order (none when ``val_path`` is empty)."""
-        return data_files("val_path", self.val_path)
-
-
-def data_files(name: str, value: Any) -> tuple[str, ...]:
-    """``data.<name>`` (a path, or a list of paths) as a tuple; ``ValueError`` naming the entry
-    that is not a non-empty string."""
-    if isinstance(value, str):
-        return (value,) if value else ()
-    if not isinstance(value, (list, tuple)):
-        raise ValueError(f"data.{name} must be a file path or a list of them, got {type(value).__name__}")
-    for index, path in enumerate(value):
-        if not isinstance(path, str) or not path:
-            raise ValueError(f"data.{name}[{index}] must be a file path (a non-empty string), got {path!r}")
-    return tuple(value)
+        return file_list(self.val_path, "data.val_path")

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.rl.judge_config import JudgeConfig
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass(frozen=True)
@@ -54,7 +50,13 @@ class RewardModelSourceConfig:
         check_choice("reward.model", "param_dtype", self.param_dtype, ("float32", "bfloat16"))
 
 
-REWARD_SOURCES = ("rule", "model", "judge", "interaction")
+# What can score a response (``reward.sources``), one name each: every check of a source reads
+# these, and docs/rl.md documents each (tests/rl/test_config.py holds the two together).
+RULE_SOURCE = "rule"
+MODEL_SOURCE = "model"
+JUDGE_SOURCE = "judge"
+INTERACTION_SOURCE = "interaction"
+REWARD_SOURCES = (RULE_SOURCE, MODEL_SOURCE, JUDGE_SOURCE, INTERACTION_SOURCE)
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class RewardConfig:
         judge: the LLM-judge source.
     """
 
-    sources: tuple[str, ...] = ("rule",)
+    sources: tuple[str, ...] = (RULE_SOURCE,)
     weights: tuple[float, ...] = ()
     custom_path: str = ""
     custom_name: str = "compute_score"
@@ -99,11 +101,13 @@ class RewardConfig:
             raise ValueError(
                 f"reward.weights={list(self.weights)} needs one weight per source in reward.sources={list(self.sources)}"
             )
-        if "model" in self.sources and not self.model.path:
-            raise ValueError("reward.sources has 'model': set reward.model.path (a reward model directory)")
-        if "judge" in self.sources and not self.judge.base_url:
+        if MODEL_SOURCE in self.sources and not self.model.path:
             raise ValueError(
-                "reward.sources has 'judge': set reward.judge.base_url (an OpenAI-compatible /v1 URL)"
+                f"reward.sources has {MODEL_SOURCE!r}: set reward.model.path (a reward model directory)"
+            )
+        if JUDGE_SOURCE in self.sources and not self.judge.base_url:
+            raise ValueError(
+                f"reward.sources has {JUDGE_SOURCE!r}: set reward.judge.base_url (an OpenAI-compatible /v1 URL)"
             )
 
     @property

@@ -27,7 +27,7 @@ from tandem.rl.config.actor import ActorConfig, check_preference
 from tandem.rl.config.algorithm import AlgorithmConfig
 from tandem.rl.config.data import RLDataConfig
 from tandem.rl.config.pipeline import check_pipeline
-from tandem.rl.config.reward import RewardConfig
+from tandem.rl.config.reward import INTERACTION_SOURCE, MODEL_SOURCE, RewardConfig
 from tandem.rl.config.rollout import RolloutConfig
 from tandem.rl.config.trainer import TrainerConfig
 from tandem.rl.critic_config import CriticConfig, check_critic
@@ -55,6 +55,12 @@ class TrainConfig:
         if not self.data.train_path:
             raise ValueError("data.train_path is required (a parquet file of prompts in verl's schema)")
         n, workers = self.rollout.n, self.world_size
+        sp = self.actor.engine.sp_size
+        if workers % sp:
+            raise ValueError(
+                f"actor.engine.sp_size={sp} must divide the {workers} workers (trainer.nnodes x "
+                "trainer.n_gpus_per_node or trainer.n_workers): each data-parallel rank is sp_size workers"
+            )
         if self.algorithm.compares_groups and n < 2:
             raise ValueError(
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} compares the responses of a prompt, "
@@ -67,10 +73,12 @@ class TrainConfig:
             raise ValueError(
                 f"actor.ppo_mini_batch_size={mini} must divide data.train_batch_size={self.data.train_batch_size}"
             )
-        if (mini * n) % workers:
+        if (mini * n) % self.actor_dp_size:
+            ranks = f"{workers} workers" if sp == 1 else f"{self.actor_dp_size} data-parallel ranks"
             raise ValueError(
                 f"a mini-batch of actor.ppo_mini_batch_size * rollout.n = {mini * n} sequences must divide "
-                f"evenly over the {workers} workers (trainer.nnodes x trainer.n_gpus_per_node or trainer.n_workers)"
+                f"evenly over the {ranks} (trainer.nnodes x trainer.n_gpus_per_node or trainer.n_workers"
+                f"{'' if sp == 1 else ', over actor.engine.sp_size'})"
             )
         longest = self.data.max_prompt_length + self.rollout.max_response_length
         engine = self.actor.engine
@@ -89,9 +97,9 @@ class TrainConfig:
             )
         if self.algorithm.kl.use_kl_loss and self.algorithm.kl.kl_loss_coef == 0:
             raise ValueError("algorithm.kl.use_kl_loss is on but algorithm.kl.kl_loss_coef is 0")
-        if "interaction" in self.reward.sources and not self.agent.interaction_path:
+        if INTERACTION_SOURCE in self.reward.sources and not self.agent.interaction_path:
             raise ValueError(
-                "reward.sources has 'interaction': set agent.interaction_path (the user function whose "
+                f"reward.sources has {INTERACTION_SOURCE!r}: set agent.interaction_path (the user function whose "
                 "reward ends an episode) and agent.name=interaction"
             )
         check_pipeline(self)
@@ -138,6 +146,12 @@ class TrainConfig:
         return self.trainer.nnodes * self.workers_per_node
 
     @property
+    def actor_dp_size(self) -> int:
+        """The actor's data-parallel ranks: ``world_size / actor.engine.sp_size`` (the workers of
+        a sequence-parallel group share their rows)."""
+        return self.world_size // self.actor.engine.sp_size
+
+    @property
     def gpus_per_worker(self) -> float:
         """What every pool of the run reserves per process: one GPU on GPUs, none on CPU workers."""
         return 1.0 if self.trainer.n_gpus_per_node else 0.0
@@ -179,7 +193,7 @@ class TrainConfig:
         pools = [self.resource_pool()]
         if self.uses_critic and self.critic.placement != "colocated":
             pools.append(self.critic_resource_pool())
-        if "model" in self.reward.sources:
+        if MODEL_SOURCE in self.reward.sources:
             pools.append(self.reward_model_resource_pool())
         if self.pipeline.disaggregated:
             pools.append(self.rollout_resource_pool())

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.data.file_lists import file_list
 from tandem.data.rows import read_rows
 from tandem.models.chat import check_message, template_ids
 from tandem.protocol import Batch
@@ -92,10 +93,11 @@ DataFiles = str | Path | Sequence[str | Path]
 
 
 def as_files(paths: DataFiles) -> tuple[Path, ...]:
-    """``paths`` — one file, or a list of files as in verl's ``data.train_files`` — as a tuple."""
-    files = (paths,) if isinstance(paths, (str, Path)) else tuple(paths)
+    """``paths`` — one file, or a list of files as in verl's ``data.train_files`` — as a tuple
+    (:func:`tandem.data.file_list`); ``ValueError`` when that names no file."""
+    files = file_list(paths, "data files")
     if not files:
-        raise ValueError("no data files given (an empty list)")
+        raise ValueError("no data files given (an empty path or list)")
     return tuple(Path(path) for path in files)
 
 

@@ -25,7 +25,13 @@ import torch
 
 from tandem.controller import WorkerGroup
 from tandem.protocol import Batch
-from tandem.rl.config import RewardConfig
+from tandem.rl.config import (
+    INTERACTION_SOURCE,
+    JUDGE_SOURCE,
+    MODEL_SOURCE,
+    RULE_SOURCE,
+    RewardConfig,
+)
 from tandem.rl.rewards.judge import LLMJudge, prompt_text
 from tandem.rl.rewards.manager import RewardManager, RewardResult, overlong_penalty
 
@@ -40,9 +46,9 @@ class RewardSources:
     def __init__(self, config: RewardConfig) -> None:
         self.config = config
         self.weights = config.source_weights
-        self.rule = RewardManager(config) if "rule" in self.weights else None
+        self.rule = RewardManager(config) if RULE_SOURCE in self.weights else None
         self.model_group: WorkerGroup | None = None
-        self.judge = LLMJudge(config.judge) if "judge" in self.weights else None
+        self.judge = LLMJudge(config.judge) if JUDGE_SOURCE in self.weights else None
 
     def check_sources(self, data_sources: Sequence[str]) -> None:
         """Fail before training when the rule source has no scorer for a data source."""
@@ -68,13 +74,13 @@ class RewardSources:
                 batch["data_source"], texts, batch["ground_truth"], batch["extra_info"],
                 response_lengths, max_response_length, component_keys, apply_overlong=False,
             )  # fmt: skip
-            parts["rule"] = rule.raw_scores
+            parts[RULE_SOURCE] = rule.raw_scores
             metrics.update(rule.metrics)
             errors += rule.errors
         for name, source in (
-            ("model", self._model_scores),
-            ("interaction", self._interaction_scores),
-            ("judge", self._judge_scores),
+            (MODEL_SOURCE, self._model_scores),
+            (INTERACTION_SOURCE, self._interaction_scores),
+            (JUDGE_SOURCE, self._judge_scores),
         ):
             if name in self.weights:
                 parts[name], source_metrics, source_errors = source(batch, texts)
@@ -83,7 +89,7 @@ class RewardSources:
                 errors += source_errors
         raw = sum(self.weights[name] * parts[name] for name in self.weights)
         assert isinstance(raw, torch.Tensor)
-        if list(parts) != ["rule"]:
+        if list(parts) != [RULE_SOURCE]:
             metrics.update({f"reward/{name}/mean": float(values.mean()) for name, values in parts.items()})
         scores = raw
         if self.config.overlong.enable:
@@ -106,7 +112,9 @@ class RewardSources:
         """The reward model's score of each decoded prompt and response; one its tokenizer cannot
         encode scores 0, counted."""
         if self.model_group is None:
-            raise RuntimeError("reward.sources has 'model', but the reward-model workers are not running")
+            raise RuntimeError(
+                f"reward.sources has {MODEL_SOURCE!r}, but the reward-model workers are not running"
+            )
         asked = Batch(non_tensors={"raw_prompt": list(batch["raw_prompt"]), "response_text": list(texts)})
         scored = self.model_group.score(asked)
         failed = scored["failed"].bool()

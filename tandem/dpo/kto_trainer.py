@@ -1,0 +1,114 @@
+"""``KTOTrainer``: preference optimization on unpaired rows (``preference.name=kto`` or
+``apo_zero_unpaired`` in ``tandem dpo``).
+
+It is the DPO trainer with unpaired data (:mod:`tandem.dpo.unpaired`) and another step. Each
+step takes ``trainer.global_batch_size`` rows; first the policy (without gradients) and the
+reference score each row's mismatched completion, and their mean log-ratio, clamped at 0, is
+the step's reference point ``kl``; then the rows' own completions train with the KTO loss
+against it. The reference is precomputed or scored each step, as in DPO. It logs TRL's KTO
+metric names: ``loss``, ``kl``, ``rewards/{chosen,rejected,margins}``, ``logps/{chosen,rejected}``
+(chosen: desirable rows, rejected: undesirable ones), and ``eval_*`` for the validation rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from tandem.algos.preference import KL_BASELINE, kto_kl_estimate
+from tandem.dpo.trainer import DPOTrainer
+from tandem.dpo.unpaired import UnpairedDataset
+from tandem.dpo.unpaired_loss import summed_unpaired_loss, unpaired_loss, unpaired_metrics
+from tandem.protocol import Batch
+from tandem.sft.engine_worker import merged_metrics
+
+
+class KTOTrainer(DPOTrainer):
+    """Runs a :class:`~tandem.dpo.DPOConfig` whose ``preference`` loss is unpaired (see the module docstring)."""
+
+    train: UnpairedDataset
+    val: UnpairedDataset | None
+
+    def describe(self) -> str:
+        loss = self.config.preference
+        return (
+            f"KTO: {loss.name} loss, beta {loss.beta}, desirable weight {loss.desirable_weight}, "
+            f"undesirable weight {loss.undesirable_weight}, reference {self.config.reference}"
+        )
+
+    def load_data(self) -> tuple[UnpairedDataset, UnpairedDataset | None]:  # type: ignore[override]
+        data = self.config.data
+        val = UnpairedDataset.load(data.val_path, self.tokenizer, data) if data.val_path else None
+        return UnpairedDataset.load(data.train_path, self.tokenizer, data), val
+
+    def _split(self, batch: Batch) -> tuple[Batch, Batch]:
+        """The rows with their own completions and the rows with the mismatched ones."""
+        own = batch["chosen"].bool()
+        return batch[own.nonzero().flatten()], batch[(~own).nonzero().flatten()]
+
+    def _kl(self, mismatched: Batch) -> torch.Tensor:
+        """The reference point from the mismatched rows (scored by the policy only when the loss reads it)."""
+        if self.config.preference.name not in KL_BASELINE:
+            return torch.zeros(())
+        policy = self.group.sequence_scores(mismatched)["score"]
+        return kto_kl_estimate(policy.float(), mismatched["ref_log_prob"].float())
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step on ``global_batch_size`` rows; returns its metrics."""
+        started = time.perf_counter()
+        indices = self.sampler.take(self.config.trainer.global_batch_size)
+        own, mismatched = self._split(
+            self._with_reference(self.train.collate(indices, self.tokenizer.pad_token_id), "train")
+        )
+        kl = self._kl(mismatched)
+        loss_fn = functools.partial(
+            unpaired_loss, config=self.config.preference, total_rows=len(indices), kl=kl
+        )
+        reports = self.group.train_step(own, loss_fn=loss_fn)
+        return {
+            **self._finish_step(reports, own, started),
+            **unpaired_metrics(merged_metrics(reports)),
+            "kl": float(kl),
+        }
+
+    def evaluate_pairs(self) -> dict[str, float]:
+        """The validation rows' loss and metrics (``eval_*``) in batches of ``global_batch_size``
+        rows, each batch with its own reference point as in training."""
+        assert self.val is not None
+        size = self.config.trainer.global_batch_size
+        loss, sums, kls = 0.0, {}, []
+        for start in range(0, len(self.val), size):
+            indices = list(range(start, min(start + size, len(self.val))))
+            batch = self._with_reference(self.val.collate(indices, self.tokenizer.pad_token_id), "val")
+            own, mismatched = self._split(batch)
+            kl = self._kl(mismatched)
+            part, metrics = summed_unpaired_loss(
+                own, self.group.sequence_scores(own)["score"], self.config.preference, len(self.val), kl
+            )
+            loss += float(part)
+            kls.append(float(kl) * len(indices))
+            for name, value in metrics.items():
+                sums.setdefault(name, []).append(float(value))
+        metrics = {"loss": loss, "kl": sum(kls) / len(self.val), **unpaired_metrics(sums)}
+        return {f"eval_{name}": value for name, value in metrics.items()}
+
+    def console_line(self, step: int, metrics: dict[str, float]) -> str:
+        line = (
+            f"step {step}/{self.total_steps}  loss {metrics['loss']:.4f}  kl {metrics['kl']:.4f}  "
+            f"margin {metrics.get('rewards/margins', float('nan')):.4f}  grad_norm {metrics['grad_norm']:.3f}  "
+            f"lr {metrics['learning_rate']:.2e}"
+        )
+        if "eval_loss" in metrics:
+            line += f"  eval_loss {metrics['eval_loss']:.4f}"
+        return line
+
+    def _print_plan(self) -> None:
+        train = self.train
+        self.console.print(
+            f"[bold]{self.describe()}[/]; {len(train)} rows ({sum(train.desirable)} desirable; {train.invalid} "
+            f"invalid and {train.overlong} over data.max_length dropped), "
+            f"{len(self.val) if self.val is not None else 0} validation rows; {self.total_steps} steps of "
+            f"{self.config.trainer.global_batch_size} rows, starting at step {self.step}"
+        )

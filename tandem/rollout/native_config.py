@@ -1,0 +1,56 @@
+"""``NativeEngineConfig``: the native rollout engine's sizes and limits (``rollout.engine.native.*``),
+and the pause modes every engine accepts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.config.validation import check_choice, check_positive
+from tandem.device import check_device_setting
+
+PAUSE_MODES = ("keep", "abort", "wait")
+
+
+@dataclass(frozen=True)
+class NativeEngineConfig:
+    """Sizes and limits of the native engine.
+
+    Attributes:
+        max_num_seqs: KV-cache slots = most requests running at once (admission waits beyond).
+        max_model_len: longest prompt + response in tokens.
+        max_prefill_tokens: most prompt tokens admitted into one step.
+        dtype: model and KV-cache dtype (the head is fp32 regardless).
+        device: ``auto``, ``cpu``, ``cuda`` (this process's local-rank GPU) or ``cuda:N``.
+        prefix_cache_entries: prompts whose KV stays cached for reuse (0: only within a step).
+        seed: seeds the random streams of requests that bring no seed of their own.
+        lean_forward: run Llama/Qwen2/Qwen3 models through :class:`LeanDecoder` (the same
+            computation as HF's forward, bit for bit, without its per-layer Python overhead);
+            other models always use HF's forward.
+        prepack_weights: keep an inference copy of each fp32 linear weight in oneDNN's
+            blocked layout (CPU): decode matmuls 1.3-1.8x faster for one more copy of those
+            weights. Used by the lean forward and the output head.
+        share_prefix_reads: when running requests share long prompts (the n samples of a
+            GRPO prompt), decode attention reads each prompt's keys/values once per step
+            instead of once per request (:mod:`tandem.rollout.shared_prefix`).
+        cuda_graphs: on CUDA, decode-only steps replay CUDA graphs, one per (batch, length)
+            bucket, captured on first use (:mod:`tandem.rollout.decode_graphs`); needs the
+            lean forward. Such steps read each prompt once per request (no shared reads).
+    """
+
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    max_prefill_tokens: int = 8192
+    dtype: str = "float32"
+    device: str = "auto"
+    prefix_cache_entries: int = 64
+    seed: int = 0
+    lean_forward: bool = True
+    prepack_weights: bool = True
+    share_prefix_reads: bool = True
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_model_len", "max_prefill_tokens"):
+            check_positive("rollout", name, getattr(self, name))
+        check_choice("rollout", "dtype", self.dtype, ["float32", "bfloat16", "float16"])
+        check_device_setting("rollout", "device", self.device)

@@ -1,0 +1,132 @@
+"""The parts of one native-engine step: each request's state, the prefix cache's entries, the
+plan of a step's prefill, and when a sampled token ends a request (:mod:`tandem.rollout.native`)."""
+
+from __future__ import annotations
+
+import collections
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.protocol.generation import Completion, RolloutRequest, TokenCallback
+from tandem.rollout.kv_cache import PrefillSegment, SlotKVCache
+from tandem.rollout.stats import EngineStats
+
+STOP_STRING_WINDOW = 64  # the last tokens decoded to look for a stop string
+
+
+@dataclass
+class SequenceState:
+    """One request inside the engine: its future, random stream, completion so far, what ends
+    it, and where its keys and values are (its KV slot, how many tokens of it are cached)."""
+
+    request: RolloutRequest
+    future: Future
+    seed: int
+    completion: Completion
+    stop_ids: frozenset[int]  # tokens that end it: its stop tokens, and EOS unless ignored
+    token_limit: int  # most new tokens: max_tokens, or what fits in max_model_len
+    on_token: TokenCallback | None = None
+    slot: int = -1
+    cached_len: int = 0  # tokens whose keys/values are in the cache
+    prefill_version: int = -1  # the weight version its prompt's keys/values were computed under
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        """The prompt's token ids."""
+        return self.request.prompt_ids
+
+
+@dataclass
+class PrefixEntry:
+    """A prompt's cached state under one weight version: its keys and values (one
+    ``[kv_heads, prompt_len, head_dim]`` tensor per layer) and its last hidden state ``[H]``."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    last_hidden: torch.Tensor
+
+
+PrefixCache = collections.OrderedDict[tuple, PrefixEntry]  # (weight version, prompt) -> entry, oldest first
+
+
+@dataclass
+class PrefillPlan:
+    """What a step's admitted requests need from its forward.
+
+    Attributes:
+        segments: the prompts computed in this step, each with its span of the packed row.
+        token_ids / positions: the packed row's prefill part (the decode tokens follow it).
+        copies: ``(request, source)``: a request whose prompt another request of this step
+            computes; its slot gets a copy of the source's keys and values after the forward.
+        hidden_rows: ``id(request)`` -> the prompt's last hidden state ``[H]``: filled here
+            for prefix-cache hits, by the forward for the segments, then for the copies.
+    """
+
+    segments: list[tuple[SequenceState, PrefillSegment]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    copies: list[tuple[SequenceState, SequenceState]] = field(default_factory=list)
+    hidden_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        """Prompt tokens computed in this step (where the decode rows start in the packed row)."""
+        return len(self.token_ids)
+
+
+def plan_prefill(
+    admitted: list[SequenceState],
+    prefix: PrefixCache,
+    version: int,
+    cache: SlotKVCache,
+    stats: EngineStats,
+) -> PrefillPlan:
+    """The prefill of the ``admitted`` requests: a prompt in the prefix cache (under ``version``)
+    is written into the request's slot now (and counted a hit), a prompt already planned in this
+    step is copied after the forward, any other is computed."""
+    plan = PrefillPlan()
+    computing: dict[tuple[int, ...], SequenceState] = {}
+    for sequence in admitted:
+        entry = prefix.get((version, sequence.prompt))
+        if entry is not None:
+            prefix.move_to_end((version, sequence.prompt))
+            cache.write(sequence.slot, entry.keys, entry.values)
+            plan.hidden_rows[id(sequence)] = entry.last_hidden
+            stats.prefix_hits += 1
+        elif sequence.prompt in computing:  # same prompt as another request in this step
+            plan.copies.append((sequence, computing[sequence.prompt]))
+        else:
+            computing[sequence.prompt] = sequence
+            start = plan.length
+            plan.segments.append(
+                (sequence, PrefillSegment(start, start + len(sequence.prompt), sequence.slot))
+            )
+            plan.token_ids.extend(sequence.prompt)
+            plan.positions.extend(range(len(sequence.prompt)))
+        sequence.cached_len = len(sequence.prompt)
+        sequence.prefill_version = version
+    return plan
+
+
+def stop_reason(sequence: SequenceState, token: int, tokenizer) -> str | None:
+    """Why ``token`` (just appended) ends ``sequence``: ``stop`` (a stop token, or a stop string
+    in the decoded tail), ``length`` (its token limit), or None when it goes on."""
+    if token in sequence.stop_ids:
+        return "stop"
+    stop = sequence.request.params.stop
+    if stop:
+        tail = tokenizer.decode(sequence.completion.token_ids[-STOP_STRING_WINDOW:])
+        if any(s in tail for s in stop):
+            return "stop"
+    if len(sequence.completion.token_ids) >= sequence.token_limit:
+        return "length"
+    return None
+
+
+def as_list(value) -> list:
+    """A config's token id or list of them (``eos_token_id``) as a list."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
