@@ -97,12 +97,12 @@ def physical_gpu_id(index: int) -> str:
 
 
 @contextlib.contextmanager
-def only_visible_gpu(setting: str) -> Iterator[None]:
-    """Within the block, ``CUDA_VISIBLE_DEVICES`` names only the GPU of ``setting`` (``cuda:N``),
-    so a process started inside it sees that GPU as its ``cuda:0``. This process keeps its own
-    view: its CUDA runtime starts first, if nothing started it yet, since one starting inside
-    the block (on a library's first CUDA call) would see only that GPU for good. Other settings
-    change nothing."""
+def only_visible_gpu(setting: str, count: int = 1) -> Iterator[None]:
+    """Within the block, ``CUDA_VISIBLE_DEVICES`` names only the GPU of ``setting`` (``cuda:N``)
+    and the ``count - 1`` after it (a tensor-parallel engine's), so a process started inside it
+    sees GPU N as its ``cuda:0``. This process keeps its own view: its CUDA runtime starts first,
+    if nothing started it yet, since one starting inside the block (on a library's first CUDA
+    call) would see only those GPUs for good. Other settings change nothing."""
     base, _, index = setting.partition(":")
     if base != "cuda" or not index:
         yield
@@ -111,7 +111,8 @@ def only_visible_gpu(setting: str) -> Iterator[None]:
         torch.cuda.init()  # idempotent
     with _VISIBILITY:  # one narrowed view at a time, restored before another thread narrows it
         before = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = physical_gpu_id(int(index))
+        first = int(index)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(physical_gpu_id(first + i) for i in range(count))
         try:
             yield
         finally:

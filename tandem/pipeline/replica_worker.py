@@ -38,7 +38,8 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
     ``sample_dir``: the memory-backed directory of the sample store; ``agent``: the agent loops'
     settings when prompt groups run as agent episodes (``agent.*``); ``first_gpu``: the local GPU
     index of replica 0 (the GPUs before it are the trainer's; see
-    :func:`tandem.pipeline.runner.replica_first_gpu`).
+    :func:`tandem.pipeline.runner.replica_first_gpu`); a replica whose engine computes on several
+    GPUs (vLLM's tensor parallelism) takes that many consecutive ones.
     """
 
     profile_name = "replica"
@@ -54,7 +55,7 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
         first_gpu: int = 0,
     ) -> None:
         hf_logging.disable_progress_bar()
-        self.device = bind_device(device, first_gpu + self.local_rank)
+        self.device = bind_device(device, first_gpu + self.local_rank * engine.gpus_per_engine)
         if threads and self.device.type == "cpu":
             torch.set_num_threads(threads)
         self.engine = build_rollout_engine(engine.on_device(str(self.device)), model_path)

@@ -476,21 +476,23 @@ def _local_pids(group: Any) -> list[int]:
     return list(group.backend.host_pids)
 
 
-def replica_first_gpu(pipeline: PipelineConfig, backend: str, device: str, trainer_workers: int) -> int:
+def replica_first_gpu(
+    pipeline: PipelineConfig, backend: str, device: str, trainer_workers: int, gpus_per_replica: int = 1
+) -> int:
     """The local GPU index replica 0 binds: with the local backend the ``trainer_workers`` workers
-    of this machine hold GPUs ``0 .. W-1``, so the replicas take the next ones (Ray gives each
-    replica a GPU of its own instead). A machine without enough GPUs wraps around, replicas
-    sharing the trainer's; the broadcast backend cannot, since NCCL refuses two ranks of one group
-    on one GPU: an error naming the keys."""
+    of this machine hold GPUs ``0 .. W-1``, so the replicas take the next ones, ``gpus_per_replica``
+    each (Ray gives each replica GPUs of its own instead). A machine without enough GPUs wraps
+    around, replicas sharing the trainer's; the broadcast backend cannot, since NCCL refuses two
+    ranks of one group on one GPU: an error naming the keys."""
     if backend == "ray":
         return 0
     gpus = cuda_device_count()
     on_gpu = gpus > 0 and device != "cpu"
-    wanted = trainer_workers + pipeline.rollout_replicas
+    wanted = trainer_workers + pipeline.rollout_replicas * gpus_per_replica
     if on_gpu and wanted > gpus and pipeline.checkpoint_engine.backend == "broadcast":
         raise ValueError(
             f"{trainer_workers} trainer worker(s) and pipeline.rollout_replicas={pipeline.rollout_replicas} "
-            f"need {wanted} GPUs for pipeline.checkpoint_engine.backend=broadcast (NCCL needs a GPU per rank), "
+            f"({gpus_per_replica} GPU(s) each) need {wanted} GPUs for pipeline.checkpoint_engine.backend=broadcast (NCCL needs a GPU per rank), "
             f"and this machine has {gpus}; use fewer replicas or pipeline.checkpoint_engine.backend=shared_memory"
         )
     return trainer_workers

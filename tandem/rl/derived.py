@@ -117,7 +117,13 @@ def replica_plan(config: TrainConfig) -> ReplicaPlan:
         device=config.trainer.device,
         backend=backend,
         pool=config.rollout_resource_pool(),
-        first_gpu=replica_first_gpu(config.pipeline, backend, config.trainer.device, config.workers_per_node),
+        first_gpu=replica_first_gpu(
+            config.pipeline,
+            backend,
+            config.trainer.device,
+            config.workers_per_node,
+            config.rollout.engine.gpus_per_engine,
+        ),  # fmt: skip
         shape=step_shape(config),
         agent=config.agent if config.agent.enabled else None,
     )

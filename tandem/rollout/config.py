@@ -67,6 +67,11 @@ class RolloutEngineConfig:
         """The chosen engine's own config."""
         return getattr(self, self.name)
 
+    @property
+    def gpus_per_engine(self) -> int:
+        """The GPUs one engine computes on: vLLM's ``tensor_parallel_size``, else one."""
+        return self.vllm.tensor_parallel_size if self.name == "vllm" else 1
+
     def on_device(self, device: str) -> RolloutEngineConfig:
         """This config with every engine placed on ``device`` (a rank's bound device)."""
         return dataclasses.replace(

@@ -68,6 +68,9 @@ class VLLMEngineConfig:
         enable_sleep_mode: allow :meth:`VLLMRolloutEngine.sleep` (CUDA only in vLLM).
         seed: vLLM's global seed (requests bring their own ``seed`` for exact replays).
         weight_bucket_mb: most bytes (in MiB) of one weight-update message.
+        tensor_parallel_size: GPUs one engine splits the model over (vLLM's tensor parallelism;
+            GPUs only). An asynchronous pipeline's replica reserves that many GPUs; the sync
+            pipeline's engines live in the trainer's workers, one GPU each, and refuse more.
         device: the GPU vLLM's engine process computes on: ``cuda:N`` shows it only that GPU of
             this process's; ``auto``, ``cuda`` or ``cpu`` leave vLLM to choose (its first visible
             GPU, or the CPU on vLLM's CPU build). The RL workers set it to their own device.
@@ -83,12 +86,13 @@ class VLLMEngineConfig:
     enable_sleep_mode: bool = False
     seed: int = 0
     weight_bucket_mb: int = 512
+    tensor_parallel_size: int = 1
     device: str = "auto"
 
     def __post_init__(self) -> None:
         owner = "vllm"
         check_device_setting(owner, "device", self.device)
-        for name in ("max_num_seqs", "max_model_len", "weight_bucket_mb"):
+        for name in ("max_num_seqs", "max_model_len", "weight_bucket_mb", "tensor_parallel_size"):
             check_positive(owner, name, getattr(self, name))
         check_range(
             owner, "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_inclusive=False
@@ -193,9 +197,10 @@ class VLLMRolloutEngine:
             enable_prefix_caching=c.enable_prefix_caching,
             enable_sleep_mode=c.enable_sleep_mode,
             seed=c.seed,
+            tensor_parallel_size=c.tensor_parallel_size,
             worker_extension_cls=WORKER_EXTENSION,
         )
-        with only_visible_gpu(self.config.device):  # the engine process starts inside
+        with only_visible_gpu(c.device, c.tensor_parallel_size):  # the engine's processes start inside
             return AsyncLLM.from_engine_args(args)
 
     def _call(self, coroutine, timeout: float | None = None):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from transformers.utils import logging as hf_logging
 
-from tandem.controller import Worker, register
+from tandem.controller import Worker, mesh_dispatch, register
 from tandem.device import bind_device
 from tandem.engine import EngineConfig, TorchTrainEngine
 from tandem.engine.base import LossFn, TokenOutputs
@@ -35,6 +35,9 @@ def summed_log_probs(batch: Batch, outputs: TokenOutputs) -> Batch:
     """``score [B]``: each row's log-prob summed over its ``loss_mask`` tokens (a reward model:
     its score at the last one)."""
     return Batch({"score": outputs.sequence_summary(batch["loss_mask"])})
+
+
+ENGINE_MESH = "engine"  # the engine's data-parallel ranks: sequence-parallel peers get the same rows
 
 
 @dataclass
@@ -76,10 +79,12 @@ class EngineWorker(Worker):
             dataclasses.replace(self.engine_config, device=str(device), strategy=strategy)
         )
         self.engine.initialize()
+        mesh = self.engine.mesh  # the ranks of a sequence-parallel group share rows; one reports
+        self.set_mesh_rank(ENGINE_MESH, mesh.dp_rank, mesh.dp_size, is_collect=mesh.sp_rank == 0)
         self.reference_engine: TorchTrainEngine | None = None
         return int(self.engine.causal_lm.get_input_embeddings().weight.shape[0])
 
-    @register(dispatch="DP_COMPUTE")
+    @register(dispatch=mesh_dispatch(ENGINE_MESH))
     def train_step(self, batch: Batch, *, loss_fn: LossFn, with_sum_pi_squared: bool = False) -> StepReport:
         """Forward/backward of ``loss_fn`` on this rank's shard, then one optimizer step (skipped
         on every rank when any rank's loss or the gradient norm is not finite) and one
@@ -93,7 +98,7 @@ class EngineWorker(Worker):
             result.loss, result.metrics, grad_norm, learning_rate, self.engine.last_step_skipped
         )
 
-    @register(dispatch="DP_COMPUTE")
+    @register(dispatch=mesh_dispatch(ENGINE_MESH))
     def sequence_scores(
         self,
         batch: Batch,

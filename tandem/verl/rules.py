@@ -123,7 +123,10 @@ RAY = "tandem starts Ray itself (trainer.backend=ray)"
 # that are not positive integers.
 STRATEGY = "tandem picks DDP or FSDP2 by the number of workers"
 NOT_YET_PARALLEL = "(each rollout replica holds the whole model)"
-ONE_GPU_REPLICA = "tandem's vLLM replica runs on one GPU (memory only)"
+ONE_GPU_REPLICA = (
+    "tandem's sync pipeline runs each vLLM engine in a trainer worker, on its one GPU (memory only); "
+    "rollout.engine.vllm.tensor_parallel_size splits a replica over several GPUs in one_step_off and fully_async"
+)
 TOKEN_IN_TOKEN_OUT = (
     "tandem's episodes are token in, token out: the model's tokens as sampled, the chat template's "
     "tokens for the other turns (docs/agents.md)"

@@ -1,5 +1,5 @@
-"""SFT and DPO on several data-parallel workers equal one worker: the same losses, metrics,
-validation and exported weights (DDP and FSDP2, each worker a spawned process)."""
+"""SFT and DPO on several workers equal one worker: the same losses, metrics, validation and
+exported weights (DDP, FSDP2 and Ulysses sequence parallelism, each worker a spawned process)."""
 
 import pytest
 import torch
@@ -34,15 +34,17 @@ def assert_same_history(left: list[dict], right: list[dict]):
     [
         ("engine.strategy=single",),  # DDP over the two workers
         ("engine.strategy=fsdp2", "reference=model"),  # sharded policy, a frozen reference per worker
+        ("engine.strategy=single", "engine.sp_size=2"),  # one row split over both workers (Ulysses)
     ],
-    ids=["ddp", "fsdp2-reference-model"],
+    ids=["ddp", "fsdp2-reference-model", "sequence-parallel"],
 )
 def test_dpo_on_two_workers_equals_one(dpo_files, tmp_path, overrides):
     results = [
         DPOTrainer(
             dpo_config(
                 dpo_files, tmp_path / f"workers{workers}", f"trainer.n_workers={workers}", "trainer.total_steps=3",
-                "preference.rpo_alpha=0.5", *overrides
+                "preference.rpo_alpha=0.5",
+                *(o for o in overrides if workers == 2 or not o.startswith("engine.sp_size")),  # one worker: unsplit
             )
         ).fit()
         for workers in (1, 2)
@@ -55,7 +57,8 @@ def test_dpo_on_two_workers_equals_one(dpo_files, tmp_path, overrides):
     assert_same_weights(one.hf_model_dir, two.hf_model_dir)
 
 
-def test_sft_on_two_workers_equals_one(dpo_files, tmp_path):
+@pytest.mark.parametrize("sp_size", [1, 2], ids=["data-parallel", "sequence-parallel"])
+def test_sft_on_two_workers_equals_one(dpo_files, tmp_path, sp_size):
     train = write_jsonl(tmp_path / "train.jsonl", addition_conversations(24, 4))
     val = write_jsonl(tmp_path / "val.jsonl", addition_conversations(6, 5))
     results = []
@@ -63,7 +66,9 @@ def test_sft_on_two_workers_equals_one(dpo_files, tmp_path):
         config = SFTConfig(
             model_path=dpo_files["model"],
             data=SFTDataConfig(train_path=train, val_path=val),
-            engine=EngineConfig(lr=3e-3, max_tokens_per_micro_batch=128),
+            engine=EngineConfig(
+                lr=3e-3, max_tokens_per_micro_batch=128, sp_size=sp_size if workers == 2 else 1
+            ),
             trainer=SFTTrainerConfig(
                 global_batch_size=8,
                 total_steps=3,

@@ -82,6 +82,22 @@ def test_a_child_started_inside_only_visible_gpu_sees_the_ranks_gpu(monkeypatch,
     assert os.environ.get("CUDA_VISIBLE_DEVICES") == visible  # restored, or still unset
 
 
+@pytest.mark.parametrize(
+    ("visible", "setting", "count", "child"),
+    [
+        ("4,5,6,7", "cuda:1", 2, "5,6"),  # a tensor-parallel engine of 2 from this process's cuda:1
+        (None, "cuda:2", 3, "2,3,4"),
+    ],
+)
+def test_a_tensor_parallel_engine_sees_its_consecutive_gpus(monkeypatch, visible, setting, count, child):
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    with only_visible_gpu(setting, count):
+        assert _child_sees() == child
+
+
 def test_only_visible_gpu_refuses_a_gpu_this_process_cannot_see(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
     refused = pytest.raises(RuntimeError, match="GPU 2 is not among CUDA_VISIBLE_DEVICES='4,6'")

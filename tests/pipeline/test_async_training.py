@@ -281,3 +281,18 @@ def test_local_replicas_take_the_gpus_after_the_trainers(rl_files, tmp_path):
     shape = ("pipeline.mode=one_step_off", "trainer.n_workers=2", "pipeline.rollout_replicas=2")
     assert replica_plan(small_config(rl_files, tmp_path, *shape)).first_gpu == 2
     assert replica_plan(small_config(rl_files, tmp_path, *shape, "trainer.backend=ray")).first_gpu == 0
+
+
+def test_a_tensor_parallel_vllm_replica_reserves_its_gpus(rl_files, tmp_path):
+    """Each replica's pool slot holds its engine's GPUs; sync mode, whose engines live in the
+    trainer's one-GPU workers, refuses a tensor-parallel engine naming both keys."""
+    tp = ("rollout.engine.name=vllm", "rollout.engine.vllm.tensor_parallel_size=2")
+    config = small_config(
+        rl_files, tmp_path, "pipeline.mode=one_step_off", "pipeline.rollout_replicas=2", *tp
+    )
+    assert config.rollout.engine.gpus_per_engine == 2
+    on_gpus = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, n_gpus_per_node=1))
+    assert on_gpus.rollout_resource_pool().gpus_per_process == 2
+    assert config.rollout_resource_pool().gpus_per_process == 0  # CPU workers reserve none
+    with pytest.raises(ValueError, match=r"rollout.engine.vllm.tensor_parallel_size=2 .*pipeline.mode=sync"):
+        small_config(rl_files, tmp_path, *tp)

@@ -9,9 +9,17 @@ if TYPE_CHECKING:
 
 
 def check_pipeline(config: TrainConfig) -> None:
-    """Settings that cannot work with rollout replicas apart from the trainer, named by key."""
+    """Settings that cannot work with rollout replicas apart from the trainer (or, in sync mode,
+    without them), named by key."""
     pipeline = config.pipeline
     if not pipeline.disaggregated:
+        tp = config.rollout.engine.gpus_per_engine
+        if tp > 1:
+            raise ValueError(
+                f"rollout.engine.vllm.tensor_parallel_size={tp} needs replicas of their own: pipeline.mode=sync "
+                "runs each engine in a trainer worker, on that worker's one GPU; use pipeline.mode=one_step_off "
+                "or fully_async"
+            )
         return
     mode = f"pipeline.mode={pipeline.mode}"
     if config.rollout.free_cache_between_generations:

@@ -180,10 +180,10 @@ class TrainConfig:
 
     def rollout_resource_pool(self) -> ResourcePool:
         """The rollout replicas' placement (every pipeline mode but ``sync``): ``pipeline.rollout_replicas``
-        processes, one GPU each on GPUs."""
+        processes, each with the GPUs its engine computes on (one, or vLLM's tensor-parallel size)."""
         return ResourcePool(
             (self.pipeline.rollout_replicas,),
-            gpus_per_process=self.gpus_per_worker,
+            gpus_per_process=self.gpus_per_worker * self.rollout.engine.gpus_per_engine,
             name="rollout",
         )
 
