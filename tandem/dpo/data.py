@@ -15,6 +15,8 @@ likewise with ``data.overlong_pairs``.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,6 +138,24 @@ def tokenize_pair(tokenizer: Any, row: dict, config: PreferenceDataConfig, where
     )
 
 
+def tokenized_rows(
+    path: str | Path, tokenize: Callable[..., Any], config: PreferenceDataConfig, dataset: Any
+) -> Iterator[tuple[int, str, Any]]:
+    """``(row number, "<path>: row N", tokenize(row, where=...))`` for each usable row of ``path``.
+    A row ``tokenize`` finds invalid raises (``data.invalid_pairs=error``) or is counted in
+    ``dataset.invalid`` and skipped."""
+    for index, row in enumerate(read_rows(path)):
+        where = f"{path}: row {index}"
+        try:
+            tokenized = tokenize(row, where=where)
+        except InvalidPair:
+            if config.invalid_pairs == "error":
+                raise
+            dataset.invalid += 1
+            continue
+        yield index, where, tokenized
+
+
 @dataclass
 class PreferenceDataset:
     """Tokenised pairs, with counts of the rows skipped as invalid or too long."""
@@ -148,15 +168,8 @@ class PreferenceDataset:
     @staticmethod
     def load(path: str | Path, tokenizer: Any, config: PreferenceDataConfig) -> PreferenceDataset:
         dataset = PreferenceDataset([])
-        for index, row in enumerate(read_rows(path)):
-            where = f"{path}: row {index}"
-            try:
-                pair = tokenize_pair(tokenizer, row, config, where)
-            except InvalidPair:
-                if config.invalid_pairs == "error":
-                    raise
-                dataset.invalid += 1
-                continue
+        tokenize = functools.partial(tokenize_pair, tokenizer, config=config)
+        for index, where, pair in tokenized_rows(path, tokenize, config, dataset):
             if pair.length > config.max_length:
                 if config.overlong_pairs == "error":
                     raise ValueError(

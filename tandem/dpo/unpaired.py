@@ -16,13 +16,13 @@ rows longer than ``data.max_length`` likewise with ``data.overlong_pairs``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tandem.data.rows import read_rows
 from tandem.dpo.data import (
     InvalidPair,
     PreferenceDataConfig,
@@ -30,6 +30,7 @@ from tandem.dpo.data import (
     PreferencePair,
     _messages,
     _response_ids,
+    tokenized_rows,
 )
 from tandem.models.chat import template_ids
 from tandem.protocol import Batch
@@ -75,15 +76,8 @@ class UnpairedDataset(PreferenceDataset):
     def load(path: str | Path, tokenizer: Any, config: PreferenceDataConfig) -> UnpairedDataset:
         dataset = UnpairedDataset([])
         kept: list[UnpairedRow] = []
-        for index, raw in enumerate(read_rows(path)):
-            where = f"{path}: row {index}"
-            try:
-                row = tokenize_unpaired(tokenizer, raw, config, where)
-            except InvalidPair:
-                if config.invalid_pairs == "error":
-                    raise
-                dataset.invalid += 1
-                continue
+        tokenize = functools.partial(tokenize_unpaired, tokenizer, config=config)
+        for index, _, row in tokenized_rows(path, tokenize, config, dataset):
             kept.append(row)
             dataset.rows.append(index)
         if len(kept) < 2:

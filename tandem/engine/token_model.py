@@ -7,6 +7,9 @@ FSDP2 wraps, so data-parallel hooks see one ordinary forward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -55,6 +58,63 @@ def decoder_hidden_states(
         use_cache=False,
         **attention,
     ).last_hidden_state
+
+
+@dataclass
+class PredictingStates:
+    """The hidden states a rank predicts tokens from, and how per-prediction values go back.
+
+    Attributes:
+        states: ``[N_r, H]`` this rank's predicting hidden states (all ``N`` without sequence
+            parallelism).
+        targets: ``[N_r]`` the flat positions of the tokens they predict.
+        predictions: every rank's predictions (``N`` of them).
+        mine: which of them are this rank's (sequence parallelism), else None.
+        sequence_parallel: the rank's group, or None.
+        shape: the ``[B, S]`` shape of the input ids.
+    """
+
+    states: torch.Tensor
+    targets: torch.Tensor
+    predictions: Predictions
+    mine: Any
+    sequence_parallel: SequenceParallel | None
+    shape: torch.Size
+
+    def placed(self, values: torch.Tensor) -> torch.Tensor:
+        """``values [N_r]`` of this rank's predictions -> ``[B, S]`` at the predicted tokens (every
+        rank's, gathered over a sequence-parallel group), 0 where nothing is predicted."""
+        if self.sequence_parallel is not None:  # [N_r] -> [N]: every rank's predictions
+            values = self.sequence_parallel.gather_predicted(
+                values, self.mine, self.predictions.targets.numel()
+            )
+        zeros = values.new_zeros(self.shape.numel())
+        return zeros.index_put((self.predictions.targets,), values).view(self.shape)
+
+
+def predicting_states(
+    decoder: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    attention_plan: AttentionPlan | None,
+    predictions: Predictions | None,
+    sequence_parallel: SequenceParallel | None,
+) -> PredictingStates:
+    """Run the decoder (:func:`decoder_hidden_states`) and pick the hidden states that predict
+    tokens (``predictions``, default: each token from the one before it in its sequence); with
+    ``sequence_parallel``, this rank's share of them."""
+    hidden = decoder_hidden_states(
+        decoder, input_ids, position_ids, attention_mask, cu_seqlens, attention_plan, sequence_parallel
+    )
+    if predictions is None:
+        predictions = next_token_predictions(position_ids)
+    computed, mine = predictions, None
+    if sequence_parallel is not None:
+        computed, mine = sequence_parallel.split_predictions(predictions, input_ids.shape[1])
+    states = hidden.reshape(-1, hidden.shape[-1]).index_select(0, computed.sources)
+    return PredictingStates(states, computed.targets, predictions, mine, sequence_parallel, input_ids.shape)
 
 
 class TokenLogProbModel(nn.Module):
@@ -113,25 +173,14 @@ class TokenLogProbModel(nn.Module):
         is split over its group: this rank runs the decoder and the head on its shard, and the
         outputs of the whole row come back on every rank.
         """
-        hidden = decoder_hidden_states(
-            self.decoder(),
-            input_ids,
-            position_ids,
-            attention_mask,
-            cu_seqlens,
-            attention_plan,
-            sequence_parallel,
-        )
-        if predictions is None:
-            predictions = next_token_predictions(position_ids)
-        computed, mine = predictions, None
-        if sequence_parallel is not None:
-            computed, mine = sequence_parallel.split_predictions(predictions, input_ids.shape[1])
-        width = hidden.shape[-1]
+        picked = predicting_states(
+            self.decoder(), input_ids, position_ids, attention_mask, cu_seqlens, attention_plan,
+            predictions, sequence_parallel,
+        )  # fmt: skip
         head = log_probs_from_hidden(
-            hidden.reshape(-1, width).index_select(0, computed.sources),
+            picked.states,
             self.head_weight(),
-            input_ids.reshape(-1).index_select(0, computed.targets),
+            input_ids.reshape(-1).index_select(0, picked.targets),
             self.temperature,
             self.chunk_size,
             with_sum_pi_squared,
@@ -142,19 +191,7 @@ class TokenLogProbModel(nn.Module):
             "entropy": head.entropy,
             "sum_pi_squared": head.sum_pi_squared,
         }
-        if sequence_parallel is not None:  # [N_r] -> [N]: every rank's predictions
-            count = predictions.targets.numel()
-            outputs = {
-                name: sequence_parallel.gather_predicted(values, mine, count)
-                for name, values in outputs.items()
-                if values is not None
-            }
-        zeros = head.log_probs.new_zeros(input_ids.numel())
-        return {
-            name: zeros.index_put((predictions.targets,), values).view_as(input_ids)
-            for name, values in outputs.items()
-            if values is not None
-        }
+        return {name: picked.placed(values) for name, values in outputs.items() if values is not None}
 
     def vocab_size(self) -> int:
         return self.head_weight().shape[0]

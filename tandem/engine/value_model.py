@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.engine.packing import Predictions, next_token_predictions
-from tandem.engine.token_model import decoder_hidden_states
+from tandem.engine.packing import Predictions
+from tandem.engine.token_model import predicting_states
 from tandem.engine.ulysses import SequenceParallel
 from tandem.engine.varlen_attention import AttentionPlan
 
@@ -56,26 +56,11 @@ class TokenValueModel(nn.Module):
         (``with_sum_pi_squared`` has no meaning for a critic and must be False)."""
         if with_sum_pi_squared:
             raise ValueError("a value model has no token distribution: with_sum_pi_squared must be False")
-        hidden = decoder_hidden_states(
-            self.decoder(),
-            input_ids,
-            position_ids,
-            attention_mask,
-            cu_seqlens,
-            attention_plan,
-            sequence_parallel,
-        )
-        if predictions is None:
-            predictions = next_token_predictions(position_ids)
-        computed, mine = predictions, None
-        if sequence_parallel is not None:
-            computed, mine = sequence_parallel.split_predictions(predictions, input_ids.shape[1])
-        states = hidden.reshape(-1, hidden.shape[-1]).index_select(0, computed.sources)
-        values = scalar_head(self.value_model.score, states).squeeze(-1)
-        if sequence_parallel is not None:  # [N_r] -> [N]: every rank's predictions
-            values = sequence_parallel.gather_predicted(values, mine, predictions.targets.numel())
-        placed = values.new_zeros(input_ids.numel()).index_put((predictions.targets,), values)
-        return {"values": placed.view_as(input_ids)}
+        picked = predicting_states(
+            self.decoder(), input_ids, position_ids, attention_mask, cu_seqlens, attention_plan,
+            predictions, sequence_parallel,
+        )  # fmt: skip
+        return {"values": picked.placed(scalar_head(self.value_model.score, picked.states).squeeze(-1))}
 
 
 def scalar_head(head: nn.Linear, states: torch.Tensor) -> torch.Tensor:

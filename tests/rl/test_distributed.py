@@ -25,9 +25,16 @@ def single_worker_run(rl_files, tmp_path_factory):
     return RLTrainer(small_config(rl_files, out, "trainer.total_steps=1", "data.val_path=")).fit().history
 
 
-@pytest.mark.parametrize("backend,strategy", [("local", "single"), ("ray", "single"), ("local", "fsdp2")])
-def test_two_workers_match_one(rl_files, tmp_path, single_worker_run, backend, strategy, request):
-    """DDP (``single`` over two ranks), and FSDP2, whose reference model is sharded too."""
+@pytest.mark.parametrize(
+    "backend,strategy,sp_size",
+    [("local", "single", 1), ("ray", "single", 1), ("local", "fsdp2", 1), ("local", "single", 2)],
+    ids=["local-ddp", "ray-ddp", "local-fsdp2", "local-sequence-parallel"],
+)
+def test_two_workers_match_one(rl_files, tmp_path, single_worker_run, backend, strategy, sp_size, request):
+    """DDP (``single`` over two ranks); FSDP2, whose reference model is sharded too; and
+    ``actor.engine.sp_size=2``: one data-parallel rank, so both workers get every row
+    (dispatched by data-parallel rank) and split each packed row between them, the frozen
+    reference too, while generation still spreads the prompts over both."""
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
     config = small_config(
@@ -38,26 +45,7 @@ def test_two_workers_match_one(rl_files, tmp_path, single_worker_run, backend, s
         "trainer.n_workers=2",
         f"trainer.backend={backend}",
         f"actor.engine.strategy={strategy}",
-    )
-    (two,) = RLTrainer(config).fit().history
-    (one,) = single_worker_run
-    for name in SAME:
-        assert two[name] == one[name], name
-    for name in CLOSE:
-        assert two[name] == pytest.approx(one[name], rel=1e-4, abs=1e-6), name
-
-
-def test_two_sequence_parallel_workers_match_one(rl_files, tmp_path, single_worker_run):
-    """``actor.engine.sp_size=2`` over two workers: one data-parallel rank, so both workers get
-    every row (dispatched by data-parallel rank) and split each packed row between them; the
-    frozen reference splits its rows too. Generation still spreads the prompts over both."""
-    config = small_config(
-        rl_files,
-        tmp_path,
-        "trainer.total_steps=1",
-        "data.val_path=",
-        "trainer.n_workers=2",
-        "actor.engine.sp_size=2",
+        f"actor.engine.sp_size={sp_size}",
     )
     (two,) = RLTrainer(config).fit().history
     (one,) = single_worker_run
