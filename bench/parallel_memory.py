@@ -1,6 +1,6 @@
-"""Memory per rank of one actor update at sequence-parallel sizes 1 and 2, as ratios against sp=1.
+"""Memory per rank of one actor update at sequence- and tensor-parallel sizes 1 and 2, as ratios against one rank.
 
-Each configuration runs in fresh gloo processes (``world = dp * sp``; FSDP2 across them when
+Each configuration runs in fresh gloo processes (``world = dp * sp * tp``; FSDP2 across them when
 there are several): one forward/backward of a policy-gradient-style loss over one long packed
 row, then an optimizer step. Two figures per rank:
 
@@ -12,8 +12,10 @@ row, then an optimizer step. Two figures per rank:
 
 Expected: activations per rank ~1/sp (each rank holds its shard of the tokens; attention's
 all-to-all output is the one full-length tensor per layer, split over heads instead), and
-parameter+optimizer bytes ~1/world under FSDP2. Tensor parallelism is not built yet, so only
-``sp`` varies; the ``dp=2`` layout gives each rank the same row (data parallelism splits rows, never a
+parameter+optimizer bytes ~1/world under FSDP2; under tensor parallelism (``tp=2``, FSDP2 over
+``dp=1``) parameter+optimizer bytes ~1/tp (the norms stay whole on every rank) and activations
+fall for the split projections only (the residual stream and norms are whole on every rank).
+The ``dp=2`` layout gives each rank the same row (data parallelism splits rows, never a
 sequence), to show what sharding the parameters alone saves. Run: ``python bench/parallel_memory.py [--tokens 4096] [--device cpu|cuda]``.
 """
 
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe_machine  # noqa: E402
@@ -65,8 +68,15 @@ class SavedBytes:
         self.storages: dict[int, int] = {}
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        self.storages[storage.data_ptr()] = storage.nbytes()
+        local = tensor
+        if isinstance(tensor, DTensor):  # a wrapper (tensor parallelism): its local shard holds the bytes
+            with torch.no_grad():
+                local = tensor.to_local()
+        try:
+            storage = local.untyped_storage()
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        except RuntimeError:  # a wrapper subclass without storage of its own (a collective's pending result)
+            self.storages[id(local)] = local.numel() * local.element_size()
         return tensor
 
     @property
@@ -90,7 +100,9 @@ def state_bytes(engine: TorchTrainEngine) -> int:
     return total
 
 
-def measure(rank: int, world: int, sp: int, model_dir: str, tokens: int, device: str, port: int, out) -> None:
+def measure(
+    rank: int, world: int, sp: int, tp: int, model_dir: str, tokens: int, device: str, port: int, out
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     warnings.filterwarnings(
@@ -102,7 +114,7 @@ def measure(rank: int, world: int, sp: int, model_dir: str, tokens: int, device:
         dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
     engine = TorchTrainEngine(
         EngineConfig(
-            model_path=model_dir, device=device, strategy="fsdp2" if world > 1 else "single", sp_size=sp,
+            model_path=model_dir, device=device, strategy="fsdp2" if world > 1 else "single", sp_size=sp, tp_size=tp,
             max_tokens_per_micro_batch=tokens, pad_tokens_to_multiple=1, lr=1e-4,
         )
     )  # fmt: skip
@@ -128,13 +140,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run(world: int, sp: int, model_dir: str, tokens: int, device: str) -> tuple[float, float, float]:
+def run(world: int, sp: int, tp: int, model_dir: str, tokens: int, device: str) -> tuple[float, float, float]:
     """Mean over ranks of (saved activation bytes, state bytes, CUDA peak bytes)."""
     context = mp.get_context("spawn")
     out = context.Queue()
     port = free_port()
     procs = [
-        context.Process(target=measure, args=(rank, world, sp, model_dir, tokens, device, port, out))
+        context.Process(target=measure, args=(rank, world, sp, tp, model_dir, tokens, device, port, out))
         for rank in range(world)
     ]
     for proc in procs:
@@ -153,11 +165,11 @@ def main() -> None:
     print(describe_machine())
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(save_tiny_model(Path(tmp) / "model", BENCH_MODEL))
-        layouts = {"dp=1 sp=1": (1, 1), "dp=1 sp=2": (2, 2), "dp=2 sp=1": (2, 1)}
+        layouts = {"dp=1": (1, 1, 1), "dp=1 sp=2": (2, 2, 1), "dp=1 tp=2": (2, 1, 2), "dp=2": (2, 1, 1)}
         figures = {}
-        for name, (world, sp) in layouts.items():
-            figures[name] = run(world, sp, model_dir, args.tokens, args.device)
-    base_act, base_state, base_peak = figures["dp=1 sp=1"]
+        for name, (world, sp, tp) in layouts.items():
+            figures[name] = run(world, sp, tp, model_dir, args.tokens, args.device)
+    base_act, base_state, base_peak = figures["dp=1"]
     print(
         f"one packed row of {args.tokens} tokens, {BENCH_MODEL.num_layers} layers, hidden {BENCH_MODEL.hidden_size}"
     )

@@ -8,6 +8,7 @@ extra only when it is used. (The CLI is the top layer, so these deferred imports
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib
 import logging
@@ -54,6 +55,7 @@ def _first_line(fn: object) -> str:
 def print_registries(console: Console) -> None:
     """One table per registry: every registered name with the first line of its docstring."""
     from tandem.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+    from tandem.algos.distill import DISTILL_ADVANTAGES, DISTILL_LOSSES
     from tandem.algos.preference import PREFERENCE_LOSSES, UNPAIRED_LOSSES
     from tandem.rl.config import REWARD_SOURCES
 
@@ -66,6 +68,8 @@ def print_registries(console: Console) -> None:
             PREFERENCE_LOSSES,
         ),
         ("unpaired preference losses (preference.name in tandem dpo, labelled rows)", UNPAIRED_LOSSES),
+        ("distillation advantages (algorithm.distill.objective, with teacher.*)", DISTILL_ADVANTAGES),
+        ("distillation losses (algorithm.distill.objective, with teacher.top_k)", DISTILL_LOSSES),
     ):
         table = Table(title=title, title_justify="left")
         table.add_column("name", style="bold cyan")
@@ -208,10 +212,11 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--output-dir", default="outputs/demo")
     demo.add_argument(
         "--method",
-        choices=["grpo", "ppo", "online_dpo", "dpo", "tool_agent"],
+        choices=["grpo", "ppo", "online_dpo", "dpo", "distill", "tool_agent"],
         default="grpo",
         help="after the warm-up: GRPO, PPO with a critic, or online DPO (all from a verifier's reward on "
-        "sampled responses), or offline DPO on fixed right-vs-slip pairs; tool_agent: another task, "
+        "sampled responses), or offline DPO on fixed right-vs-slip pairs; distill: GRPO trains a teacher, "
+        "then on-policy distillation teaches the warm-up from it; tool_agent: another task, "
         "3-digit multiplication learnt with a calculator tool (SFT on an imperfect teacher, then GRPO)",
     )
     demo.add_argument(
@@ -418,6 +423,13 @@ def _run(args: argparse.Namespace, console: Console) -> None:
             from tandem.demos.tool_agent import ToolDemoSettings, run_tool_demo
 
             run_tool_demo(ToolDemoSettings(output_dir=args.output_dir, pipeline=args.pipeline), console)
+        elif args.method == "distill":
+            from tandem.demos.distill import DistillDemoSettings, run_distill_demo
+
+            runs = dataclasses.replace(
+                DistillDemoSettings().runs, output_dir=args.output_dir, pipeline=args.pipeline
+            )
+            run_distill_demo(DistillDemoSettings(runs=runs), console)
         elif args.method == "dpo":
             from tandem.demos.preference import DPODemoSettings, run_dpo_demo
 

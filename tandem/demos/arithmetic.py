@@ -158,10 +158,14 @@ def pipeline_overrides(mode: str) -> list[str]:
     return overrides
 
 
-def rl_overrides(settings: DemoSettings, sft_model: str, paths: dict[str, Path], root: Path) -> list[str]:
+def rl_overrides(
+    settings: DemoSettings, sft_model: str, paths: dict[str, Path], root: Path, run_name: str = ""
+) -> list[str]:
     """The RL run's settings: the preset from the warmed-up model on the demo's prompts, a cosine
     schedule over the run's optimizer steps, validation every ``val_every`` steps, the pipeline,
-    and ``settings.overrides`` last."""
+    and ``settings.overrides`` last. The run writes to ``root / run_name`` (default: the preset's
+    name)."""
+    run_name = run_name or settings.preset
     optimizer_steps = settings.rl_steps * settings.prompts_per_step // settings.mini_batch_prompts
     return [
         f"preset={settings.preset}",
@@ -179,10 +183,10 @@ def rl_overrides(settings: DemoSettings, sft_model: str, paths: dict[str, Path],
         f"actor.ppo_mini_batch_size={settings.mini_batch_prompts}",
         f"trainer.total_steps={settings.rl_steps}",
         f"trainer.val_every={settings.val_every}",
-        f"trainer.output_dir={root / settings.preset}",
+        f"trainer.output_dir={root / run_name}",
         "trainer.resume=disable",
         f"trainer.seed={settings.seed}",
-        f"trainer.experiment=demo-{settings.preset.replace('_', '-')}-arithmetic",
+        f"trainer.experiment=demo-{run_name.replace('_', '-')}-arithmetic",
         *pipeline_overrides(settings.pipeline),
         *(PPO_DEMO if settings.preset == "ppo" else ()),
         *settings.overrides,

@@ -33,6 +33,12 @@ class TokenOutputs:
     ``t - 1`` (0 where nothing predicts).
     A reward model (``engine.head=reward``): ``scores[:, t]``, the reward of the sequence ending
     at token ``t``, read from the hidden state at ``t`` (0 on padding).
+
+    On request a policy also gives, per position, ``[B, S, k]`` each: the ``k`` most likely next
+    tokens (``top_ids``, int64, most likely first) and their log-probs (``top_log_probs``,
+    detached), and the log-probs of the tokens the micro-batch names in ``gather_token_ids``
+    (``gathered_log_probs``, differentiable); all from the same (temperature-scaled)
+    distribution as ``log_probs``.
     """
 
     log_probs: torch.Tensor | None = None
@@ -40,6 +46,9 @@ class TokenOutputs:
     sum_pi_squared: torch.Tensor | None = None
     values: torch.Tensor | None = None
     scores: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_log_probs: torch.Tensor | None = None
+    gathered_log_probs: torch.Tensor | None = None
 
     def fields(self) -> dict[str, torch.Tensor]:
         """The outputs present, by name."""
@@ -68,7 +77,17 @@ def last_token_values(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(last >= 0, picked, torch.zeros_like(picked))
 
 
-OUTPUT_NAMES = ("log_probs", "entropy", "sum_pi_squared", "values", "scores")
+OUTPUT_NAMES = (
+    "log_probs",
+    "entropy",
+    "sum_pi_squared",
+    "values",
+    "scores",
+    "top_ids",
+    "top_log_probs",
+    "gathered_log_probs",
+)
+GATHER_FIELD = "gather_token_ids"  # [B, S, k] int64 in a micro-batch: the tokens whose log-probs to return
 
 
 LossFn = Callable[[Batch, TokenOutputs], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -102,6 +121,7 @@ class TrainEngine(Protocol):
         loss_fn: LossFn | None,
         forward_only: bool = False,
         with_sum_pi_squared: bool = False,
+        top_k: int = 0,
     ) -> StepResult: ...
 
     def zero_grad(self) -> None: ...

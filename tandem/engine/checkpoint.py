@@ -4,6 +4,11 @@ Model and optimizer go through DCP (each rank writes its shards, so FSDP2 never 
 full copy); scheduler, step and RNG states go to a small per-rank file. Everything is
 written to ``<path>.tmp`` and renamed into place by rank 0 once every rank has finished,
 so a crash mid-write leaves any previous checkpoint at ``path`` intact.
+
+DCP records each tensor's global shape and where its shards lie, so a checkpoint saved on
+one mesh loads on another (tensor-parallel DTensors, FSDP2 shards, plain tensors, in any
+combination): each rank reads the pieces its own shards cover. A rank that the saving run
+did not have resumes with rank 0's small file.
 """
 
 from __future__ import annotations
@@ -75,4 +80,7 @@ def load_engine_state(
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=str(root / "dcp"))
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    return torch.load(root / f"extra_rank{_rank()}.pt", weights_only=False)
+    extra = root / f"extra_rank{_rank()}.pt"
+    if not extra.exists():  # saved by fewer ranks (another mesh): rank 0's schedule, step and RNG
+        extra = root / "extra_rank0.pt"
+    return torch.load(extra, weights_only=False)

@@ -13,6 +13,7 @@ STRATEGIES = ("single", "ddp", "fsdp2")
 HEADS = ("lm", "value", "reward")
 MIXED_PRECISION = ("none", "bf16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
+ROUTER_REPLAY = ("off", "rollout")
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,23 @@ class EngineConfig:
             sequence over this many ranks, which trade sequence shards for head shards around
             attention (see docs/parallelism.md). The world size must divide by it, and the
             model's attention heads too; needs ``use_packing``. 1: off.
-        tp_size: tensor parallelism, reserved: only 1 (it is not built yet).
+        tp_size: tensor parallelism: each decoder layer's attention and MLP weights, the token
+            embedding and the output head are split over this many ranks (Megatron-LM's split
+            with DTensor; the log-softmax is vocabulary-parallel), which hold the same rows.
+            The world size must divide by it, and the model's query and key/value heads too.
+            With ``strategy=fsdp2`` the mesh is ``(dp, tp)``: FSDP2 shards each rank's
+            tensor-parallel shards over ``dp``; ``single`` trains one tensor-parallel group
+            (the world is ``tp_size`` ranks; more ranks run forward passes only). Refused with
+            ``ddp``, ``sp_size > 1`` and LoRA; ``head=lm`` only. See docs/parallelism.md. 1: off.
+        moe_aux_loss_coef: a mixture-of-experts model's load-balancing loss (HF's
+            ``load_balancing_loss_func`` of the live router logits) is added to every training
+            micro-batch's loss with this weight (0: off; a dense model refuses anything else);
+            reported as ``moe/aux_loss``. See docs/moe.md.
+        router_replay: ``off``, or ``rollout``: the forward passes of an MoE model run the
+            experts the rollout chose for each token (the batch's ``routed_experts``), with
+            weights from the live router renormalised over them (rollout routing replay, R3;
+            :mod:`tandem.models.moe`).
+        ep_size: expert parallelism, reserved: only 1 (it is not built yet).
         lora: LoRA adapter settings.
         seed: parameter-init / dropout seed.
     """
@@ -118,6 +135,9 @@ class EngineConfig:
     warmup_ratio: float = 0.0
     sp_size: int = 1
     tp_size: int = 1
+    moe_aux_loss_coef: float = 0.0
+    router_replay: str = "off"
+    ep_size: int = 1
     lora: LoraConfig = field(default_factory=LoraConfig)
     seed: int = 0
 
@@ -130,6 +150,8 @@ class EngineConfig:
         check_choice(owner, "param_dtype", self.param_dtype, [d for d in DTYPES if d != "float16"])
         check_choice(owner, "lr_schedule", self.lr_schedule, LR_SCHEDULES)
         check_choice(owner, "logprob_head_dtype", self.logprob_head_dtype, list(HEAD_DTYPES))
+        check_choice(owner, "router_replay", self.router_replay, ROUTER_REPLAY)
+        check_range(owner, "moe_aux_loss_coef", self.moe_aux_loss_coef, low=0.0)
         for name in (
             "max_tokens_per_micro_batch",
             "micro_batch_size",
@@ -140,11 +162,15 @@ class EngineConfig:
             "eps",
             "sp_size",
             "tp_size",
+            "ep_size",
         ):
             check_positive(owner, name, getattr(self, name))
         if self.tp_size > 1:
+            _check_tensor_parallel(self, owner)
+        if self.ep_size > 1:
             raise ValueError(
-                f"{owner}.tp_size={self.tp_size}: tensor parallelism is not built yet; set {owner}.tp_size=1"
+                f"{owner}.ep_size={self.ep_size}: expert parallelism is not built yet; every rank holds "
+                f"all experts (FSDP2 shards them like any weight); set {owner}.ep_size=1"
             )
         if self.sp_size > 1 and not self.use_packing:
             raise ValueError(
@@ -167,3 +193,39 @@ class EngineConfig:
     def warmup(self) -> int:
         """Warmup steps: ``warmup_steps``, or ``warmup_ratio`` of ``total_steps`` when that is 0."""
         return self.warmup_steps or int(self.warmup_ratio * self.total_steps)
+
+
+def _check_tensor_parallel(config: EngineConfig, owner: str) -> None:
+    """Refuse what tensor parallelism (``tp_size > 1``) does not combine with, naming both keys."""
+    refused = {
+        "strategy": (
+            config.strategy == "ddp",
+            "the split weights are DTensors, which DDP does not reduce; use fsdp2 (or single)",
+        ),
+        "sp_size": (config.sp_size > 1, "sequence and tensor parallelism do not combine yet"),
+        "lora.rank": (config.lora.rank > 0, "LoRA adapters are not split over tensor-parallel ranks"),
+        "head": (config.head != "lm", "only the policy's log-prob head is vocabulary-parallel (head=lm)"),
+    }
+    for key, (applies, why) in refused.items():
+        if applies:
+            raise ValueError(
+                f"{owner}.tp_size={config.tp_size} with {owner}.{key}={_setting(config, key)}: {why}"
+            )
+
+
+def _setting(config: object, dotted: str) -> object:
+    """``config.a.b`` for ``"a.b"``."""
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def refuse_trainer_tensor_parallel(owner: str, engine: EngineConfig) -> None:
+    """Raise ``ValueError`` naming ``<owner>.tp_size`` when a trainer is handed an engine with
+    tensor parallelism: the engine runs it, but no trainer dispatches its batches over a
+    ``(dp, tp)`` mesh or sizes its mini-batches by it yet."""
+    if engine.tp_size > 1:
+        raise ValueError(
+            f"{owner}.tp_size={engine.tp_size}: the trainers do not run tensor-parallel engines yet "
+            f"(the training engine does: docs/parallelism.md); set {owner}.tp_size=1"
+        )

@@ -54,6 +54,9 @@ class PackedSequences:
             ``T``, in order (``N = T``).
         predictions: which packed hidden states predict which packed tokens; ``None``: each
             token from the one before it in its sequence.
+        source_index: ``[T']`` for each packed token (fillers aside), the flattened ``[B * S]``
+            position it was copied from; ``None``: ``flat_index`` (every packed token is one
+            padded token, in order).
     """
 
     input_ids: torch.Tensor
@@ -64,6 +67,7 @@ class PackedSequences:
     attention_plan: AttentionPlan
     token_index: torch.Tensor | None = None
     predictions: Predictions | None = None
+    source_index: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +89,7 @@ class PackedSequences:
             attention_plan=self.attention_plan.to(device),
             token_index=move(self.token_index),
             predictions=None if self.predictions is None else self.predictions.to(device),
+            source_index=move(self.source_index),
         )
 
 
@@ -120,13 +125,14 @@ def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Pac
 
 
 def unpack(values: torch.Tensor, packed: PackedSequences, fill: float = 0.0) -> torch.Tensor:
-    """Scatter per-token ``values [T]`` (or ``[1, T]``) back to the padded ``[B, S]`` layout."""
-    values = values.reshape(-1)
+    """Scatter per-token ``values [T]`` (or ``[1, T, ...]``) back to the padded ``[B, S, ...]`` layout."""
+    trailing = values.shape[2:] if values.dim() > 1 else ()
+    values = values.reshape(-1, *trailing)
     if packed.token_index is not None:
         values = values.index_select(0, packed.token_index)
     batch, length = packed.padded_shape
-    out = values.new_full((batch * length,), fill)
-    return out.index_put((packed.flat_index,), values).reshape(batch, length)
+    out = values.new_full((batch * length, *trailing), fill)
+    return out.index_put((packed.flat_index,), values).reshape(batch, length, *trailing)
 
 
 def pad_to_multiple(packed: PackedSequences, multiple: int) -> PackedSequences:
@@ -150,3 +156,19 @@ def pad_to_multiple(packed: PackedSequences, multiple: int) -> PackedSequences:
         attention_plan=packed.attention_plan.with_fillers(pad),
         token_index=packed.token_index if packed.token_index is not None else torch.arange(total),
     )
+
+
+def pack_per_token(values: torch.Tensor, packed: PackedSequences, fill: int | float = 0) -> torch.Tensor:
+    """Lay a per-token field of the padded batch out like the packed row: ``values [B, S, ...]``
+    -> ``[1, T, ...]`` (the inverse of :func:`unpack`), ``fill`` at fillers.
+
+    Rows sharing a prompt read one packed copy of it, which takes the values of the group's
+    first row (they agree when the field depends on the prompt alone, as routing recorded over
+    one computation of the prompt does).
+    """
+    batch, length = packed.padded_shape
+    sources = packed.flat_index if packed.source_index is None else packed.source_index
+    flat = values.reshape(batch * length, *values.shape[2:]).index_select(0, sources.to(values.device))
+    out = values.new_full((packed.num_tokens, *values.shape[2:]), fill)
+    out[: flat.shape[0]] = flat
+    return out.unsqueeze(0)

@@ -1,4 +1,5 @@
-"""Data parallelism for the engine: DDP or FSDP2 ``fully_shard`` over the default process group.
+"""Data parallelism for the engine: DDP or FSDP2 ``fully_shard`` over the default process group
+(or, under tensor parallelism, over the mesh's ``dp`` dimension).
 
 The default group is the whole ``(dp, sp)`` mesh (:mod:`tandem.engine.mesh`): with sequence
 parallelism each rank's gradient covers its shard of the tokens only, so gradients are
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -39,12 +40,18 @@ def decoder_layers(module: nn.Module) -> list[nn.Module]:
 
 
 def wrap_data_parallel(
-    module: nn.Module, strategy: str, device: torch.device, mixed_precision: str = "none"
+    module: nn.Module,
+    strategy: str,
+    device: torch.device,
+    mixed_precision: str = "none",
+    dp_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """``module`` as it should be called: itself, a DDP wrapper, or sharded in place by FSDP2.
 
     ``module`` is on ``device`` for DDP (told its GPU) and may still be on the CPU for FSDP2,
     which moves each unit to ``device`` as it shards it, with its mixed-precision policy.
+    FSDP2 shards over ``dp_mesh`` (the ``dp`` dimension under tensor parallelism, whose
+    DTensor shards it shards again), by default over every rank.
     """
     if strategy == "single":
         return module
@@ -59,7 +66,7 @@ def wrap_data_parallel(
     if mixed_precision == "bf16":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     # the engine's device type, not the machine's: a CPU engine on a GPU host shards on the CPU
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = dp_mesh if dp_mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(module, mesh=mesh, mp_policy=policy)

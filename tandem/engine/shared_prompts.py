@@ -47,7 +47,7 @@ def pack_shared_prompts(
     batch, width = input_ids.shape
     mask = attention_mask.bool()
     columns = torch.arange(width)
-    tokens, positions, flat, owned_tokens = [], [], [], []
+    tokens, positions, flat, owned_tokens, copied_from = [], [], [], [], []
     sequences, owned, sources, targets = [], [], [], []
     cursor = 0
     for group in prompt_groups(input_ids, attention_mask, prompt_width):
@@ -60,6 +60,7 @@ def pack_shared_prompts(
             )
         prompt = torch.arange(cursor, cursor + length)
         tokens.append(input_ids[owner, prompt_columns])
+        copied_from.append(owner * width + prompt_columns)
         positions.append(torch.arange(length))
         cursor += length
         for rank, row in enumerate(group):
@@ -67,6 +68,7 @@ def pack_shared_prompts(
             count = len(response_columns)
             response = torch.arange(cursor, cursor + count)
             tokens.append(input_ids[row, response_columns])
+            copied_from.append(row * width + response_columns)
             positions.append(torch.arange(length, length + count))
             flat.append(row * width + response_columns)
             owned_tokens.append(response)
@@ -84,4 +86,5 @@ def pack_shared_prompts(
         attention_plan=plan_sequences(sequences, owned, cursor),
         token_index=torch.cat(owned_tokens),
         predictions=Predictions(torch.cat(sources), torch.cat(targets)),
+        source_index=torch.cat(copied_from),
     )

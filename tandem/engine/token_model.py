@@ -12,11 +12,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from tandem.engine.packing import Predictions, next_token_predictions
 from tandem.engine.ulysses import SequenceParallel
 from tandem.engine.ulysses_attention import SEQUENCE_PARALLEL_KEYWORD
 from tandem.engine.varlen_attention import PLAN_KEYWORD, AttentionPlan
+from tandem.engine.vocab_parallel import vocab_parallel_log_probs_from_hidden
 from tandem.models.logprobs import log_probs_from_hidden
 
 
@@ -82,14 +84,16 @@ class PredictingStates:
     shape: torch.Size
 
     def placed(self, values: torch.Tensor) -> torch.Tensor:
-        """``values [N_r]`` of this rank's predictions -> ``[B, S]`` at the predicted tokens (every
-        rank's, gathered over a sequence-parallel group), 0 where nothing is predicted."""
+        """``values [N_r, ...]`` of this rank's predictions -> ``[B, S, ...]`` at the predicted
+        tokens (every rank's, gathered over a sequence-parallel group), 0 where nothing is
+        predicted."""
         if self.sequence_parallel is not None:  # [N_r] -> [N]: every rank's predictions
             values = self.sequence_parallel.gather_predicted(
                 values, self.mine, self.predictions.targets.numel()
             )
-        zeros = values.new_zeros(self.shape.numel())
-        return zeros.index_put((self.predictions.targets,), values).view(self.shape)
+        trailing = values.shape[1:]
+        zeros = values.new_zeros(self.shape.numel(), *trailing)
+        return zeros.index_put((self.predictions.targets,), values).view(*self.shape, *trailing)
 
 
 def predicting_states(
@@ -134,12 +138,14 @@ class TokenLogProbModel(nn.Module):
         chunk_size: int = 1024,
         temperature: float = 1.0,
         head_dtype: str = "float32",
+        vocab_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.causal_lm = causal_lm
         self.chunk_size = chunk_size
         self.temperature = temperature
         self.head_dtype = head_dtype  # the head product's precision (tandem.models.logprobs)
+        self.vocab_group = vocab_group  # tensor parallelism: the group the head's rows are split over
 
     def decoder(self) -> nn.Module:
         model = self.causal_lm
@@ -163,33 +169,53 @@ class TokenLogProbModel(nn.Module):
         predictions: Predictions | None = None,
         with_sum_pi_squared: bool = False,
         sequence_parallel: SequenceParallel | None = None,
+        top_k: int = 0,
+        gather_ids: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per-token log-probs, entropy and (``with_sum_pi_squared``) ``sum_v p(v)^2`` ``[B, S]``;
-        positions that nothing predicts hold 0.
+        positions that nothing predicts hold 0. With ``top_k`` also ``top_ids`` and
+        ``top_log_probs`` ``[B, S, k]`` (the most likely tokens at each position); with
+        ``gather_ids [B, S, k']`` (the tokens each position names, aligned with ``input_ids``)
+        also their log-probs ``gathered_log_probs [B, S, k']``.
 
         ``cu_seqlens`` or ``attention_plan`` describe a packed row (varlen attention);
         ``predictions`` names which hidden states predict which tokens (default: each token
         from the one before it within its sequence). With ``sequence_parallel`` the packed row
         is split over its group: this rank runs the decoder and the head on its shard, and the
-        outputs of the whole row come back on every rank.
+        outputs of the whole row come back on every rank. With ``vocab_group`` (tensor
+        parallelism) the head's weight is a DTensor of vocabulary rows and the log-softmax is
+        vocabulary-parallel (:mod:`tandem.engine.vocab_parallel`).
         """
         picked = predicting_states(
             self.decoder(), input_ids, position_ids, attention_mask, cu_seqlens, attention_plan,
             predictions, sequence_parallel,
         )  # fmt: skip
-        head = log_probs_from_hidden(
-            picked.states,
-            self.head_weight(),
-            input_ids.reshape(-1).index_select(0, picked.targets),
-            self.temperature,
-            self.chunk_size,
-            with_sum_pi_squared,
-            self.head_dtype,
-        )
+        labels = input_ids.reshape(-1).index_select(0, picked.targets)
+        weight = self.head_weight()
+        settings = (self.temperature, self.chunk_size, with_sum_pi_squared, self.head_dtype)
+        if self.vocab_group is not None:  # a DTensor of this rank's vocabulary rows
+            if top_k or gather_ids is not None:
+                raise ValueError(
+                    "the teacher's top-k tokens (teacher.top_k, the jsd objective) are not computed under tensor "
+                    "parallelism yet: set teacher.top_k=0 or tp_size=1"
+                )
+            head = vocab_parallel_log_probs_from_hidden(
+                picked.states, weight.to_local(), labels, weight.shape[0], self.vocab_group, *settings
+            )
+        else:
+            named = None
+            if gather_ids is not None:  # [B, S, k] -> [N_r, k] at the predicted tokens, as the labels
+                named = gather_ids.reshape(-1, gather_ids.shape[-1]).index_select(0, picked.targets)
+            head = log_probs_from_hidden(
+                picked.states, weight, labels, *settings, top_k=top_k, gather_ids=named
+            )
         outputs = {
             "log_probs": head.log_probs,
             "entropy": head.entropy,
             "sum_pi_squared": head.sum_pi_squared,
+            "top_ids": head.top_ids,
+            "top_log_probs": head.top_log_probs,
+            "gathered_log_probs": head.gathered_log_probs,
         }
         return {name: picked.placed(values) for name, values in outputs.items() if values is not None}
 

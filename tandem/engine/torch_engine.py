@@ -15,18 +15,21 @@ from torch import nn
 
 from tandem.algos.aggregation import LossNormalizer
 from tandem.device import bind_device
-from tandem.engine.base import LossFn, StepResult, TokenOutputs
+from tandem.engine.base import GATHER_FIELD, LossFn, StepResult, TokenOutputs
 from tandem.engine.checkpoint import load_engine_state, save_engine_state
 from tandem.engine.config import EngineConfig
 from tandem.engine.divergence import ModelHealth
+from tandem.engine.grad_norm import clip_grad_norm_
 from tandem.engine.lora import apply_lora, iter_merged_lora_parameters
 from tandem.engine.lr_schedule import build_scheduler
 from tandem.engine.mesh import EngineMesh, build_engine_mesh
 from tandem.engine.micro_batch import token_budget_micro_batches
+from tandem.engine.moe_routing import ROUTING_FIELD, EngineRouting, MicroBatchRouting
 from tandem.engine.offload import HostCopies
 from tandem.engine.packing import (
     PackedSequences,
     next_token_predictions,
+    pack_per_token,
     pack_sequences,
     pad_to_multiple,
     positions_from_mask,
@@ -35,6 +38,7 @@ from tandem.engine.packing import (
 from tandem.engine.parallel import reshard, wrap_data_parallel
 from tandem.engine.reward_model import TokenScoreModel
 from tandem.engine.shared_prompts import pack_shared_prompts, prompt_groups
+from tandem.engine.tensor_parallel import apply_tensor_parallel, check_tensor_parallel_fits
 from tandem.engine.token_model import TokenLogProbModel
 from tandem.engine.ulysses import SequenceParallel
 from tandem.engine.ulysses_attention import ULYSSES_ATTENTION, check_heads
@@ -64,6 +68,7 @@ class TorchTrainEngine:
         self.device = torch.device("cpu")  # bound by initialize()
         self.mesh = EngineMesh.flat()  # built by initialize()
         self.sequence_parallel: SequenceParallel | None = None  # this rank's sp group when sp_size > 1
+        self.routing: EngineRouting | None = None  # an MoE model's routers (built by initialize())
         self._offloaded: dict[str, HostCopies] = {}  # "model" / "optimizer": state held in host memory
 
     # ------------------------------------------------------------------ set-up
@@ -77,8 +82,8 @@ class TorchTrainEngine:
             )
         self.device = bind_device(config.device)
         # a single-strategy engine alone, unless it splits rows (a frozen reference, forward only)
-        distributed = config.strategy != "single" or config.sp_size > 1
-        self.mesh = build_engine_mesh(self.device.type, config.sp_size, distributed)
+        distributed = config.strategy != "single" or config.sp_size > 1 or config.tp_size > 1
+        self.mesh = build_engine_mesh(self.device.type, config.sp_size, distributed, config.tp_size)
         self.sequence_parallel = self.mesh.sequence_parallel()
         torch.manual_seed(config.seed)
         model = (
@@ -101,6 +106,10 @@ class TorchTrainEngine:
             model.set_attn_implementation(VARLEN_ATTENTION)
         if config.lora.rank:
             model = apply_lora(model, config.lora)
+        if config.tp_size > 1:  # before FSDP2, which shards each rank's tensor-parallel shards over dp
+            check_tensor_parallel_fits(model, config.tp_size)
+            apply_tensor_parallel(model, self.mesh.tp_mesh)
+        self.routing = EngineRouting(config, model)  # replay, aux loss, metrics of an MoE model's routers
         enable_cpu_kernels(model, self.device)  # oneDNN linears and malloc settings, on the CPU only
         if config.head == "value":
             self.module = TokenValueModel(model)
@@ -108,10 +117,16 @@ class TorchTrainEngine:
             self.module = TokenScoreModel(model)
         else:
             self.module = TokenLogProbModel(
-                model, config.logprob_chunk_size, config.logprob_temperature, config.logprob_head_dtype
+                model,
+                config.logprob_chunk_size,
+                config.logprob_temperature,
+                config.logprob_head_dtype,
+                vocab_group=self.mesh.tp_group,
             )
         # gradients reduce over every rank of the mesh: sequence-parallel ranks hold partial ones
-        self.wrapped = wrap_data_parallel(self.module, config.strategy, self.device, config.mixed_precision)
+        self.wrapped = wrap_data_parallel(
+            self.module, config.strategy, self.device, config.mixed_precision, self.mesh.dp_mesh
+        )
         self.dp_size = self.mesh.dp_size
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -196,6 +211,7 @@ class TorchTrainEngine:
         loss_fn: LossFn | None,
         forward_only: bool = False,
         with_sum_pi_squared: bool = False,
+        top_k: int = 0,
     ) -> StepResult:
         """Run ``loss_fn`` on each micro-batch and accumulate gradients (or just compute outputs).
 
@@ -203,7 +219,10 @@ class TorchTrainEngine:
         through to ``loss_fn``, on the engine's device. With ``forward_only`` no gradients are
         computed and the outputs for the whole batch come back in the batch's order, on the CPU.
         ``with_sum_pi_squared`` adds ``sum_v p(v)^2`` per token to the outputs (the optimal token
-        baseline's statistic), from the same fp32 head pass.
+        baseline's statistic), from the same fp32 head pass. ``top_k`` adds each position's most
+        likely tokens (``top_ids``, ``top_log_probs`` ``[B, S, k]``); a ``gather_token_ids [B, S, k']``
+        field (:data:`~tandem.engine.base.GATHER_FIELD`) adds the log-probs of the tokens it names
+        (``gathered_log_probs``, differentiable), from the same pass.
         """
         self._check_step(batch, loss_fn, forward_only)
         parts = self.micro_batches(batch)
@@ -211,22 +230,34 @@ class TorchTrainEngine:
         collected: list[tuple[list[int], TokenOutputs]] = []
         losses: list[torch.Tensor] = []
         metrics_seen: dict[str, list[torch.Tensor | float]] = {}
+        aux_tokens = self._aux_loss_tokens(batch, forward_only)
         for index, rows in enumerate(parts):
             last = index == len(parts) - 1
-            with self._gradient_sync(last or forward_only), torch.set_grad_enabled(not forward_only):
+            with (
+                self._gradient_sync(last or forward_only),
+                torch.set_grad_enabled(not forward_only),
+                self.routing.micro_batch() as moe,
+            ):
                 if not rows:  # a rank with fewer sequences than micro-batches still joins the collectives
                     self._empty_pass(batch, forward_only)
                     continue
                 micro = batch[rows]
-                outputs = self._forward(micro, with_sum_pi_squared)
+                outputs = self._forward(micro, with_sum_pi_squared, moe, top_k)
                 micro = self._on_device(micro)
                 if forward_only:
                     collected.append((rows, outputs.detach()))
                     if loss_fn is None:
                         continue
                 loss, metrics = loss_fn(micro, outputs)
+                if moe is not None:
+                    metrics = {**metrics, **moe.metrics()}
+                trained = loss
+                if aux_tokens and not forward_only:  # this rank's share of the step's real tokens weighs it
+                    aux = moe.aux_loss()
+                    trained = loss + self.config.moe_aux_loss_coef * aux * (moe.token_mask.sum() / aux_tokens)
+                    metrics["moe/aux_loss"] = aux.detach()
                 if not forward_only:  # DDP and FSDP2 average gradients over the ranks: make it a sum
-                    (loss * self.mesh.world_size).backward()
+                    (trained * self.mesh.gradient_ranks).backward()
                 losses.append(loss.detach())
                 for name, value in metrics.items():
                     metrics_seen.setdefault(name, []).append(value)
@@ -238,9 +269,17 @@ class TorchTrainEngine:
             reshard(self.wrapped)
         return result
 
+    def _aux_loss_tokens(self, batch: Batch, forward_only: bool) -> float:
+        """The real tokens of the step over all data-parallel ranks, which the load-balancing loss
+        of each micro-batch is weighted against; 0 when there is no such loss to train."""
+        if forward_only or not self.config.moe_aux_loss_coef:
+            return 0.0
+        return self.global_normalizer(batch["attention_mask"]).num_tokens
+
     def _check_step(self, batch: Batch, loss_fn: LossFn | None, forward_only: bool) -> None:
         """Refuse a step the engine cannot run, naming what is wrong (see :meth:`forward_backward`)."""
         self._require_module()
+        self.routing.check_batch(set(batch.keys()))
         if "input_ids" not in batch or "attention_mask" not in batch:
             raise ValueError(
                 f"forward_backward needs input_ids and attention_mask; the batch has {sorted(batch.keys())}"
@@ -253,6 +292,13 @@ class TorchTrainEngine:
                 "forward passes only): the ranks of a sequence-parallel group hold partial gradients, "
                 "summed over the mesh"
             )
+        single_trains_groups = self.config.strategy == "single" and self.mesh.tp_size > 1 and self.dp_size > 1
+        if not forward_only and single_trains_groups:
+            raise ValueError(
+                f"engine.tp_size={self.config.tp_size} with engine.strategy=single trains one tensor-parallel "
+                f"group, but the world holds {self.dp_size} (forward passes only: their gradients would not "
+                "be reduced); use engine.strategy=fsdp2"
+            )
         vocab = self.module.vocab_size()
         largest = int(batch["input_ids"].max()) if batch["input_ids"].numel() else 0
         if largest >= vocab:
@@ -262,15 +308,22 @@ class TorchTrainEngine:
         if self.sequence_parallel is not None:
             self.sequence_parallel.check_same_rows(batch["input_ids"])
 
-    def _forward(self, micro: Batch, with_sum_pi_squared: bool = False) -> TokenOutputs:
+    def _forward(
+        self,
+        micro: Batch,
+        with_sum_pi_squared: bool = False,
+        moe: MicroBatchRouting | None = None,
+        top_k: int = 0,
+    ) -> TokenOutputs:
         """Log-probs and entropy (and ``sum_pi_squared`` when asked) ``[B, S]`` on the engine's device
-        of a micro-batch (on the CPU).
+        of a micro-batch (on the CPU). ``moe``: an MoE model's routing scope, handed the
+        micro-batch's recorded routing (``routed_experts``) laid out like the forward's tokens.
 
         Packing plans are built on the CPU and moved with the tokens in one step.
         """
         forward = self._forward_packed if self.config.use_packing else self._forward_padded
         with self._autocast():
-            return forward(micro, with_sum_pi_squared)
+            return forward(micro, with_sum_pi_squared, moe, top_k)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # FSDP2 applies its own mixed-precision policy; the other strategies compute under autocast.
@@ -278,25 +331,45 @@ class TorchTrainEngine:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _forward_packed(self, micro: Batch, with_sum_pi_squared: bool) -> TokenOutputs:
+    def _forward_packed(
+        self, micro: Batch, with_sum_pi_squared: bool, moe: MicroBatchRouting | None, top_k: int
+    ) -> TokenOutputs:
         input_ids, attention_mask = micro["input_ids"], micro["attention_mask"]
         if self._shares_prompts(micro):
             packed = pack_shared_prompts(input_ids, attention_mask, micro["prompts"].shape[1])
         else:
             packed = pack_sequences(input_ids, attention_mask)
-        outputs, packed = self._run_packed(packed, with_sum_pi_squared)
+        outputs, packed = self._run_packed(
+            packed, with_sum_pi_squared, moe, micro.get(ROUTING_FIELD), top_k, micro.get(GATHER_FIELD)
+        )
         return TokenOutputs(**{name: unpack(values, packed) for name, values in outputs.items()})
 
     def _run_packed(
-        self, packed: PackedSequences, with_sum_pi_squared: bool = False
+        self,
+        packed: PackedSequences,
+        with_sum_pi_squared: bool = False,
+        moe: MicroBatchRouting | None = None,
+        routing: torch.Tensor | None = None,
+        top_k: int = 0,
+        gather: torch.Tensor | None = None,
     ) -> tuple[dict[str, torch.Tensor], PackedSequences]:
         """The model's outputs ``[1, T]`` for a packed row (on the CPU) and the row as it ran:
         padded with fillers to a multiple of ``pad_tokens_to_multiple`` (and of ``sp_size``,
-        which splits it), on the engine's device."""
+        which splits it), on the engine's device. ``routing [B, S, L, k]``: the rollout's
+        experts of the padded rows, handed to ``moe`` packed (and sharded) like the tokens.
+        ``top_k`` and ``gather [B, S, k]``: see :meth:`forward_backward`."""
         multiple = math.lcm(self.config.pad_tokens_to_multiple, self.config.sp_size)
         packed = pad_to_multiple(packed, multiple)
         if packed.predictions is None:  # found on the CPU: on a GPU, finding them waits for the device
             packed = dataclasses.replace(packed, predictions=next_token_predictions(packed.position_ids))
+        if moe is not None:
+            real = pack_per_token(torch.ones(packed.padded_shape, dtype=torch.bool), packed, fill=False)
+            recorded = None if routing is None else pack_per_token(routing, packed, fill=-1)
+            if self.sequence_parallel is not None:  # this rank's routers see its shard only
+                real = self.sequence_parallel.shard(real)
+                recorded = None if recorded is None else self.sequence_parallel.shard(recorded)
+            moe.start(None if recorded is None else recorded[0].to(self.device), real[0].to(self.device))
+        gather = None if gather is None else pack_per_token(gather, packed).to(self.device)
         packed = packed.to(self.device)
         parallel = {} if self.sequence_parallel is None else {"sequence_parallel": self.sequence_parallel}
         outputs = self.wrapped(
@@ -306,13 +379,16 @@ class TorchTrainEngine:
             predictions=packed.predictions,
             with_sum_pi_squared=with_sum_pi_squared,
             **parallel,
+            **_token_choices(top_k, gather),
         )
         return outputs, packed
 
     def _on_device(self, batch: Batch) -> Batch:
         return batch if self.device.type == "cpu" else batch.to(self.device)
 
-    def _forward_padded(self, micro: Batch, with_sum_pi_squared: bool) -> TokenOutputs:
+    def _forward_padded(
+        self, micro: Batch, with_sum_pi_squared: bool, moe: MicroBatchRouting | None, top_k: int
+    ) -> TokenOutputs:
         micro = self._on_device(micro)
         input_ids, attention_mask = micro["input_ids"], micro["attention_mask"]
         position_ids = (
@@ -322,17 +398,24 @@ class TorchTrainEngine:
         used = attention_mask.any(0).nonzero().flatten()
         first, last = (int(used[0]), int(used[-1]) + 1) if used.numel() else (0, 1)
         window = slice(first, last)
+        if moe is not None:  # the routers see the window's tokens, flattened
+            routing = micro.get(ROUTING_FIELD)
+            recorded = None if routing is None else routing[:, window].flatten(0, 1)
+            moe.start(recorded, attention_mask[:, window].reshape(-1).bool())
+        gather = micro.get(GATHER_FIELD)
         outputs = self.wrapped(
             input_ids=input_ids[:, window],
             position_ids=position_ids[:, window],
             attention_mask=attention_mask[:, window],
             with_sum_pi_squared=with_sum_pi_squared,
+            **_token_choices(top_k, None if gather is None else gather[:, window]),
         )
         mask = attention_mask[:, window]
 
         def widened(values: torch.Tensor) -> torch.Tensor:
-            full = values.new_zeros(input_ids.shape)
-            full[:, window] = values * mask.to(values.dtype)
+            full = values.new_zeros(*input_ids.shape, *values.shape[2:])
+            kept = mask.reshape(*mask.shape, *(1,) * (values.dim() - 2))
+            full[:, window] = values * kept.to(values.dtype)
             return full
 
         return TokenOutputs(**{name: widened(values) for name, values in outputs.items()})
@@ -389,8 +472,11 @@ class TorchTrainEngine:
         """
         params = [p for p in self._require_module().parameters() if p.requires_grad]
         max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if self.mesh.tp_size > 1:  # parameters on two meshes, which torch's clipping cannot stack
+            norm = clip_grad_norm_(params, max_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.last_step_skipped = bool(self._agree_on_count(int(skip))) or not math.isfinite(norm)
         if not self.last_step_skipped:
             self.optimizer.step()
@@ -519,10 +605,25 @@ def _read_back(
     return loss, {name: [next(rest) for _ in listed] for name, listed in metrics.items()}
 
 
+def _token_choices(top_k: int, gather_ids: torch.Tensor | None) -> dict[str, Any]:
+    """The policy forward's keywords for its top-k tokens and named tokens' log-probs (none when
+    neither is asked for, so value and score models keep their own signature)."""
+    choices: dict[str, Any] = {"top_k": top_k} if top_k else {}
+    if gather_ids is not None:
+        choices["gather_ids"] = gather_ids
+    return choices
+
+
 def _reassemble(collected: list[tuple[list[int], TokenOutputs]], shape: torch.Size) -> TokenOutputs:
-    """The micro-batches' outputs (any device) in the batch's row order, on the CPU."""
-    names = collected[0][1].fields().keys() if collected else ()
-    whole = {name: torch.zeros(shape, dtype=torch.float32) for name in names}
+    """The micro-batches' outputs (any device) in the batch's row order, on the CPU: ``[B, S, ...]``
+    each, float32 (``top_ids`` keeps its integer type)."""
+    first = collected[0][1].fields() if collected else {}
+    whole = {
+        name: torch.zeros(
+            *shape, *values.shape[2:], dtype=values.dtype if name == "top_ids" else torch.float32
+        )
+        for name, values in first.items()
+    }
     for rows, outputs in collected:
         index = torch.tensor(rows)
         for name, values in outputs.fields().items():

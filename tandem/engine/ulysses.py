@@ -147,9 +147,9 @@ class SequenceParallel:
         return Predictions(predictions.sources[mine] - start, predictions.targets[mine]), mine
 
     def gather_predicted(self, values: torch.Tensor, mine: torch.Tensor, count: int) -> torch.Tensor:
-        """``values [N_r]`` of this rank's predictions (indices ``mine``) as ``[count]`` values
-        of all predictions, every rank's included."""
-        placed = values.new_zeros(count).index_put((mine,), values)
+        """``values [N_r, ...]`` of this rank's predictions (indices ``mine``) as ``[count, ...]``
+        values of all predictions, every rank's included."""
+        placed = values.new_zeros(count, *values.shape[1:]).index_put((mine,), values)
         return sum_disjoint(placed, self.group)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ The head's product runs in one of two precisions (``head_dtype``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -34,11 +35,17 @@ HEAD_DTYPES = ("float32", "bfloat16")
 
 
 class HeadOutputs(NamedTuple):
-    """Per-row outputs of the fp32 head, ``[N]`` float32 each; ``sum_pi_squared`` only when asked."""
+    """Per-row outputs of the fp32 head, ``[N]`` float32 each; ``sum_pi_squared`` only when asked.
+    On request also ``[N, k]`` each: the ``k`` most likely tokens (``top_ids``, int64, most likely
+    first) and their log-probs (``top_log_probs``, detached), and the log-probs of given tokens
+    (``gathered_log_probs``, differentiable)."""
 
     log_probs: torch.Tensor
     entropy: torch.Tensor
     sum_pi_squared: torch.Tensor | None = None
+    top_log_probs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    gathered_log_probs: torch.Tensor | None = None
 
 
 class Bf16HeadProduct(torch.autograd.Function):
@@ -69,6 +76,57 @@ class Bf16HeadProduct(torch.autograd.Function):
         return grad_hidden, grad_weight, None
 
 
+def head_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, temperature: float, weight_bf16: torch.Tensor | None
+) -> torch.Tensor:
+    """``logits [N, V] fp32 = hidden [N, H] @ weight [V, H]^T / temperature`` in the head's precision:
+    fp32, or bf16 products summed in fp32 when ``weight_bf16`` (the weight's bf16 copy) is given
+    (``hidden`` is then bf16 already). ``weight`` may be a shard of the vocabulary's rows."""
+    with torch.autocast(hidden.device.type, enabled=False):  # the head stays fp32 under mixed precision
+        if weight_bf16 is not None:
+            logits = Bf16HeadProduct.apply(hidden, weight, weight_bf16)
+        else:
+            logits = linear(hidden.float(), weight.float())
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def softmax_outputs(
+    logits: torch.Tensor, labels: torch.Tensor, with_sum_pi_squared: bool
+) -> tuple[torch.Tensor, ...]:
+    """``(log_probs [N], entropy [N][, sum_pi_squared [N]])`` of ``softmax(logits [N, V])`` at
+    ``labels [N]``; ``sum_pi_squared`` detached (a statistic of the distribution, never differentiated)."""
+    log_z = torch.logsumexp(logits, dim=-1)
+    log_probs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - log_z
+    probs = torch.softmax(logits, dim=-1)
+    entropy = log_z - (probs * logits).sum(-1)
+    if not with_sum_pi_squared:
+        return log_probs, entropy
+    with torch.no_grad():
+        sum_pi_squared = torch.exp(torch.logsumexp(2.0 * logits, dim=-1) - 2.0 * log_z)
+    return log_probs, entropy, sum_pi_squared
+
+
+OutputsOfLogits = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, ...]]
+
+
+def token_choices(
+    logits: torch.Tensor, top_k: int, gather_ids: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
+    """From ``logits [N, V]``: ``(top_log_probs, top_ids)`` ``[N, k]`` of the ``top_k`` most likely
+    tokens (detached; none when ``top_k`` is 0), then the log-probs of ``gather_ids [N, k']``
+    (differentiable; none when ``gather_ids`` is None)."""
+    if not top_k and gather_ids is None:
+        return ()
+    log_probs = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen: tuple[torch.Tensor, ...] = ()
+    if top_k:
+        values, ids = log_probs.detach().topk(top_k, dim=-1)
+        chosen += (values, ids)
+    if gather_ids is not None:
+        chosen += (log_probs.gather(-1, gather_ids),)
+    return chosen
+
+
 def _chunk_log_probs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -76,23 +134,12 @@ def _chunk_log_probs(
     temperature: float,
     with_sum_pi_squared: bool,
     weight_bf16: torch.Tensor | None,
+    outputs_of_logits: OutputsOfLogits,
+    top_k: int = 0,
+    gather_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    with torch.autocast(hidden.device.type, enabled=False):  # the head stays fp32 under mixed precision
-        if weight_bf16 is not None:  # the bfloat16 head (hidden is bf16 already)
-            logits = Bf16HeadProduct.apply(hidden, weight, weight_bf16)  # [N, V] fp32
-        else:
-            logits = linear(hidden.float(), weight.float())  # [N, V]
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_z = torch.logsumexp(logits, dim=-1)
-    log_probs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - log_z
-    probs = torch.softmax(logits, dim=-1)
-    entropy = log_z - (probs * logits).sum(-1)
-    if not with_sum_pi_squared:
-        return log_probs, entropy
-    with torch.no_grad():  # a statistic of the distribution, never differentiated
-        sum_pi_squared = torch.exp(torch.logsumexp(2.0 * logits, dim=-1) - 2.0 * log_z)
-    return log_probs, entropy, sum_pi_squared
+    logits = head_logits(hidden, weight, temperature, weight_bf16)
+    return outputs_of_logits(logits, labels, with_sum_pi_squared) + token_choices(logits, top_k, gather_ids)
 
 
 def log_probs_from_hidden(
@@ -103,6 +150,9 @@ def log_probs_from_hidden(
     chunk_size: int = 1024,
     with_sum_pi_squared: bool = False,
     head_dtype: str = "float32",
+    outputs_of_logits: OutputsOfLogits = softmax_outputs,
+    top_k: int = 0,
+    gather_ids: torch.Tensor | None = None,
 ) -> HeadOutputs:
     """``log p(label)`` and the entropy of ``p = softmax(hidden @ W^T / temperature)``, computed in fp32.
 
@@ -116,9 +166,15 @@ def log_probs_from_hidden(
             temperature-scaled logits ``z`` (detached).
         head_dtype: ``float32`` or ``bfloat16``, the precision of the head's product (module
             docstring).
+        outputs_of_logits: the softmax's outputs from a chunk's logits (:func:`softmax_outputs`);
+            with a shard of the vocabulary's rows as ``head_weight`` (``[V_r, H]``, logits
+            ``[N, V_r]``) a vocabulary-parallel one (:mod:`tandem.engine.vocab_parallel`).
+        top_k: also return the ``top_k`` most likely tokens and their log-probs (``[N, k]``).
+        gather_ids: ``[N, k']`` int64: also return the log-probs of these tokens.
 
     Returns:
-        ``HeadOutputs(log_probs [N], entropy [N], sum_pi_squared [N] or None)`` in float32.
+        ``HeadOutputs(log_probs [N], entropy [N], sum_pi_squared [N] or None, top_log_probs,
+        top_ids [N, k] or None, gathered_log_probs [N, k'] or None)``, floats in float32.
     """
     if hidden.shape[0] != labels.shape[0]:
         raise ValueError(f"hidden has {hidden.shape[0]} rows but labels has {labels.shape[0]}")
@@ -141,6 +197,9 @@ def log_probs_from_hidden(
             temperature,
             with_sum_pi_squared,
             weight_bf16,
+            outputs_of_logits,
+            top_k,
+            None if gather_ids is None else gather_ids[start : start + chunk_size],
         )
         chunks.append(
             checkpoint(_chunk_log_probs, *args, use_reentrant=False)
@@ -149,8 +208,18 @@ def log_probs_from_hidden(
         )
     if not chunks:
         empty = hidden.new_zeros(0, dtype=torch.float32)
-        return HeadOutputs(empty, empty, empty if with_sum_pi_squared else None)
-    return HeadOutputs(*(torch.cat(parts) for parts in zip(*chunks, strict=True)))
+        chunks = [
+            (empty, empty)
+            + ((empty,) if with_sum_pi_squared else ())
+            + ((hidden.new_zeros(0, top_k), hidden.new_zeros(0, top_k, dtype=torch.long)) if top_k else ())
+            + (() if gather_ids is None else (hidden.new_zeros(0, gather_ids.shape[1]),))
+        ]
+    parts = iter([torch.cat(part) for part in zip(*chunks, strict=True)])
+    log_probs, entropy = next(parts), next(parts)
+    sum_pi_squared = next(parts) if with_sum_pi_squared else None
+    top_log_probs, top_ids = (next(parts), next(parts)) if top_k else (None, None)
+    gathered = next(parts) if gather_ids is not None else None
+    return HeadOutputs(log_probs, entropy, sum_pi_squared, top_log_probs, top_ids, gathered)
 
 
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Tiny decoder-only models (Llama, Qwen2, Qwen3 families) built from a config, for tests and the demo."""
+"""Tiny decoder-only models (Llama, Qwen2, Qwen3 and the Qwen2-MoE / Qwen3-MoE mixture-of-experts
+families) built from a config, for tests and the demo."""
 
 from __future__ import annotations
 
@@ -6,12 +7,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, PreTrainedModel, Qwen2Config, Qwen3Config
+from transformers import (
+    LlamaConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from tandem.config.validation import check_choice, check_positive
 from tandem.models.tokenizer import build_char_tokenizer
 
-FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+FAMILIES = {
+    "llama": LlamaConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+    "qwen2_moe": Qwen2MoeConfig,
+    "qwen3_moe": Qwen3MoeConfig,
+}
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -19,6 +34,12 @@ class TinyModelConfig:
     """Size of a tiny model; the defaults give about 0.4M parameters with the character tokenizer.
 
     ``hidden_size=256, num_layers=4, intermediate_size=768`` gives about 3M (the benchmark size).
+
+    The MoE families (``qwen2_moe``, ``qwen3_moe``) replace every layer's MLP with ``num_experts``
+    experts of ``moe_intermediate_size``, ``num_experts_per_tok`` of them per token; Qwen2-MoE adds
+    its sigmoid-gated shared expert of ``shared_expert_intermediate_size``. ``norm_topk_prob``
+    renormalises the top-k routing weights to sum to 1 (Qwen3-MoE checkpoints set it, Qwen2-MoE's
+    do not). Dense families ignore these fields.
     """
 
     family: str = "qwen2"
@@ -29,6 +50,11 @@ class TinyModelConfig:
     intermediate_size: int = 384
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    shared_expert_intermediate_size: int = 128
+    norm_topk_prob: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -40,8 +66,17 @@ class TinyModelConfig:
             "num_kv_heads",
             "intermediate_size",
             "max_position_embeddings",
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
         ):
             check_positive("tiny_model", name, getattr(self, name))
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"tiny_model.num_experts_per_tok={self.num_experts_per_tok} must not exceed "
+                f"num_experts={self.num_experts}"
+            )
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"tiny_model: hidden_size={self.hidden_size} must divide by num_heads={self.num_heads}, "
@@ -68,10 +103,28 @@ def build_tiny_model(
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
         head_dim=config.hidden_size // config.num_heads,
+        **_moe_settings(config),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+
+
+def _moe_settings(config: TinyModelConfig) -> dict:
+    """The HF config keywords of ``config``'s experts (none for a dense family)."""
+    if config.family not in MOE_FAMILIES:
+        return {}
+    settings = {
+        "num_experts": config.num_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "moe_intermediate_size": config.moe_intermediate_size,
+        "norm_topk_prob": config.norm_topk_prob
+        if config.norm_topk_prob is not None
+        else config.family == "qwen3_moe",
+    }
+    if config.family == "qwen2_moe":
+        settings["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    return settings
 
 
 def save_tiny_model(path: str | Path, config: TinyModelConfig | None = None) -> Path:

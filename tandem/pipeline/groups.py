@@ -174,6 +174,10 @@ class GroupTracker:
             "versions": torch.tensor(versions, dtype=torch.int64),
             "lengths": torch.tensor([len(c.token_ids) for c in responses], dtype=torch.int64),
         }
+        routed = [getattr(c, "routed_experts", None) for c in responses]
+        if responses and all(r is not None for r in routed):  # MoE: [prompt + response, L, k] each
+            tensors["routed_experts"] = torch.cat(routed)
+            tensors["routed_lengths"] = torch.tensor([len(r) for r in routed], dtype=torch.int64)
         episodes: tuple[EpisodeInfo, ...] = ()
         if pending.request.episode is not None:  # trajectories
             tensors["token_mask"] = torch.tensor(

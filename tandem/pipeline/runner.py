@@ -431,6 +431,7 @@ def assemble_batch(groups: list[GroupMeta], dataset: Any, n: int, pad_id: int) -
         fields = read_fields(group.ref)
         spans = _spans(fields["lengths"])
         prompt_spans = _spans(fields["prompt_lengths"]) if group.episodes else []
+        routed_spans = _spans(fields["routed_lengths"]) if "routed_lengths" in fields else []
         for i, (start, end) in enumerate(spans):
             completions.append(
                 Completion(
@@ -441,6 +442,9 @@ def assemble_batch(groups: list[GroupMeta], dataset: Any, n: int, pad_id: int) -
                     fields["versions"][start:end],  # type: ignore[arg-type]
                     group.finish_reasons[i],  # type: ignore[arg-type]
                     token_mask=fields["token_mask"][start:end] if group.episodes else None,  # type: ignore[arg-type]
+                    routed_experts=fields["routed_experts"][slice(*routed_spans[i])]
+                    if routed_spans
+                    else None,
                 )
             )
             if group.episodes:

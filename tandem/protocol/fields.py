@@ -1,7 +1,8 @@
 """The declared standard fields of a :class:`~tandem.protocol.Batch`: name, dtype kind, shape and meaning.
 
 Shapes use ``B`` for the batch (one row per sample), ``P`` for the padded prompt length,
-``R`` for the padded response length and ``S = P + R`` for the whole sequence. Prompts are
+``R`` for the padded response length and ``S = P + R`` for the whole sequence (``L`` and
+``k``: a mixture-of-experts model's MoE layers and experts per token). Prompts are
 left-padded and responses right-padded, so ``input_ids = cat(prompts, responses)``.
 
 A batch may carry fields that are not declared here (a user's custom columns); the
@@ -127,6 +128,13 @@ STANDARD_FIELDS: dict[str, FieldSpec] = {
             "policy weight version under which each response token was sampled",
         ),
         _spec("entropys", "float", "[B, R]", "entropy of the policy at each response position"),
+        _spec(
+            "routed_experts",
+            "int",
+            "[B, S, L, k]",
+            "the experts the rollout routed each token of input_ids to, per MoE layer (int16; -1: not "
+            "routed, e.g. padding and each response's last token)",
+        ),
     ]
 }
 

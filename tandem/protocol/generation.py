@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from tandem.config.validation import check_choice, check_range
 
 LOGPROBS_MODES = ("processed", "raw")
@@ -91,6 +93,10 @@ class Completion:
         error: the message when ``finish_reason == "error"``.
         token_mask: 1 on the tokens the model sampled, 0 on tokens an agent loop put between
             its turns (tool results, user replies); None: every token was sampled.
+        routed_experts: a mixture-of-experts model's routing, ``[len(prompt_ids) +
+            len(token_ids), L, k]`` int16: the experts each prompt and response token was routed
+            to as the engine's input, per MoE layer (-1 where no forward routed it: the last
+            response token); None for a dense model or an engine that does not record it.
     """
 
     request_id: str
@@ -101,6 +107,7 @@ class Completion:
     finish_reason: FinishReason | None = None
     error: str | None = None
     token_mask: list[int] | None = None
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Layout (``P`` = the batch's longest prompt, ``R`` = its longest response):
 ``prompts [B, P]`` left-padded, ``responses [B, R]`` right-padded, ``input_ids = cat(prompts,
 responses) [B, P+R]`` with its ``attention_mask`` and ``position_ids``; ``response_mask``,
-``rollout_log_probs`` and ``weight_version`` are ``[B, R]``.
+``rollout_log_probs`` and ``weight_version`` are ``[B, R]``; a mixture-of-experts rollout's
+``routed_experts`` is ``[B, P+R, L, k]``, aligned with ``input_ids`` (-1 on padding).
 
 ``response_mask`` marks the tokens the policy sampled, the ones its loss covers. For a
 single-turn response it equals the response's attention mask; an agent episode's response also
@@ -20,6 +21,8 @@ import torch
 
 from tandem.protocol import Batch
 from tandem.protocol.generation import Completion
+
+ROUTING_DTYPE = torch.int16  # recorded expert ids of routed_experts: up to 32767 experts, -1: not routed
 
 
 def _left_pad(rows: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +65,12 @@ def sequence_tensors(
         < torch.tensor([len(c.token_ids) for c in completions])[:, None]
     )
     attention_mask = torch.cat([prompt_mask, spans.long()], dim=1)
+    routing = {}
+    if completions and all(c.routed_experts is not None for c in completions):
+        lengths = [len(p) for p in prompt_ids]
+        routing["routed_experts"] = routed_experts_tensor(completions, lengths, width, length)
     return {
+        **routing,
         "prompts": prompts,
         "responses": responses,
         "input_ids": torch.cat([prompts, responses], dim=1),
@@ -72,6 +80,20 @@ def sequence_tensors(
         "rollout_log_probs": log_probs,
         "weight_version": versions,
     }
+
+
+def routed_experts_tensor(
+    completions: Sequence[Completion], prompt_lengths: Sequence[int], prompt_width: int, length: int
+) -> torch.Tensor:
+    """``[B, P+R, L, k]`` int16: each completion's ``routed_experts`` (its ``prompt_lengths[i]``
+    prompt tokens, then its response tokens) placed like its tokens in ``input_ids`` (prompt
+    left-padded to ``prompt_width``, response right-padded to ``length``), -1 on padding."""
+    first = completions[0].routed_experts
+    out = torch.full((len(completions), prompt_width + length, *first.shape[1:]), -1, dtype=ROUTING_DTYPE)
+    for i, (completion, prompt) in enumerate(zip(completions, prompt_lengths, strict=True)):
+        routed = completion.routed_experts
+        out[i, prompt_width - prompt : prompt_width + routed.shape[0] - prompt] = routed
+    return out
 
 
 def response_part(per_token: torch.Tensor, prompt_width: int) -> torch.Tensor:
@@ -99,6 +121,7 @@ def decode_responses(tokenizer, responses: torch.Tensor, lengths: torch.Tensor) 
 
 
 SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids")
+ROUTING_FIELDS = ("routed_experts",)  # [B, S, L, k]: padded along dim 1 like input_ids, with -1
 PER_SEQUENCE_2D_FIELDS = ("reward_components",)  # [B, K]: never resized, whatever K is
 
 
@@ -123,6 +146,8 @@ def resize_columns(
             out[name] = torch.nn.functional.pad(tensor, (left, 0), value=fill(name))
         elif name in SEQUENCE_FIELDS:
             out[name] = torch.nn.functional.pad(tensor, (left, right), value=fill(name))
+        elif name in ROUTING_FIELDS:  # pad dim 1 of [B, S, L, k]
+            out[name] = torch.nn.functional.pad(tensor, (0, 0, 0, 0, left, right), value=-1)
         elif tensor.ndim == 2 and tensor.shape[1] == old_response and name not in PER_SEQUENCE_2D_FIELDS:
             out[name] = torch.nn.functional.pad(tensor, (0, right), value=fill(name))
         else:

@@ -1,4 +1,5 @@
-"""The actor's loss for one micro-batch: policy loss, optional entropy bonus and reference-KL term.
+"""The actor's loss for one micro-batch: policy loss, optional entropy bonus, reference-KL term and
+distillation term.
 
 Built as a closure the training engine calls with ``(micro_batch, token_outputs)``; it returns
 this micro-batch's share of the mini-batch loss (global token/sequence counts in the
@@ -19,6 +20,7 @@ from tandem.algos import (
     compute_policy_loss,
     mismatch_metrics,
 )
+from tandem.algos.distill import DISTILL_LOSSES, DistillConfig
 from tandem.algos.masked import masked_mean
 from tandem.engine.base import LossFn, TokenOutputs
 from tandem.protocol import Batch
@@ -33,6 +35,7 @@ def make_actor_loss(
     entropy_coeff: float = 0.0,
     kl: KLConfig | None = None,
     old_from_current: bool = False,
+    distill: DistillConfig | None = None,
 ) -> LossFn:
     """A loss function for :meth:`TorchTrainEngine.forward_backward` (see the module docstring).
 
@@ -41,6 +44,10 @@ def make_actor_loss(
     ``ref_log_probs`` when ``kl.use_kl_loss``. With ``old_from_current`` (a purely on-policy
     step) ``old_log_probs`` are this forward's own log-probs, detached, and the micro-batch
     needs ``rollout_log_probs`` instead: the rollout-vs-trainer mismatch is measured here.
+    With the teacher's top-k tokens in the micro-batch (``teacher_top_ids``, ``teacher_top_log_probs``
+    ``[B, R, k]``; the outputs then hold the student's log-probs of them and its greedy token) the
+    greedy agreement is measured, and ``distill``'s loss-term objective is added with weight
+    ``distill.coef``.
     """
     use_kl_loss = kl is not None and kl.use_kl_loss
 
@@ -68,6 +75,36 @@ def make_actor_loss(
             )
             loss = loss + kl.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = kl_loss.detach()
+        if "teacher_top_ids" in micro:
+            loss = loss + _teacher_top_k_terms(
+                micro, outputs, width, mask, distill, loss_config, normalizer, metrics
+            )
         return loss, metrics
 
     return loss_fn
+
+
+def _teacher_top_k_terms(
+    micro: Batch,
+    outputs: TokenOutputs,
+    width: int,
+    mask: torch.Tensor,
+    distill: DistillConfig | None,
+    loss_config: PolicyLossConfig,
+    normalizer: LossNormalizer,
+    metrics: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """``distill/greedy_agreement`` (the student's greedy token is the teacher's, on response
+    tokens) into ``metrics``; returns ``coef *`` the loss-term objective over the teacher's top-k
+    tokens (``distill/loss``), or 0 for a dense-advantage objective."""
+    teacher_ids = micro["teacher_top_ids"]
+    greedy = response_part(outputs.top_ids, width)[..., 0]
+    weights = mask.to(torch.float32)
+    metrics["distill/greedy_agreement"] = masked_mean((greedy == teacher_ids[..., 0]).float(), weights)
+    if distill is None or not distill.adds_loss:
+        return torch.zeros((), device=mask.device)
+    student = response_part(outputs.gathered_log_probs, width)  # [B, R, k]
+    per_token = DISTILL_LOSSES.get(distill.objective)(student, micro["teacher_top_log_probs"], distill.beta)
+    term = aggregate_loss(per_token, mask, loss_config.loss_agg_mode, normalizer)
+    metrics["distill/loss"] = term.detach()
+    return distill.coef * term

@@ -52,6 +52,7 @@ def actor_engine_config(config: TrainConfig, device: str, strategy: str, schedul
             "model_path": (config.model_path, "model_path"),
             "seed": (config.trainer.seed, "trainer.seed"),
             "logprob_temperature": (config.rollout.temperature, "rollout.temperature"),
+            "router_replay": (config.actor.router_replay, "actor.router_replay"),
         },
     )
     return dataclasses.replace(
@@ -81,6 +82,21 @@ def critic_engine_config(
     return dataclasses.replace(
         derived, device=device, strategy=strategy, total_steps=engine.total_steps or schedule_steps
     )
+
+
+def teacher_engine_config(config: TrainConfig, device: str, strategy: str) -> EngineConfig:
+    """The teacher's :class:`EngineConfig` for a worker on ``device``: its log-prob passes on
+    ``teacher.model_path`` at the rollout's temperature (as the student's), the run's seed."""
+    derived = _replace_derived(
+        "teacher.engine",
+        config.teacher.engine,
+        {
+            "model_path": (config.teacher.model_path, "teacher.model_path"),
+            "seed": (config.trainer.seed, "trainer.seed"),
+            "logprob_temperature": (config.rollout.temperature, "rollout.temperature"),
+        },
+    )
+    return dataclasses.replace(derived, device=device, strategy=strategy)
 
 
 def rollout_engine_config(config: TrainConfig, device: str) -> RolloutEngineConfig:
@@ -135,6 +151,7 @@ def check_derived_fields(config: TrainConfig) -> None:
     for owner, given in (
         ("actor.engine", config.actor.engine),
         ("critic.engine", config.critic.engine),
+        ("teacher.engine", config.teacher.engine),
         ("rollout.engine.native", config.rollout.engine.native),
         ("rollout.engine.vllm", config.rollout.engine.vllm),
         ("rollout.engine.hf", config.rollout.engine.hf),
@@ -142,4 +159,5 @@ def check_derived_fields(config: TrainConfig) -> None:
         _replace_derived(owner, given, {"device": (device, "trainer.device")})
     actor_engine_config(config, device, config.actor.engine.strategy, 0)
     critic_engine_config(config, device, config.critic.engine.strategy, 0)
+    teacher_engine_config(config, device, config.teacher.engine.strategy)
     rollout_engine_config(config, device)

@@ -34,6 +34,7 @@ from tandem.algos import (
     compute_advantage,
     compute_rollout_correction,
 )
+from tandem.algos.distill import distill_metrics, distilled_advantages
 from tandem.config.paths import check_workers_share_output_dir, with_absolute_paths
 from tandem.controller import Role, check_placement, create_colocated_group, create_worker_group
 from tandem.engine.divergence import check_health, check_skipped_in_a_row
@@ -60,6 +61,7 @@ from tandem.rl.preference_pairs import best_worst_pairs, with_reference_sums
 from tandem.rl.rewards.model_worker import RewardModelWorker
 from tandem.rl.rewards.sources import RewardSources
 from tandem.rl.scoring import score_responses
+from tandem.rl.teacher_worker import TeacherWorker, check_same_tokenizer
 from tandem.rl.worker import ActorRolloutRefWorker, reduce_metric
 from tandem.rollout.factory import check_engine_installed
 from tandem.run.checkpoints import CheckpointManager
@@ -146,8 +148,14 @@ class RLTrainer:
             data_files={"train": data.train_path, "val": data.val_path},
             total_steps=self.total_steps,
         )
+        if config.distills:
+            check_same_tokenizer(
+                load_tokenizer(config.teacher.model_path), config.teacher.model_path,
+                self.tokenizer, config.model_path,
+            )  # fmt: skip
         self.rollout: BatchSource | None = None  # built with the workers
         self.critics = None  # the critic's worker group, when the estimator reads values
+        self.teachers = None  # the teacher's ranks, when the run distils
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> RLResult:
@@ -204,19 +212,27 @@ class RLTrainer:
         config, backend = self.config, self.config.trainer.backend
         pool = config.resource_pool()
         colocated = config.uses_critic and config.critic.placement == "colocated"
-        if colocated:  # the critic in the actor's processes: group.actor.<m>, group.critic.<m>
-            roles = {"actor": Role(ActorRolloutRefWorker, (config,)), "critic": Role(CriticWorker, (config,))}
+        teacher_colocated = config.distills and config.teacher.placement == "colocated"
+        roles = {"actor": Role(ActorRolloutRefWorker, (config,))}
+        if colocated:  # in the actor's processes: group.actor.<m>, group.critic.<m>, group.teacher.<m>
+            roles["critic"] = Role(CriticWorker, (config,))
+        if teacher_colocated:
+            roles["teacher"] = Role(TeacherWorker, (config,))
+        if len(roles) > 1:
             fused = groups.enter_context(create_colocated_group(roles, pool, backend))
-            self.workers, self.critics = fused.actor, fused.critic
+            self.workers = fused.actor
+            self.critics = fused.critic if colocated else None
+            self.teachers = fused.teacher if teacher_colocated else None
         else:
             self.workers = groups.enter_context(
                 create_worker_group(ActorRolloutRefWorker, pool, backend, args=(config,))
             )
-            self.critics = None
         check_workers_share_output_dir(self.workers, self.output_dir)
         params = self.workers.init_model(
             config.schedule_steps(self.total_steps, config.actor.ppo_epochs, config.mini_batch_prompts)
         )[0]
+        if config.distills:
+            self._start_teacher(groups)
         if config.uses_critic and not colocated:  # a group of its own, with the actor's worker count
             self.critics = groups.enter_context(
                 create_worker_group(CriticWorker, config.critic_resource_pool(), backend, args=(config,))
@@ -234,6 +250,22 @@ class RLTrainer:
         if MODEL_SOURCE in config.reward.sources:  # a pool of its own
             self._start_reward_model(groups)
         return params
+
+    def _start_teacher(self, groups: contextlib.ExitStack) -> None:
+        """The teacher's ranks: the colocated role, or a worker group of its own
+        (``teacher.placement=separate``) with the actor's worker count."""
+        config = self.config
+        if self.teachers is None:
+            self.teachers = groups.enter_context(
+                create_worker_group(
+                    TeacherWorker, config.teacher_resource_pool(), config.trainer.backend, args=(config,)
+                )
+            )
+        params = self.teachers.init_model()[0]
+        self.console.print(
+            f"teacher: {params / 1e6:.2f}M parameters from {config.teacher.model_path}, "
+            f"{config.world_size} worker(s), {config.teacher.placement}"
+        )
 
     def _start_reward_model(self, groups: contextlib.ExitStack) -> None:
         """The reward model's worker group (``reward.model.*``), scoring for ``self.rewards``."""
@@ -267,7 +299,9 @@ class RLTrainer:
     def _record_processes(self) -> None:
         """Note this host's processes of the run, so that a run after a ``kill -9`` here removes
         the shared-memory files they leave (:mod:`tandem.run.leftovers`)."""
-        groups = [g for g in (self.workers, self.critics, self.rewards.model_group) if g is not None]
+        groups = [
+            g for g in (self.workers, self.critics, self.teachers, self.rewards.model_group) if g is not None
+        ]
         pids = [os.getpid(), *self.rollout.host_pids(), *(pid for g in groups for pid in g.backend.host_pids)]
         directory = self.config.pipeline.checkpoint_engine.directory
         record_processes(self.output_dir, pids, ["/dev/shm", *([directory] if directory else [])])
@@ -335,6 +369,9 @@ class RLTrainer:
         if self.config.needs_reference:
             with timed(timings, "ref"):
                 batch = batch.union(self.workers.compute_ref_log_prob(batch))
+        if self.teachers is not None:
+            with timed(timings, "teacher"):
+                batch = batch.union(self.teachers.compute_teacher_log_prob(batch))
         if self.critics is not None:
             with timed(timings, "values"):
                 batch = batch.union(self.critics.compute_values(batch))
@@ -477,7 +514,16 @@ class RLTrainer:
             ),
             algorithm.advantage_config(),
         )
-        tensors = {"token_level_rewards": rewards, "advantages": advantage.advantages, "response_mask": mask}
+        advantages = advantage.advantages
+        if "teacher_log_probs" in batch:  # on-policy distillation: the teacher's per-token signal
+            student = batch["old_log_probs"] if "old_log_probs" in batch else batch["rollout_log_probs"]
+            advantages = distilled_advantages(
+                advantages, student, batch["teacher_log_probs"], mask, algorithm.distill
+            )
+            metrics.update(
+                {k: float(v) for k, v in distill_metrics(student, batch["teacher_log_probs"], mask).items()}
+            )
+        tensors = {"token_level_rewards": rewards, "advantages": advantages, "response_mask": mask}
         if "values" in batch:  # the critic's targets
             tensors["returns"] = advantage.returns
         if weights is not None:

@@ -28,6 +28,7 @@ from tandem.controller.profiling import ProfilesCalls
 from tandem.device import bind_device, max_memory_allocated_gb, release_cached_memory, reset_peak_memory
 from tandem.dpo.loss import pair_metrics, preference_loss
 from tandem.engine import TorchTrainEngine
+from tandem.engine.base import GATHER_FIELD
 from tandem.engine.divergence import ModelHealth, SkippedUpdates
 from tandem.engine.offload import Residency
 from tandem.engine.parallel import rank_strategy
@@ -46,6 +47,7 @@ SUMMED_METRICS = (
     "actor/kl_loss",
     "actor/preference_loss",
     "critic/vf_loss",
+    "distill/loss",
 )  # micro-batch (and worker) shares of one loss: add up
 MAX_METRICS = ("rollout_corr/max_abs_log_prob_diff",)
 ACTOR_MESH = "actor"  # the engine's data-parallel ranks: sequence-parallel peers get the same rows
@@ -268,11 +270,14 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         config = self.config
         actor = config.actor
         order = batch
+        top_k = 0
+        if "teacher_top_ids" in batch:  # the student's log-probs of the teacher's top-k, its greedy token
+            order, top_k = with_gather_ids(batch), 1
         if actor.shuffle_mini_batches:
             generator = torch.Generator().manual_seed(
                 derive_seed(config.trainer.seed, SHUFFLE_SEED_TAG, step, epoch)
             )
-            order = batch.reorder(torch.randperm(len(batch), generator=generator))
+            order = order.reorder(torch.randperm(len(batch), generator=generator))
         for mini in order.split(local_mini):
             normalizer = self.engine.global_normalizer(mini["response_mask"])
             loss_fn = make_actor_loss(
@@ -281,8 +286,9 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
                 actor.entropy_coeff,
                 config.algorithm.kl,
                 config.old_log_probs_from_update,
+                config.algorithm.distill if config.distills else None,
             )
-            result = self.engine.forward_backward(mini, loss_fn)
+            result = self.engine.forward_backward(mini, loss_fn, top_k=top_k)
             self._optimizer_step(result.loss, collected)
             for name, values in result.metrics.items():
                 collected[name].append(reduce_metric(name, values))
@@ -340,6 +346,15 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
     def shutdown_engines(self) -> None:
         if self.rollout is not None:
             self.rollout.close()
+
+
+def with_gather_ids(batch: Batch) -> Batch:
+    """``batch`` with ``gather_token_ids [B, S, k]``: the teacher's top-k tokens of each response
+    position (``teacher_top_ids [B, R, k]``) laid out like ``input_ids``, 0 in the prompt columns;
+    the engine returns the student's log-probs of them (:data:`tandem.engine.base.GATHER_FIELD`)."""
+    top = batch["teacher_top_ids"]
+    prompt = top.new_zeros(top.shape[0], batch["prompts"].shape[1], top.shape[2])
+    return batch.assign(tensors={GATHER_FIELD: torch.cat([prompt, top], dim=1)})
 
 
 def reduce_metric(name: str, values: list[float], over_steps: bool = False) -> float:

@@ -1,4 +1,8 @@
-"""The ``hf`` reference engine: transformers' ``generate``, one request at a time. Slow, simple, the oracle."""
+"""The ``hf`` reference engine: transformers' ``generate``, one request at a time. Slow, simple, the oracle.
+
+For a mixture-of-experts model it records each token's experts per MoE layer (each decoder
+forward of ``generate`` routes the tokens it feeds in) into the completion's ``routed_experts``.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,10 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 from tandem.device import bind_device
 from tandem.models.loading import load_model, load_tokenizer
+from tandem.models.moe import RouterTap, is_moe
 from tandem.models.weights import load_named_tensors
 from tandem.protocol.generation import Completion, EngineMetrics, RolloutRequest, TokenCallback
+from tandem.rollout.routing import completed_routing
 
 
 class HFRolloutEngine:
@@ -31,6 +37,13 @@ class HFRolloutEngine:
         self.version = 0
         self.paused = False
         self.generated_tokens = 0
+        self._routing = RouterTap(model) if is_moe(model) else None
+        self._routed: list[torch.Tensor] = []  # this request's [n, L, k] per decoder forward
+        if self._routing is not None:
+            model.get_decoder().register_forward_hook(self._record_routing)
+
+    def _record_routing(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        self._routed.append(self._routing.recorded().cpu())
 
     @property
     def max_model_len(self) -> int:
@@ -82,6 +95,7 @@ class HFRolloutEngine:
         cuda = []
         if self.device.type == "cuda":
             cuda = [torch.cuda.current_device() if self.device.index is None else self.device.index]
+        self._routed = []
         with torch.random.fork_rng(devices=cuda):
             if params.seed is not None:
                 torch.manual_seed(params.seed)
@@ -113,8 +127,22 @@ class HFRolloutEngine:
             float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(scores, tokens, strict=False)
         ]
         finish = "stop" if tokens and tokens[-1] in stop_ids else "length"
+        routed = None
+        if self._routing is not None:
+            routed = completed_routing(
+                self._routed,
+                len(request.prompt_ids) + len(tokens),
+                self._routing.num_layers,
+                self._routing.top_k,
+            )
         return Completion(
-            request.request_id, request.prompt_ids, tokens, log_probs, [self.version] * len(tokens), finish
+            request.request_id,
+            request.prompt_ids,
+            tokens,
+            log_probs,
+            [self.version] * len(tokens),
+            finish,
+            routed_experts=routed,
         )
 
     def abort(self, request_id: str) -> bool:

@@ -9,7 +9,9 @@ and are copied into the other requests' slots.
 
 For Llama, Qwen2 and Qwen3 the forward runs through :class:`~tandem.rollout.lean.LeanDecoder`
 (HF's computation without its per-layer Python overhead, bit-identical); other models use
-HF's own decoder with the cache plugged in as an attention implementation. fp32 linear
+HF's own decoder with the cache plugged in as an attention implementation (mixture-of-experts
+models among them: the engine records each token's experts per MoE layer into the
+completion's ``routed_experts``, :mod:`tandem.rollout.routing`). fp32 linear
 layers run on oneDNN on the CPU (:mod:`tandem.kernels.cpu.linear`, as in the trainer), with
 weights prepacked into oneDNN's blocked layout for the lean forward and the head. On a GPU
 the model, the KV cache and the sampler's tensors live on the engine's device
@@ -45,6 +47,7 @@ from tandem.kernels.cpu import enable_cpu_kernels
 from tandem.kernels.cpu.linear import PackedLinears
 from tandem.kernels.cuda.head import half_head_logits
 from tandem.models.loading import load_model, load_tokenizer, resolve_dtype
+from tandem.models.moe import RouterTap, is_moe
 from tandem.models.weights import load_named_tensors
 from tandem.protocol.generation import (
     Completion,
@@ -66,6 +69,7 @@ from tandem.rollout.native_step import (
     plan_prefill,
     stop_reason,
 )
+from tandem.rollout.routing import completed_routing
 from tandem.rollout.sampling import draw_step
 from tandem.rollout.shared_prefix import SharedPrefixes, group_by_prefix
 from tandem.rollout.stats import EngineStats
@@ -93,6 +97,7 @@ class NativeRolloutEngine:
             self.model, enabled=self.config.prepack_weights and uses_cpu_kernels(self.device)
         )
         self._lean = LeanDecoder(self.model, self._packed) if lean else None
+        self._routing = RouterTap(self.model) if is_moe(self.model) else None  # MoE: records experts
         self.tokenizer = tokenizer
         hf = self.model.config
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
@@ -417,11 +422,22 @@ class NativeRolloutEngine:
             hidden = self._decoder()(
                 input_ids=input_ids, position_ids=position_ids, use_cache=False, tandem_plan=plan
             ).last_hidden_state[0]
+        if self._routing is not None:
+            self._record_routing(prefill, decoding)
         for sequence, segment in prefill.segments:
             prefill.hidden_rows[id(sequence)] = hidden[segment.token_end - 1]
             self._remember_prefix(sequence, hidden[segment.token_end - 1])
         self.stats.prefilled_tokens += prefill.length
         return hidden
+
+    def _record_routing(self, prefill: PrefillPlan, decoding: list[SequenceState]) -> None:
+        """Each token's experts from this forward: a computed prompt's rows to its request, each
+        decode row to its request."""
+        routed = self._routing.recorded().cpu()  # [T, L, k] of the packed row
+        for sequence, segment in prefill.segments:
+            sequence.routing = [routed[segment.token_start : segment.token_end]]
+        for index, sequence in enumerate(decoding):
+            sequence.routing.append(routed[prefill.length + index : prefill.length + index + 1])
 
     def _copy_prompts(self, prefill: PrefillPlan) -> None:
         """Give each request whose prompt another one computed in this step that prompt's keys,
@@ -434,6 +450,7 @@ class NativeRolloutEngine:
             )
         for sequence, source in prefill.copies:
             prefill.hidden_rows[id(sequence)] = prefill.hidden_rows[id(source)]
+            sequence.routing = list(source.routing)
 
     @staticmethod
     def _last_hidden(
@@ -490,7 +507,8 @@ class NativeRolloutEngine:
         if self.config.prefix_cache_entries <= 0:
             return
         keys, values = self.cache.read(sequence.slot, len(sequence.prompt))
-        self._prefix[(self.version, sequence.prompt)] = PrefixEntry(keys, values, last_hidden.clone())
+        routed = sequence.routing[0] if sequence.routing else None
+        self._prefix[(self.version, sequence.prompt)] = PrefixEntry(keys, values, last_hidden.clone(), routed)
         while len(self._prefix) > self.config.prefix_cache_entries:
             self._prefix.popitem(last=False)
 
@@ -534,6 +552,14 @@ class NativeRolloutEngine:
         self._finish(sequence, reason, error)
 
     def _finish(self, sequence: SequenceState, reason: str, error: str | None = None) -> None:
+        if self._routing is not None:
+            completion = sequence.completion
+            completion.routed_experts = completed_routing(
+                sequence.routing,
+                len(completion.prompt_ids) + len(completion.token_ids),
+                self._routing.num_layers,
+                self._routing.top_k,
+            )
         sequence.completion.finish_reason = reason
         sequence.completion.error = error
         self.stats.finished[reason] += 1

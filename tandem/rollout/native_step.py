@@ -31,6 +31,9 @@ class SequenceState:
     slot: int = -1
     cached_len: int = 0  # tokens whose keys/values are in the cache
     prefill_version: int = -1  # the weight version its prompt's keys/values were computed under
+    routing: list[torch.Tensor] = field(
+        default_factory=list
+    )  # MoE: [n, L, k] chunks (tandem.rollout.routing)
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -41,11 +44,13 @@ class SequenceState:
 @dataclass
 class PrefixEntry:
     """A prompt's cached state under one weight version: its keys and values (one
-    ``[kv_heads, prompt_len, head_dim]`` tensor per layer) and its last hidden state ``[H]``."""
+    ``[kv_heads, prompt_len, head_dim]`` tensor per layer), its last hidden state ``[H]`` and,
+    for an MoE model, its tokens' experts ``[prompt_len, L, k]``."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     last_hidden: torch.Tensor
+    routed_experts: torch.Tensor | None = None
 
 
 PrefixCache = collections.OrderedDict[tuple, PrefixEntry]  # (weight version, prompt) -> entry, oldest first
@@ -94,6 +99,8 @@ def plan_prefill(
             prefix.move_to_end((version, sequence.prompt))
             cache.write(sequence.slot, entry.keys, entry.values)
             plan.hidden_rows[id(sequence)] = entry.last_hidden
+            if entry.routed_experts is not None:
+                sequence.routing = [entry.routed_experts]
             stats.prefix_hits += 1
         elif sequence.prompt in computing:  # same prompt as another request in this step
             plan.copies.append((sequence, computing[sequence.prompt]))

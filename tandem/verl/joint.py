@@ -25,7 +25,7 @@ from tandem.verl.joint_algorithm import (
     rollout_correction,
 )
 from tandem.verl.joint_rewards import OVERLONG_PLACES, rewards
-from tandem.verl.joint_rollout import rollout_engine, validation_sampling
+from tandem.verl.joint_rollout import rollout_engine, router_replay, validation_sampling
 from tandem.verl.joint_training import ACTOR_SP, REF_SP, engine_settings, optimizer, sequence_parallel
 from tandem.verl.keys import ACTOR, MODEL
 
@@ -148,6 +148,7 @@ TRANSLATORS: tuple[Callable[[Context], None], ...] = (
     engine_settings,
     sequence_parallel,
     rollout_engine,
+    router_replay,
     validation_sampling,
     rewards,
     trainer_outputs,

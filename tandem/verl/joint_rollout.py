@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from tandem.verl import names
 from tandem.verl.context import Context
-from tandem.verl.keys import ROLLOUT
+from tandem.verl.keys import ACTOR, ROLLOUT
+
+ROUTER_REPLAY = (f"{ACTOR}.router_replay.mode", f"{ROLLOUT}.enable_rollout_routing_replay")
 
 
 def rollout_engine(ctx: Context) -> None:
@@ -69,3 +71,30 @@ def validation_sampling(ctx: Context) -> None:
     ctx.out["rollout.val_top_p"] = float(ctx.get(f"{base}.top_p"))
     top_k = ctx.get(f"{base}.top_k")
     ctx.out["rollout.val_top_k"] = 0 if top_k is None or int(top_k) < 0 else int(top_k)
+
+
+def router_replay(ctx: Context) -> None:
+    """verl's rollout routing replay: ``router_replay.mode=R3`` with the rollout recording its
+    experts (``enable_rollout_routing_replay``) is tandem's ``actor.router_replay=rollout``. R2
+    (replaying the old-log-prob pass's routing) has no tandem counterpart."""
+    mode_key, record_key = ROUTER_REPLAY
+    mode, recorded = ctx.get(mode_key, "disabled"), bool(ctx.get(record_key, False))
+    if mode == "R3":
+        if not recorded:
+            raise ValueError(
+                f"{mode_key}=R3 replays the rollout's experts, which the rollout records only with "
+                f"{record_key}=True: set it, or {mode_key}=disabled"
+            )
+        ctx.out["actor.router_replay"] = "rollout"
+    elif mode == "R2":
+        raise ValueError(
+            f"{mode_key}=R2 replays the old-log-prob pass's routing, which tandem does not do; "
+            f"R3 (with {record_key}=True) replays the rollout's: actor.router_replay=rollout"
+        )
+    elif mode != "disabled":
+        raise ValueError(f"{mode_key}={mode}: choose disabled, R2 or R3")
+    elif recorded:
+        ctx.notes.append(
+            f"{record_key}=True without {mode_key}=R3: the rollout's experts would go unused; "
+            "tandem records them only when it replays them"
+        )

@@ -93,7 +93,12 @@ ROLLOUT_RULES: tuple[Rule, ...] = (
     only(f"{ROLLOUT}.ignore_eos", (False,), "generation past the end-of-sequence token"),
     only(f"{ROLLOUT}.disaggregation.enabled", (False,), "prefill/decode disaggregation"),
     only(f"{ROLLOUT}.quantization", (None,), "quantised (fp8) rollouts"),
-    only(f"{ROLLOUT}.enable_rollout_routing_replay", (False,), "MoE router replay"),
+    joint(
+        f"{ROLLOUT}.enable_rollout_routing_replay",
+        "actor.router_replay (with router_replay.mode=R3)",
+        False,
+        example=True,
+    ),
     noted(f"{ROLLOUT}.multi_stage_wake_up", MEMORY),
     noted(f"{ROLLOUT}.enable_sleep_mode", MEMORY),
     noted(f"{ROLLOUT}.moe_tensor_parallel_size", ONE_GPU_REPLICA, example=2),

@@ -169,7 +169,12 @@ RUN_RULES: tuple[Rule, ...] = (
         "verl v1's asynchronous trainer modes (tandem's are pipeline.mode)",
     ),
     only("transfer_queue.enable", (False,), "verl's transfer queue"),
-    only("distillation.enabled", (False,), "distillation"),
+    only(
+        "distillation.enabled",
+        (False,),
+        "verl's distillation losses (top-k KL/JSD over both models' top-k tokens, and sampled-token KL "
+        "estimators); tandem's own: teacher.model_path and algorithm.distill.objective, docs/distillation.md",
+    ),
     noted("trainer.log_val_generations", "tandem's report shows validation scores"),
     noted("trainer.use_legacy_worker_impl", LEGACY_IMPL, example="disable"),
     noted("model_engine", BACKEND, example="dp"),

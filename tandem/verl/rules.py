@@ -140,7 +140,8 @@ UNREAD_TAU = (
     "example) is read by neither verl nor tandem"
 )
 RM_PLACEMENT = "where verl places the reward model; tandem runs reward.model in its own worker"
-MOE_LOSS = "a MoE auxiliary loss (tandem's loss is the policy loss, KL and entropy terms only)"
+ENGINE_ROUTER_REPLAY = "router replay in verl's Megatron and VeOmni engines; tandem's is actor_rollout_ref.actor.router_replay.mode=R3"
+MOE_LOSS = "a Megatron MoE auxiliary loss (tandem's own: actor.engine.moe_aux_loss_coef)"
 FP8 = "fp8 training"
 DIST_CKPT = "starting from Megatron distributed checkpoints (start from the HF model directory)"
 LEGACY_IMPL = "an implementation switch of verl 0.7 (its legacy or new worker classes); tandem has one"

@@ -12,6 +12,7 @@ import torch
 from tandem.controller import ResourcePool, WorkerError, create_worker_group
 from tandem.device import cuda_device_count
 from tandem.engine import EngineConfig, LoraConfig
+from tandem.engine.base import GATHER_FIELD
 from tandem.engine.ulysses_attention import check_heads
 from tandem.engine.varlen_attention import packed_attention
 from tandem.models import TinyModelConfig, save_tiny_model
@@ -121,6 +122,28 @@ def test_two_sequence_parallel_ranks_equal_one_process(
     whole = _gradients(one_process, config, batch)[0]
     split = _gradients(two_ranks, dataclasses.replace(config, sp_size=2, strategy=strategy), batch)
     _assert_same_gradients(split, whole)
+
+
+def test_top_k_and_named_tokens_split_over_two_ranks_equal_one_process(model_dirs, one_process, two_ranks):
+    """What distillation reads (each position's top-k tokens, the log-probs of named tokens and
+    their gradients) comes back whole from a split row."""
+    batch = random_batch(2, batch=6, length=24)
+    named = torch.randint(0, 103, (*batch["input_ids"].shape, 3), generator=torch.Generator().manual_seed(9))
+    batch = batch.assign(tensors={GATHER_FIELD: named})
+    config = _config(model_dirs[("qwen2", 2)])
+    one_process.build(config)
+    whole = one_process.token_choices(batch, 4)[0]
+    two_ranks.build(dataclasses.replace(config, sp_size=2, strategy="ddp"))
+    for got in two_ranks.token_choices(batch, 4):
+        assert torch.equal(got["outputs"]["top_ids"], whole["outputs"]["top_ids"])
+        diffs = {
+            name: _max_diff(got["outputs"][name], whole["outputs"][name])
+            for name in ("top_log_probs", "gathered_log_probs")
+        }
+        diffs.update(
+            {f"grad/{name}": _max_diff(got["grads"][name], grad) for name, grad in whole["grads"].items()}
+        )
+        _assert_within_tolerance(diffs)
 
 
 def test_shared_prompts_split_over_two_ranks_equal_one_process(model_dirs, one_process, two_ranks):
@@ -255,7 +278,6 @@ def test_heads_that_do_not_split_are_refused():
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        ({"tp_size": 2}, "engine.tp_size=2: tensor parallelism is not built yet"),
         ({"sp_size": 2, "use_packing": False}, "engine.sp_size=2 needs engine.use_packing=True"),
         ({"sp_size": 0}, "sp_size"),
     ],

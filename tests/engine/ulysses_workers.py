@@ -45,7 +45,7 @@ class UlyssesWorker(Worker):
         self.engine = TorchTrainEngine(config)
         self.engine.initialize()
         mesh = self.engine.mesh
-        self.set_mesh_rank(MESH, mesh.dp_rank, mesh.dp_size, is_collect=mesh.sp_rank == 0)
+        self.set_mesh_rank(MESH, mesh.dp_rank, mesh.dp_size, is_collect=mesh.collects)
 
     def _outputs_and_loss(self, batch: Batch) -> tuple[dict[str, torch.Tensor], float]:
         """The forward-only outputs ``[B, S]`` of ``batch`` (a policy's ``sum_pi_squared`` too), then
@@ -71,6 +71,25 @@ class UlyssesWorker(Worker):
                 grads[name] = grad.detach().cpu().clone()
         self.engine.zero_grad()
         return {"outputs": outputs, "loss": loss, "grads": grads}
+
+    @register(dispatch="ONE_TO_ALL")
+    def token_choices(self, batch: Batch, top_k: int) -> dict:
+        """The forward-only ``top_k`` tokens and their log-probs, and the log-probs of the tokens the
+        batch names (``gather_token_ids``); then the full gradient of a loss on the named ones."""
+        outputs = self.engine.forward_backward(batch, None, forward_only=True, top_k=top_k).outputs
+
+        def named_loss(micro: Batch, out: TokenOutputs) -> tuple[torch.Tensor, dict]:
+            weights = micro["loss_mask"].to(torch.float32)[..., None]
+            return -(out.gathered_log_probs * weights).sum() / 64.0, {}
+
+        self.engine.forward_backward(batch, named_loss)
+        grads = {}
+        for name, param in self.engine.causal_lm.named_parameters():
+            grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+            grads[name] = grad.detach().cpu().clone()
+        self.engine.zero_grad()
+        chosen = ("top_ids", "top_log_probs", "gathered_log_probs")
+        return {"outputs": {name: getattr(outputs, name) for name in chosen}, "grads": grads}
 
     @register(dispatch="ALL_TO_ALL")
     def log_probs_of(self, batch: Batch) -> torch.Tensor:

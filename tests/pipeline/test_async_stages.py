@@ -84,3 +84,17 @@ def test_online_dpo_trains_each_groups_best_against_its_worst(rl_files, tmp_path
         assert metrics["online_dpo/groups_with_preference"] > 0
         assert metrics["online_dpo/chosen_score"] > metrics["online_dpo/rejected_score"]
         assert "actor/preference_loss" in metrics and "pipeline/staleness/max" in metrics
+
+
+def test_distillation_scores_replica_samples_on_the_trainer(rl_files, tmp_path):
+    """The policy's own starting weights as the teacher: at step 1 the student is the teacher, so
+    its reverse KL, top-k divergence and greedy disagreement are 0; later steps move it away."""
+    _, steps = _run(
+        rl_files, tmp_path, "fully_async", f"teacher.model_path={rl_files['model']}",
+        "algorithm.distill.objective=jsd", "teacher.top_k=4",
+    )  # fmt: skip
+    first = steps[0]
+    assert abs(first["distill/reverse_kl"]) < 1e-6
+    assert first["distill/teacher_log_prob"] == pytest.approx(first["distill/student_log_prob"], abs=1e-6)
+    assert abs(first["distill/loss"]) < 1e-6 and first["distill/greedy_agreement"] == 1.0
+    assert steps[-1]["distill/reverse_kl"] != 0.0

@@ -102,11 +102,19 @@ CONTEXT = {
         "reward_model.reward_kwargs.overlong_buffer_cfg.len=64",
     ],
     "reward_model.reward_kwargs.max_resp_len": ["data.max_response_length=512"],
+    "actor_rollout_ref.actor.router_replay.mode": [
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
+    ],
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay": [
+        "actor_rollout_ref.actor.router_replay.mode=R3"
+    ],
 }
 
 # What each joint key's example becomes (tandem key -> value), with CONTEXT beside it.
 JOINT = {
     "data.train_files": {"data.train_path": "/data/train.parquet"},
+    "actor_rollout_ref.actor.router_replay.mode": {"actor.router_replay": "rollout"},
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay": {"actor.router_replay": "rollout"},
     "data.val_files": {"data.val_path": "/data/test.parquet"},
     "data.filter_overlong_prompts": {
         "data.overlong_prompts": "error"

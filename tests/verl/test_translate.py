@@ -326,3 +326,18 @@ def test_ulysses_sizes_become_the_engines_sp_size(place):
 def test_ulysses_sizes_that_disagree_are_refused(items, message):
     with pytest.raises(ValueError, match=message):
         translate(args(*items))
+
+
+def test_verl_s_rollout_routing_replay_is_tandem_s_and_the_rest_is_refused():
+    replay = (
+        "actor_rollout_ref.actor.router_replay.mode=R3",
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+    )
+    assert config_of(*replay).actor.router_replay == "rollout"
+    assert config_of().actor.router_replay == "off"
+    with pytest.raises(ValueError, match="enable_rollout_routing_replay=True: set it"):
+        translate(args("actor_rollout_ref.actor.router_replay.mode=R3"))
+    with pytest.raises(ValueError, match="R2 replays the old-log-prob pass's routing"):
+        translate(args("actor_rollout_ref.actor.router_replay.mode=R2"))
+    recorded = translate(args("actor_rollout_ref.rollout.enable_rollout_routing_replay=true"))
+    assert any("would go unused" in note for note in recorded.notes)

@@ -10,7 +10,7 @@ from tandem.algos import (
 )
 from tandem.algos.preference import UNPAIRED_LOSSES, PreferenceLossConfig
 from tandem.config.validation import check_choice, check_positive, check_range
-from tandem.engine.config import EngineConfig
+from tandem.engine.config import ROUTER_REPLAY, EngineConfig
 from tandem.engine.offload import OffloadConfig
 
 if TYPE_CHECKING:
@@ -70,6 +70,11 @@ class ActorConfig:
             (:class:`~tandem.algos.preference.PreferenceLossConfig`: ``name``, ``beta``, ...).
         offload: what the colocated loop keeps on the CPU between the phases that need it
             (:class:`ActorOffloadConfig`: ``params``, ``optimizer``, ``reference``).
+        router_replay: a mixture-of-experts policy's routing in the trainer: ``off`` (the
+            trainer routes each token itself) or ``rollout`` (rollout routing replay: the old
+            log-prob and update forwards run the experts the rollout engine recorded for each
+            token, weighted by the live router; needs the native or hf rollout engine). Sets
+            ``actor.engine.router_replay``; see docs/moe.md.
     """
 
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(lr=1e-6))
@@ -82,9 +87,11 @@ class ActorConfig:
     objective: str = "policy_gradient"
     preference: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
     offload: ActorOffloadConfig = field(default_factory=ActorOffloadConfig)
+    router_replay: str = "off"
 
     def __post_init__(self) -> None:
         check_choice("actor", "objective", self.objective, OBJECTIVES)
+        check_choice("actor", "router_replay", self.router_replay, ROUTER_REPLAY)
         check_range("actor", "ppo_mini_batch_size", self.ppo_mini_batch_size, low=0)
         check_positive("actor", "ppo_epochs", self.ppo_epochs)
         check_range("actor", "entropy_coeff", self.entropy_coeff, low=0.0)

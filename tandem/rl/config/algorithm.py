@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tandem.algos import (
     ADVANTAGE_ESTIMATORS,
@@ -12,11 +11,9 @@ from tandem.algos import (
     estimator_inputs,
     estimator_requirements,
 )
+from tandem.algos.distill import DistillConfig
 from tandem.algos.rollout_correction import RolloutCorrectionConfig
 from tandem.config.validation import check_choice, check_positive
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass(frozen=True)
@@ -55,6 +52,8 @@ class AlgorithmConfig:
         kl: reference-KL use (``kl.use_kl_loss`` for the actor loss, ``kl.use_kl_in_reward`` for a penalty).
         rollout_correction: TIS / MIS against the rollout-vs-trainer mismatch.
         filter_groups: DAPO dynamic sampling.
+        distill: on-policy distillation from ``teacher.*`` (the teacher's per-token log-ratio as
+            a dense advantage, weighted with the estimator's; :mod:`tandem.algos.distill`).
     """
 
     adv_estimator: str = "grpo"
@@ -66,6 +65,7 @@ class AlgorithmConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
         canonical = ADVANTAGE_ESTIMATORS.canonical(self.adv_estimator, "algorithm.adv_estimator")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from tandem.agents.config import AgentConfig
 from tandem.controller.resource_pool import ResourcePool
+from tandem.engine.config import refuse_trainer_tensor_parallel
 from tandem.pipeline.config import PipelineConfig
 from tandem.rl.config.actor import ActorConfig, check_preference
 from tandem.rl.config.algorithm import AlgorithmConfig
@@ -29,6 +30,7 @@ from tandem.rl.config.data import RLDataConfig
 from tandem.rl.config.pipeline import check_pipeline
 from tandem.rl.config.reward import INTERACTION_SOURCE, MODEL_SOURCE, RewardConfig
 from tandem.rl.config.rollout import RolloutConfig
+from tandem.rl.config.teacher import TeacherConfig, check_teacher
 from tandem.rl.config.trainer import TrainerConfig
 from tandem.rl.critic_config import CriticConfig, check_critic
 from tandem.rl.derived import check_derived_fields
@@ -48,6 +50,7 @@ class TrainConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -55,6 +58,7 @@ class TrainConfig:
         if not self.data.train_path:
             raise ValueError("data.train_path is required (a parquet file of prompts in verl's schema)")
         n, workers = self.rollout.n, self.world_size
+        refuse_trainer_tensor_parallel("actor.engine", self.actor.engine)
         sp = self.actor.engine.sp_size
         if workers % sp:
             raise ValueError(
@@ -105,6 +109,7 @@ class TrainConfig:
         check_pipeline(self)
         check_preference(self)
         check_critic(self)
+        check_teacher(self)
         check_derived_fields(self)
 
     @property
@@ -169,6 +174,16 @@ class TrainConfig:
         own; the local backend binds critic rank ``r`` to actor rank ``r``'s device)."""
         return dataclasses.replace(self.resource_pool(), name="critic")
 
+    def teacher_resource_pool(self) -> ResourcePool:
+        """The teacher group's placement (``teacher.placement=separate``): the actor's shape, in a
+        pool of its own."""
+        return dataclasses.replace(self.resource_pool(), name="teacher")
+
+    @property
+    def distills(self) -> bool:
+        """A teacher scores the sampled tokens (``algorithm.distill.objective``)."""
+        return self.algorithm.distill.enabled
+
     def reward_model_resource_pool(self) -> ResourcePool:
         """The reward-model scorers' placement: ``reward.model.n_workers`` on the first node, one
         GPU each on GPUs."""
@@ -188,11 +203,13 @@ class TrainConfig:
         )
 
     def resource_pools(self) -> list[ResourcePool]:
-        """Every pool the run places: the actor's, and the critic's, the reward model's and the rollout
-        replicas' when the run has them apart from the actor."""
+        """Every pool the run places: the actor's, and the critic's, the teacher's, the reward model's
+        and the rollout replicas' when the run has them apart from the actor."""
         pools = [self.resource_pool()]
         if self.uses_critic and self.critic.placement != "colocated":
             pools.append(self.critic_resource_pool())
+        if self.distills and self.teacher.placement != "colocated":
+            pools.append(self.teacher_resource_pool())
         if MODEL_SOURCE in self.reward.sources:
             pools.append(self.reward_model_resource_pool())
         if self.pipeline.disaggregated:

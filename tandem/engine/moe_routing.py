@@ -1,0 +1,101 @@
+"""The training engine's side of a mixture-of-experts model: routing replay, the load-balancing
+loss and the routing metrics of each micro-batch (see docs/moe.md).
+
+One :class:`MicroBatchRouting` lives for one micro-batch, forward and backward: replay stays
+on through backward because gradient checkpointing recomputes the forward there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from tandem.engine.config import EngineConfig
+from tandem.models.moe import RouterTap, is_moe
+from tandem.models.moe_metrics import load_balancing_loss, load_metrics, routing_disagreement
+
+ROUTING_FIELD = "routed_experts"  # [B, S, L, k] the rollout's experts per token and MoE layer
+
+
+def check_moe_settings(config: EngineConfig, model: nn.Module) -> None:
+    """Refuse MoE settings on a dense model, naming the field."""
+    if is_moe(model):
+        return
+    if config.moe_aux_loss_coef:
+        raise ValueError(
+            f"engine.moe_aux_loss_coef={config.moe_aux_loss_coef}: {type(model).__name__} has no "
+            "mixture-of-experts layers; set it to 0"
+        )
+    if config.router_replay != "off":
+        raise ValueError(
+            f"engine.router_replay={config.router_replay!r}: {type(model).__name__} has no "
+            "mixture-of-experts layers; set it to 'off'"
+        )
+
+
+class EngineRouting:
+    """What the engine does with an MoE model's routers (None of it for a dense model)."""
+
+    def __init__(self, config: EngineConfig, model: nn.Module) -> None:
+        check_moe_settings(config, model)
+        self.tap = RouterTap(model) if is_moe(model) else None
+        self.replay = config.router_replay == "rollout"
+        self.aux_loss_coef = config.moe_aux_loss_coef
+
+    def check_batch(self, fields: set[str]) -> None:
+        """Refuse a replaying step whose batch carries no recorded routing."""
+        if self.tap is not None and self.replay and ROUTING_FIELD not in fields:
+            raise ValueError(
+                f"engine.router_replay='rollout' needs the batch's {ROUTING_FIELD!r} (recorded by the native "
+                "and hf rollout engines; the vllm engine records none)"
+            )
+
+    @contextlib.contextmanager
+    def micro_batch(self) -> Iterator[MicroBatchRouting | None]:
+        """The routing scope of one micro-batch's forward and backward (None for a dense model)."""
+        if self.tap is None:
+            yield None
+            return
+        scope = MicroBatchRouting(self)
+        with contextlib.ExitStack() as stack:
+            scope.stack = stack
+            yield scope
+
+
+class MicroBatchRouting:
+    """One micro-batch: :meth:`start` before its forward, then its aux loss and metrics."""
+
+    def __init__(self, owner: EngineRouting) -> None:
+        self.owner = owner
+        self.tap = owner.tap
+        self.stack: contextlib.ExitStack | None = None
+        self.recorded: torch.Tensor | None = None
+        self.token_mask: torch.Tensor | None = None
+
+    def start(self, recorded: torch.Tensor | None, token_mask: torch.Tensor) -> None:
+        """Before the forward: the rollout's routing ``recorded [N, L, k]`` of its ``N`` tokens
+        (flattened ``[B, S]`` order, as the routers see them; None: not recorded) and which of
+        them are real ``token_mask [N]`` (not padding or fillers). Replays ``recorded`` when
+        ``engine.router_replay='rollout'``."""
+        self.recorded, self.token_mask = recorded, token_mask
+        replayed = recorded if self.owner.replay else None
+        self.stack.enter_context(self.tap.replaying(replayed))
+
+    def aux_loss(self) -> torch.Tensor:
+        """The load-balancing loss of this forward's real tokens (0-d, with gradient)."""
+        return load_balancing_loss(self._calls(), self.token_mask, self.tap.num_experts, self.tap.top_k)
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """``moe/load_max_share``, ``moe/load_entropy`` and, with recorded routing,
+        ``moe/routing_disagreement`` (the trainer's live choice against the rollout's)."""
+        calls = self._calls()
+        metrics = load_metrics(calls, self.token_mask, self.tap.num_experts)
+        if self.recorded is not None:
+            metrics["moe/routing_disagreement"] = routing_disagreement(calls, self.recorded, self.token_mask)
+        return {name: value.detach() for name, value in metrics.items()}
+
+    def _calls(self) -> list:
+        return [self.tap.calls[layer] for layer in range(self.tap.num_layers)]

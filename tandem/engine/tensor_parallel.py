@@ -1,0 +1,111 @@
+"""Tensor parallelism for Llama / Qwen2 / Qwen3 decoders: DTensor plans over the ``tp`` mesh dimension.
+
+Each decoder layer (Megatron-LM's split, as torchtitan applies it):
+
+* attention: ``q_proj``, ``k_proj``, ``v_proj`` column-wise (each rank projects
+  ``H / P`` query heads and ``H_kv / P`` key/value heads), ``o_proj`` row-wise (the partial
+  outputs are summed over the group). The attention functions read the head count from the
+  projected tensor (``[B, heads, T, D]``, HF reshapes with ``-1``), so they run unchanged on a
+  rank's heads;
+* MLP: ``gate_proj`` and ``up_proj`` column-wise, ``down_proj`` row-wise.
+
+The token embedding is split over the vocabulary (row-wise: each rank looks up the ids it
+holds, zeros elsewhere, summed over the group), and the output head's rows likewise; the head
+is never called as a module (the fp32 log-prob head reads its weight), so its shard goes to
+:func:`~tandem.engine.vocab_parallel.vocab_parallel_log_probs_from_hidden`. A tied head is the
+embedding's weight, already split. Norms, rotary embeddings and the residual stream stay
+replicated: every rank holds the whole hidden state between layers, and the replicated
+parameters' gradients come out the same on every rank. Qwen3's per-head query and key norms
+run on a rank's heads; their weights' gradients are summed over the group.
+
+Applied before FSDP2 (torchtitan's order): FSDP2 then shards each rank's tensor-parallel
+shards over the ``dp`` dimension.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from tandem.engine.parallel import decoder_layers
+
+HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")  # Qwen3's per-head norms, on a rank's heads
+LAYER_PLAN = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+
+
+def check_tensor_parallel_fits(model: nn.Module, tp_size: int, owner: str = "engine") -> None:
+    """Raise ``ValueError`` naming ``<owner>.tp_size`` unless ``model``'s heads split over
+    ``tp_size`` ranks and every decoder layer has the linear layers of :data:`LAYER_PLAN`."""
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % tp_size or kv_heads % tp_size:
+        raise ValueError(
+            f"{owner}.tp_size={tp_size} must divide the model's num_attention_heads={heads} and "
+            f"num_key_value_heads={kv_heads}: each tensor-parallel rank projects whole heads"
+        )
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"{owner}.tp_size={tp_size}: found no decoder layers (a ModuleList named 'layers')")
+    for name in LAYER_PLAN:
+        if not isinstance(_submodule(layers[0], name), nn.Linear):
+            raise ValueError(
+                f"{owner}.tp_size={tp_size}: the model's decoder layers have no linear {name} (tensor "
+                "parallelism plans dense Llama / Qwen2 / Qwen3 layers)"
+            )
+
+
+def _split_over_heads(norm: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """A per-head norm (Qwen3's ``q_norm`` / ``k_norm``: ``[B, T, heads, D]`` -> same) on this
+    rank's heads: its weight ``[D]`` becomes a replicated DTensor and its input is marked as
+    split over the heads, so the weight's gradient, each rank's from its own heads, is summed
+    over the group (without it each rank would keep a partial gradient)."""
+
+    def heads_split(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        hidden = inputs[0]
+        return (DTensor.from_local(hidden, mesh, [Shard(hidden.dim() - 2)], run_check=False), *inputs[1:])
+
+    def local(module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        return output.to_local()
+
+    distribute_module(norm, tp_mesh, input_fn=heads_split, output_fn=local)
+
+
+def _submodule(module: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split ``model`` (an HF causal LM or token/sequence classifier, checked by
+    :func:`check_tensor_parallel_fits`) over the one-dimensional ``tp_mesh``, in place."""
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for layer in decoder_layers(model):
+        parallelize_module(layer, tp_mesh, {name: styles[style]() for name, style in LAYER_PLAN.items()})
+        for name in HEAD_NORMS:
+            if _submodule(layer, name) is not None:
+                _split_over_heads(layer.get_submodule(name), tp_mesh)
+    embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = head is not None and head.weight is embedding.weight
+    parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+    if tied:  # the head reads the embedding's weight, split already
+        head.weight = embedding.weight
+    elif head is not None:
+        head.weight = nn.Parameter(
+            distribute_tensor(head.weight.detach(), tp_mesh, [Shard(0)]),
+            requires_grad=head.weight.requires_grad,
+        )

@@ -1,0 +1,78 @@
+"""``teacher.*``: the model on-policy distillation learns from (``algorithm.distill.*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tandem.config.validation import check_choice, check_range
+from tandem.engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from tandem.rl.config.train import TrainConfig
+
+TEACHER_PLACEMENTS = ("colocated", "separate")
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    """The teacher (``teacher.*``): a frozen model that scores the student's sampled tokens, one
+    rank per actor worker.
+
+    Attributes:
+        model_path: the teacher's HF directory; its tokenizer must be the policy's (the same
+            token ids), or the run is refused naming both directories.
+        placement: ``colocated`` (inside the actor's processes, on their devices) or
+            ``separate`` (a worker group of its own: its own processes, and with Ray GPUs of
+            its own).
+        engine: its engine's settings for log-prob passes (``teacher.engine.strategy``,
+            ``max_tokens_per_micro_batch``, ``param_dtype``, ``sp_size``, ...). Its
+            ``model_path``, ``device``, ``seed`` and ``logprob_temperature`` follow the run: the
+            teacher's log-probs use the rollout's temperature, as the student's do.
+        offload: the teacher's parameters wait on the CPU between its log-prob passes (on the
+            CPU it changes nothing).
+        top_k: also return the teacher's ``k`` most likely tokens and their log-probs at each
+            response position (``teacher_top_ids`` / ``teacher_top_log_probs [B, R, k]``), so the
+            full-vocabulary distribution never travels. The ``jsd`` objective needs it; with
+            ``k >= 1`` the greedy-agreement metric is logged too. 0: the sampled tokens' only.
+    """
+
+    model_path: str = ""
+    placement: str = "colocated"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    offload: bool = False
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        check_choice("teacher", "placement", self.placement, TEACHER_PLACEMENTS)
+        check_range("teacher", "top_k", self.top_k, low=0)
+        if self.engine.lora.rank:
+            raise ValueError("teacher.engine.lora.rank: the teacher is frozen; it trains no adapter")
+
+
+def check_teacher(config: TrainConfig) -> None:
+    """A distillation objective has a teacher and a teacher has an objective; online DPO takes
+    neither; the teacher's sequence-parallel size divides the workers. Errors name the keys."""
+    distill, teacher = config.algorithm.distill, config.teacher
+    if distill.enabled and not teacher.model_path:
+        raise ValueError(
+            f"algorithm.distill.objective={distill.objective!r} needs a teacher: set teacher.model_path"
+        )
+    if teacher.model_path and not distill.enabled:
+        raise ValueError(
+            "teacher.model_path is set but algorithm.distill.objective=none: choose an objective "
+            "(reverse_kl) or leave teacher.model_path unset"
+        )
+    if distill.enabled and config.prefers:
+        raise ValueError(
+            "algorithm.distill.objective: online DPO (actor.objective=preference) trains on response pairs, "
+            "not per-token advantages; distil with actor.objective=policy_gradient"
+        )
+    if distill.adds_loss and not teacher.top_k:
+        raise ValueError(
+            f"algorithm.distill.objective={distill.objective!r} compares distributions over the teacher's top-k "
+            "tokens: set teacher.top_k (e.g. 16)"
+        )
+    sp = teacher.engine.sp_size
+    if distill.enabled and config.world_size % sp:
+        raise ValueError(f"teacher.engine.sp_size={sp} must divide the {config.world_size} workers")

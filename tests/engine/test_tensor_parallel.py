@@ -1,0 +1,297 @@
+"""Tensor parallelism: gloo processes splitting every layer's weights over ``tp`` ranks compute
+what one process computes whole (outputs, loss, every gradient, a step's weights); checkpoints
+move between meshes; exports and weight syncs see whole tensors; the vocabulary-parallel
+softmax against ``torch.log_softmax`` of the whole logits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tandem.controller import ResourcePool, WorkerError, create_worker_group
+from tandem.device import cuda_device_count
+from tandem.engine import EngineConfig, LoraConfig
+from tandem.engine.tensor_parallel import check_tensor_parallel_fits
+from tandem.models import TinyModelConfig, build_tiny_model, save_tiny_model
+from tandem.sft.config import SFTConfig
+from tandem.sft.data import SFTDataConfig
+from tests.engine.conftest import random_batch
+from tests.engine.tensor_parallel_workers import TensorParallelWorker
+
+TOLERANCE = 1e-5  # max abs difference allowed against the one-process reference (fp32)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """Tiny models with 4 query and 2 key/value heads (both split over 2 ranks; the character
+    vocabulary's 103 rows split 52 + 51), a tied-embedding Llama, a Qwen3 (per-head norms), and
+    one whose single key/value head 2 ranks cannot split."""
+    root = tmp_path_factory.mktemp("tensor_parallel")
+    sizes = {
+        "qwen2": TinyModelConfig(family="qwen2", num_heads=4, num_kv_heads=2),
+        "llama-tied": TinyModelConfig(family="llama", num_heads=4, num_kv_heads=2, tie_word_embeddings=True),
+        "qwen3": TinyModelConfig(family="qwen3", num_heads=4, num_kv_heads=2),
+        "one kv head": TinyModelConfig(family="qwen2", num_heads=4, num_kv_heads=1),
+    }
+    return {key: str(save_tiny_model(root / key.replace(" ", "-"), size)) for key, size in sizes.items()}
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """The reference: a world of one, in this process."""
+    with create_worker_group(TensorParallelWorker, ResourcePool((1,)), "local") as group:
+        yield group
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Two gloo processes, reused by every test of the module (each builds its own engine)."""
+    with create_worker_group(TensorParallelWorker, ResourcePool((2,)), "process") as group:
+        yield group
+
+
+@pytest.fixture(scope="module")
+def gpu_groups():
+    """The reference on one GPU, in this process, and two NCCL ranks on a GPU each."""
+    if cuda_device_count() < 2:
+        pytest.skip("two tensor-parallel NCCL ranks need two GPUs")
+    kwargs = {"device": "cuda"}
+    with (
+        create_worker_group(TensorParallelWorker, ResourcePool((1,)), "local", kwargs=kwargs) as one,
+        create_worker_group(TensorParallelWorker, ResourcePool((2,)), "process", kwargs=kwargs) as two,
+    ):
+        yield one, two
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def _assert_within_tolerance(diffs: dict[str, float], tolerance: float = TOLERANCE) -> None:
+    worst = max(diffs, key=diffs.get)
+    print(f"max abs diff {diffs[worst]:.3g} at {worst}")
+    assert diffs[worst] <= tolerance, {k: v for k, v in diffs.items() if v > tolerance}
+
+
+def _config(model_dir: str, **overrides) -> EngineConfig:
+    # small token budget and no pad multiple: several micro-batches per step, rows of odd lengths
+    base = EngineConfig(
+        model_path=model_dir, lr=1e-2, eps=1e-3, max_tokens_per_micro_batch=48, pad_tokens_to_multiple=1
+    )
+    return dataclasses.replace(base, **overrides)
+
+
+def _assert_same_gradients(split: list[dict], whole: dict, tolerance: float = TOLERANCE) -> None:
+    """Each tp rank's outputs, loss and full gradients equal the one-process ones."""
+    diffs = {}
+    for rank, got in enumerate(split):
+        assert got["outputs"].keys() == whole["outputs"].keys()
+        assert got["grads"].keys() == whole["grads"].keys()
+        for name, values in whole["outputs"].items():
+            diffs[f"rank{rank}/{name}"] = _max_diff(got["outputs"][name], values)
+        diffs[f"rank{rank}/loss"] = abs(got["loss"] - whole["loss"])
+        for name, grad in whole["grads"].items():
+            diffs[f"rank{rank}/grad/{name}"] = _max_diff(got["grads"][name], grad)
+    _assert_within_tolerance(diffs, tolerance)
+
+
+@pytest.mark.parametrize(
+    "model,overrides,strategy",
+    [
+        ("qwen2", {}, "single"),
+        ("qwen2", {}, "fsdp2"),
+        ("llama-tied", {}, "fsdp2"),
+        ("qwen3", {"gradient_checkpointing": True}, "single"),
+        ("qwen2", {"use_packing": False, "micro_batch_size": 4}, "single"),
+    ],
+    ids=["single", "fsdp2", "llama-tied-fsdp2", "qwen3-checkpointing", "padded"],
+)
+def test_two_tensor_parallel_ranks_equal_one_process(
+    model_dirs, one_process, two_ranks, model, overrides, strategy
+):
+    batch = random_batch(0, batch=6, length=24)
+    config = _config(model_dirs[model], **overrides)
+    one_process.build(config)
+    whole = one_process.gradients(batch)[0]
+    two_ranks.build(dataclasses.replace(config, tp_size=2, strategy=strategy))
+    _assert_same_gradients(two_ranks.gradients(batch), whole)
+
+
+def _train_step(group, batch) -> tuple[dict, dict]:
+    """One optimizer step: the pre-step outputs, loss and grad norm, and the updated weights."""
+    return group.train_step(batch), group.parameters()[0]
+
+
+def _assert_same_step(split: tuple[dict, dict], whole: tuple[dict, dict], dp_size: int = 1) -> None:
+    (got, got_params), (expected, expected_params) = split, whole
+    diffs = {name: _max_diff(got[name], expected[name]) for name in ("log_probs", "entropy", "grad_norm")}
+    # the data-parallel ranks' loss shares (first rows, last rows) add up to the whole loss
+    loss = float(got["loss"][0] + (got["loss"][-1] if dp_size == 2 else 0.0))
+    diffs["loss"] = abs(loss - float(expected["loss"][0]))
+    assert got_params.keys() == expected_params.keys()
+    diffs |= {name: _max_diff(got_params[name], tensor) for name, tensor in expected_params.items()}
+    _assert_within_tolerance(diffs)
+
+
+def test_tensor_parallel_optimizer_step_equals_one_process(model_dirs, one_process, two_ranks):
+    """grad norm (clipped: grad_clip below the norm), loss and the updated weights."""
+    batch = random_batch(2, batch=8, length=24)
+    config = _config(model_dirs["qwen2"], grad_clip=0.5)
+    one_process.build(config)
+    whole = _train_step(one_process, batch)
+    two_ranks.build(dataclasses.replace(config, tp_size=2, strategy="fsdp2"))
+    _assert_same_step(_train_step(two_ranks, batch), whole)
+
+
+@pytest.mark.slow  # four processes start on a 2-core machine
+def test_fsdp2_by_tensor_parallel_mesh_step_equals_one_process(model_dirs, one_process):
+    """Four ranks, ``(dp, tp) = (2, 2)``: FSDP2 over ``dp`` of the tensor-parallel shards."""
+    batch = random_batch(2, batch=8, length=24)
+    config = _config(model_dirs["qwen2"])
+    one_process.build(config)
+    whole = _train_step(one_process, batch)
+    with create_worker_group(TensorParallelWorker, ResourcePool((4,)), "process") as group:
+        group.build(dataclasses.replace(config, tp_size=2, strategy="fsdp2"))
+        split = _train_step(group, batch)
+    _assert_same_step(split, whole, dp_size=2)
+
+
+@pytest.mark.parametrize("saved_tp,resumed_tp", [(2, 1), (1, 2)])
+def test_checkpoint_resumes_on_another_mesh(
+    model_dirs, one_process, two_ranks, tmp_path, saved_tp, resumed_tp
+):
+    """A checkpoint saved under one ``tp_size`` and resumed under another trains on exactly as
+    it does resumed under the mesh that saved it."""
+    groups = {1: one_process, 2: two_ranks}
+    config = _config(model_dirs["qwen2"])
+    configs = {1: config, 2: dataclasses.replace(config, tp_size=2, strategy="fsdp2")}
+    first, second = random_batch(3, batch=8, length=24), random_batch(4, batch=8, length=24)
+    saver = groups[saved_tp]
+    saver.build(configs[saved_tp])
+    saver.train_step(first)
+    saver.save(str(tmp_path / "checkpoint"))
+    resumed = {}
+    for tp in (saved_tp, resumed_tp):
+        groups[tp].build(configs[tp])
+        groups[tp].load(str(tmp_path / "checkpoint"))
+        resumed[tp] = _train_step(groups[tp], second)
+    _assert_same_step(resumed[2], resumed[1])
+
+
+def test_export_and_weight_sync_give_whole_tensors(model_dirs, one_process, two_ranks, tmp_path):
+    """After one step, the HF export and the weight-sync buckets of a tp=2 engine hold the
+    whole tensors of the one-process engine's weights, gathered one at a time."""
+    batch = random_batch(5, batch=8, length=24)
+    config = _config(model_dirs["qwen2"])
+    one_process.build(config)
+    one_process.train_step(batch)
+    expected = one_process.parameters()[0]
+    two_ranks.build(dataclasses.replace(config, tp_size=2, strategy="fsdp2"))
+    two_ranks.train_step(batch)
+    two_ranks.export(str(tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    limit = 64 * 1024
+    synced = two_ranks.weight_buckets(limit)
+    largest_tensor = max(t.numel() * t.element_size() for t in expected.values())
+    diffs = {}
+    for rank, got in enumerate(synced):
+        assert got["tensors"].keys() == expected.keys()
+        assert got["largest_bucket"] <= max(limit, largest_tensor)  # never the whole model at once
+        diffs |= {f"rank{rank}/sync/{n}": _max_diff(got["tensors"][n], t) for n, t in expected.items()}
+    diffs |= {f"export/{name}": _max_diff(exported[name], tensor) for name, tensor in expected.items()}
+    _assert_within_tolerance(diffs)
+
+
+def test_vocab_parallel_softmax_equals_whole_log_softmax(two_ranks):
+    """Log-probs, entropy, sum of squared probabilities and the logits' gradient from two
+    vocabulary shards (uneven: 103 = 52 + 51) against ``torch.log_softmax`` of the whole logits."""
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab = 9, 103
+    inputs = {
+        "logits": torch.randn(rows, vocab, generator=gen) * 3,
+        "labels": torch.randint(0, vocab, (rows,), generator=gen),
+        "up_log_probs": torch.randn(rows, generator=gen),
+        "up_entropy": torch.randn(rows, generator=gen),
+    }
+    inputs["labels"][:2] = torch.tensor([0, vocab - 1])  # the first and last rows of the vocabulary
+    logits = inputs["logits"].clone().requires_grad_()
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    probs = log_softmax.exp()
+    log_probs = log_softmax.gather(-1, inputs["labels"].unsqueeze(-1)).squeeze(-1)
+    entropy = -(probs * log_softmax).sum(-1)
+    ((log_probs * inputs["up_log_probs"]).sum() + (entropy * inputs["up_entropy"]).sum()).backward()
+    expected = {
+        "log_probs": log_probs.detach(),
+        "entropy": entropy.detach(),
+        "sum_pi_squared": probs.detach().square().sum(-1),
+    }
+    diffs = {}
+    for rank, got in enumerate(two_ranks.vocab_parallel(inputs)):
+        shard = slice(0, 52) if rank == 0 else slice(52, vocab)
+        diffs |= {f"rank{rank}/{name}": _max_diff(got[name], value) for name, value in expected.items()}
+        diffs[f"rank{rank}/grad"] = _max_diff(got["grad"], logits.grad[:, shard])
+    _assert_within_tolerance(diffs, 1e-6)
+
+
+@pytest.mark.parametrize(
+    "model,overrides,message",
+    [
+        ("qwen2", {"tp_size": 3}, "engine.tp_size=3 must divide the world size 2"),
+        (
+            "one kv head",
+            {"tp_size": 2},
+            "engine.tp_size=2 must divide the model's num_attention_heads=4 and num_key_value_heads=1",
+        ),
+    ],
+    ids=["world-size", "kv-heads"],
+)
+def test_a_tensor_parallel_mesh_that_does_not_fit_is_refused(
+    model_dirs, two_ranks, model, overrides, message
+):
+    with pytest.raises(WorkerError, match=message):
+        two_ranks.build(_config(model_dirs[model], strategy="fsdp2", **overrides))
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"strategy": "ddp"}, "engine.tp_size=2 with engine.strategy=ddp: the split weights are DTensors"),
+        ({"sp_size": 2}, "engine.tp_size=2 with engine.sp_size=2: sequence and tensor parallelism do not"),
+        ({"lora": LoraConfig(rank=4)}, "engine.tp_size=2 with engine.lora.rank=4: LoRA adapters"),
+        ({"head": "value"}, "engine.tp_size=2 with engine.head=value: only the policy's log-prob head"),
+    ],
+    ids=["ddp", "sp", "lora", "value-head"],
+)
+def test_config_refuses_what_tensor_parallelism_does_not_combine_with(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(tp_size=2, **overrides)
+
+
+def test_models_and_trainers_tensor_parallelism_does_not_plan_are_refused():
+    """A mixture-of-experts model (no dense MLP to split) and the trainers' configs."""
+    moe = build_tiny_model(TinyModelConfig(family="qwen2_moe"), 103, 0, 1, 2)
+    with pytest.raises(
+        ValueError, match="engine.tp_size=2: the model's decoder layers have no linear mlp.gate_proj"
+    ):
+        check_tensor_parallel_fits(moe, 2)
+    engine = EngineConfig(tp_size=2, strategy="fsdp2")
+    with pytest.raises(
+        ValueError, match="engine.tp_size=2: the trainers do not run tensor-parallel engines yet"
+    ):
+        SFTConfig(model_path="model", data=SFTDataConfig(train_path="rows.jsonl"), engine=engine)
+
+
+@pytest.mark.gpu
+def test_two_nccl_tensor_parallel_ranks_equal_one_gpu(model_dirs, gpu_groups):
+    """The CPU comparison on CUDA, fp32, over NCCL (atomic adds in the embedding's backward
+    reorder sums on a GPU: a looser tolerance)."""
+    one, two = gpu_groups
+    batch = random_batch(0, batch=6, length=24)
+    config = _config(model_dirs["qwen2"], device="cuda")
+    one.build(config)
+    whole = one.gradients(batch)[0]
+    two.build(dataclasses.replace(config, tp_size=2, strategy="fsdp2"))
+    _assert_same_gradients(two.gradients(batch), whole, tolerance=1e-4)

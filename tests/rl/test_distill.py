@@ -1,0 +1,175 @@
+"""On-policy distillation: the teacher role scores sampled tokens as the teacher model's own
+forward does, colocated and in its own pool alike, and distilling lowers the reverse KL."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.controller import create_worker_group
+from tandem.demos.accuracy import accuracy_curve
+from tandem.demos.arithmetic import DemoSettings
+from tandem.demos.distill import DistillDemoSettings, first_step_reaching, run_distill_demo
+from tandem.models import TinyModelConfig, load_model, load_tokenizer, save_tiny_model
+from tandem.protocol import Batch
+from tandem.rl import RLTrainer
+from tandem.rl.teacher_worker import TeacherWorker
+from tests.rl.conftest import small_config
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    """Another tiny model with the policy's tokenizer, its head scaled up: a peaked distribution
+    far (in reverse KL) from the random policy's near-uniform one."""
+    path = save_tiny_model(tmp_path_factory.mktemp("teacher"), TinyModelConfig(seed=7))
+    model = load_model(path)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def distill_config(rl_files, output_dir, teacher, *overrides):
+    return small_config(
+        rl_files, output_dir,
+        f"teacher.model_path={teacher}", "algorithm.distill.objective=reverse_kl", *overrides,
+    )  # fmt: skip
+
+
+def _padded_batch(tokenizer, pairs: list[tuple[str, str]]) -> Batch:
+    """Prompts left-padded and responses right-padded, as generation returns them."""
+    pad = tokenizer.pad_token_id
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in pairs]
+    responses = [tokenizer(r, add_special_tokens=False)["input_ids"] for _, r in pairs]
+    width, length = max(map(len, prompts)), max(map(len, responses))
+    prompt_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    response_ids = torch.tensor([r + [pad] * (length - len(r)) for r in responses])
+    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    response_mask = torch.tensor([[1] * len(r) + [0] * (length - len(r)) for r in responses])
+    return Batch(
+        {
+            "prompts": prompt_ids,
+            "responses": response_ids,
+            "input_ids": torch.cat([prompt_ids, response_ids], 1),
+            "attention_mask": torch.cat([prompt_mask, response_mask], 1),
+            "response_mask": response_mask,
+        }
+    )
+
+
+def test_the_teacher_role_returns_the_teacher_models_own_log_probs(rl_files, teacher_dir, tmp_path):
+    config = distill_config(rl_files, tmp_path, teacher_dir, "teacher.top_k=4")
+    tokenizer = load_tokenizer(teacher_dir)
+    pairs = [("12+7=", "19"), ("3+45=", "48<|im_end|>"), ("12+7=", "20 and more"), ("99+1=", "1")]
+    batch = _padded_batch(tokenizer, pairs)
+    with create_worker_group(TeacherWorker, config.teacher_resource_pool(), "local", args=(config,)) as group:
+        group.init_model()
+        teacher = group.compute_teacher_log_prob(batch)
+    scored = teacher["teacher_log_probs"]
+    model = load_model(teacher_dir)
+    for row, (prompt, response) in enumerate(pairs):
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        r = tokenizer(response, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([p + r])).logits[0, len(p) - 1 : -1].float()
+        full = torch.log_softmax(logits, -1)
+        expected = full.gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+        torch.testing.assert_close(scored[row, : len(r)], expected, rtol=0, atol=1e-5)
+        assert torch.all(scored[row, len(r) :] == 0)  # padding scores nothing
+        values, ids = full.topk(4, dim=-1)  # the teacher's 4 likeliest tokens at each position
+        assert torch.equal(teacher["teacher_top_ids"][row, : len(r)], ids)
+        torch.testing.assert_close(teacher["teacher_top_log_probs"][row, : len(r)], values, rtol=0, atol=1e-5)
+
+
+def test_distilling_lowers_the_reverse_kl_and_the_teachers_placement_changes_nothing(
+    rl_files, teacher_dir, tmp_path
+):
+    alone = ("algorithm.distill.reward_coef=0", "actor.engine.lr=1e-2")
+    colocated = RLTrainer(
+        distill_config(rl_files, tmp_path / "colocated", teacher_dir, *alone, "trainer.total_steps=8")
+    ).fit()
+    separate = RLTrainer(
+        distill_config(
+            rl_files, tmp_path / "separate", teacher_dir, *alone, "teacher.placement=separate",
+            "trainer.total_steps=2",
+        )
+    ).fit()  # fmt: skip
+    steps = [h for h in colocated.history if h["step"] > 0]
+    kl = [h["distill/reverse_kl"] for h in steps]
+    # the student moves toward the teacher on its own samples (each step's estimate is noisy)
+    assert sum(kl[-3:]) / 3 < 0.75 * sum(kl[:2]) / 2, kl
+    teacher = [h["distill/teacher_log_prob"] for h in steps]
+    assert sum(teacher[-3:]) / 3 > sum(teacher[:2]) / 2, teacher
+    for a, b in zip(steps[:2], [h for h in separate.history if h["step"] > 0], strict=True):
+        for name in ("distill/reverse_kl", "distill/teacher_log_prob", "actor/pg_loss", "actor/grad_norm"):
+            assert a[name] == b[name], name
+
+
+def test_the_jsd_objective_moves_the_student_toward_the_teachers_top_k(rl_files, teacher_dir, tmp_path):
+    result = RLTrainer(
+        distill_config(
+            rl_files, tmp_path, teacher_dir, "algorithm.distill.objective=jsd", "teacher.top_k=8",
+            "algorithm.distill.reward_coef=0", "actor.engine.lr=1e-2", "trainer.total_steps=6",
+        )
+    ).fit()  # fmt: skip
+    steps = [h for h in result.history if h["step"] > 0]
+    loss = [h["distill/loss"] for h in steps]
+    agreement = [h["distill/greedy_agreement"] for h in steps]
+    assert sum(loss[-2:]) / 2 < 0.75 * sum(loss[:2]) / 2, loss
+    assert sum(agreement[-2:]) / 2 > sum(agreement[:2]) / 2, agreement
+    assert all(0.0 <= a <= 1.0 for a in agreement)
+    assert all(h["actor/pg_loss"] == 0.0 for h in steps)  # reward_coef=0: the JSD term alone trains
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_naming_both_models(rl_files, teacher_dir, tmp_path):
+    other = tmp_path / "other_teacher"
+    model, tokenizer = load_model(teacher_dir), load_tokenizer(teacher_dir)
+    tokenizer.add_tokens(["<extra>"])
+    model.save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    with pytest.raises(ValueError, match="another tokenizer") as error:
+        RLTrainer(distill_config(rl_files, tmp_path / "run", str(other)))
+    assert str(other) in str(error.value) and rl_files["model"] in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("algorithm.distill.objective=reverse_kl",), "needs a teacher: set teacher.model_path"),
+        (("teacher.model_path=/x",), "teacher.model_path is set but algorithm.distill.objective=none"),
+        (
+            ("algorithm.distill.objective=forward",),
+            "algorithm.distill.objective='forward' is not registered; choose one of",
+        ),
+        (("teacher.placement=remote",), "teacher.placement"),
+        (("algorithm.distill.coef=-1",), "algorithm.distill.coef"),
+        (
+            ("teacher.model_path=/x", "algorithm.distill.objective=jsd"),
+            "compares distributions over the teacher's top-k tokens: set teacher.top_k",
+        ),
+        (("algorithm.distill.lmbda=0.5",), "only on-policy distillation"),
+        (
+            ("preset=online_dpo", "teacher.model_path=/x", "algorithm.distill.objective=reverse_kl"),
+            "online DPO",
+        ),
+    ],
+)
+def test_bad_distillation_settings_name_the_key(rl_files, tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        small_config(rl_files, tmp_path, *overrides)
+
+
+def test_a_shrunk_distillation_demo_runs_end_to_end(tmp_path):
+    runs = DemoSettings(
+        output_dir=str(tmp_path), sft_steps=4, sft_batch_size=8, rl_steps=2, prompts_per_step=4,
+        responses_per_prompt=4, mini_batch_prompts=4, val_prompts=8, val_every=1,
+    )  # fmt: skip
+    result = run_distill_demo(DistillDemoSettings(runs=runs))
+    grpo, distill = accuracy_curve(result.grpo), accuracy_curve(result.distill)
+    assert [step for step, _ in grpo] == [step for step, _ in distill] == [0, 1, 2]
+    assert grpo[0] == distill[0]  # both start from the same warm-up
+    trained = [h for h in result.distill.history if h["step"] > 0]
+    assert all("distill/reverse_kl" in h for h in trained)
+    assert (tmp_path / "distill" / "hf_model" / "config.json").exists()
+    assert first_step_reaching([(0, 0.1), (4, 0.92), (8, 0.95)], 0.9) == 4
+    assert first_step_reaching([(0, 0.1)], 0.9) is None
