@@ -19,9 +19,8 @@ from tandem.models import TinyModelConfig, build_tiny_model, save_tiny_model
 from tandem.sft.config import SFTConfig
 from tandem.sft.data import SFTDataConfig
 from tests.engine.conftest import random_batch
+from tests.engine.mesh_comparisons import assert_same_gradients, assert_within_tolerance, max_diff
 from tests.engine.tensor_parallel_workers import TensorParallelWorker
-
-TOLERANCE = 1e-5  # max abs difference allowed against the one-process reference (fp32)
 
 
 @pytest.fixture(scope="module")
@@ -66,36 +65,12 @@ def gpu_groups():
         yield one, two
 
 
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
-
-
-def _assert_within_tolerance(diffs: dict[str, float], tolerance: float = TOLERANCE) -> None:
-    worst = max(diffs, key=diffs.get)
-    print(f"max abs diff {diffs[worst]:.3g} at {worst}")
-    assert diffs[worst] <= tolerance, {k: v for k, v in diffs.items() if v > tolerance}
-
-
 def _config(model_dir: str, **overrides) -> EngineConfig:
     # small token budget and no pad multiple: several micro-batches per step, rows of odd lengths
     base = EngineConfig(
         model_path=model_dir, lr=1e-2, eps=1e-3, max_tokens_per_micro_batch=48, pad_tokens_to_multiple=1
     )
     return dataclasses.replace(base, **overrides)
-
-
-def _assert_same_gradients(split: list[dict], whole: dict, tolerance: float = TOLERANCE) -> None:
-    """Each tp rank's outputs, loss and full gradients equal the one-process ones."""
-    diffs = {}
-    for rank, got in enumerate(split):
-        assert got["outputs"].keys() == whole["outputs"].keys()
-        assert got["grads"].keys() == whole["grads"].keys()
-        for name, values in whole["outputs"].items():
-            diffs[f"rank{rank}/{name}"] = _max_diff(got["outputs"][name], values)
-        diffs[f"rank{rank}/loss"] = abs(got["loss"] - whole["loss"])
-        for name, grad in whole["grads"].items():
-            diffs[f"rank{rank}/grad/{name}"] = _max_diff(got["grads"][name], grad)
-    _assert_within_tolerance(diffs, tolerance)
 
 
 @pytest.mark.parametrize(
@@ -117,7 +92,7 @@ def test_two_tensor_parallel_ranks_equal_one_process(
     one_process.build(config)
     whole = one_process.gradients(batch)[0]
     two_ranks.build(dataclasses.replace(config, tp_size=2, strategy=strategy))
-    _assert_same_gradients(two_ranks.gradients(batch), whole)
+    assert_same_gradients(two_ranks.gradients(batch), whole)
 
 
 def _train_step(group, batch) -> tuple[dict, dict]:
@@ -127,13 +102,13 @@ def _train_step(group, batch) -> tuple[dict, dict]:
 
 def _assert_same_step(split: tuple[dict, dict], whole: tuple[dict, dict], dp_size: int = 1) -> None:
     (got, got_params), (expected, expected_params) = split, whole
-    diffs = {name: _max_diff(got[name], expected[name]) for name in ("log_probs", "entropy", "grad_norm")}
+    diffs = {name: max_diff(got[name], expected[name]) for name in ("log_probs", "entropy", "grad_norm")}
     # the data-parallel ranks' loss shares (first rows, last rows) add up to the whole loss
     loss = float(got["loss"][0] + (got["loss"][-1] if dp_size == 2 else 0.0))
     diffs["loss"] = abs(loss - float(expected["loss"][0]))
     assert got_params.keys() == expected_params.keys()
-    diffs |= {name: _max_diff(got_params[name], tensor) for name, tensor in expected_params.items()}
-    _assert_within_tolerance(diffs)
+    diffs |= {name: max_diff(got_params[name], tensor) for name, tensor in expected_params.items()}
+    assert_within_tolerance(diffs)
 
 
 def test_tensor_parallel_optimizer_step_equals_one_process(model_dirs, one_process, two_ranks):
@@ -200,9 +175,9 @@ def test_export_and_weight_sync_give_whole_tensors(model_dirs, one_process, two_
     for rank, got in enumerate(synced):
         assert got["tensors"].keys() == expected.keys()
         assert got["largest_bucket"] <= max(limit, largest_tensor)  # never the whole model at once
-        diffs |= {f"rank{rank}/sync/{n}": _max_diff(got["tensors"][n], t) for n, t in expected.items()}
-    diffs |= {f"export/{name}": _max_diff(exported[name], tensor) for name, tensor in expected.items()}
-    _assert_within_tolerance(diffs)
+        diffs |= {f"rank{rank}/sync/{n}": max_diff(got["tensors"][n], t) for n, t in expected.items()}
+    diffs |= {f"export/{name}": max_diff(exported[name], tensor) for name, tensor in expected.items()}
+    assert_within_tolerance(diffs)
 
 
 def test_vocab_parallel_softmax_equals_whole_log_softmax(two_ranks):
@@ -231,9 +206,9 @@ def test_vocab_parallel_softmax_equals_whole_log_softmax(two_ranks):
     diffs = {}
     for rank, got in enumerate(two_ranks.vocab_parallel(inputs)):
         shard = slice(0, 52) if rank == 0 else slice(52, vocab)
-        diffs |= {f"rank{rank}/{name}": _max_diff(got[name], value) for name, value in expected.items()}
-        diffs[f"rank{rank}/grad"] = _max_diff(got["grad"], logits.grad[:, shard])
-    _assert_within_tolerance(diffs, 1e-6)
+        diffs |= {f"rank{rank}/{name}": max_diff(got[name], value) for name, value in expected.items()}
+        diffs[f"rank{rank}/grad"] = max_diff(got["grad"], logits.grad[:, shard])
+    assert_within_tolerance(diffs, 1e-6)
 
 
 @pytest.mark.parametrize(
@@ -294,4 +269,4 @@ def test_two_nccl_tensor_parallel_ranks_equal_one_gpu(model_dirs, gpu_groups):
     one.build(config)
     whole = one.gradients(batch)[0]
     two.build(dataclasses.replace(config, tp_size=2, strategy="fsdp2"))
-    _assert_same_gradients(two.gradients(batch), whole, tolerance=1e-4)
+    assert_same_gradients(two.gradients(batch), whole, tolerance=1e-4)

@@ -17,9 +17,8 @@ from tandem.engine.ulysses_attention import check_heads
 from tandem.engine.varlen_attention import packed_attention
 from tandem.models import TinyModelConfig, save_tiny_model
 from tests.engine.conftest import random_batch
+from tests.engine.mesh_comparisons import TOLERANCE, assert_same_gradients, assert_within_tolerance, max_diff
 from tests.engine.ulysses_workers import UlyssesWorker
-
-TOLERANCE = 1e-5  # max abs difference allowed against the one-process reference (fp32)
 
 
 @pytest.fixture(scope="module")
@@ -63,34 +62,9 @@ def gpu_groups():
         yield one, two
 
 
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
-
-
-def _assert_within_tolerance(diffs: dict[str, float], tolerance: float = TOLERANCE) -> None:
-    worst = max(diffs, key=diffs.get)
-    print(f"max abs diff {diffs[worst]:.3g} at {worst}")
-    assert diffs[worst] <= tolerance, {k: v for k, v in diffs.items() if v > tolerance}
-
-
 def _gradients(group, config: EngineConfig, batch) -> list[dict]:
     group.build(config)
     return group.gradients(batch)
-
-
-def _assert_same_gradients(split: list[dict], whole: dict, tolerance: float = TOLERANCE) -> None:
-    """Each sp rank's outputs, loss and gradients equal the one-process ones within TOLERANCE."""
-    diffs = {}
-    for rank, got in enumerate(split):
-        assert (
-            got["outputs"].keys() == whole["outputs"].keys() and got["grads"].keys() == whole["grads"].keys()
-        )
-        for name, values in whole["outputs"].items():
-            diffs[f"rank{rank}/{name}"] = _max_diff(got["outputs"][name], values)
-        diffs[f"rank{rank}/loss"] = abs(got["loss"] - whole["loss"])
-        for name, grad in whole["grads"].items():
-            diffs[f"rank{rank}/grad/{name}"] = _max_diff(got["grads"][name], grad)
-    _assert_within_tolerance(diffs, tolerance)
 
 
 def _config(model_dir: str, **overrides) -> EngineConfig:
@@ -121,7 +95,7 @@ def test_two_sequence_parallel_ranks_equal_one_process(
     config = _config(model_dirs[model], **overrides)
     whole = _gradients(one_process, config, batch)[0]
     split = _gradients(two_ranks, dataclasses.replace(config, sp_size=2, strategy=strategy), batch)
-    _assert_same_gradients(split, whole)
+    assert_same_gradients(split, whole)
 
 
 def test_top_k_and_named_tokens_split_over_two_ranks_equal_one_process(model_dirs, one_process, two_ranks):
@@ -137,13 +111,13 @@ def test_top_k_and_named_tokens_split_over_two_ranks_equal_one_process(model_dir
     for got in two_ranks.token_choices(batch, 4):
         assert torch.equal(got["outputs"]["top_ids"], whole["outputs"]["top_ids"])
         diffs = {
-            name: _max_diff(got["outputs"][name], whole["outputs"][name])
+            name: max_diff(got["outputs"][name], whole["outputs"][name])
             for name in ("top_log_probs", "gathered_log_probs")
         }
         diffs.update(
-            {f"grad/{name}": _max_diff(got["grads"][name], grad) for name, grad in whole["grads"].items()}
+            {f"grad/{name}": max_diff(got["grads"][name], grad) for name, grad in whole["grads"].items()}
         )
-        _assert_within_tolerance(diffs)
+        assert_within_tolerance(diffs)
 
 
 def test_shared_prompts_split_over_two_ranks_equal_one_process(model_dirs, one_process, two_ranks):
@@ -156,7 +130,7 @@ def test_shared_prompts_split_over_two_ranks_equal_one_process(model_dirs, one_p
     config = _config(model_dirs[("qwen2", 2)], max_tokens_per_micro_batch=96)
     whole = _gradients(one_process, config, batch)[0]
     split = _gradients(two_ranks, dataclasses.replace(config, sp_size=2, strategy="ddp"), batch)
-    _assert_same_gradients(split, whole)
+    assert_same_gradients(split, whole)
 
 
 def test_collectives_and_attention_equal_whole_tensor_computation(two_ranks):
@@ -203,8 +177,8 @@ def _check_collectives(two_ranks, tolerance: float = TOLERANCE) -> None:
             **{f"attention/grad{i}": leaves[name].grad[:, :, seq] for i, name in enumerate(("q", "k", "v"))},
         }
         assert got.keys() == expected.keys()
-        diffs |= {f"rank{rank}/{name}": _max_diff(got[name], tensor) for name, tensor in expected.items()}
-    _assert_within_tolerance(diffs, tolerance)
+        diffs |= {f"rank{rank}/{name}": max_diff(got[name], tensor) for name, tensor in expected.items()}
+    assert_within_tolerance(diffs, tolerance)
     assert max(v for k, v in diffs.items() if "attention" not in k) == 0.0  # pure data movement: exact
 
 
@@ -218,11 +192,11 @@ def test_dp2_sp2_mesh_step_equals_one_process(model_dirs, one_process):
     with create_worker_group(UlyssesWorker, ResourcePool((4,)), "process") as group:
         group.build(dataclasses.replace(config, sp_size=2, strategy="ddp"))
         split, split_params = group.train_step(batch), group.parameters()[0]
-    diffs = {name: _max_diff(split[name], whole[name]) for name in ("log_probs", "entropy", "grad_norm")}
+    diffs = {name: max_diff(split[name], whole[name]) for name in ("log_probs", "entropy", "grad_norm")}
     # the two data-parallel ranks' loss shares add up to the whole loss
     diffs["loss"] = abs(float(split["loss"][0] + split["loss"][-1]) - float(whole["loss"][0]))
-    diffs |= {name: _max_diff(split_params[name], tensor) for name, tensor in whole_params.items()}
-    _assert_within_tolerance(diffs)
+    diffs |= {name: max_diff(split_params[name], tensor) for name, tensor in whole_params.items()}
+    assert_within_tolerance(diffs)
 
 
 @pytest.mark.parametrize(
@@ -261,7 +235,7 @@ def test_single_strategy_splits_rows_for_forward_passes_only(model_dirs, one_pro
     (whole,) = one_process.log_probs_of([batch])
     two_ranks.build(dataclasses.replace(config, sp_size=2, strategy="single"))
     split = two_ranks.log_probs_of([batch, batch])
-    _assert_within_tolerance({f"rank{rank}": _max_diff(values, whole) for rank, values in enumerate(split)})
+    assert_within_tolerance({f"rank{rank}": max_diff(values, whole) for rank, values in enumerate(split)})
     with pytest.raises(WorkerError, match="engine.sp_size=2 trains with engine.strategy ddp or fsdp2 only"):
         two_ranks.gradients(batch)
 
@@ -305,7 +279,7 @@ def test_two_nccl_sequence_parallel_ranks_equal_one_gpu(model_dirs, gpu_groups, 
     config = _config(model_dirs[model], device="cuda", **overrides)
     whole = _gradients(one, config, batch)[0]
     split = _gradients(two, dataclasses.replace(config, sp_size=2, strategy=strategy), batch)
-    _assert_same_gradients(split, whole, tolerance=1e-4)
+    assert_same_gradients(split, whole, tolerance=1e-4)
 
 
 @pytest.mark.gpu

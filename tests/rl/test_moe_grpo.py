@@ -84,3 +84,15 @@ def test_a_resumed_replay_run_equals_the_uninterrupted_one(moe_files, tmp_path):
     assert [h["step"] for h in resumed.history] == [2, 3]
     assert _without_timings(resumed.history) == _without_timings(full.history[1:])
     assert all("moe/routing_disagreement" in h for h in resumed.history)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("rollout.engine.name=vllm",), "rollout.engine.name=vllm does not return them yet"),
+        (("agent.name=tool_agent",), "agent episodes"),
+    ],
+)
+def test_replay_without_recorded_experts_is_refused_naming_the_keys(moe_files, tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        small_config(moe_files, tmp_path, "actor.router_replay=rollout", *overrides)

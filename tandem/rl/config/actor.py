@@ -97,6 +97,28 @@ class ActorConfig:
         check_range("actor", "entropy_coeff", self.entropy_coeff, low=0.0)
 
 
+ROUTING_RECORDERS = ("native", "hf")  # the rollout engines that return each token's experts
+
+
+def check_router_replay(config: TrainConfig) -> None:
+    """Rollout routing replay needs a rollout engine that records the experts, and single-turn
+    episodes; errors name the keys."""
+    if config.actor.router_replay == "off":
+        return
+    engine = config.rollout.engine.name
+    if engine not in ROUTING_RECORDERS:
+        raise ValueError(
+            f"actor.router_replay={config.actor.router_replay} replays the experts the rollout recorded, and "
+            f"rollout.engine.name={engine} does not return them yet: use one of {list(ROUTING_RECORDERS)} "
+            "or actor.router_replay=off"
+        )
+    if config.agent.enabled:
+        raise ValueError(
+            f"actor.router_replay={config.actor.router_replay}: agent episodes (agent.name) do not carry "
+            "the rollout's experts through their tool turns yet; set actor.router_replay=off"
+        )
+
+
 def check_preference(config: TrainConfig) -> None:
     """Online DPO's constraints, named by key."""
     if not config.prefers:

@@ -24,7 +24,7 @@ from tandem.agents.config import AgentConfig
 from tandem.controller.resource_pool import ResourcePool
 from tandem.engine.config import refuse_trainer_tensor_parallel
 from tandem.pipeline.config import PipelineConfig
-from tandem.rl.config.actor import ActorConfig, check_preference
+from tandem.rl.config.actor import ActorConfig, check_preference, check_router_replay
 from tandem.rl.config.algorithm import AlgorithmConfig
 from tandem.rl.config.data import RLDataConfig
 from tandem.rl.config.pipeline import check_pipeline
@@ -108,6 +108,7 @@ class TrainConfig:
             )
         check_pipeline(self)
         check_preference(self)
+        check_router_replay(self)
         check_critic(self)
         check_teacher(self)
         check_derived_fields(self)
