@@ -113,17 +113,25 @@ def _response_ids(
     return ids
 
 
+def row_prompt(
+    row: dict, required: tuple[str, ...], prompt_key: str, continued_by: str, where: str
+) -> list[dict]:
+    """The prompt messages of ``row``, after checking that it has every ``required`` field and that
+    its prompt does not end with the assistant's turn (``continued_by`` says what continues it); raises
+    :class:`InvalidPair` naming ``where`` and the field."""
+    missing = [key for key in required if row.get(key) is None]
+    if missing:
+        raise InvalidPair(f"{where}: missing field {missing[0]!r} (has {sorted(row)})")
+    prompt = _messages(row[prompt_key], "user", f"{where}: {prompt_key}")
+    if prompt[-1]["role"] == "assistant":
+        raise InvalidPair(f"{where}: {prompt_key} ends with an assistant message; {continued_by}")
+    return prompt
+
+
 def tokenize_pair(tokenizer: Any, row: dict, config: PreferenceDataConfig, where: str) -> PreferencePair:
     """The pair in ``row``; raises :class:`InvalidPair` naming ``where`` and the field."""
     keys = (config.prompt_key, config.chosen_key, config.rejected_key)
-    missing = [key for key in keys if row.get(key) is None]
-    if missing:
-        raise InvalidPair(f"{where}: missing field {missing[0]!r} (has {sorted(row)})")
-    prompt = _messages(row[config.prompt_key], "user", f"{where}: {config.prompt_key}")
-    if prompt[-1]["role"] == "assistant":
-        raise InvalidPair(
-            f"{where}: {config.prompt_key} ends with an assistant message; the responses continue it"
-        )
+    prompt = row_prompt(row, keys, config.prompt_key, "the responses continue it", where)
     chosen = _messages(row[config.chosen_key], "assistant", f"{where}: {config.chosen_key}")
     rejected = _messages(row[config.rejected_key], "assistant", f"{where}: {config.rejected_key}")
     if chosen == rejected:

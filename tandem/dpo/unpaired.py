@@ -30,6 +30,7 @@ from tandem.dpo.data import (
     PreferencePair,
     _messages,
     _response_ids,
+    row_prompt,
     tokenized_rows,
 )
 from tandem.models.chat import template_ids
@@ -48,17 +49,10 @@ class UnpairedRow:
 def tokenize_unpaired(tokenizer: Any, row: dict, config: PreferenceDataConfig, where: str) -> UnpairedRow:
     """The row in ``row``; raises :class:`~tandem.dpo.data.InvalidPair` naming ``where`` and the field."""
     keys = (config.prompt_key, config.completion_key, config.label_key)
-    missing = [key for key in keys if row.get(key) is None]
-    if missing:
-        raise InvalidPair(f"{where}: missing field {missing[0]!r} (has {sorted(row)})")
+    prompt = row_prompt(row, keys, config.prompt_key, "the completion continues it", where)
     label = row[config.label_key]
     if not isinstance(label, bool):
         raise InvalidPair(f"{where}: {config.label_key} must be true or false, got {label!r}")
-    prompt = _messages(row[config.prompt_key], "user", f"{where}: {config.prompt_key}")
-    if prompt[-1]["role"] == "assistant":
-        raise InvalidPair(
-            f"{where}: {config.prompt_key} ends with an assistant message; the completion continues it"
-        )
     completion = _messages(row[config.completion_key], "assistant", f"{where}: {config.completion_key}")
     prompt_ids = template_ids(tokenizer, prompt, add_generation_prompt=True)
     ids = _response_ids(tokenizer, prompt, prompt_ids, completion, f"{where}: {config.completion_key}")

@@ -614,14 +614,17 @@ def _token_choices(top_k: int, gather_ids: torch.Tensor | None) -> dict[str, Any
     return choices
 
 
+def _reassembled_dtype(values: torch.Tensor) -> torch.dtype:
+    """float32 for every floating-point output (whatever the compute dtype), the type itself else."""
+    return torch.float32 if values.is_floating_point() else values.dtype
+
+
 def _reassemble(collected: list[tuple[list[int], TokenOutputs]], shape: torch.Size) -> TokenOutputs:
     """The micro-batches' outputs (any device) in the batch's row order, on the CPU: ``[B, S, ...]``
-    each, float32 (``top_ids`` keeps its integer type)."""
+    each, float32 (token ids keep their integer type)."""
     first = collected[0][1].fields() if collected else {}
     whole = {
-        name: torch.zeros(
-            *shape, *values.shape[2:], dtype=values.dtype if name == "top_ids" else torch.float32
-        )
+        name: torch.zeros(*shape, *values.shape[2:], dtype=_reassembled_dtype(values))
         for name, values in first.items()
     }
     for rows, outputs in collected:

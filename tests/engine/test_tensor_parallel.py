@@ -12,14 +12,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tandem.controller import ResourcePool, WorkerError, create_worker_group
-from tandem.device import cuda_device_count
 from tandem.engine import EngineConfig, LoraConfig
 from tandem.engine.tensor_parallel import check_tensor_parallel_fits
 from tandem.models import TinyModelConfig, build_tiny_model, save_tiny_model
 from tandem.sft.config import SFTConfig
 from tandem.sft.data import SFTDataConfig
 from tests.engine.conftest import random_batch
-from tests.engine.mesh_comparisons import assert_same_gradients, assert_within_tolerance, max_diff
+from tests.engine.mesh_comparisons import (
+    assert_same_gradients,
+    assert_within_tolerance,
+    max_diff,
+    mesh_groups,
+)
 from tests.engine.tensor_parallel_workers import TensorParallelWorker
 
 
@@ -38,31 +42,7 @@ def model_dirs(tmp_path_factory):
     return {key: str(save_tiny_model(root / key.replace(" ", "-"), size)) for key, size in sizes.items()}
 
 
-@pytest.fixture(scope="module")
-def one_process():
-    """The reference: a world of one, in this process."""
-    with create_worker_group(TensorParallelWorker, ResourcePool((1,)), "local") as group:
-        yield group
-
-
-@pytest.fixture(scope="module")
-def two_ranks():
-    """Two gloo processes, reused by every test of the module (each builds its own engine)."""
-    with create_worker_group(TensorParallelWorker, ResourcePool((2,)), "process") as group:
-        yield group
-
-
-@pytest.fixture(scope="module")
-def gpu_groups():
-    """The reference on one GPU, in this process, and two NCCL ranks on a GPU each."""
-    if cuda_device_count() < 2:
-        pytest.skip("two tensor-parallel NCCL ranks need two GPUs")
-    kwargs = {"device": "cuda"}
-    with (
-        create_worker_group(TensorParallelWorker, ResourcePool((1,)), "local", kwargs=kwargs) as one,
-        create_worker_group(TensorParallelWorker, ResourcePool((2,)), "process", kwargs=kwargs) as two,
-    ):
-        yield one, two
+one_process, two_ranks, gpu_groups = mesh_groups(TensorParallelWorker, "tensor-parallel")
 
 
 def _config(model_dir: str, **overrides) -> EngineConfig:

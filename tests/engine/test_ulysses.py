@@ -10,14 +10,19 @@ import pytest
 import torch
 
 from tandem.controller import ResourcePool, WorkerError, create_worker_group
-from tandem.device import cuda_device_count
 from tandem.engine import EngineConfig, LoraConfig
 from tandem.engine.base import GATHER_FIELD
 from tandem.engine.ulysses_attention import check_heads
 from tandem.engine.varlen_attention import packed_attention
 from tandem.models import TinyModelConfig, save_tiny_model
 from tests.engine.conftest import random_batch
-from tests.engine.mesh_comparisons import TOLERANCE, assert_same_gradients, assert_within_tolerance, max_diff
+from tests.engine.mesh_comparisons import (
+    TOLERANCE,
+    assert_same_gradients,
+    assert_within_tolerance,
+    max_diff,
+    mesh_groups,
+)
 from tests.engine.ulysses_workers import UlyssesWorker
 
 
@@ -35,31 +40,7 @@ def model_dirs(tmp_path_factory):
     return {key: str(save_tiny_model(root / f"{key[0]}-kv{key[1]}", size)) for key, size in sizes.items()}
 
 
-@pytest.fixture(scope="module")
-def one_process():
-    """The reference: a world of one, in this process."""
-    with create_worker_group(UlyssesWorker, ResourcePool((1,)), "local") as group:
-        yield group
-
-
-@pytest.fixture(scope="module")
-def two_ranks():
-    """Two gloo processes, reused by every test of the module (each builds its own engine)."""
-    with create_worker_group(UlyssesWorker, ResourcePool((2,)), "process") as group:
-        yield group
-
-
-@pytest.fixture(scope="module")
-def gpu_groups():
-    """The reference on one GPU, in this process, and two NCCL ranks on a GPU each."""
-    if cuda_device_count() < 2:
-        pytest.skip("two sequence-parallel NCCL ranks need two GPUs")
-    kwargs = {"device": "cuda"}
-    with (
-        create_worker_group(UlyssesWorker, ResourcePool((1,)), "local", kwargs=kwargs) as one,
-        create_worker_group(UlyssesWorker, ResourcePool((2,)), "process", kwargs=kwargs) as two,
-    ):
-        yield one, two
+one_process, two_ranks, gpu_groups = mesh_groups(UlyssesWorker, "sequence-parallel")
 
 
 def _gradients(group, config: EngineConfig, batch) -> list[dict]:
