@@ -122,11 +122,20 @@ def config_text(overrides: list[str], config: object) -> str:
 
 
 def prepare_data(args: argparse.Namespace, console: Console) -> None:
-    """Write a verl-schema parquet or JSONL file from a built-in task or a local gsm8k/MATH file."""
+    """Write a verl-schema parquet or JSONL file from a built-in task or a local gsm8k/MATH file
+    (``shapes``: train.parquet and test.parquet in the folder ``--out``)."""
     from tandem.data import write_rows
     from tandem.data.rows import check_row_file
     from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows, gsm8k_rows, math_rows
 
+    if args.task == "shapes":
+        from tandem.rl.data.shapes import shapes_rows
+
+        for split, count in (("train", args.train_size), ("test", args.test_size)):
+            rows = shapes_rows(count, args.seed, args.canvas, split, tuple(args.questions.split(",")))
+            path = write_rows(rows, Path(args.out) / f"{split}.parquet")
+            console.print(f"wrote {len(rows)} rows to {path}")
+        return
     check_row_file(args.out, "--out")  # before any work
     if args.task == "arithmetic":
         task = ArithmeticTaskConfig(
@@ -155,6 +164,7 @@ def run_serve(args: argparse.Namespace, console: Console) -> None:
             f'tandem serve needs the serve extra: pip install "tandem-rl[serve]" ({error})'
         ) from error
     from tandem.models import load_tokenizer
+    from tandem.models.vision import ImagePrompter
     from tandem.rollout.factory import check_engine_installed
 
     check_engine_installed(args.engine, "--engine")
@@ -173,12 +183,14 @@ def run_serve(args: argparse.Namespace, console: Console) -> None:
         options["gpu_memory_utilization"] = args.gpu_memory_utilization
     engine = build_engine(args.model_path, args.engine, **options)
     tokenizer = load_tokenizer(args.model_path)
+    prompter = ImagePrompter.for_model(args.model_path)  # None: a text model (image_url parts refused)
     auth = "bearer token required" if config.api_key else "no auth"
+    images = ", image_url data: URLs" if prompter is not None else ""
     console.print(
-        f"serving {args.model_path} as {config.model_name!r} ({args.engine} engine, {auth}) "
+        f"serving {args.model_path} as {config.model_name!r} ({args.engine} engine, {auth}{images}) "
         f"at http://{config.host}:{config.port}/v1"
     )
-    serve(engine, tokenizer, config)
+    serve(engine, tokenizer, config, prompter=prompter)
 
 
 def make_report(args: argparse.Namespace, console: Console) -> None:
@@ -212,12 +224,13 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--output-dir", default="outputs/demo")
     demo.add_argument(
         "--method",
-        choices=["grpo", "ppo", "online_dpo", "dpo", "distill", "tool_agent"],
+        choices=["grpo", "ppo", "online_dpo", "dpo", "distill", "tool_agent", "vlm"],
         default="grpo",
         help="after the warm-up: GRPO, PPO with a critic, or online DPO (all from a verifier's reward on "
         "sampled responses), or offline DPO on fixed right-vs-slip pairs; distill: GRPO trains a teacher, "
         "then on-policy distillation teaches the warm-up from it; tool_agent: another task, "
-        "3-digit multiplication learnt with a calculator tool (SFT on an imperfect teacher, then GRPO)",
+        "3-digit multiplication learnt with a calculator tool (SFT on an imperfect teacher, then GRPO); "
+        "vlm: a tiny vision-language model answers questions about generated pictures (SFT, then GRPO)",
     )
     demo.add_argument(
         "--pipeline",
@@ -257,10 +270,10 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
 def _add_prepare_data(commands: argparse._SubParsersAction) -> None:
     """``tandem prepare-data``: prompts in verl's schema."""
     data = commands.add_parser(
-        "prepare-data", help="write prompts in verl's parquet schema (arithmetic, gsm8k, math)"
+        "prepare-data", help="write prompts in verl's parquet schema (arithmetic, gsm8k, math, shapes)"
     )
-    data.add_argument("task", choices=["arithmetic", "gsm8k", "math"])
-    data.add_argument("--out", required=True, help="the file to write: .parquet or .jsonl")
+    data.add_argument("task", choices=["arithmetic", "gsm8k", "math", "shapes"])
+    data.add_argument("--out", required=True, help="the file to write: .parquet or .jsonl (shapes: a folder)")
     data.add_argument("--source", help="gsm8k/math: the local parquet or JSONL file to convert")
     data.add_argument("--count", type=int, default=10_000, help="arithmetic: number of problems")
     data.add_argument("--min-digits", type=int, default=1)
@@ -269,6 +282,16 @@ def _add_prepare_data(commands: argparse._SubParsersAction) -> None:
     data.add_argument("--operators", default="+")
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--split", default="train")
+    data.add_argument("--train-size", type=int, default=2000, help="shapes: rows in train.parquet")
+    data.add_argument("--test-size", type=int, default=200, help="shapes: rows in test.parquet")
+    data.add_argument(
+        "--questions",
+        default="count,largest,has_circle,left_of",
+        help="shapes: the question kinds, comma-separated (count, largest, has_circle, left_of)",
+    )
+    data.add_argument(
+        "--canvas", type=int, default=112, help="shapes: the picture's side in pixels (112: 16 image tokens)"
+    )
 
 
 def _add_report(commands: argparse._SubParsersAction) -> None:
@@ -430,6 +453,10 @@ def _run(args: argparse.Namespace, console: Console) -> None:
                 DistillDemoSettings().runs, output_dir=args.output_dir, pipeline=args.pipeline
             )
             run_distill_demo(DistillDemoSettings(runs=runs), console)
+        elif args.method == "vlm":
+            from tandem.demos.vlm import VLMDemoSettings, run_vlm_demo
+
+            run_vlm_demo(VLMDemoSettings(output_dir=args.output_dir), console)
         elif args.method == "dpo":
             from tandem.demos.preference import DPODemoSettings, run_dpo_demo
 

@@ -12,14 +12,20 @@ import urllib.request
 from typing import Protocol
 
 from tandem.protocol.generation import Completion, RolloutRequest, SamplingParams
+from tandem.protocol.images import ImageInputs
 from tandem.rollout.base import RolloutEngine
 
 
 class TokenGenerator(Protocol):
-    """Completes a token-id prompt; the completion keeps the sampled ids, log-probs and versions."""
+    """Completes a token-id prompt (with a vision-language prompt's ``images``); the completion
+    keeps the sampled ids, log-probs and versions."""
 
     async def generate(
-        self, prompt_ids: tuple[int, ...], params: SamplingParams, request_id: str
+        self,
+        prompt_ids: tuple[int, ...],
+        params: SamplingParams,
+        request_id: str,
+        images: ImageInputs | None = None,
     ) -> Completion: ...
 
 
@@ -30,9 +36,13 @@ class EngineGenerator:
         self.engine = engine
 
     async def generate(
-        self, prompt_ids: tuple[int, ...], params: SamplingParams, request_id: str
+        self,
+        prompt_ids: tuple[int, ...],
+        params: SamplingParams,
+        request_id: str,
+        images: ImageInputs | None = None,
     ) -> Completion:
-        future = self.engine.submit(RolloutRequest(request_id, tuple(prompt_ids), params))
+        future = self.engine.submit(RolloutRequest(request_id, tuple(prompt_ids), params, images))
         return await asyncio.wrap_future(future)
 
 
@@ -49,8 +59,18 @@ class ServerGenerator:
         self.model, self.timeout_s, self.api_key = model, timeout_s, api_key
 
     async def generate(
-        self, prompt_ids: tuple[int, ...], params: SamplingParams, request_id: str
+        self,
+        prompt_ids: tuple[int, ...],
+        params: SamplingParams,
+        request_id: str,
+        images: ImageInputs | None = None,
     ) -> Completion:
+        if images is not None:  # /completions takes token ids only; a chat request would re-render
+            return Completion(
+                request_id, prompt_ids, finish_reason="error",
+                error=f"{self.url} takes token-id prompts without images: an episode with images needs "
+                "the rollout engine in this process (leave agent.server_url unset)",
+            )  # fmt: skip
         return await asyncio.to_thread(self._post, tuple(prompt_ids), params, request_id)
 
     def _post(self, prompt_ids: tuple[int, ...], params: SamplingParams, request_id: str) -> Completion:

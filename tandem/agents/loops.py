@@ -43,8 +43,10 @@ from tandem.agents.tools import ToolRunner, tool_metrics
 from tandem.agents.trajectory import Trajectory, TurnEncoder
 from tandem.config.user_code import load_user_function
 from tandem.config.user_values import describe, real_number
-from tandem.models.chat import template_ids
+from tandem.models.chat import template_ids, with_image_parts
+from tandem.models.vision import ImagePrompter, expand_image_tokens
 from tandem.protocol.generation import Completion, SamplingParams
+from tandem.protocol.images import ImageInputs
 from tandem.registry import Registry
 from tandem.user_calls import UserCodeError, describe_error, start_user_call
 
@@ -57,13 +59,15 @@ MAX_REPORTED = 100  # distinct interaction failures logged per context; the metr
 @dataclass
 class AgentSample:
     """One episode to run: the prompt as chat messages, its seed and id, the row's
-    ``extra_info`` (for interactions), and the loop to use (empty: the context's default)."""
+    ``extra_info`` (for interactions), the loop to use (empty: the context's default), and a
+    vision-language prompt's images (the first user turn's ``<image>`` placeholders, in order)."""
 
     messages: list[dict]
     seed: int
     request_id: str
     extra_info: dict = field(default_factory=dict)
     agent_name: str = ""
+    images: ImageInputs | None = None
 
 
 @dataclass
@@ -82,16 +86,25 @@ class AgentContext:
     interaction: Callable[[list[dict], dict], dict] | None = None
     interaction_timeout_s: float = 60.0
     max_message_chars: int = 32768
+    prompter: ImagePrompter | None = None
     encoder: TurnEncoder = field(init=False)
     reported: set[str] = field(init=False, default_factory=set)  # interaction failures already logged
 
     def __post_init__(self) -> None:
         self.encoder = TurnEncoder(self.tokenizer)
 
-    def prompt_ids(self, messages: list[dict]) -> tuple[int, ...]:
-        """The first prompt: the messages with the tools' schemas, rendered by the chat template."""
+    def prompt_ids(self, messages: list[dict], images: ImageInputs | None = None) -> tuple[int, ...]:
+        """The first prompt: the messages with the tools' schemas, rendered by the chat template;
+        with ``images``, the messages' ``<image>`` placeholders become image parts and each image
+        token a placeholder token (the episode's every turn sends the images with its context)."""
         tools = self.tools.schemas() if self.tools is not None else None
-        return tuple(template_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools))
+        if images is None:
+            return tuple(template_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools))
+        if self.prompter is None:
+            raise ValueError("an agent episode has images, but the model has no vision tower")
+        parts, _ = with_image_parts(messages)
+        ids = template_ids(self.tokenizer, parts, add_generation_prompt=True, tools=tools)
+        return tuple(expand_image_tokens(ids, images, self.prompter.placeholder, self.prompter.merge))
 
 
 class AgentError(RuntimeError):
@@ -117,8 +130,9 @@ async def model_turn(ctx: AgentContext, sample: AgentSample, trajectory: Traject
     params = dataclasses.replace(
         ctx.sampling, max_tokens=remaining, seed=sample.seed + trajectory.turns * TURN_SEED_STRIDE
     )
+    pictures = {"images": sample.images} if sample.images is not None else {}  # text: any generator works
     completion = await ctx.generator.generate(
-        trajectory.context_ids, params, turn_request_id(sample.request_id, trajectory.turns)
+        trajectory.context_ids, params, turn_request_id(sample.request_id, trajectory.turns), **pictures
     )
     if completion.finish_reason == "error":
         raise AgentError(f"episode {sample.request_id}, turn {trajectory.turns}: {completion.error}")
@@ -162,7 +176,7 @@ def append_turns(ctx: AgentContext, trajectory: Trajectory, messages: list[dict]
 @AGENT_LOOPS.register("single_turn")
 async def single_turn(ctx: AgentContext, sample: AgentSample) -> Trajectory:
     """One model turn."""
-    trajectory = Trajectory(ctx.prompt_ids(sample.messages), messages=list(sample.messages))
+    trajectory = Trajectory(ctx.prompt_ids(sample.messages, sample.images), messages=list(sample.messages))
     await model_turn(ctx, sample, trajectory)
     return trajectory
 
@@ -174,7 +188,7 @@ async def tool_agent(ctx: AgentContext, sample: AgentSample) -> Trajectory:
         raise ValueError(
             "the tool_agent loop needs tools and a tool-call parser (agent.tools / agent.tools_path)"
         )
-    trajectory = Trajectory(ctx.prompt_ids(sample.messages), messages=list(sample.messages))
+    trajectory = Trajectory(ctx.prompt_ids(sample.messages, sample.images), messages=list(sample.messages))
     for _ in range(ctx.max_turns):
         completion = await model_turn(ctx, sample, trajectory)
         if completion is None or trajectory.finish_reason != "stop":
@@ -197,7 +211,7 @@ async def interaction(ctx: AgentContext, sample: AgentSample) -> Trajectory:
     """Model and user function take turns; the function ends the episode (with a reward)."""
     if ctx.interaction is None:
         raise ValueError("the interaction loop needs agent.interaction_path")
-    trajectory = Trajectory(ctx.prompt_ids(sample.messages), messages=list(sample.messages))
+    trajectory = Trajectory(ctx.prompt_ids(sample.messages, sample.images), messages=list(sample.messages))
     for _ in range(ctx.max_turns):
         completion = await model_turn(ctx, sample, trajectory)
         if completion is None or trajectory.finish_reason != "stop":

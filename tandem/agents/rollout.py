@@ -28,6 +28,7 @@ from tandem.agents.loops import (
 from tandem.agents.sandbox import sandbox_available
 from tandem.agents.tool_calls import TOOL_CALL_PARSERS
 from tandem.agents.tools import CALCULATOR, Tool, ToolRunner, load_user_tools, python_tool
+from tandem.models.vision import ImagePrompter
 from tandem.protocol import Batch
 from tandem.protocol.generation import Completion, SamplingParams
 from tandem.protocol.sequences import resize_columns, sequence_tensors
@@ -53,10 +54,17 @@ def build_tools(config: AgentConfig) -> list[Tool]:
 class AgentRollout:
     """Episodes on one worker's engine (see the module docstring)."""
 
-    def __init__(self, config: AgentConfig, tokenizer: Any, engine: RolloutEngine) -> None:
+    def __init__(
+        self,
+        config: AgentConfig,
+        tokenizer: Any,
+        engine: RolloutEngine,
+        prompter: ImagePrompter | None = None,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.engine = engine
+        self.prompter = prompter  # a vision-language model's: episodes' prompts then take images
         self.generator = EngineGenerator(engine)
         self._contexts: dict[SamplingParams, AgentContext] = {}
         self._episodes: EpisodeThread | None = None  # started by the first submit_episode
@@ -73,10 +81,11 @@ class AgentRollout:
         """The rows of ``prompts`` (with ``raw_prompt`` and ``seed``) completed by their episodes,
         as sequence tensors padded to ``prompt_width`` and ``sampling.max_tokens``."""
         names = prompts["agent_name"] if "agent_name" in prompts else [""] * len(prompts)
+        images = prompts["images"] if "images" in prompts else [None] * len(prompts)
         samples = [
-            AgentSample(list(messages), int(seed), f"{rank}-{i}", dict(info or {}), str(name or ""))
-            for i, (messages, seed, info, name) in enumerate(
-                zip(prompts["raw_prompt"], prompts["seed"], prompts["extra_info"], names, strict=True)
+            AgentSample(list(messages), int(seed), f"{rank}-{i}", dict(info or {}), str(name or ""), pictures)
+            for i, (messages, seed, info, name, pictures) in enumerate(
+                zip(prompts["raw_prompt"], prompts["seed"], prompts["extra_info"], names, images, strict=True)
             )
         ]
         trajectories = run_episodes(self.context(sampling), samples)
@@ -115,7 +124,7 @@ class AgentRollout:
                 self.generator, self.tokenizer, sampling, self.config.name, self.config.max_turns,
                 self.tools, self.parser, self.interaction,
                 interaction_timeout_s=self.config.interaction_timeout_s,
-                max_message_chars=self.config.max_message_chars,
+                max_message_chars=self.config.max_message_chars, prompter=self.prompter,
             )  # fmt: skip
         return self._contexts[sampling]
 

@@ -115,8 +115,13 @@ class DistillConfig:
             rewards are still scored and logged).
         beta: ``jsd``'s interpolation: 0 the forward KL ``KL(p_t || p_s)``, 1 the reverse
             ``KL(p_s || p_t)``, between them the generalized JSD (GKD's ``beta``).
-        lmbda: GKD's student-generated fraction. Only 1 (every sequence sampled by the student)
-            is built; teacher-generated or dataset responses are not.
+        lmbda: GKD's student-generated fraction: each step samples from the student with this
+            probability, and otherwise trains on the training rows' own responses
+            (:mod:`tandem.rl.dataset_responses`). Below 1 it needs a loss-term objective
+            (``jsd``: on dataset tokens the reverse-KL advantage has no meaning) and
+            ``reward_coef=0``. Teacher-generated responses are not built.
+        response_key: where a training row holds its response for the off-policy steps:
+            ``extra_info[response_key]`` (a GSM8K row in verl's schema has ``answer``).
     """
 
     objective: str = OFF
@@ -124,6 +129,7 @@ class DistillConfig:
     reward_coef: float = 1.0
     beta: float = 0.5
     lmbda: float = 1.0
+    response_key: str = "response"
 
     def __post_init__(self) -> None:
         owner = "algorithm.distill"
@@ -134,11 +140,19 @@ class DistillConfig:
         check_range(owner, "reward_coef", self.reward_coef, low=0.0)
         check_range(owner, "beta", self.beta, 0.0, 1.0)
         check_range(owner, "lmbda", self.lmbda, 0.0, 1.0)
-        if self.lmbda != 1.0:
+        if self.lmbda < 1.0 and not self.adds_loss:
             raise ValueError(
-                f"{owner}.lmbda={self.lmbda}: only on-policy distillation (lmbda=1, every sequence sampled "
-                "by the student) is built; teacher-generated or dataset responses are not yet"
+                f"{owner}.lmbda={self.lmbda} trains some steps on the dataset's responses, which needs a loss "
+                f"objective over the teacher's distribution ({owner}.objective=jsd; beta=0 is the forward KL), "
+                f"not {self.objective!r}: the reverse-KL advantage only holds for tokens the student sampled"
             )
+        if self.lmbda < 1.0 and self.reward_coef:
+            raise ValueError(
+                f"{owner}.lmbda={self.lmbda} with {owner}.reward_coef={self.reward_coef}: a policy-gradient "
+                f"advantage needs responses the student sampled; set {owner}.reward_coef=0"
+            )
+        if not self.response_key:
+            raise ValueError(f"{owner}.response_key must name an extra_info field")
         if self.enabled and self.coef == 0 and self.reward_coef == 0:
             raise ValueError(
                 f"{owner}.coef and {owner}.reward_coef are both 0: the update would have no signal"

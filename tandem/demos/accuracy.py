@@ -1,4 +1,4 @@
-"""The arithmetic demos' held-out accuracy: its curve over an RL run, and the table each demo ends with."""
+"""The demos' held-out accuracy: its curve over an RL run, and the table each demo ends with."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from tandem.rl.trainer import RLResult
 ACCURACY_KEY = "val-core/arithmetic/acc/mean@1"
 
 
-def accuracy_curve(result: RLResult) -> list[tuple[int, float]]:
-    """``(step, held-out greedy accuracy)`` at each validation of the run, in order."""
-    return [(r["step"], r[ACCURACY_KEY]) for r in result.history if ACCURACY_KEY in r]
+def accuracy_curve(result: RLResult, key: str = ACCURACY_KEY) -> list[tuple[int, float]]:
+    """``(step, held-out greedy accuracy)`` at each validation of the run, in order (``key``: the
+    validation metric, the arithmetic task's by default)."""
+    return [(r["step"], r[key]) for r in result.history if key in r]
 
 
 def accuracy_table(title: str, method: str, curve: list[tuple[int, float]]) -> Table:

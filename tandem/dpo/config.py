@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from tandem.algos.preference import PreferenceLossConfig
 from tandem.dpo.data import PreferenceDataConfig
-from tandem.engine.config import EngineConfig, refuse_trainer_tensor_parallel
+from tandem.engine.config import EngineConfig, check_trainer_tensor_parallel
 from tandem.sft.config import SFTTrainerConfig
 
 REFERENCES = ("precompute", "model")
@@ -53,7 +53,7 @@ class DPOConfig:
             raise ValueError("model_path is required (a local HF model directory)")
         if not self.data.train_path:
             raise ValueError("data.train_path is required (a .parquet or .jsonl file of preference pairs)")
-        refuse_trainer_tensor_parallel("engine", self.engine)
+        check_trainer_tensor_parallel("engine", self.engine, self.trainer.world_size)
         if self.reference not in REFERENCES:
             raise ValueError(f"reference={self.reference!r} is not allowed; choose one of {list(REFERENCES)}")
         if self.ref_model_path and self.engine.lora.rank:

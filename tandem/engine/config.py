@@ -66,6 +66,11 @@ class EngineConfig:
             oneDNN reuses its per-shape kernels instead of building (and caching) new ones
             each step; fillers change no result.
         gradient_checkpointing: recompute activations in backward.
+        freeze_vision_tower: a vision-language model's vision tower (patch embedding, blocks and
+            merger) does not train: no gradients, not in the optimizer. Under LoRA it is
+            frozen either way (adapters go on
+            the language model only). No effect on a text model. See
+            :mod:`tandem.engine.vision_model`.
         logprob_chunk_size: rows of the fp32 output head computed at once.
         logprob_head_dtype: the precision of the log-prob head's product: ``float32`` (hidden
             states and weight in fp32) or ``bfloat16`` (both rounded to bf16, products summed
@@ -93,7 +98,7 @@ class EngineConfig:
             With ``strategy=fsdp2`` the mesh is ``(dp, tp)``: FSDP2 shards each rank's
             tensor-parallel shards over ``dp``; ``single`` trains one tensor-parallel group
             (the world is ``tp_size`` ranks; more ranks run forward passes only). Refused with
-            ``ddp``, ``sp_size > 1`` and LoRA; ``head=lm`` only. See docs/parallelism.md. 1: off.
+            ``ddp``, ``sp_size > 1`` and LoRA. See docs/parallelism.md. 1: off.
         moe_aux_loss_coef: a mixture-of-experts model's load-balancing loss (HF's
             ``load_balancing_loss_func`` of the live router logits) is added to every training
             micro-batch's loss with this weight (0: off; a dense model refuses anything else);
@@ -102,7 +107,13 @@ class EngineConfig:
             experts the rollout chose for each token (the batch's ``routed_experts``), with
             weights from the live router renormalised over them (rollout routing replay, R3;
             :mod:`tandem.models.moe`).
-        ep_size: expert parallelism, reserved: only 1 (it is not built yet).
+        ep_size: expert parallelism: every MoE layer's experts are split over this many
+            data-parallel ranks (rank ``r`` of a group holds experts ``r * E / ep_size ..``),
+            and each layer sends its routed tokens to their experts' ranks and back with
+            all-to-alls (:mod:`tandem.engine.expert_parallel`). The world size and the model's
+            ``num_experts`` must divide by it. Trains with ``ddp`` or ``fsdp2`` (``single``:
+            forward passes only); refused with ``tp_size > 1``, ``sp_size > 1`` and LoRA. See
+            docs/moe.md. 1: off.
         lora: LoRA adapter settings.
         seed: parameter-init / dropout seed.
     """
@@ -119,6 +130,7 @@ class EngineConfig:
     share_prompts: bool = True
     pad_tokens_to_multiple: int = 64
     gradient_checkpointing: bool = False
+    freeze_vision_tower: bool = False
     logprob_chunk_size: int = 1024
     logprob_head_dtype: str = "float32"
     logprob_temperature: float = 1.0
@@ -168,10 +180,7 @@ class EngineConfig:
         if self.tp_size > 1:
             _check_tensor_parallel(self, owner)
         if self.ep_size > 1:
-            raise ValueError(
-                f"{owner}.ep_size={self.ep_size}: expert parallelism is not built yet; every rank holds "
-                f"all experts (FSDP2 shards them like any weight); set {owner}.ep_size=1"
-            )
+            _check_expert_parallel(self, owner)
         if self.sp_size > 1 and not self.use_packing:
             raise ValueError(
                 f"{owner}.sp_size={self.sp_size} needs {owner}.use_packing=True: sequence parallelism "
@@ -204,12 +213,26 @@ def _check_tensor_parallel(config: EngineConfig, owner: str) -> None:
         ),
         "sp_size": (config.sp_size > 1, "sequence and tensor parallelism do not combine yet"),
         "lora.rank": (config.lora.rank > 0, "LoRA adapters are not split over tensor-parallel ranks"),
-        "head": (config.head != "lm", "only the policy's log-prob head is vocabulary-parallel (head=lm)"),
     }
+    _refuse(config, owner, "tp_size", refused)
+
+
+def _check_expert_parallel(config: EngineConfig, owner: str) -> None:
+    """Refuse what expert parallelism (``ep_size > 1``) does not combine with, naming both keys."""
+    refused = {
+        "tp_size": (config.tp_size > 1, "expert and tensor parallelism do not combine yet"),
+        "sp_size": (config.sp_size > 1, "expert and sequence parallelism do not combine yet (untested)"),
+        "lora.rank": (config.lora.rank > 0, "LoRA adapters are not split over expert-parallel ranks"),
+    }
+    _refuse(config, owner, "ep_size", refused)
+
+
+def _refuse(config: EngineConfig, owner: str, size_key: str, refused: dict[str, tuple[bool, str]]) -> None:
+    """Raise naming ``<owner>.<size_key>`` and the first key of ``refused`` that applies, with why."""
     for key, (applies, why) in refused.items():
         if applies:
             raise ValueError(
-                f"{owner}.tp_size={config.tp_size} with {owner}.{key}={_setting(config, key)}: {why}"
+                f"{owner}.{size_key}={getattr(config, size_key)} with {owner}.{key}={_setting(config, key)}: {why}"
             )
 
 
@@ -220,12 +243,21 @@ def _setting(config: object, dotted: str) -> object:
     return config
 
 
-def refuse_trainer_tensor_parallel(owner: str, engine: EngineConfig) -> None:
-    """Raise ``ValueError`` naming ``<owner>.tp_size`` when a trainer is handed an engine with
-    tensor parallelism: the engine runs it, but no trainer dispatches its batches over a
-    ``(dp, tp)`` mesh or sizes its mini-batches by it yet."""
-    if engine.tp_size > 1:
+def check_trainer_tensor_parallel(owner: str, engine: EngineConfig, workers: int) -> None:
+    """Raise ``ValueError`` naming ``<owner>.tp_size`` when a trainer's ``workers`` cannot run
+    ``engine``'s tensor parallelism: they must split into groups of ``tp_size`` (each group one
+    data-parallel rank, its workers handed the same rows), and ``strategy=single`` trains one
+    group only (several need ``fsdp2`` to reduce their gradients over ``dp``)."""
+    tp = engine.tp_size
+    if tp == 1:
+        return
+    if workers % tp:
         raise ValueError(
-            f"{owner}.tp_size={engine.tp_size}: the trainers do not run tensor-parallel engines yet "
-            f"(the training engine does: docs/parallelism.md); set {owner}.tp_size=1"
+            f"{owner}.tp_size={tp} must divide the {workers} workers: each data-parallel rank is "
+            "tp_size workers holding the same rows"
+        )
+    if engine.strategy == "single" and workers > tp:
+        raise ValueError(
+            f"{owner}.tp_size={tp} with {owner}.strategy=single trains one tensor-parallel group, but the "
+            f"{workers} workers form {workers // tp}: set {owner}.strategy=fsdp2 (it reduces their gradients)"
         )

@@ -8,10 +8,14 @@ import torch
 from torch import nn
 
 from tandem.engine.config import LoraConfig
+from tandem.engine.vision_model import VISION_TOWER_MODULES
+from tandem.models.vision import is_vision_language
 
 
 def apply_lora(model: nn.Module, config: LoraConfig) -> nn.Module:
-    """Wrap ``model`` with a LoRA adapter; only the adapter's parameters stay trainable."""
+    """Wrap ``model`` with a LoRA adapter; only the adapter's parameters stay trainable. A
+    vision-language model's adapters go on its language model only: the vision tower stays as
+    loaded (frozen)."""
     try:
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
@@ -24,6 +28,7 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> nn.Module:
         lora_alpha=config.alpha,
         lora_dropout=config.dropout,
         target_modules=targets,
+        exclude_modules=VISION_TOWER_MODULES if is_vision_language(model) else None,
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, peft_config)

@@ -13,36 +13,53 @@ response tokens only (the first one predicted from the prompt's last hidden stat
 positions hold 0.
 
 The layout needs the prompt/response boundary: the data protocol's ``prompts [B, P]``
-column (left-padded) is the first ``P`` columns of ``input_ids``.
+column (left-padded) is the first ``P`` columns of ``input_ids``. A vision-language prompt
+is its tokens and its images: rows share a prompt only when both are equal (rows with the
+same text but other images hold the same placeholder tokens).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from tandem.engine.packing import PackedSequences, Predictions, check_same_shape
 from tandem.engine.varlen_attention import plan_sequences
+from tandem.engine.vision_inputs import images_key
+from tandem.protocol.images import ImageInputs
 
 
 def prompt_groups(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_width: int,
+    images: Sequence[ImageInputs | None] | None = None,
 ) -> list[list[int]]:
     """Row indices grouped by equal prompt tokens (the valid ones of the first ``prompt_width``
-    columns), groups in order of first appearance, rows in order within a group."""
-    groups: dict[tuple[int, ...], list[int]] = {}
+    columns) and equal ``images`` (one entry per row, when given), groups in order of first
+    appearance, rows in order within a group."""
+    groups: dict[tuple, list[int]] = {}
     prompts = input_ids[:, :prompt_width].tolist()
     masks = attention_mask[:, :prompt_width].bool().tolist()
+    seen: dict[int, bytes] = {}
     for row, (ids, mask) in enumerate(zip(prompts, masks, strict=True)):
         key = tuple(token for token, valid in zip(ids, mask, strict=True) if valid)
+        if images is not None:
+            key = (key, images_key(images[row], seen))
         groups.setdefault(key, []).append(row)
     return list(groups.values())
 
 
 def pack_shared_prompts(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_width: int,
+    images: Sequence[ImageInputs | None] | None = None,
 ) -> PackedSequences:
     """Pack ``input_ids [B, S]`` (prompt in columns ``< prompt_width``, then the response) with
-    one copy of each distinct prompt; rows with an empty prompt are an error."""
+    one copy of each distinct prompt (tokens and, when given, ``images``); rows with an empty
+    prompt are an error."""
     check_same_shape(input_ids, attention_mask)
     batch, width = input_ids.shape
     mask = attention_mask.bool()
@@ -50,7 +67,7 @@ def pack_shared_prompts(
     tokens, positions, flat, owned_tokens, copied_from = [], [], [], [], []
     sequences, owned, sources, targets = [], [], [], []
     cursor = 0
-    for group in prompt_groups(input_ids, attention_mask, prompt_width):
+    for group in prompt_groups(input_ids, attention_mask, prompt_width, images):
         owner = group[0]
         prompt_columns = columns[:prompt_width][mask[owner, :prompt_width]]
         length = len(prompt_columns)

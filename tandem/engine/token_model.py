@@ -18,6 +18,7 @@ from tandem.engine.packing import Predictions, next_token_predictions
 from tandem.engine.ulysses import SequenceParallel
 from tandem.engine.ulysses_attention import SEQUENCE_PARALLEL_KEYWORD
 from tandem.engine.varlen_attention import PLAN_KEYWORD, AttentionPlan
+from tandem.engine.vision_inputs import VisionInputs, decoder_inputs
 from tandem.engine.vocab_parallel import vocab_parallel_log_probs_from_hidden
 from tandem.models.logprobs import log_probs_from_hidden
 
@@ -30,18 +31,25 @@ def decoder_hidden_states(
     cu_seqlens: torch.Tensor | None,
     attention_plan: AttentionPlan | None,
     sequence_parallel: SequenceParallel | None = None,
+    inputs: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The decoder's last hidden states ``[B, S, H]``; ``cu_seqlens`` or ``attention_plan`` describe
     a packed row (varlen attention, possibly with shared prompts), else ``attention_mask`` pads.
 
     With ``sequence_parallel`` the packed row ``[1, T]`` (and its ``attention_plan``) is whole
-    and the states come back for this rank's shard only: ``[1, T / P, H]``.
+    and the states come back for this rank's shard only: ``[1, T / P, H]``. ``inputs`` replace
+    the decoder's ``input_ids`` and ``position_ids`` (a vision-language model's embeddings and
+    M-RoPE positions: :func:`tandem.engine.vision_inputs.decoder_inputs`).
     """
     attention = {}
+    if inputs is None:
+        inputs = {"input_ids": input_ids, "position_ids": position_ids}
     if sequence_parallel is not None:  # this rank's tokens; attention sees the whole row
         if attention_plan is None:
             raise ValueError("a sequence-parallel forward needs the packed row's attention_plan")
-        input_ids, position_ids = sequence_parallel.shard(input_ids), sequence_parallel.shard(position_ids)
+        if "inputs_embeds" in inputs:
+            raise ValueError("a vision-language model's forward is not sequence-parallel (engine.sp_size=1)")
+        inputs = {name: sequence_parallel.shard(values) for name, values in inputs.items()}
         attention = {PLAN_KEYWORD: attention_plan, SEQUENCE_PARALLEL_KEYWORD: sequence_parallel}
     elif attention_plan is not None:  # packed row, possibly with shared prompts
         attention = {PLAN_KEYWORD: attention_plan}
@@ -54,8 +62,7 @@ def decoder_hidden_states(
             "max_length_k": longest,
         }
     return decoder(
-        input_ids=input_ids,
-        position_ids=position_ids,
+        **inputs,
         attention_mask=attention_mask,
         use_cache=False,
         **attention,
@@ -105,13 +112,16 @@ def predicting_states(
     attention_plan: AttentionPlan | None,
     predictions: Predictions | None,
     sequence_parallel: SequenceParallel | None,
+    inputs: dict[str, torch.Tensor] | None = None,
 ) -> PredictingStates:
-    """Run the decoder (:func:`decoder_hidden_states`) and pick the hidden states that predict
-    tokens (``predictions``, default: each token from the one before it in its sequence); with
-    ``sequence_parallel``, this rank's share of them."""
+    """Run the decoder (:func:`decoder_hidden_states`, on ``inputs`` when given) and pick the
+    hidden states that predict tokens (``predictions``, default: each token from the one before
+    it in its sequence, by the 1-D ``position_ids``); with ``sequence_parallel``, this rank's
+    share of them."""
     hidden = decoder_hidden_states(
-        decoder, input_ids, position_ids, attention_mask, cu_seqlens, attention_plan, sequence_parallel
-    )
+        decoder, input_ids, position_ids, attention_mask, cu_seqlens, attention_plan, sequence_parallel,
+        inputs,
+    )  # fmt: skip
     if predictions is None:
         predictions = next_token_predictions(position_ids)
     computed, mine = predictions, None
@@ -171,6 +181,7 @@ class TokenLogProbModel(nn.Module):
         sequence_parallel: SequenceParallel | None = None,
         top_k: int = 0,
         gather_ids: torch.Tensor | None = None,
+        vision: VisionInputs | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per-token log-probs, entropy and (``with_sum_pi_squared``) ``sum_v p(v)^2`` ``[B, S]``;
         positions that nothing predicts hold 0. With ``top_k`` also ``top_ids`` and
@@ -184,11 +195,14 @@ class TokenLogProbModel(nn.Module):
         is split over its group: this rank runs the decoder and the head on its shard, and the
         outputs of the whole row come back on every rank. With ``vocab_group`` (tensor
         parallelism) the head's weight is a DTensor of vocabulary rows and the log-softmax is
-        vocabulary-parallel (:mod:`tandem.engine.vocab_parallel`).
+        vocabulary-parallel (:mod:`tandem.engine.vocab_parallel`). A vision-language model takes
+        ``vision`` (its images and M-RoPE positions, :mod:`tandem.engine.vision_inputs`): the
+        vision tower runs here, inside the wrapped module.
         """
+        inputs = None if vision is None else decoder_inputs(self.causal_lm, input_ids, vision)
         picked = predicting_states(
             self.decoder(), input_ids, position_ids, attention_mask, cu_seqlens, attention_plan,
-            predictions, sequence_parallel,
+            predictions, sequence_parallel, inputs,
         )  # fmt: skip
         labels = input_ids.reshape(-1).index_select(0, picked.targets)
         weight = self.head_weight()

@@ -19,6 +19,7 @@ from tandem.engine.base import GATHER_FIELD, LossFn, StepResult, TokenOutputs
 from tandem.engine.checkpoint import load_engine_state, save_engine_state
 from tandem.engine.config import EngineConfig
 from tandem.engine.divergence import ModelHealth
+from tandem.engine.expert_parallel import apply_expert_parallel, build_expert_mesh, check_expert_training
 from tandem.engine.grad_norm import clip_grad_norm_
 from tandem.engine.lora import apply_lora, iter_merged_lora_parameters
 from tandem.engine.lr_schedule import build_scheduler
@@ -40,10 +41,24 @@ from tandem.engine.reward_model import TokenScoreModel
 from tandem.engine.shared_prompts import pack_shared_prompts, prompt_groups
 from tandem.engine.tensor_parallel import apply_tensor_parallel, check_tensor_parallel_fits
 from tandem.engine.token_model import TokenLogProbModel
-from tandem.engine.ulysses import SequenceParallel
+from tandem.engine.ulysses import SequenceParallel, check_same_rows
 from tandem.engine.ulysses_attention import ULYSSES_ATTENTION, check_heads
 from tandem.engine.value_model import TokenValueModel
 from tandem.engine.varlen_attention import VARLEN_ATTENTION
+from tandem.engine.vision_inputs import (
+    IMAGES_FIELD,
+    VisionInputs,
+    check_images_field,
+    packed_vision_inputs,
+    padded_vision_inputs,
+    text_vision_inputs,
+)
+from tandem.engine.vision_model import (
+    check_vision_language_engine,
+    copy_processor_files,
+    engine_model_is_vision_language,
+    freeze_vision_tower,
+)
 from tandem.files import atomic_directory
 from tandem.kernels.cpu import enable_cpu_kernels
 from tandem.models.loading import load_head_model, resolve_dtype
@@ -69,6 +84,7 @@ class TorchTrainEngine:
         self.mesh = EngineMesh.flat()  # built by initialize()
         self.sequence_parallel: SequenceParallel | None = None  # this rank's sp group when sp_size > 1
         self.routing: EngineRouting | None = None  # an MoE model's routers (built by initialize())
+        self.vision_language = False  # whether the model is a VLM (found by initialize())
         self._offloaded: dict[str, HostCopies] = {}  # "model" / "optimizer": state held in host memory
 
     # ------------------------------------------------------------------ set-up
@@ -80,9 +96,13 @@ class TorchTrainEngine:
             raise RuntimeError(
                 f"engine.strategy={config.strategy!r} needs an initialised torch.distributed group"
             )
+        self.vision_language = engine_model_is_vision_language(config, self._given_model)
+        if self.vision_language:
+            check_vision_language_engine(config)
         self.device = bind_device(config.device)
         # a single-strategy engine alone, unless it splits rows (a frozen reference, forward only)
-        distributed = config.strategy != "single" or config.sp_size > 1 or config.tp_size > 1
+        splits = config.sp_size > 1 or config.tp_size > 1 or config.ep_size > 1
+        distributed = config.strategy != "single" or splits
         self.mesh = build_engine_mesh(self.device.type, config.sp_size, distributed, config.tp_size)
         self.sequence_parallel = self.mesh.sequence_parallel()
         torch.manual_seed(config.seed)
@@ -98,17 +118,27 @@ class TorchTrainEngine:
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+        if self.vision_language and config.freeze_vision_tower:
+            freeze_vision_tower(model)
         if config.sp_size > 1:
             heads = model.config.num_attention_heads
             check_heads(heads, getattr(model.config, "num_key_value_heads", None) or heads, config.sp_size)
             model.set_attn_implementation(ULYSSES_ATTENTION)  # the varlen attention between all-to-alls
         elif config.use_packing:  # attention within each packed sequence only (cost sum(len^2), not T^2)
-            model.set_attn_implementation(VARLEN_ATTENTION)
+            # a VLM's vision tower keeps its own (bidirectional, per image) attention
+            model.set_attn_implementation(
+                {"text_config": VARLEN_ATTENTION} if self.vision_language else VARLEN_ATTENTION
+            )
         if config.lora.rank:
             model = apply_lora(model, config.lora)
         if config.tp_size > 1:  # before FSDP2, which shards each rank's tensor-parallel shards over dp
             check_tensor_parallel_fits(model, config.tp_size)
             apply_tensor_parallel(model, self.mesh.tp_mesh)
+        expert_shards = set()  # expert-parallel shards: reduced by their own group, not by DDP / FSDP2
+        if config.ep_size > 1:
+            expert_mesh = build_expert_mesh(self.device.type, config.ep_size)
+            scale = 1 / self.mesh.gradient_ranks  # undoes the loss scaling DDP / FSDP2 average away
+            expert_shards = apply_expert_parallel(model, expert_mesh, self.device, scale)
         self.routing = EngineRouting(config, model)  # replay, aux loss, metrics of an MoE model's routers
         enable_cpu_kernels(model, self.device)  # oneDNN linears and malloc settings, on the CPU only
         if config.head == "value":
@@ -125,7 +155,12 @@ class TorchTrainEngine:
             )
         # gradients reduce over every rank of the mesh: sequence-parallel ranks hold partial ones
         self.wrapped = wrap_data_parallel(
-            self.module, config.strategy, self.device, config.mixed_precision, self.mesh.dp_mesh
+            self.module,
+            config.strategy,
+            self.device,
+            config.mixed_precision,
+            self.mesh.dp_mesh,
+            ignored_params=expert_shards,
         )
         self.dp_size = self.mesh.dp_size
         trainable = [p for p in self.module.parameters() if p.requires_grad]
@@ -173,7 +208,9 @@ class TorchTrainEngine:
                 shared = attention_mask[:, :width].sum(-1).tolist()
                 groups = [
                     (rows, shared[rows[0]])
-                    for rows in prompt_groups(batch["input_ids"], attention_mask, width)
+                    for rows in prompt_groups(
+                        batch["input_ids"], attention_mask, width, batch.get(IMAGES_FIELD)
+                    )
                 ]
             if units is not None:  # rows that must share a micro-batch (a shared prompt counted once)
                 groups = [(rows, min(shared[row] for row in rows)) for rows in units]
@@ -222,7 +259,9 @@ class TorchTrainEngine:
         baseline's statistic), from the same fp32 head pass. ``top_k`` adds each position's most
         likely tokens (``top_ids``, ``top_log_probs`` ``[B, S, k]``); a ``gather_token_ids [B, S, k']``
         field (:data:`~tandem.engine.base.GATHER_FIELD`) adds the log-probs of the tokens it names
-        (``gathered_log_probs``, differentiable), from the same pass.
+        (``gathered_log_probs``, differentiable), from the same pass. A vision-language model
+        reads each row's images from the non-tensor ``images`` field (an ``ImageInputs`` or None
+        per row, its placeholders expanded in the row's prompt: :mod:`tandem.engine.vision_inputs`).
         """
         self._check_step(batch, loss_fn, forward_only)
         parts = self.micro_batches(batch)
@@ -286,12 +325,15 @@ class TorchTrainEngine:
             )
         if not forward_only and loss_fn is None:
             raise ValueError("forward_backward needs a loss_fn unless forward_only=True")
+        check_images_field(batch.get(IMAGES_FIELD), self.vision_language)
         if not forward_only and self.sequence_parallel is not None and self.config.strategy == "single":
             raise ValueError(
                 f"engine.sp_size={self.config.sp_size} trains with engine.strategy ddp or fsdp2 only (single: "
                 "forward passes only): the ranks of a sequence-parallel group hold partial gradients, "
                 "summed over the mesh"
             )
+        if not forward_only:
+            check_expert_training(self.config, self.mesh.world_size)
         single_trains_groups = self.config.strategy == "single" and self.mesh.tp_size > 1 and self.dp_size > 1
         if not forward_only and single_trains_groups:
             raise ValueError(
@@ -307,6 +349,11 @@ class TorchTrainEngine:
             )
         if self.sequence_parallel is not None:
             self.sequence_parallel.check_same_rows(batch["input_ids"])
+        elif self.mesh.tp_size > 1:  # a rank handed other rows would mix them into its peers' sums
+            check_same_rows(
+                batch["input_ids"], self.mesh.tp_group, self.mesh.tp_size, "tensor-parallel",
+                "compute each layer of the rows they share together",
+            )  # fmt: skip
 
     def _forward(
         self,
@@ -336,11 +383,12 @@ class TorchTrainEngine:
     ) -> TokenOutputs:
         input_ids, attention_mask = micro["input_ids"], micro["attention_mask"]
         if self._shares_prompts(micro):
-            packed = pack_shared_prompts(input_ids, attention_mask, micro["prompts"].shape[1])
+            width = micro["prompts"].shape[1]
+            packed = pack_shared_prompts(input_ids, attention_mask, width, micro.get(IMAGES_FIELD))
         else:
             packed = pack_sequences(input_ids, attention_mask)
         outputs, packed = self._run_packed(
-            packed, with_sum_pi_squared, moe, micro.get(ROUTING_FIELD), top_k, micro.get(GATHER_FIELD)
+            packed, with_sum_pi_squared, moe, micro.get(ROUTING_FIELD), top_k, micro.get(GATHER_FIELD), micro
         )
         return TokenOutputs(**{name: unpack(values, packed) for name, values in outputs.items()})
 
@@ -352,12 +400,14 @@ class TorchTrainEngine:
         routing: torch.Tensor | None = None,
         top_k: int = 0,
         gather: torch.Tensor | None = None,
+        micro: Batch | None = None,
     ) -> tuple[dict[str, torch.Tensor], PackedSequences]:
         """The model's outputs ``[1, T]`` for a packed row (on the CPU) and the row as it ran:
         padded with fillers to a multiple of ``pad_tokens_to_multiple`` (and of ``sp_size``,
         which splits it), on the engine's device. ``routing [B, S, L, k]``: the rollout's
         experts of the padded rows, handed to ``moe`` packed (and sharded) like the tokens.
-        ``top_k`` and ``gather [B, S, k]``: see :meth:`forward_backward`."""
+        ``top_k`` and ``gather [B, S, k]``: see :meth:`forward_backward`. ``micro``: the padded
+        rows packed, whose images a vision-language model reads (none: text tokens)."""
         multiple = math.lcm(self.config.pad_tokens_to_multiple, self.config.sp_size)
         packed = pad_to_multiple(packed, multiple)
         if packed.predictions is None:  # found on the CPU: on a GPU, finding them waits for the device
@@ -370,6 +420,7 @@ class TorchTrainEngine:
                 recorded = None if recorded is None else self.sequence_parallel.shard(recorded)
             moe.start(None if recorded is None else recorded[0].to(self.device), real[0].to(self.device))
         gather = None if gather is None else pack_per_token(gather, packed).to(self.device)
+        vision = self._packed_vision(packed, micro)
         packed = packed.to(self.device)
         parallel = {} if self.sequence_parallel is None else {"sequence_parallel": self.sequence_parallel}
         outputs = self.wrapped(
@@ -379,9 +430,20 @@ class TorchTrainEngine:
             predictions=packed.predictions,
             with_sum_pi_squared=with_sum_pi_squared,
             **parallel,
+            **vision,
             **_token_choices(top_k, gather),
         )
         return outputs, packed
+
+    def _packed_vision(self, packed: PackedSequences, micro: Batch | None) -> dict[str, VisionInputs]:
+        """A vision-language model's ``vision`` keyword for ``packed`` (on the CPU, fillers
+        included) packed from ``micro``'s rows (none: text tokens); nothing for a text model."""
+        if not self.vision_language:
+            return {}
+        if micro is None:
+            return {"vision": text_vision_inputs(packed.num_tokens).to(self.device)}
+        rows = (micro["input_ids"], micro["attention_mask"], micro.get(IMAGES_FIELD))
+        return {"vision": packed_vision_inputs(self.causal_lm, packed, *rows).to(self.device)}
 
     def _on_device(self, batch: Batch) -> Batch:
         return batch if self.device.type == "cpu" else batch.to(self.device)
@@ -389,6 +451,10 @@ class TorchTrainEngine:
     def _forward_padded(
         self, micro: Batch, with_sum_pi_squared: bool, moe: MicroBatchRouting | None, top_k: int
     ) -> TokenOutputs:
+        vision = None  # a VLM's images and M-RoPE positions, found on the CPU
+        if self.vision_language:
+            rows = (micro["input_ids"], micro["attention_mask"], micro.get(IMAGES_FIELD))
+            vision = padded_vision_inputs(self.causal_lm, *rows).to(self.device)
         micro = self._on_device(micro)
         input_ids, attention_mask = micro["input_ids"], micro["attention_mask"]
         position_ids = (
@@ -408,6 +474,7 @@ class TorchTrainEngine:
             position_ids=position_ids[:, window],
             attention_mask=attention_mask[:, window],
             with_sum_pi_squared=with_sum_pi_squared,
+            **({} if vision is None else {"vision": vision.window(window)}),
             **_token_choices(top_k, None if gather is None else gather[:, window]),
         )
         mask = attention_mask[:, window]
@@ -438,6 +505,7 @@ class TorchTrainEngine:
                     position_ids=torch.arange(2, device=self.device).unsqueeze(0),
                     attention_mask=None,
                     cu_seqlens=torch.tensor([0, 2], dtype=torch.int32, device=self.device),
+                    **self._packed_vision(pack_sequences(ids, torch.ones_like(ids)), None),
                 )
         if not forward_only:
             (sum(values.sum() for values in outputs.values()) * 0.0).backward()
@@ -472,7 +540,8 @@ class TorchTrainEngine:
         """
         params = [p for p in self._require_module().parameters() if p.requires_grad]
         max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
-        if self.mesh.tp_size > 1:  # parameters on two meshes, which torch's clipping cannot stack
+        # parameters on two meshes (or DTensors beside plain tensors), which torch's clipping cannot stack
+        if self.mesh.tp_size > 1 or self.config.ep_size > 1:
             norm = clip_grad_norm_(params, max_norm)
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -528,7 +597,8 @@ class TorchTrainEngine:
         """The model being trained (LoRA merged) with ``tokenizer`` as a plain HF directory at
         ``path``, in the head's class (a causal LM, or a token or sequence classifier). Every
         data-parallel rank must call it (FSDP2 gathers the weights); the one with ``write`` saves,
-        into a fresh copy of ``config.model_path``'s architecture, whole or not at all."""
+        into a fresh copy of ``config.model_path``'s architecture, whole or not at all, with that
+        directory's processor files (a vision-language model's image processor)."""
         named = [(name, tensor.to("cpu")) for name, tensor in self.iter_parameters()]
         if not write:
             return
@@ -537,6 +607,7 @@ class TorchTrainEngine:
         with atomic_directory(path) as staging:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
+            copy_processor_files(self.config.model_path, staging)  # a VLM's image processor
 
     def offload(self, model: bool = True, optimizer: bool = True) -> None:
         """Copy the parameters and/or the optimizer state to host memory and free their device

@@ -124,19 +124,9 @@ class SequenceParallel:
 
     def check_same_rows(self, input_ids: torch.Tensor) -> None:
         """Raise ``ValueError`` on every rank unless every rank of the group was handed the same
-        ``input_ids [B, S]`` (compared by shape and two checksums): a group splits rows that
-        its ranks share, so they must be dispatched by data-parallel rank."""
-        ids = input_ids.to(torch.int64).flatten()
-        weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64, device=ids.device) % 65521
-        mine = torch.stack([*torch.tensor(input_ids.shape).to(ids.device), ids.sum(), (ids * weights).sum()])
-        seen = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(seen, mine, group=self.group)
-        if any(not torch.equal(other, seen[0]) for other in seen[1:]):
-            raise ValueError(
-                f"the {self.size} ranks of a sequence-parallel group were handed different rows; "
-                "they split the rows they share, so a batch must be split by data-parallel rank "
-                "(engine.mesh.dp_rank), every rank of a group receiving the same rows"
-            )
+        ``input_ids [B, S]``: a group splits rows that its ranks share, so they must be
+        dispatched by data-parallel rank."""
+        check_same_rows(input_ids, self.group, self.size, "sequence-parallel", "split the rows they share")
 
     def split_predictions(self, predictions: Predictions, total: int) -> tuple[Predictions, torch.Tensor]:
         """The predictions whose source hidden state this rank holds, sources counted from its
@@ -155,3 +145,20 @@ class SequenceParallel:
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor [B, T / P, ...]`` of this rank's shard as ``[B, T, ...]`` of the whole row."""
         return gather_sequence(tensor, self.group, dim=1)
+
+
+def check_same_rows(input_ids: torch.Tensor, group: ProcessGroup, size: int, kind: str, why: str) -> None:
+    """Raise ``ValueError`` on every rank unless every one of the ``size`` ranks of ``group`` (a
+    ``kind`` group, whose ranks ``why``) was handed the same ``input_ids [B, S]``, compared by
+    shape and two checksums (one small all-gather)."""
+    ids = input_ids.to(torch.int64).flatten()
+    weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64, device=ids.device) % 65521
+    mine = torch.stack([*torch.tensor(input_ids.shape).to(ids.device), ids.sum(), (ids * weights).sum()])
+    seen = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(seen, mine, group=group)
+    if any(not torch.equal(other, seen[0]) for other in seen[1:]):
+        raise ValueError(
+            f"the {size} ranks of a {kind} group were handed different rows; they {why}, so a batch "
+            "must be split by data-parallel rank (engine.mesh.dp_rank), every rank of a group receiving "
+            "the same rows"
+        )

@@ -30,3 +30,28 @@ def template_ids(
         messages, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt
     )
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+IMAGE_PLACEHOLDER = "<image>"  # where verl's multimodal rows put each image in a message's text
+
+
+def with_image_parts(messages: list[dict], placeholder: str = IMAGE_PLACEHOLDER) -> tuple[list[dict], int]:
+    """``messages`` with each string content that holds ``placeholder`` turned into a content list
+    of ``{"type": "text", "text"}`` and ``{"type": "image"}`` parts in order (the form a
+    vision-language chat template renders), and the number of placeholders found. Messages
+    without one are returned as they are."""
+    converted, count = [], 0
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, str) or placeholder not in content:
+            converted.append(message)
+            continue
+        parts: list[dict] = []
+        for i, text in enumerate(content.split(placeholder)):
+            if i:
+                parts.append({"type": "image"})
+                count += 1
+            if text:
+                parts.append({"type": "text", "text": text})
+        converted.append({**message, "content": parts})
+    return converted, count

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
@@ -56,13 +58,17 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 def load_model(
     path: str | Path, dtype: str = "float32", attn_implementation: str = "sdpa"
 ) -> PreTrainedModel:
-    """The causal LM saved in ``path``, in ``dtype``, with the given attention implementation."""
+    """The causal LM saved in ``path``, in ``dtype``, with the given attention implementation: a
+    vision-language model (a config with a ``vision_config``, such as Qwen2-VL's) loads as an
+    image-text-to-text model, whose ``get_decoder()`` is its language model."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(
             f"no model at {path}: config.json is missing (expected a save_pretrained directory)"
         )
-    return AutoModelForCausalLM.from_pretrained(
+    vision = getattr(AutoConfig.from_pretrained(str(path)), "vision_config", None) is not None
+    auto_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    return auto_class.from_pretrained(
         str(path), dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
     )
 

@@ -28,6 +28,7 @@ from tandem.agents.trajectory import Trajectory
 from tandem.pipeline.sample_queue import EpisodeInfo, GroupMeta
 from tandem.pipeline.sample_store import InlineWriter, SampleWriter
 from tandem.protocol.generation import Completion
+from tandem.protocol.images import ImageInputs
 from tandem.rollout import RolloutRequest, SamplingParams
 
 if TYPE_CHECKING:
@@ -45,7 +46,8 @@ class EpisodePrompt:
 
 @dataclass(frozen=True)
 class GroupRequest:
-    """One prompt to answer ``len(seeds)`` times (one response, or agent episode, per seed)."""
+    """One prompt to answer ``len(seeds)`` times (one response, or agent episode, per seed), with a
+    vision-language prompt's ``images``."""
 
     uid: str
     index: int
@@ -53,6 +55,7 @@ class GroupRequest:
     seeds: tuple[int, ...]
     params: SamplingParams
     episode: EpisodePrompt | None = None
+    images: ImageInputs | None = None
 
 
 @dataclass
@@ -102,14 +105,19 @@ class GroupTracker:
     def _submit(self, engine, group: GroupRequest, request_id: str, seed: int) -> Future:
         if group.episode is None:
             params = dataclasses.replace(group.params, seed=seed)
-            return engine.submit(RolloutRequest(request_id, group.prompt_ids, params))
+            return engine.submit(RolloutRequest(request_id, group.prompt_ids, params, group.images))
         if self.agents is None:
             raise ValueError(
                 f"prompt group {group.uid!r} is an agent episode, but replica {self.replica} has no agents"
             )
         episode = group.episode
         sample = AgentSample(
-            list(episode.messages), seed, request_id, dict(episode.extra_info), episode.agent_name
+            list(episode.messages),
+            seed,
+            request_id,
+            dict(episode.extra_info),
+            episode.agent_name,
+            group.images,
         )
         return self.agents.submit_episode(sample, group.params)
 

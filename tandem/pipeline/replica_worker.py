@@ -22,6 +22,7 @@ from tandem.controller import Worker, register
 from tandem.controller.profiling import ProfilesCalls
 from tandem.device import bind_device
 from tandem.models.loading import load_tokenizer
+from tandem.models.vision import ImagePrompter
 from tandem.pipeline.groups import GroupRequest, GroupTracker
 from tandem.pipeline.sample_queue import GroupMeta
 from tandem.pipeline.sample_store import InlineWriter, SampleWriter
@@ -61,7 +62,9 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
         self.engine = build_rollout_engine(engine.on_device(str(self.device)), model_path)
         self.receiver: WeightReceiver | None = None
         self.agents = (
-            AgentRollout(agent, load_tokenizer(model_path), self.engine) if agent is not None else None
+            AgentRollout(agent, load_tokenizer(model_path), self.engine, ImagePrompter.for_model(model_path))
+            if agent is not None
+            else None
         )
         self.groups = GroupTracker(self.rank, SampleWriter(sample_dir), self.agents)
 

@@ -240,9 +240,12 @@ class AsyncRollout:
                     prompt_width=max(len(p) for p in prompts["prompt_ids"]),
                 )
             return trim_padding(out, self.pad_id)
+        images = prompts["images"] if "images" in prompts else [None] * len(prompts)
         requests = [
-            RolloutRequest(f"val-{version}-{i}", tuple(ids), dataclasses.replace(sampling, seed=int(seed)))
-            for i, (ids, seed) in enumerate(zip(prompts["prompt_ids"], seeds, strict=True))
+            RolloutRequest(
+                f"val-{version}-{i}", tuple(ids), dataclasses.replace(sampling, seed=int(seed)), pictures
+            )
+            for i, (ids, seed, pictures) in enumerate(zip(prompts["prompt_ids"], seeds, images, strict=True))
         ]
         completions = self._recovering(lambda: self.fleet.generate(requests))
         tensors = sequence_tensors(prompts["prompt_ids"], completions, self.pad_id)
@@ -304,9 +307,10 @@ class AsyncRollout:
                 if plan.agent is not None
                 else None
             )
+            images = self.dataset.image_inputs(sample)  # None: a text prompt
             requests.append(
                 GroupRequest(
-                    f"g{serial}", index, tuple(sample.prompt_ids), seeds, plan.shape.sampling, episode
+                    f"g{serial}", index, tuple(sample.prompt_ids), seeds, plan.shape.sampling, episode, images
                 )
             )
         self.fleet.submit(requests)

@@ -144,6 +144,7 @@ STANDARD_NON_TENSOR_FIELDS: dict[str, str] = {
     "raw_prompt": "the prompt as chat messages (list of {role, content} dicts)",
     "ground_truth": "the reference answer the reward function checks against",
     "extra_info": "free-form per-sample dict carried from the dataset",
+    "images": "a vision-language prompt's images (tandem.protocol.images.ImageInputs; None: text only)",
 }
 
 

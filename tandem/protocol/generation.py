@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from tandem.config.validation import check_choice, check_range
+from tandem.protocol.images import ImageInputs
 
 LOGPROBS_MODES = ("processed", "raw")
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -61,11 +62,17 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class RolloutRequest:
-    """One prompt to complete: token ids, sampling parameters and a unique id."""
+    """One prompt to complete: token ids, sampling parameters and a unique id.
+
+    For a vision-language model ``images`` holds the prompt's images, and ``prompt_ids`` already
+    holds one ``<|image_pad|>`` token per image token, image after image
+    (:func:`tandem.models.vision.expand_image_tokens`).
+    """
 
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
+    images: ImageInputs | None = None
 
 
 def prompt_problem(prompt: tuple[int, ...], max_model_len: int, vocab_size: int) -> str | None:

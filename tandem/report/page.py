@@ -16,6 +16,7 @@ from functools import lru_cache
 from tandem.report.figures import figure
 from tandem.report.panels import plan
 from tandem.report.runs import RunData
+from tandem.report.samples import read_val_samples, samples_html
 
 REFRESH_S = 30
 FINAL_KEYS = (
@@ -110,10 +111,12 @@ def _run_header(run: RunData) -> str:
         )
         facts.append(("interrupted", ", ".join(stops)))
     config = flatten(info.get("config", {}))
+    samples = samples_html(read_val_samples(run.directory))
     return (
         f"<section class='run'><h2>{html.escape(run.name)}</h2>{_table(facts)}"
         f"<h3>Final metrics</h3>{_table(final_metrics(run))}"
-        f"<details><summary>Resolved config ({len(config)} keys)</summary>"
+        + (f"<h3>Validation samples</h3>{samples}" if samples else "")
+        + f"<details><summary>Resolved config ({len(config)} keys)</summary>"
         f"{_table([(k, json.dumps(v)) for k, v in sorted(config.items())])}</details></section>"
     )
 
@@ -211,6 +214,9 @@ details{margin:6px 0} summary{cursor:pointer;font-size:13px}
 .grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(560px,1fr));gap:10px}
 .hint{color:#777;margin-left:18px}
 .chart{border:1px solid #e3e3e3;border-radius:6px;min-height:320px}
+table.samples td{vertical-align:top;max-width:520px}
+table.samples pre{white-space:pre-wrap;margin:2px 0;font-size:12px}
+img.thumb{max-width:160px;max-height:160px;margin:2px;border:1px solid #ccc;image-rendering:pixelated}
 """
 
 SCRIPT = """

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from tandem.algos import LOSS_AGG_MODES
 from tandem.config.validation import check_choice, check_positive, check_range
-from tandem.engine.config import EngineConfig
+from tandem.engine.config import EngineConfig, check_trainer_tensor_parallel
 from tandem.engine.offload import OffloadConfig
 
 PLACEMENTS = ("separate", "colocated")
@@ -77,12 +77,15 @@ def check_critic(config: TrainConfig) -> None:
         raise ValueError(
             f"critic.ppo_mini_batch_size={mini} must divide data.train_batch_size={config.data.train_batch_size}"
         )
-    sp = config.critic.engine.sp_size
+    engine = config.critic.engine
+    sp = engine.sp_size
     if config.world_size % sp:
         raise ValueError(f"critic.engine.sp_size={sp} must divide the {config.world_size} workers")
-    ranks = config.world_size // sp
+    check_trainer_tensor_parallel("critic.engine", engine, config.world_size)
+    ranks = config.world_size // (sp * engine.tp_size)  # sequence- and tensor-parallel peers share rows
     if (mini * config.rollout.n) % ranks:
         raise ValueError(
             f"a critic mini-batch of critic.ppo_mini_batch_size * rollout.n = {mini * config.rollout.n} sequences "
-            f"must divide evenly over the {ranks} " + ("workers" if sp == 1 else "data-parallel ranks")
+            f"must divide evenly over the {ranks} "
+            + ("workers" if ranks == config.world_size else "data-parallel ranks")
         )

@@ -32,7 +32,7 @@ from tandem.rl.config import TrainConfig
 from tandem.rl.derived import critic_engine_config
 
 SUMMED = ("critic/vf_loss",)  # micro-batch shares of one loss: add up
-CRITIC_MESH = "critic"  # the engine's data-parallel ranks: sequence-parallel peers get the same rows
+CRITIC_MESH = "critic"  # the engine's data-parallel ranks: sequence/tensor-parallel peers get the same rows
 
 
 def value_loss(
@@ -67,13 +67,13 @@ class CriticWorker(Worker):
         self.device = bind_device(config.trainer.device, self.local_rank)
         if self.world_size > 1:
             self.init_process_group(device=self.device)
-        strategy = rank_strategy(config.critic.engine.strategy, self.world_size)
+        strategy = rank_strategy(config.critic.engine.strategy, self.world_size, config.critic.engine.tp_size)
         self.engine = TorchTrainEngine(
             critic_engine_config(config, str(self.device), strategy, schedule_steps)
         )
         self.engine.initialize()
-        mesh = self.engine.mesh  # the ranks of a sequence-parallel group share rows; one reports
-        self.set_mesh_rank(CRITIC_MESH, mesh.dp_rank, mesh.dp_size, is_collect=mesh.sp_rank == 0)
+        mesh = self.engine.mesh  # the ranks of a sequence- or tensor-parallel group share rows; one reports
+        self.set_mesh_rank(CRITIC_MESH, mesh.dp_rank, mesh.dp_size, is_collect=mesh.collects)
         self.skipped = SkippedUpdates(
             config.trainer.max_skipped_updates_in_a_row, "trainer.max_skipped_updates_in_a_row"
         )

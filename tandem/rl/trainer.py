@@ -37,6 +37,7 @@ from tandem.algos import (
 from tandem.algos.distill import distill_metrics, distilled_advantages
 from tandem.config.paths import check_workers_share_output_dir, with_absolute_paths
 from tandem.controller import Role, check_placement, create_colocated_group, create_worker_group
+from tandem.data.images import decode_image
 from tandem.engine.divergence import check_health, check_skipped_in_a_row
 from tandem.models.loading import load_tokenizer
 from tandem.pipeline.colocated import ColocatedRollout
@@ -49,11 +50,13 @@ from tandem.protocol.sequences import (
     trim_padding,
 )
 from tandem.report import RunInfo
+from tandem.report.samples import append_val_samples, thumbnail_url
 from tandem.report.tracker import ReportTracker
 from tandem.rl.balance import balanced_rank_order
 from tandem.rl.config import MODEL_SOURCE, TrainConfig
 from tandem.rl.critic_worker import CriticWorker
-from tandem.rl.data import RLDataset
+from tandem.rl.data import RLDataset, image_reader
+from tandem.rl.dataset_responses import OFF_POLICY, DatasetResponseMix
 from tandem.rl.derived import replica_plan, step_shape
 from tandem.rl.metrics import data_metrics, timed, timing_metrics, value_metrics
 from tandem.rl.plan import run_plan
@@ -85,6 +88,7 @@ class RLResult:
 
 
 VALIDATION_SEED_TAG = 7_777_777  # derive_seed(run seed, this, row): validation sampling
+VAL_SAMPLES_LOGGED = 4  # validation prompts whose first response (and pictures) val_samples.jsonl keeps
 
 
 PLACEMENT_KEYS = (  # what shapes the pools of config.resource_pools(), named when they cannot be placed
@@ -118,11 +122,14 @@ class RLTrainer:
         self.output_dir = check_output_dir(config.trainer.output_dir, "trainer.output_dir")
         data = config.data
         self.tokenizer = load_tokenizer(config.model_path)
+        images = image_reader(config.model_path, data)  # a vision-language model's processor, loaded once
         self.train_data = RLDataset.load(
-            data.train_path, self.tokenizer, data.max_prompt_length, data.overlong_prompts
+            data.train_path, self.tokenizer, data.max_prompt_length, data.overlong_prompts, images
         )
         self.val_data = (
-            RLDataset.load(data.val_path, self.tokenizer, data.max_prompt_length, data.overlong_prompts)
+            RLDataset.load(
+                data.val_path, self.tokenizer, data.max_prompt_length, data.overlong_prompts, images
+            )
             if data.val_path
             else None
         )
@@ -309,10 +316,16 @@ class RLTrainer:
     def _batch_source(self, workers: Any) -> BatchSource:
         """Where the steps' prompt groups come from: the workers' own engines (``sync``) or rollout
         replicas beside them (the asynchronous modes)."""
-        pad_id = self.tokenizer.pad_token_id
+        pad_id, distill = self.tokenizer.pad_token_id, self.config.algorithm.distill
         if self.config.pipeline.disaggregated:
             return AsyncRollout(replica_plan(self.config), workers, self.train_data, self.sampler, pad_id)
-        return ColocatedRollout(workers, pad_id, self.train_data, self.sampler, step_shape(self.config))
+        source = ColocatedRollout(workers, pad_id, self.train_data, self.sampler, step_shape(self.config))
+        if distill.lmbda < 1:  # GKD: some steps train on the dataset's responses
+            return DatasetResponseMix(
+                source, self.train_data, self.sampler, step_shape(self.config), self.tokenizer,
+                distill.lmbda, distill.response_key, self.config.rollout.max_response_length,
+            )  # fmt: skip
+        return source
 
     def _schedule(self) -> Schedule:
         """Validate first (unless resumed) and every ``trainer.val_every`` steps, save every
@@ -361,7 +374,11 @@ class RLTrainer:
                 batch["attention_mask"], self.config.rollout.n, self.config.actor_dp_size
             )
             batch = batch.reorder(order)
-        if self.config.old_log_probs_from_rollout:
+        if OFF_POLICY in batch and batch[OFF_POLICY][0]:  # the dataset's responses: no rollout sampled them
+            with timed(timings, "old_log_prob"):
+                batch = batch.union(self.workers.compute_log_prob(batch))
+            batch = batch.assign(tensors={"rollout_log_probs": batch["old_log_probs"]})
+        elif self.config.old_log_probs_from_rollout:
             batch = batch.assign(tensors={"old_log_probs": batch["rollout_log_probs"]})
         elif not self.config.old_log_probs_from_update:
             with timed(timings, "old_log_prob"):
@@ -567,7 +584,32 @@ class RLTrainer:
                 scored["token_level_scores"][rows].sum(-1).mean()
             )
         metrics["val-aux/response_length/mean"] = float(response_lengths(scored).float().mean())
+        self._log_val_samples(scored, rollout.val_n)
         return metrics
+
+    def _log_val_samples(self, scored: Batch, val_n: int) -> None:
+        """The first :data:`VAL_SAMPLES_LOGGED` validation prompts' first responses, with their
+        pictures as thumbnails, into the run's ``val_samples.jsonl`` (the report shows them)."""
+        assert self.val_data is not None
+        samples = []
+        for prompt in range(min(VAL_SAMPLES_LOGGED, len(scored) // val_n)):
+            row = prompt * val_n
+            mask = scored["response_mask"][row].bool()
+            pictures = self.val_data.samples[prompt].images
+            samples.append(
+                {
+                    "prompt": self.tokenizer.decode(scored["prompt_ids"][row], skip_special_tokens=True),
+                    "response": self.tokenizer.decode(
+                        scored["responses"][row][mask], skip_special_tokens=True
+                    ),
+                    "score": float(scored["token_level_scores"][row].sum()),
+                    "ground_truth": str(scored["ground_truth"][row]),
+                    "images": [thumbnail_url(decode_image(raw)) for raw in pictures.encoded]
+                    if pictures
+                    else [],
+                }
+            )
+        append_val_samples(self.output_dir, self.step, samples)
 
     # ------------------------------------------------------------------ checkpoints and logging
     def save_checkpoint(self) -> Path:

@@ -33,6 +33,7 @@ from tandem.engine.divergence import ModelHealth, SkippedUpdates
 from tandem.engine.offload import Residency
 from tandem.engine.parallel import rank_strategy
 from tandem.models.loading import check_vocab_compatible, load_tokenizer
+from tandem.models.vision import ImagePrompter
 from tandem.protocol import Batch
 from tandem.protocol.sequences import resize_columns, response_part, sequence_tensors
 from tandem.rl.actor_loss import make_actor_loss
@@ -50,7 +51,7 @@ SUMMED_METRICS = (
     "distill/loss",
 )  # micro-batch (and worker) shares of one loss: add up
 MAX_METRICS = ("rollout_corr/max_abs_log_prob_diff",)
-ACTOR_MESH = "actor"  # the engine's data-parallel ranks: sequence-parallel peers get the same rows
+ACTOR_MESH = "actor"  # the engine's data-parallel ranks: sequence/tensor-parallel peers get the same rows
 SHUFFLE_SEED_TAG = 101  # derive_seed(run seed, this, step, epoch): the mini-batch order of an epoch
 
 
@@ -80,12 +81,12 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         if self.world_size > 1:
             self.init_process_group(device=self.device)
         self.tokenizer = load_tokenizer(config.model_path)
-        strategy = rank_strategy(config.actor.engine.strategy, self.world_size)
+        strategy = rank_strategy(config.actor.engine.strategy, self.world_size, config.actor.engine.tp_size)
         engine_config = actor_engine_config(config, str(self.device), strategy, schedule_steps)
         self.engine = TorchTrainEngine(engine_config)
         self.engine.initialize()
-        mesh = self.engine.mesh  # the ranks of a sequence-parallel group share rows; one reports
-        self.set_mesh_rank(ACTOR_MESH, mesh.dp_rank, mesh.dp_size, is_collect=mesh.sp_rank == 0)
+        mesh = self.engine.mesh  # the ranks of a sequence- or tensor-parallel group share rows; one reports
+        self.set_mesh_rank(ACTOR_MESH, mesh.dp_rank, mesh.dp_size, is_collect=mesh.collects)
         check_vocab_compatible(self.engine.causal_lm, self.tokenizer)
         self.skipped = SkippedUpdates(
             config.trainer.max_skipped_updates_in_a_row, "trainer.max_skipped_updates_in_a_row"
@@ -98,7 +99,8 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
                 rollout_engine_config(config, str(self.device)), config.model_path
             )
             if config.agent.enabled:
-                self.agents = AgentRollout(config.agent, self.tokenizer, self.rollout)
+                prompter = ImagePrompter.for_model(config.model_path)
+                self.agents = AgentRollout(config.agent, self.tokenizer, self.rollout, prompter)
         self.reference: TorchTrainEngine | None = None
         if config.needs_reference and not config.actor.engine.lora.rank:
             # A frozen copy computing log-probs only: sharded like the actor under FSDP2; a whole copy
@@ -156,9 +158,14 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         return out
 
     def _single_turn(self, prompts: Batch, sampling: SamplingParams, prompt_width: int) -> Batch:
+        images = prompts["images"] if "images" in prompts else [None] * len(prompts)
         requests = [
-            RolloutRequest(f"{self.rank}-{i}", tuple(ids), dataclasses.replace(sampling, seed=int(seed)))
-            for i, (ids, seed) in enumerate(zip(prompts["prompt_ids"], prompts["seed"], strict=True))
+            RolloutRequest(
+                f"{self.rank}-{i}", tuple(ids), dataclasses.replace(sampling, seed=int(seed)), pictures
+            )
+            for i, (ids, seed, pictures) in enumerate(
+                zip(prompts["prompt_ids"], prompts["seed"], images, strict=True)
+            )
         ]
         completions = self.rollout.generate_batch(requests)
         failed = [c for c in completions if c.finish_reason == "error"]

@@ -2,6 +2,9 @@
 
 For a mixture-of-experts model it records each token's experts per MoE layer (each decoder
 forward of ``generate`` routes the tokens it feeds in) into the completion's ``routed_experts``.
+A vision-language model gets the request's images (``pixel_values``, ``image_grid_thw`` and the
+image tokens' ``mm_token_type_ids``); images the model cannot take finish the request with
+``error`` (:func:`~tandem.rollout.images.image_request_problem`).
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from tandem.device import bind_device
 from tandem.models.loading import load_model, load_tokenizer
 from tandem.models.moe import RouterTap, is_moe
+from tandem.models.vision import image_token_id, is_vision_language
 from tandem.models.weights import load_named_tensors
 from tandem.protocol.generation import Completion, EngineMetrics, RolloutRequest, TokenCallback
+from tandem.rollout.images import has_images, image_request_problem
 from tandem.rollout.routing import completed_routing
 
 
@@ -47,7 +52,7 @@ class HFRolloutEngine:
 
     @property
     def max_model_len(self) -> int:
-        return self.model.config.max_position_embeddings
+        return self.model.config.get_text_config().max_position_embeddings
 
     @property
     def vocab_size(self) -> int:
@@ -89,6 +94,10 @@ class HFRolloutEngine:
         params = request.params
         if not request.prompt_ids:
             raise ValueError(f"request {request.request_id!r}: the prompt is empty")
+        problem = image_request_problem(request, self.model.config, exact=True)
+        if problem:
+            message = f"request {request.request_id!r}: {problem}"
+            return Completion(request.request_id, request.prompt_ids, finish_reason="error", error=message)
         eos = [] if params.ignore_eos else [self.tokenizer.eos_token_id]
         stop_ids = list(params.stop_token_ids) + eos
         # The request's seed drives sampling without disturbing the process's RNGs (CPU and CUDA).
@@ -106,9 +115,11 @@ class HFRolloutEngine:
                     warpers.append(TopKLogitsWarper(params.top_k))
                 if params.top_p < 1:
                     warpers.append(TopPLogitsWarper(params.top_p))
+            input_ids = torch.tensor([request.prompt_ids], device=self.device)
             output = self.model.generate(
-                torch.tensor([request.prompt_ids], device=self.device),
+                input_ids,
                 attention_mask=torch.ones(1, len(request.prompt_ids), dtype=torch.long, device=self.device),
+                **self._image_inputs(request, input_ids),
                 do_sample=not params.greedy,
                 max_new_tokens=params.max_tokens,
                 eos_token_id=stop_ids or None,
@@ -144,6 +155,20 @@ class HFRolloutEngine:
             finish,
             routed_experts=routed,
         )
+
+    def _image_inputs(self, request: RolloutRequest, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``generate``'s image arguments for a VLM's request (none for a text model)."""
+        if not is_vision_language(self.model):
+            return {}
+        token_types = (input_ids == image_token_id(self.model.config)).to(torch.int32)
+        if not has_images(request):
+            return {"mm_token_type_ids": token_types}
+        images = request.images.to(self.device)
+        return {
+            "pixel_values": images.pixel_values,
+            "image_grid_thw": images.image_grid_thw,
+            "mm_token_type_ids": token_types,
+        }
 
     def abort(self, request_id: str) -> bool:
         return False  # requests finish inside submit(); nothing is ever in flight

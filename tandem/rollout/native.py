@@ -4,14 +4,16 @@ Each :meth:`NativeRolloutEngine.step` runs ONE forward pass over a packed row ho
 prompts of newly admitted requests (prefill) followed by one token of every running
 request (decode). New requests join at every step and finished ones leave at once. A
 prompt shared by several requests (the n samples of a GRPO group) is computed once: its
-keys/values and last hidden state go to a prefix cache keyed by (weight version, prompt)
-and are copied into the other requests' slots.
+keys/values and last hidden state go to a prefix cache keyed by (weight version, prompt,
+images' digest) and are copied into the other requests' slots.
 
 For Llama, Qwen2 and Qwen3 the forward runs through :class:`~tandem.rollout.lean.LeanDecoder`
 (HF's computation without its per-layer Python overhead, bit-identical); other models use
 HF's own decoder with the cache plugged in as an attention implementation (mixture-of-experts
 models among them: the engine records each token's experts per MoE layer into the
-completion's ``routed_experts``, :mod:`tandem.rollout.routing`). fp32 linear
+completion's ``routed_experts``, :mod:`tandem.rollout.routing`; vision-language models, whose
+language model HF's decoder runs on the packed row's embeddings with the prompts' image features
+in place and M-RoPE positions, :mod:`tandem.rollout.images`). fp32 linear
 layers run on oneDNN on the CPU (:mod:`tandem.kernels.cpu.linear`, as in the trainer), with
 weights prepacked into oneDNN's blocked layout for the lean forward and the head. On a GPU
 the model, the KV cache and the sampler's tensors live on the engine's device
@@ -48,6 +50,7 @@ from tandem.kernels.cpu.linear import PackedLinears
 from tandem.kernels.cuda.head import half_head_logits
 from tandem.models.loading import load_model, load_tokenizer, resolve_dtype
 from tandem.models.moe import RouterTap, is_moe
+from tandem.models.vision import is_vision_language
 from tandem.models.weights import load_named_tensors
 from tandem.protocol.generation import (
     Completion,
@@ -57,6 +60,7 @@ from tandem.protocol.generation import (
     prompt_problem,
 )
 from tandem.rollout.decode_graphs import DecodeGraphs
+from tandem.rollout.images import ImageDigests, image_request_problem, packed_vision_inputs
 from tandem.rollout.kv_cache import KV_ATTENTION, SlotKVCache, StepPlan
 from tandem.rollout.lean import LeanDecoder, lean_unsupported_reason
 from tandem.rollout.native_config import PAUSE_MODES, NativeEngineConfig
@@ -78,8 +82,14 @@ from tandem.rollout.stats import EngineStats
 class NativeRolloutEngine:
     """Continuous-batching generation for HF decoder-only models (see the module docstring).
 
+    A vision-language model (Qwen2-VL, Qwen2.5-VL) takes requests with images; it always runs
+    HF's decoder (never the lean forward) and so never CUDA graphs, whose decode steps have no
+    room for each request's M-RoPE offset. A request with images for a text-only model, or whose
+    image tokens do not match its images, finishes at once with ``error`` and a message saying why.
+
     Args:
-        model: an HF causal LM (its attention implementation is switched to ``tandem_kv``).
+        model: an HF causal LM or image-text-to-text model (its language model's attention
+            implementation is switched to ``tandem_kv``).
         tokenizer: its tokenizer (EOS and stop strings).
         config: sizes and limits.
     """
@@ -91,15 +101,18 @@ class NativeRolloutEngine:
         self.device = bind_device(self.config.device)
         self.model = model.to(device=self.device, dtype=resolve_dtype(self.config.dtype)).eval()
         enable_cpu_kernels(self.model, self.device)  # the trainer's linear kernels, on the CPU only
-        self.model.set_attn_implementation(KV_ATTENTION)
-        lean = self.config.lean_forward and lean_unsupported_reason(self.model) is None
+        self.vision = is_vision_language(self.model)
+        # A VLM's vision tower keeps its own attention: the cache is the language model's.
+        self.model.set_attn_implementation({"text_config": KV_ATTENTION} if self.vision else KV_ATTENTION)
+        self._image_digests = ImageDigests()
+        lean = self.config.lean_forward and not self.vision and lean_unsupported_reason(self.model) is None
         self._packed = PackedLinears(
             self.model, enabled=self.config.prepack_weights and uses_cpu_kernels(self.device)
         )
         self._lean = LeanDecoder(self.model, self._packed) if lean else None
         self._routing = RouterTap(self.model) if is_moe(self.model) else None  # MoE: records experts
         self.tokenizer = tokenizer
-        hf = self.model.config
+        hf = self.model.config.get_text_config()
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.eos_ids = frozenset(
             i for i in as_list(hf.eos_token_id) + [tokenizer.eos_token_id] if i is not None
@@ -157,13 +170,27 @@ class NativeRolloutEngine:
         ``on_token(token_id, log_prob, version)`` runs on the engine thread after every token
         (streaming); keep it short and never call back into the engine from it (one that
         raises ends its own request with ``error``). A bad request (empty or over-long prompt,
-        unknown token ids, a duplicate id) fails its own future with ``ValueError``; the
-        engine keeps serving the others.
+        unknown token ids, a duplicate id) fails its own future with ``ValueError``; images the
+        model cannot take finish the request with ``error`` and the reason. The engine keeps
+        serving the others.
         """
         future: Future = Future()
         problem = self._validate(request)
         if problem:
             future.set_exception(ValueError(f"request {request.request_id!r}: {problem}"))
+            return future
+        problem = image_request_problem(request, self.model.config)
+        if problem:
+            with self._lock:
+                self.stats.finished["error"] += 1
+            future.set_result(
+                Completion(
+                    request.request_id,
+                    request.prompt_ids,
+                    finish_reason="error",
+                    error=f"request {request.request_id!r}: {problem}",
+                )
+            )
             return future
         params = request.params
         seed = (
@@ -179,6 +206,7 @@ class NativeRolloutEngine:
             frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
             min(params.max_tokens, self.config.max_model_len - len(request.prompt_ids)),
             on_token,
+            image_key=self._image_digests(request.images),  # hashed here, off the engine's thread
         )
         with self._lock:
             if any(
@@ -415,10 +443,13 @@ class NativeRolloutEngine:
             self._shared_prefixes(decoding) if decoding else None,
         )
         input_ids = host_tensor([prefill.token_ids + decode_ids], torch.long, self.device)
-        position_ids = host_tensor([prefill.positions + decode_pos], torch.long, self.device)
-        if self._lean is not None:
+        if self.vision:
+            hidden = self._vision_forward(input_ids, prefill, decoding, plan)
+        elif self._lean is not None:
+            position_ids = host_tensor([prefill.positions + decode_pos], torch.long, self.device)
             hidden = self._lean(input_ids[0], position_ids[0], plan)
         else:
+            position_ids = host_tensor([prefill.positions + decode_pos], torch.long, self.device)
             hidden = self._decoder()(
                 input_ids=input_ids, position_ids=position_ids, use_cache=False, tandem_plan=plan
             ).last_hidden_state[0]
@@ -429,6 +460,28 @@ class NativeRolloutEngine:
             self._remember_prefix(sequence, hidden[segment.token_end - 1])
         self.stats.prefilled_tokens += prefill.length
         return hidden
+
+    def _vision_forward(
+        self,
+        input_ids: torch.Tensor,
+        prefill: PrefillPlan,
+        decoding: list[SequenceState],
+        plan: StepPlan,
+    ) -> torch.Tensor:
+        """A VLM's hidden states ``[T, H]`` of the packed row ``input_ids [1, T]``: the computed
+        prompts' images through the vision tower, M-RoPE positions (a decode token at text
+        position p sits at p + its request's delta), HF's language model over the cache."""
+        prompts = [
+            (segment.token_start, segment.token_end, sequence.request.images)
+            for sequence, segment in prefill.segments
+        ]
+        rope = host_tensor([s.cached_len + s.rope_delta for s in decoding], torch.long, self.device)
+        embeds, position_ids, deltas = packed_vision_inputs(self.model, input_ids, prompts, rope)
+        for (sequence, _), delta in zip(prefill.segments, deltas, strict=True):
+            sequence.rope_delta = delta
+        return self._decoder()(
+            inputs_embeds=embeds, position_ids=position_ids, use_cache=False, tandem_plan=plan
+        ).last_hidden_state[0]
 
     def _record_routing(self, prefill: PrefillPlan, decoding: list[SequenceState]) -> None:
         """Each token's experts from this forward: a computed prompt's rows to its request, each
@@ -451,6 +504,7 @@ class NativeRolloutEngine:
         for sequence, source in prefill.copies:
             prefill.hidden_rows[id(sequence)] = prefill.hidden_rows[id(source)]
             sequence.routing = list(source.routing)
+            sequence.rope_delta = source.rope_delta
 
     @staticmethod
     def _last_hidden(
@@ -473,13 +527,13 @@ class NativeRolloutEngine:
         return self.model.get_decoder()
 
     def _shared_prefixes(self, decoding: list[SequenceState]) -> SharedPrefixes | None:
-        """The decode tokens grouped by shared prompt (same prompt, same weight version), when
-        reading each prompt once pays; recomputed only after the running set changed."""
+        """The decode tokens grouped by shared prompt (same prompt and images, same weight
+        version), when reading each prompt once pays; recomputed only after the running set changed."""
         if not self.config.share_prefix_reads:
             return None
         built_for, shared = self._sharing
         if built_for != (self._batch_epoch, len(decoding)):
-            keys = [(s.prefill_version, s.prompt) for s in decoding]
+            keys = [(s.prefill_version, s.prefix_key) for s in decoding]
             shared = group_by_prefix(keys, [len(s.prompt) for s in decoding])
             if shared is not None and self.device.type != "cpu":
                 shared = shared.to(self.device)
@@ -508,7 +562,9 @@ class NativeRolloutEngine:
             return
         keys, values = self.cache.read(sequence.slot, len(sequence.prompt))
         routed = sequence.routing[0] if sequence.routing else None
-        self._prefix[(self.version, sequence.prompt)] = PrefixEntry(keys, values, last_hidden.clone(), routed)
+        self._prefix[(self.version, sequence.prefix_key)] = PrefixEntry(
+            keys, values, last_hidden.clone(), routed, sequence.rope_delta
+        )
         while len(self._prefix) > self.config.prefix_cache_entries:
             self._prefix.popitem(last=False)
 

@@ -31,6 +31,8 @@ class SequenceState:
     slot: int = -1
     cached_len: int = 0  # tokens whose keys/values are in the cache
     prefill_version: int = -1  # the weight version its prompt's keys/values were computed under
+    image_key: bytes | None = None  # its images' digest (tandem.rollout.images); None: no images
+    rope_delta: int = 0  # M-RoPE: a token at text position p after the prompt sits at p + rope_delta
     routing: list[torch.Tensor] = field(
         default_factory=list
     )  # MoE: [n, L, k] chunks (tandem.rollout.routing)
@@ -40,20 +42,28 @@ class SequenceState:
         """The prompt's token ids."""
         return self.request.prompt_ids
 
+    @property
+    def prefix_key(self) -> tuple[tuple[int, ...], bytes | None]:
+        """What two requests must share to share the prompt's keys and values: its token ids and
+        its images' digest."""
+        return self.request.prompt_ids, self.image_key
+
 
 @dataclass
 class PrefixEntry:
     """A prompt's cached state under one weight version: its keys and values (one
-    ``[kv_heads, prompt_len, head_dim]`` tensor per layer), its last hidden state ``[H]`` and,
-    for an MoE model, its tokens' experts ``[prompt_len, L, k]``."""
+    ``[kv_heads, prompt_len, head_dim]`` tensor per layer), its last hidden state ``[H]``, for an
+    MoE model its tokens' experts ``[prompt_len, L, k]``, and for a VLM its M-RoPE delta."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     last_hidden: torch.Tensor
     routed_experts: torch.Tensor | None = None
+    rope_delta: int = 0
 
 
-PrefixCache = collections.OrderedDict[tuple, PrefixEntry]  # (weight version, prompt) -> entry, oldest first
+# (weight version, prefix key: prompt ids and image digest) -> entry, oldest first
+PrefixCache = collections.OrderedDict[tuple, PrefixEntry]
 
 
 @dataclass
@@ -90,22 +100,25 @@ def plan_prefill(
 ) -> PrefillPlan:
     """The prefill of the ``admitted`` requests: a prompt in the prefix cache (under ``version``)
     is written into the request's slot now (and counted a hit), a prompt already planned in this
-    step is copied after the forward, any other is computed."""
+    step is copied after the forward, any other is computed. "The same prompt" means the same
+    token ids and the same images (:attr:`SequenceState.prefix_key`)."""
     plan = PrefillPlan()
-    computing: dict[tuple[int, ...], SequenceState] = {}
+    computing: dict[tuple, SequenceState] = {}
     for sequence in admitted:
-        entry = prefix.get((version, sequence.prompt))
+        key = sequence.prefix_key
+        entry = prefix.get((version, key))
         if entry is not None:
-            prefix.move_to_end((version, sequence.prompt))
+            prefix.move_to_end((version, key))
             cache.write(sequence.slot, entry.keys, entry.values)
             plan.hidden_rows[id(sequence)] = entry.last_hidden
             if entry.routed_experts is not None:
                 sequence.routing = [entry.routed_experts]
+            sequence.rope_delta = entry.rope_delta
             stats.prefix_hits += 1
-        elif sequence.prompt in computing:  # same prompt as another request in this step
-            plan.copies.append((sequence, computing[sequence.prompt]))
+        elif key in computing:  # same prompt as another request in this step
+            plan.copies.append((sequence, computing[key]))
         else:
-            computing[sequence.prompt] = sequence
+            computing[key] = sequence
             start = plan.length
             plan.segments.append(
                 (sequence, PrefillSegment(start, start + len(sequence.prompt), sequence.slot))

@@ -19,6 +19,11 @@ tandem's tokenizer decides EOS and stop strings exactly as in the native engine.
   the load; vLLM's NCCL weight transfer is the path for multi-GB GPU policies.
 - pause/resume: vLLM's ``pause_generation(mode=keep|abort|wait)``; tokens record the
   weight version current when vLLM hands them over.
+- images (vision-language models): vLLM runs the image processor itself and expands each
+  image's placeholder itself, so a request's images go in as ``multi_modal_data`` pictures
+  rebuilt exactly from its patches (:func:`~tandem.rollout.images.rebuilt_pictures`) and its
+  prompt with one placeholder per image (:func:`~tandem.rollout.images.collapse_image_tokens`).
+  Not run in tandem's tests yet (vLLM needs a GPU).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from tandem.checkpoint_engine.buckets import group_tensors
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.device import check_device_setting, only_visible_gpu
 from tandem.models.loading import load_tokenizer
+from tandem.models.vision import image_token_id, is_vision_language, load_image_processor, merge_size
 from tandem.protocol.generation import (
     Completion,
     EngineMetrics,
@@ -46,6 +52,7 @@ from tandem.protocol.generation import (
     TokenCallback,
     prompt_problem,
 )
+from tandem.rollout.images import collapse_image_tokens, has_images, image_request_problem, rebuilt_pictures
 from tandem.rollout.native_config import PAUSE_MODES
 from tandem.rollout.stats import EngineStats
 
@@ -147,10 +154,13 @@ class VLLMRolloutEngine:
 
         self.config = config or VLLMEngineConfig()
         self.tokenizer = load_tokenizer(model_path)
-        hf = AutoConfig.from_pretrained(model_path)
+        self.hf_config = AutoConfig.from_pretrained(model_path)
+        hf = self.hf_config.get_text_config()
         self.vocab_size = hf.vocab_size
         eos = hf.eos_token_id if isinstance(hf.eos_token_id, list) else [hf.eos_token_id]
         self.eos_ids = {i for i in [*eos, self.tokenizer.eos_token_id] if i is not None}
+        vision = is_vision_language(self.hf_config)
+        self.image_processor = load_image_processor(model_path) if vision else None
         self.version = 0
         self.stats = EngineStats()
         self._in_flight: dict[str, Completion] = {}
@@ -215,6 +225,15 @@ class VLLMRolloutEngine:
     def submit(self, request: RolloutRequest, *, on_token: TokenCallback | None = None) -> Future:
         """Queue ``request``; a bad one fails its own future with ``ValueError``."""
         problem = self._validate(request)
+        image_problem = image_request_problem(request, self.hf_config) if problem is None else None
+        if image_problem is not None:
+            future: Future = Future()
+            message = f"request {request.request_id!r}: {image_problem}"
+            self.stats.finished["error"] += 1
+            future.set_result(
+                Completion(request.request_id, request.prompt_ids, finish_reason="error", error=message)
+            )
+            return future
         with self._lock:
             if problem is None and request.request_id in self._in_flight:
                 problem = "this id is already in flight"
@@ -257,14 +276,25 @@ class VLLMRolloutEngine:
             output_kind=RequestOutputKind.DELTA,
         )
 
-    async def _generate(self, request: RolloutRequest, on_token: TokenCallback | None) -> Completion:
+    def _vllm_prompt(self, request: RolloutRequest):
+        """The request as vLLM takes it: token ids, and for images one placeholder per image and
+        the pictures the image processor made the request's patches from."""
         from vllm.inputs import TokensPrompt
 
+        if not has_images(request):
+            return TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+        placeholder, merge = image_token_id(self.hf_config), merge_size(self.hf_config)
+        return TokensPrompt(
+            prompt_token_ids=collapse_image_tokens(request.prompt_ids, request.images, placeholder, merge),
+            multi_modal_data={"image": rebuilt_pictures(request.images, self.image_processor)},
+        )
+
+    async def _generate(self, request: RolloutRequest, on_token: TokenCallback | None) -> Completion:
         completion = self._in_flight[request.request_id]
         reason = None
         try:
             outputs = self._llm.generate(
-                TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
+                self._vllm_prompt(request),
                 self._vllm_params(request),
                 request.request_id,
             )

@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.models.vision import ImagePrompter
 from tandem.serve.admin_routes import admin_router
 from tandem.serve.config import ServerConfig
 from tandem.serve.errors import APIError
@@ -29,8 +30,11 @@ from tandem.serve.metrics import HTTPCounters, RouteCounter, render_metrics
 from tandem.serve.openai_routes import openai_router
 
 
-def create_app(engine, tokenizer, config: ServerConfig | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine`` (its ``tokenizer`` renders chat and decodes text)."""
+def create_app(
+    engine, tokenizer, config: ServerConfig | None = None, prompter: ImagePrompter | None = None
+) -> FastAPI:
+    """The FastAPI app serving ``engine`` (its ``tokenizer`` renders chat and decodes text; a
+    vision-language model's ``prompter`` takes the images of ``image_url`` parts)."""
     config = config or ServerConfig()
     http = HTTPCounters()
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None)
@@ -55,7 +59,7 @@ def create_app(engine, tokenizer, config: ServerConfig | None = None) -> FastAPI
             media_type="text/plain; version=0.0.4",
         )
 
-    app.include_router(openai_router(engine, tokenizer, config, authorize))
+    app.include_router(openai_router(engine, tokenizer, config, authorize, prompter))
     app.include_router(admin_router(engine, authorize))
     served_paths.extend(app.openapi()["paths"])
     return app

@@ -40,6 +40,10 @@ class ServerConfig:
         max_sequences_per_request: most engine sequences one request may start
             (``n`` × number of prompts).
         default_completion_tokens: ``max_tokens`` of a completion request that sets none.
+        max_images_per_request: most ``image_url`` parts in one chat request (vision-language
+            models only).
+        max_image_pixels: an image larger than this (decoded width x height) is refused with
+            400 before it is decoded.
     """
 
     host: str = "127.0.0.1"
@@ -54,6 +58,8 @@ class ServerConfig:
     max_prompts: int = 256
     max_sequences_per_request: int = 256
     default_completion_tokens: int = 16
+    max_images_per_request: int = 8
+    max_image_pixels: int = 4096 * 4096
 
     def __post_init__(self) -> None:
         check_range("server", "port", self.port, 0, 65535)
@@ -65,6 +71,8 @@ class ServerConfig:
             "max_prompts",
             "max_sequences_per_request",
             "default_completion_tokens",
+            "max_images_per_request",
+            "max_image_pixels",
         ):
             check_positive("server", name, getattr(self, name))
         if not self.model_name:

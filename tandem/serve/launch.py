@@ -8,6 +8,7 @@ import time
 
 import uvicorn
 
+from tandem.models.vision import ImagePrompter
 from tandem.rollout.config import RolloutEngineConfig
 from tandem.rollout.factory import build_rollout_engine
 from tandem.serve.app import create_app
@@ -29,9 +30,12 @@ def build_engine(model_path: str, engine: str = "native", **engine_options):
     return build_rollout_engine(dataclasses.replace(config, **{engine: options}), model_path)
 
 
-def serve(engine, tokenizer, config: ServerConfig, log_level: str = "info") -> None:
-    """Serve until interrupted (Ctrl-C), then close the engine."""
-    app = create_app(engine, tokenizer, config)
+def serve(
+    engine, tokenizer, config: ServerConfig, log_level: str = "info", prompter: ImagePrompter | None = None
+) -> None:
+    """Serve until interrupted (Ctrl-C), then close the engine (``prompter``: a vision-language
+    model's, for ``image_url`` parts)."""
+    app = create_app(engine, tokenizer, config, prompter)
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:
@@ -46,9 +50,11 @@ class ServerThread:
     The engine stays open: closing it is the caller's business.
     """
 
-    def __init__(self, engine, tokenizer, config: ServerConfig | None = None) -> None:
+    def __init__(
+        self, engine, tokenizer, config: ServerConfig | None = None, prompter: ImagePrompter | None = None
+    ) -> None:
         self.config = config or ServerConfig(port=0)
-        self.app = create_app(engine, tokenizer, self.config)
+        self.app = create_app(engine, tokenizer, self.config, prompter)
         self.server = uvicorn.Server(
             uvicorn.Config(self.app, host=self.config.host, port=self.config.port, log_level="warning")
         )

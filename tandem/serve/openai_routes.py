@@ -11,7 +11,9 @@ from collections.abc import Callable
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from tandem.models.vision import ImagePrompter
 from tandem.protocol.generation import RolloutRequest
+from tandem.protocol.images import ImageInputs
 from tandem.serve.config import ServerConfig
 from tandem.serve.errors import APIError
 from tandem.serve.generation import ChoiceRun, TokenEvent
@@ -72,8 +74,10 @@ async def generate(
     prompts: list[list[int]],
     default_max_tokens,
     request: Request,
+    images: ImageInputs | None = None,
 ):
-    """``body.n`` responses to each prompt, answered whole or streamed (``body.stream``)."""
+    """``body.n`` responses to each prompt (with the chat prompt's ``images``), answered whole or
+    streamed (``body.stream``)."""
     builder = ResponseBuilder(kind, config.model_name, tokenizer, bool(body.logprobs))
     requests, choices = [], []
     for prompt in prompts:
@@ -82,7 +86,7 @@ async def generate(
             params = sampling_params(
                 body, len(prompt), engine.max_model_len, default_max_tokens, engine.vocab_size, sample
             )
-            requests.append(RolloutRequest(f"{builder.id}-{index}", tuple(prompt), params))
+            requests.append(RolloutRequest(f"{builder.id}-{index}", tuple(prompt), params, images))
             choices.append(ChoiceState(index, prompt, IncrementalText(tokenizer, params.stop)))
     run = ChoiceRun(engine, requests, config.request_timeout_s, request.is_disconnected, body.stream)
     events = (await run.start()).events()
@@ -136,8 +140,15 @@ async def stream_events(builder, choices, prompts, events, include_usage: bool):
         await events.aclose()
 
 
-def openai_router(engine, tokenizer, config: ServerConfig, authorize: Callable[[Request], None]) -> APIRouter:
-    """The ``/v1`` routes over ``engine`` (``tokenizer`` renders chat and decodes text)."""
+def openai_router(
+    engine,
+    tokenizer,
+    config: ServerConfig,
+    authorize: Callable[[Request], None],
+    prompter: ImagePrompter | None = None,
+) -> APIRouter:
+    """The ``/v1`` routes over ``engine`` (``tokenizer`` renders chat and decodes text; a
+    vision-language model's ``prompter`` turns ``image_url`` parts into the prompt's images)."""
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
     started_at = int(time.time())
 
@@ -155,8 +166,8 @@ def openai_router(engine, tokenizer, config: ServerConfig, authorize: Callable[[
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_request(body, config)
         check_fan_out(body, 1, config)
-        prompt = await asyncio.to_thread(chat_prompt, body, tokenizer)
-        return await generate(engine, tokenizer, config, body, "chat", [prompt], None, request)
+        prompt, images = await asyncio.to_thread(chat_prompt, body, tokenizer, prompter, config)
+        return await generate(engine, tokenizer, config, body, "chat", [prompt], None, request, images)
 
     @v1.get("/models")
     async def models():

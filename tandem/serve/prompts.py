@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from tandem.data.images import ImageError, decode_data_url
+from tandem.models.vision import ImagePrompter
 from tandem.protocol.generation import SamplingParams
+from tandem.protocol.images import ImageInputs
+from tandem.serve.config import ServerConfig
 from tandem.serve.errors import APIError
 from tandem.serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -33,12 +37,22 @@ def tokenize_prompts(prompts: list[str | list[int]], tokenizer) -> list[list[int
     return ids
 
 
-def chat_prompt(body: ChatCompletionRequest, tokenizer) -> list[int]:
-    """The model's chat template applied to the messages (with ``tools`` and ``chat_template_kwargs``).
+def chat_prompt(
+    body: ChatCompletionRequest,
+    tokenizer,
+    prompter: ImagePrompter | None = None,
+    config: ServerConfig | None = None,
+) -> tuple[list[int], ImageInputs | None]:
+    """The model's chat template applied to the messages (with ``tools`` and ``chat_template_kwargs``),
+    and the images of their ``image_url`` parts (``data:`` URLs, decoded and processed by the
+    vision-language model's ``prompter``; ids expanded to one placeholder per image token).
 
-    CPU-bound (Jinja rendering, tokenizing): run it off the event loop. The request must have
-    passed :func:`~tandem.serve.schemas.unsupported_fields`, which refuses a client template.
+    CPU-bound (Jinja rendering, tokenizing, decoding images): run it off the event loop. The
+    request must have passed :func:`~tandem.serve.schemas.unsupported_fields`, which refuses a
+    client template.
     """
+    config = config or ServerConfig()
+    pictures = request_images(body, prompter, config)
     if getattr(tokenizer, "chat_template", None) is None:
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages")
     if body.continue_final_message and body.messages[-1].role != "assistant":
@@ -57,7 +71,41 @@ def chat_prompt(body: ChatCompletionRequest, tokenizer) -> list[int]:
         raise APIError(400, f"the chat template failed on these messages: {error}", "messages") from error
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
-    return list(ids)
+    if prompter is None:
+        return list(ids), None
+    try:
+        return prompter.prompt(ids, pictures)
+    except ValueError as error:  # a text placeholder the template left, or one the client typed
+        raise APIError(400, f"the images do not fit the rendered prompt: {error}", "messages") from error
+
+
+def request_images(body: ChatCompletionRequest, prompter: ImagePrompter | None, config: ServerConfig) -> list:
+    """The decoded images of the messages' ``image_url`` parts, in order; 400 naming the part when
+    one is not a ``data:`` URL or not a usable image, when there are more than the server allows,
+    or when the model takes no images."""
+    parts = [
+        (f"messages.{m}.content.{p}.image_url", part)
+        for m, message in enumerate(body.messages)
+        for p, part in message.image_parts()
+    ]
+    if not parts:
+        return []
+    if prompter is None:
+        raise APIError(400, "this model takes no images (it has no vision tower)", parts[0][0])
+    if len(parts) > config.max_images_per_request:
+        raise APIError(
+            400,
+            f"{len(parts)} images in one request; at most {config.max_images_per_request} "
+            "(server.max_images_per_request)",
+            parts[config.max_images_per_request][0],
+        )
+    images = []
+    for where, part in parts:
+        try:
+            images.append(decode_data_url(part.image_url.url, config.max_image_pixels))
+        except ImageError as error:
+            raise APIError(400, str(error), where) from error
+    return images
 
 
 def sampling_params(

@@ -11,7 +11,7 @@ is refused by :func:`invalid_text` before any tokenizer sees it.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -85,17 +85,51 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = STRICT
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(BaseModel):
+    """An OpenAI ``image_url`` content part; only ``data:`` URLs are accepted (the server never
+    fetches a URL a client names)."""
+
+    model_config = STRICT
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     # tool_calls, name, tool_call_id go to the template as given
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
+
+    def image_parts(self) -> list[tuple[int, ImagePart]]:
+        """``(part index, part)`` of each image in the content, in order."""
+        parts = self.content if isinstance(self.content, list) else []
+        return [(i, part) for i, part in enumerate(parts) if isinstance(part, ImagePart)]
 
     def as_template_message(self) -> dict[str, Any]:
+        """The message as the chat template takes it: text parts joined into one string, or, when
+        the content holds images, a list of ``{"type": "text", "text"}`` and ``{"type": "image"}``
+        parts in order (the form vision-language templates render placeholders from)."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            message["content"] = "".join(part.text for part in self.content)
+            if self.image_parts():
+                message["content"] = [
+                    {"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"}
+                    for part in self.content
+                ]
+            else:
+                message["content"] = "".join(part.text for part in self.content)
         message.setdefault("content", "")
         return message
 

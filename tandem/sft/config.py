@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.controller.factory import BACKENDS
 from tandem.controller.resource_pool import ResourcePool
-from tandem.engine.config import EngineConfig, refuse_trainer_tensor_parallel
+from tandem.engine.config import EngineConfig, check_trainer_tensor_parallel
 from tandem.sft.data import SFTDataConfig
 
 
@@ -100,6 +100,6 @@ class SFTConfig:
     def __post_init__(self) -> None:
         if not (self.model_path or self.engine.model_path):
             raise ValueError("model_path is required (a local HF model directory)")
-        refuse_trainer_tensor_parallel("engine", self.engine)
+        check_trainer_tensor_parallel("engine", self.engine, self.trainer.world_size)
         if not self.data.train_path:
             raise ValueError("data.train_path is required (a .parquet or .jsonl file of conversations)")

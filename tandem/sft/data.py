@@ -4,20 +4,28 @@ Each row holds a list of messages (``{"role": ..., "content": ...}``). The loss 
 the assistant's tokens: for every assistant turn, the tokens that rendering the turn adds
 after the prompt (``apply_chat_template(messages[:i], add_generation_prompt=True)``) are
 marked in ``loss_mask``. Rows that are malformed get an error naming the row and field.
+
+For a vision-language model a row may also hold images (``data.images_key``, verl's
+``[{"bytes": ...} | {"path": ...}]``) with one ``<image>`` placeholder per image in the
+messages' text; the images go through the model's image processor and the batch carries them
+in its ``images`` field (:mod:`tandem.models.vision`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tandem.config.validation import check_choice, check_positive
+from tandem.data.images import DEFAULT_MAX_IMAGE_PIXELS, ImageError, decode_image, entry_bytes
 from tandem.data.rows import read_rows
-from tandem.models.chat import check_message, template_ids
+from tandem.models.chat import check_message, template_ids, with_image_parts
+from tandem.models.vision import ImagePrompter
 from tandem.protocol import Batch
+from tandem.protocol.images import ImageInputs
 
 TRUNCATION = ("error", "right", "drop")
 
@@ -31,6 +39,10 @@ class SFTDataConfig:
         messages_key: the column holding the message list.
         max_length: longest tokenised conversation kept.
         truncation: for longer ones: ``error`` (name the row), ``right`` (cut the end) or ``drop`` (skip, counted).
+            A row with images is never cut: ``right`` refuses it, naming the row.
+        images_key: the column holding a row's images (vision-language models).
+        min_pixels / max_pixels: the image processor's resizing bounds (None: the model's saved ones).
+        max_image_pixels: a larger image (decoded width x height) is an error naming the row.
     """
 
     train_path: str = ""
@@ -38,14 +50,23 @@ class SFTDataConfig:
     messages_key: str = "messages"
     max_length: int = 1024
     truncation: str = "error"
+    images_key: str = "images"
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def __post_init__(self) -> None:
         check_positive("data", "max_length", self.max_length)
+        check_positive("data", "max_image_pixels", self.max_image_pixels)
         check_choice("data", "truncation", self.truncation, TRUNCATION)
 
 
-def tokenize_conversation(tokenizer: Any, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
-    """``(input_ids, loss_mask)`` of one conversation; ``where`` names the row in errors."""
+def tokenize_conversation(
+    tokenizer: Any, messages: list[dict], where: str, images: int = 0
+) -> tuple[list[int], list[int]]:
+    """``(input_ids, loss_mask)`` of one conversation; ``where`` names the row in errors. With
+    ``images`` the messages' ``<image>`` placeholders (as many) become image parts, rendered as
+    one placeholder token each."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: messages must be a non-empty list, got {type(messages).__name__}")
     for turn, message in enumerate(messages):
@@ -58,6 +79,13 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], where: str) -> t
             f"{where}: message {first} is the assistant's, before any user message; "
             "a conversation must open (after any system message) with the user"
         )
+    if images:
+        messages, placeholders = with_image_parts(messages)
+        if placeholders != images:
+            raise ValueError(
+                f"{where}: the messages hold {placeholders} <image> placeholders and the row {images} images; "
+                "each image needs exactly one"
+            )
     input_ids = template_ids(tokenizer, messages, add_generation_prompt=False)
     loss_mask = [0] * len(input_ids)
     for turn, message in enumerate(messages):
@@ -72,22 +100,71 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], where: str) -> t
     return input_ids, loss_mask
 
 
+def row_images(row: dict, config: SFTDataConfig, base_dir: Path, where: str) -> list:
+    """The decoded images of ``row`` (empty when it has none), errors naming the row and image."""
+    entries = row.get(config.images_key)
+    if entries is None:
+        return []
+    if not isinstance(entries, (list, tuple)) and not hasattr(entries, "tolist"):
+        raise ValueError(
+            f"{where}: field {config.images_key!r} must be a list of images, got {type(entries).__name__}"
+        )
+    images = []
+    for number, entry in enumerate(list(entries)):
+        try:
+            images.append(
+                decode_image(entry_bytes(entry, base_dir), config.max_image_pixels, "data.max_image_pixels")
+            )
+        except ImageError as error:
+            raise ValueError(f"{where}: field {config.images_key!r} image {number}: {error}") from error
+    return images
+
+
+def expand_images(
+    ids: list[int], mask: list[int], images: list, prompter: ImagePrompter
+) -> tuple[list[int], list[int], ImageInputs]:
+    """``ids`` and ``mask`` with each image placeholder repeated once per image token (the copies
+    are prompt: mask 0), and the processed images."""
+    expanded, inputs = prompter.prompt(ids, images)
+    counts = iter(inputs.token_counts(prompter.merge))
+    expanded_mask = []
+    for token, keep in zip(ids, mask, strict=True):
+        expanded_mask.extend([0] * next(counts) if token == prompter.placeholder else [keep])
+    return expanded, expanded_mask, inputs
+
+
 @dataclass
 class SFTDataset:
-    """Tokenised conversations: ``samples[i] = (input_ids, loss_mask)``; ``dropped`` counts over-long rows skipped."""
+    """Tokenised conversations: ``samples[i] = (input_ids, loss_mask)`` and ``images[i]`` (None: a
+    text row); ``dropped`` counts over-long rows skipped."""
 
     samples: list[tuple[list[int], list[int]]]
     dropped: int = 0
+    images: list[ImageInputs | None] = field(default_factory=list)
 
     @staticmethod
-    def load(path: str | Path, tokenizer: Any, config: SFTDataConfig) -> SFTDataset:
-        samples, dropped = [], 0
+    def load(
+        path: str | Path, tokenizer: Any, config: SFTDataConfig, prompter: ImagePrompter | None = None
+    ) -> SFTDataset:
+        """Read and tokenise ``path``; ``prompter`` (a vision-language model's) takes rows' images."""
+        samples, images, dropped = [], [], 0
         for index, row in enumerate(read_rows(path)):
             where = f"{path}: row {index}"
             if config.messages_key not in row:
                 raise ValueError(f"{where}: missing field {config.messages_key!r} (has {sorted(row)})")
-            ids, mask = tokenize_conversation(tokenizer, row[config.messages_key], where)
+            pictures = row_images(row, config, Path(path).parent, where)
+            if pictures and prompter is None:
+                raise ValueError(f"{where}: the row has images but the model has no vision tower")
+            ids, mask = tokenize_conversation(tokenizer, row[config.messages_key], where, len(pictures))
+            inputs = None
+            if pictures:
+                ids, mask, inputs = expand_images(ids, mask, pictures, prompter)
             if len(ids) > config.max_length:
+                if inputs is not None and config.truncation == "right":
+                    raise ValueError(
+                        f"{where}: {len(ids)} tokens exceed data.max_length={config.max_length}, and a row "
+                        "with images is never cut (raise data.max_length or set data.truncation=drop)"
+                    )
                 if config.truncation == "error":
                     raise ValueError(
                         f"{where}: {len(ids)} tokens exceed data.max_length={config.max_length} "
@@ -98,9 +175,10 @@ class SFTDataset:
                     continue
                 ids, mask = ids[: config.max_length], mask[: config.max_length]
             samples.append((ids, mask))
+            images.append(inputs)
         if not samples:
             raise ValueError(f"{path}: no usable rows ({dropped} dropped as too long)")
-        return SFTDataset(samples, dropped)
+        return SFTDataset(samples, dropped, images)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -116,4 +194,8 @@ class SFTDataset:
             input_ids[row, : len(ids)] = torch.tensor(ids)
             attention[row, : len(ids)] = 1
             loss_mask[row, : len(mask)] = torch.tensor(mask)
-        return Batch({"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask})
+        tensors = {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask}
+        images = [self.images[i] for i in indices] if self.images else []
+        if any(image is not None for image in images):
+            return Batch(tensors, non_tensors={"images": images})
+        return Batch(tensors)

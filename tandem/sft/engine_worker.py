@@ -37,7 +37,7 @@ def summed_log_probs(batch: Batch, outputs: TokenOutputs) -> Batch:
     return Batch({"score": outputs.sequence_summary(batch["loss_mask"])})
 
 
-ENGINE_MESH = "engine"  # the engine's data-parallel ranks: sequence-parallel peers get the same rows
+ENGINE_MESH = "engine"  # the engine's data-parallel ranks: sequence/tensor-parallel peers get the same rows
 
 
 @dataclass
@@ -74,13 +74,13 @@ class EngineWorker(Worker):
         device = bind_device(self.engine_config.device, self.local_rank)
         if self.world_size > 1:
             self.init_process_group(device=device)
-        strategy = rank_strategy(self.engine_config.strategy, self.world_size)
+        strategy = rank_strategy(self.engine_config.strategy, self.world_size, self.engine_config.tp_size)
         self.engine = TorchTrainEngine(
             dataclasses.replace(self.engine_config, device=str(device), strategy=strategy)
         )
         self.engine.initialize()
-        mesh = self.engine.mesh  # the ranks of a sequence-parallel group share rows; one reports
-        self.set_mesh_rank(ENGINE_MESH, mesh.dp_rank, mesh.dp_size, is_collect=mesh.sp_rank == 0)
+        mesh = self.engine.mesh  # the ranks of a sequence- or tensor-parallel group share rows; one reports
+        self.set_mesh_rank(ENGINE_MESH, mesh.dp_rank, mesh.dp_size, is_collect=mesh.collects)
         self.reference_engine: TorchTrainEngine | None = None
         return int(self.engine.causal_lm.get_input_embeddings().weight.shape[0])
 

@@ -23,6 +23,7 @@ from tandem.config.paths import check_workers_share_output_dir, with_absolute_pa
 from tandem.controller import WorkerGroup, check_placement, create_worker_group
 from tandem.engine.divergence import SkippedUpdates, check_health
 from tandem.models.loading import check_vocab_fits, load_tokenizer
+from tandem.models.vision import ImagePrompter
 from tandem.protocol import Batch
 from tandem.report import RunInfo
 from tandem.report.tracker import ReportTracker
@@ -96,8 +97,9 @@ class SFTTrainer:
     def load_data(self) -> tuple[SFTDataset, SFTDataset | None]:
         """The training and (when ``data.val_path`` is set) validation sets."""
         data = self.config.data
-        val = SFTDataset.load(data.val_path, self.tokenizer, data) if data.val_path else None
-        return SFTDataset.load(data.train_path, self.tokenizer, data), val
+        prompter = ImagePrompter.for_model(self.engine_config.model_path, data.min_pixels, data.max_pixels)
+        val = SFTDataset.load(data.val_path, self.tokenizer, data, prompter) if data.val_path else None
+        return SFTDataset.load(data.train_path, self.tokenizer, data, prompter), val
 
     def fit(self) -> SFTResult:
         """Train for ``total_steps``; returns the losses and the exported model directory.

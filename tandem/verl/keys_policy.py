@@ -48,9 +48,13 @@ POLICY_RULES: tuple[Rule, ...] = (
     only("data.apply_chat_template_kwargs", ({},), "chat-template arguments"),
     only("data.apply_chat_template_kwargs.enable_thinking", (None,), "chat-template arguments"),
     only("data.apply_chat_template_kwargs.reasoning_effort", (None,), "chat-template arguments"),
-    only("data.image_key", (None,), "images in prompts: tandem trains text-only models"),
-    only("data.video_key", (None,), "videos in prompts: tandem trains text-only models"),
-    noted("data.image_patch_size", "read only with data.image_key, which tandem refuses"),
+    mapped("data.image_key", "data.image_key", "images", str, example="pictures"),
+    # the data reader refuses rows that hold videos
+    mapped("data.video_key", "data.video_key", "videos", str, example="clips"),
+    noted(
+        "data.image_patch_size",
+        "the patch size is the model directory's image processor's (preprocessor_config.json)",
+    ),
     only("data.continuous_token.enable", (False,), "verl's continuous-token merging of agent turns"),
     noted("data.continuous_token.model_family", "read only with data.continuous_token.enable"),
     noted("data.custom_cls.name", "read only with data.custom_cls.path, which tandem refuses"),

@@ -60,8 +60,11 @@ def test_distillation_metrics_average_over_response_tokens():
 def test_a_distillation_without_any_signal_is_refused():
     with pytest.raises(ValueError, match="both 0"):
         DistillConfig(objective="reverse_kl", coef=0.0, reward_coef=0.0)
-    with pytest.raises(ValueError, match="lmbda=0.5: only on-policy"):
+    with pytest.raises(ValueError, match="lmbda=0.5 trains some steps on the dataset's responses"):
+        DistillConfig(objective="reverse_kl", lmbda=0.5, reward_coef=0.0)
+    with pytest.raises(ValueError, match="lmbda=0.5 with algorithm.distill.reward_coef=1.0"):
         DistillConfig(objective="jsd", lmbda=0.5)
+    DistillConfig(objective="jsd", lmbda=0.5, reward_coef=0.0)
     with pytest.raises(ValueError, match="algorithm.distill.beta"):
         DistillConfig(objective="jsd", beta=1.5)
     DistillConfig(coef=0.0, reward_coef=0.0)  # off: nothing to check

@@ -2,6 +2,7 @@
 replica weights equal the trainer's bit for bit, and greedy output equals an engine freshly
 loaded with those weights."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,48 @@ def test_replicas_hold_the_trainers_weights_after_each_sync(
         trainer.close_weight_sender()
         replicas.close_engine()
     assert _bucket_files(sync) == files_before  # the sender removed its buckets and slot files
+
+
+def test_replicas_receive_the_unsharded_weights_of_a_tensor_parallel_trainer(tiny_model_dir):
+    """A trainer of two tensor-parallel ranks (FSDP2 over ``(dp, tp) = (1, 2)``) sends each
+    parameter gathered whole (``full_tensor()``, one at a time, packed into small buckets as they
+    come). Before any step the replicas hold the checkpoint's weights bit for bit (the shards
+    put back together are the tensors they were cut from); after a step, the weights of one
+    process training the whole model on the same rows, within 1e-5 (the split sums round
+    differently), and exactly what the trainer's own ranks gather."""
+    sync = CheckpointEngineConfig(backend="broadcast", bucket_mb=0.02, timeout_s=60)
+    # Adam's eps well above the gradients' rounding: its first step is lr * sign(g) where g is
+    # tiny, which would turn the split sums' rounding into whole steps
+    config = EngineConfig(model_path=tiny_model_dir, lr=1e-2, eps=1e-3, micro_batch_size=4)
+    split = dataclasses.replace(config, strategy="fsdp2", tp_size=2)
+    batch = random_batch(1, batch=4)
+    with (
+        create_worker_group(EngineWorker, ResourcePool((1,)), "local", kwargs={"config": config}) as whole,
+        create_worker_group(EngineWorker, ResourcePool((2,)), "process", kwargs={"config": split}) as trainer,
+        create_worker_group(
+            RolloutReplicaWorker,
+            ResourcePool((1,)),
+            "process",
+            kwargs={"engine": ENGINE, "model_path": tiny_model_dir, "device": "cpu"},
+        ) as replicas,
+    ):
+        connect_weight_sync(trainer, replicas, sync)
+        checkpoint = load_model(tiny_model_dir).state_dict()
+        stats = sync_weights(trainer, replicas, 1)
+        largest = max(t.numel() * t.element_size() for t in checkpoint.values())
+        assert stats.buckets > 3 and stats.bytes / stats.buckets <= max(sync.bucket_bytes, largest)
+        for weights in replicas.model_weights():
+            assert weights.keys() == checkpoint.keys()
+            assert all(torch.equal(weights[name], tensor) for name, tensor in checkpoint.items())
+        whole.train_step_on_shard([batch])
+        trainer.train_step_on_shard([batch, batch])  # both ranks of the group take the same rows
+        sync_weights(trainer, replicas, 2)
+        expected, gathered = whole.parameters()[0], trainer.parameters()
+        for weights in replicas.model_weights():
+            for name, tensor in expected.items():
+                assert all(torch.equal(weights[name], rank[name]) for rank in gathered), name
+                torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)
+            assert any(not torch.equal(weights[name], checkpoint[name]) for name in expected)
+        assert replicas.weight_version() == [2]
+        trainer.close_weight_sender()
+        replicas.close_engine()

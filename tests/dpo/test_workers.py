@@ -12,11 +12,11 @@ from tests.dpo.conftest import dpo_config, write_jsonl
 from tests.sft.test_sft import addition_conversations
 
 
-def assert_same_weights(left, right):
+def assert_same_weights(left, right, atol: float = 2e-5):
     left, right = load_model(left).state_dict(), load_model(right).state_dict()
     assert left.keys() == right.keys()
     for name, value in left.items():
-        torch.testing.assert_close(right[name], value, rtol=1e-4, atol=2e-5, msg=name)
+        torch.testing.assert_close(right[name], value, rtol=1e-4, atol=atol, msg=name)
 
 
 def assert_same_history(left: list[dict], right: list[dict]):
@@ -35,8 +35,13 @@ def assert_same_history(left: list[dict], right: list[dict]):
         ("engine.strategy=single",),  # DDP over the two workers
         ("engine.strategy=fsdp2", "reference=model"),  # sharded policy, a frozen reference per worker
         ("engine.strategy=single", "engine.sp_size=2"),  # one row split over both workers (Ulysses)
+        (
+            "engine.strategy=single",
+            "engine.tp_size=2",
+            "reference=model",
+        ),  # weights split, the reference's too
     ],
-    ids=["ddp", "fsdp2-reference-model", "sequence-parallel"],
+    ids=["ddp", "fsdp2-reference-model", "sequence-parallel", "tensor-parallel-reference-model"],
 )
 def test_dpo_on_two_workers_equals_one(dpo_files, tmp_path, overrides):
     results = [
@@ -44,7 +49,7 @@ def test_dpo_on_two_workers_equals_one(dpo_files, tmp_path, overrides):
             dpo_config(
                 dpo_files, tmp_path / f"workers{workers}", f"trainer.n_workers={workers}", "trainer.total_steps=3",
                 "preference.rpo_alpha=0.5",
-                *(o for o in overrides if workers == 2 or not o.startswith("engine.sp_size")),  # one worker: unsplit
+                *(o for o in overrides if workers == 2 or not o.startswith(("engine.sp_size", "engine.tp_size"))),
             )
         ).fit()
         for workers in (1, 2)
@@ -54,11 +59,22 @@ def test_dpo_on_two_workers_equals_one(dpo_files, tmp_path, overrides):
     assert two.validation["eval_rewards/accuracies"] == pytest.approx(
         one.validation["eval_rewards/accuracies"]
     )
-    assert_same_weights(one.hf_model_dir, two.hf_model_dir)
+    # Adam divides each element's step by its own gradient's scale: where that gradient is near
+    # zero, the rounding tensor parallelism reorders (losses and grad norms agree to 1e-7) grows
+    # into the update; after three steps one element of 16384 (an o_proj) is 2.2e-5 apart.
+    tensor_parallel = "engine.tp_size=2" in overrides
+    assert_same_weights(one.hf_model_dir, two.hf_model_dir, atol=5e-5 if tensor_parallel else 2e-5)
 
 
-@pytest.mark.parametrize("sp_size", [1, 2], ids=["data-parallel", "sequence-parallel"])
-def test_sft_on_two_workers_equals_one(dpo_files, tmp_path, sp_size):
+@pytest.mark.parametrize(
+    "mesh",
+    [{}, {"sp_size": 2}, {"tp_size": 2}],
+    ids=["data-parallel", "sequence-parallel", "tensor-parallel"],
+)
+def test_sft_on_two_workers_equals_one(dpo_files, tmp_path, mesh):
+    """DDP over the two workers; or one data-parallel rank of two, both handed every row, which
+    they split along the sequence (``sp_size``) or split each layer's weights for (``tp_size``,
+    ``single``: one tensor-parallel group), one of them reporting."""
     train = write_jsonl(tmp_path / "train.jsonl", addition_conversations(24, 4))
     val = write_jsonl(tmp_path / "val.jsonl", addition_conversations(6, 5))
     results = []
@@ -66,9 +82,7 @@ def test_sft_on_two_workers_equals_one(dpo_files, tmp_path, sp_size):
         config = SFTConfig(
             model_path=dpo_files["model"],
             data=SFTDataConfig(train_path=train, val_path=val),
-            engine=EngineConfig(
-                lr=3e-3, max_tokens_per_micro_batch=128, sp_size=sp_size if workers == 2 else 1
-            ),
+            engine=EngineConfig(lr=3e-3, max_tokens_per_micro_batch=128, **(mesh if workers == 2 else {})),
             trainer=SFTTrainerConfig(
                 global_batch_size=8,
                 total_steps=3,

@@ -15,7 +15,7 @@ from tandem.controller import ResourcePool, WorkerError, create_worker_group
 from tandem.engine import EngineConfig, LoraConfig
 from tandem.engine.tensor_parallel import check_tensor_parallel_fits
 from tandem.models import TinyModelConfig, build_tiny_model, save_tiny_model
-from tandem.sft.config import SFTConfig
+from tandem.sft.config import SFTConfig, SFTTrainerConfig
 from tandem.sft.data import SFTDataConfig
 from tests.engine.conftest import random_batch
 from tests.engine.mesh_comparisons import (
@@ -61,8 +61,10 @@ def _config(model_dir: str, **overrides) -> EngineConfig:
         ("llama-tied", {}, "fsdp2"),
         ("qwen3", {"gradient_checkpointing": True}, "single"),
         ("qwen2", {"use_packing": False, "micro_batch_size": 4}, "single"),
+        ("qwen2", {"head": "value"}, "fsdp2"),
+        ("llama-tied", {"head": "reward"}, "single"),
     ],
-    ids=["single", "fsdp2", "llama-tied-fsdp2", "qwen3-checkpointing", "padded"],
+    ids=["single", "fsdp2", "llama-tied-fsdp2", "qwen3-checkpointing", "padded", "value-head", "reward-head"],
 )
 def test_two_tensor_parallel_ranks_equal_one_process(
     model_dirs, one_process, two_ranks, model, overrides, strategy
@@ -80,9 +82,14 @@ def _train_step(group, batch) -> tuple[dict, dict]:
     return group.train_step(batch), group.parameters()[0]
 
 
-def _assert_same_step(split: tuple[dict, dict], whole: tuple[dict, dict], dp_size: int = 1) -> None:
+def _assert_same_step(
+    split: tuple[dict, dict],
+    whole: tuple[dict, dict],
+    dp_size: int = 1,
+    outputs: tuple[str, ...] = ("log_probs", "entropy"),
+) -> None:
     (got, got_params), (expected, expected_params) = split, whole
-    diffs = {name: max_diff(got[name], expected[name]) for name in ("log_probs", "entropy", "grad_norm")}
+    diffs = {name: max_diff(got[name], expected[name]) for name in (*outputs, "grad_norm")}
     # the data-parallel ranks' loss shares (first rows, last rows) add up to the whole loss
     loss = float(got["loss"][0] + (got["loss"][-1] if dp_size == 2 else 0.0))
     diffs["loss"] = abs(loss - float(expected["loss"][0]))
@@ -91,14 +98,18 @@ def _assert_same_step(split: tuple[dict, dict], whole: tuple[dict, dict], dp_siz
     assert_within_tolerance(diffs)
 
 
-def test_tensor_parallel_optimizer_step_equals_one_process(model_dirs, one_process, two_ranks):
-    """grad norm (clipped: grad_clip below the norm), loss and the updated weights."""
+@pytest.mark.parametrize(
+    "head,outputs", [("lm", ("log_probs", "entropy")), ("value", ("values",))], ids=["policy", "critic"]
+)
+def test_tensor_parallel_optimizer_step_equals_one_process(model_dirs, one_process, two_ranks, head, outputs):
+    """grad norm (clipped: grad_clip below the norm), loss and the updated weights; the policy,
+    and a critic, whose value head (replicated, like the norms) reads the whole hidden state."""
     batch = random_batch(2, batch=8, length=24)
-    config = _config(model_dirs["qwen2"], grad_clip=0.5)
+    config = _config(model_dirs["qwen2"], grad_clip=0.5, head=head)
     one_process.build(config)
     whole = _train_step(one_process, batch)
     two_ranks.build(dataclasses.replace(config, tp_size=2, strategy="fsdp2"))
-    _assert_same_step(_train_step(two_ranks, batch), whole)
+    _assert_same_step(_train_step(two_ranks, batch), whole, outputs=outputs)
 
 
 @pytest.mark.slow  # four processes start on a 2-core machine
@@ -216,27 +227,53 @@ def test_a_tensor_parallel_mesh_that_does_not_fit_is_refused(
         ({"strategy": "ddp"}, "engine.tp_size=2 with engine.strategy=ddp: the split weights are DTensors"),
         ({"sp_size": 2}, "engine.tp_size=2 with engine.sp_size=2: sequence and tensor parallelism do not"),
         ({"lora": LoraConfig(rank=4)}, "engine.tp_size=2 with engine.lora.rank=4: LoRA adapters"),
-        ({"head": "value"}, "engine.tp_size=2 with engine.head=value: only the policy's log-prob head"),
     ],
-    ids=["ddp", "sp", "lora", "value-head"],
+    ids=["ddp", "sp", "lora"],
 )
 def test_config_refuses_what_tensor_parallelism_does_not_combine_with(overrides, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(tp_size=2, **overrides)
 
 
-def test_models_and_trainers_tensor_parallelism_does_not_plan_are_refused():
-    """A mixture-of-experts model (no dense MLP to split) and the trainers' configs."""
+def test_models_tensor_parallelism_does_not_plan_are_refused():
+    """A mixture-of-experts model has no dense MLP to split."""
     moe = build_tiny_model(TinyModelConfig(family="qwen2_moe"), 103, 0, 1, 2)
     with pytest.raises(
         ValueError, match="engine.tp_size=2: the model's decoder layers have no linear mlp.gate_proj"
     ):
         check_tensor_parallel_fits(moe, 2)
-    engine = EngineConfig(tp_size=2, strategy="fsdp2")
-    with pytest.raises(
-        ValueError, match="engine.tp_size=2: the trainers do not run tensor-parallel engines yet"
-    ):
-        SFTConfig(model_path="model", data=SFTDataConfig(train_path="rows.jsonl"), engine=engine)
+
+
+@pytest.mark.parametrize(
+    "strategy,workers,message",
+    [
+        ("fsdp2", 3, "engine.tp_size=2 must divide the 3 workers: each data-parallel rank is tp_size workers"),
+        ("single", 4, "engine.tp_size=2 with engine.strategy=single trains one tensor-parallel group, but the 4 "
+         "workers form 2: set engine.strategy=fsdp2"),
+    ],
+    ids=["workers", "single-over-groups"],
+)  # fmt: skip
+def test_a_trainer_whose_workers_do_not_fit_the_tensor_parallel_size_is_refused(strategy, workers, message):
+    engine = EngineConfig(tp_size=2, strategy=strategy)
+    trainer = SFTTrainerConfig(n_workers=workers, global_batch_size=12)
+    with pytest.raises(ValueError, match=message):
+        SFTConfig(
+            model_path="model", data=SFTDataConfig(train_path="rows.jsonl"), engine=engine, trainer=trainer
+        )
+    SFTConfig(  # one group trains under single; fsdp2 over any number of groups
+        model_path="model", data=SFTDataConfig(train_path="rows.jsonl"), engine=engine,
+        trainer=SFTTrainerConfig(n_workers=2 if strategy == "single" else 4, global_batch_size=12),
+    )  # fmt: skip
+
+
+def test_ranks_of_a_tensor_parallel_group_handed_different_rows_are_refused(model_dirs, two_ranks):
+    """They would mix their rows into each other's sums: refused before any forward."""
+    two_ranks.build(_config(model_dirs["qwen2"], tp_size=2))
+    batch = random_batch(3, batch=4, length=16)
+    same = two_ranks.log_probs_of([batch, batch])
+    torch.testing.assert_close(same[0], same[1], rtol=0, atol=0)
+    with pytest.raises(WorkerError, match="tensor-parallel group were handed different rows"):
+        two_ranks.log_probs_of([batch[:2], batch[2:]])
 
 
 @pytest.mark.gpu

@@ -152,8 +152,8 @@ def test_moe_settings_name_the_field():
         EngineConfig(moe_aux_loss_coef=-0.1)
     with pytest.raises(ValueError, match="engine.router_replay='always'"):
         EngineConfig(router_replay="always")
-    with pytest.raises(ValueError, match="engine.ep_size=2: expert parallelism is not built yet"):
-        EngineConfig(ep_size=2)
+    with pytest.raises(ValueError, match="engine.ep_size=0 is outside"):
+        EngineConfig(ep_size=0)
     dense = build_tiny_model(TinyModelConfig(family="qwen2"), 103, 0, 1, 2)
     with pytest.raises(ValueError, match="engine.moe_aux_loss_coef=0.01: Qwen2ForCausalLM has no mixture"):
         engine(dense, moe_aux_loss_coef=0.01)

@@ -2,7 +2,9 @@
 the page's script early, ``metrics.jsonl`` steps that are not steps, and a trainer killed with
 SIGKILL whose ``status.json`` still says ``running``."""
 
+import base64
 import html
+import io
 import json
 import os
 import signal
@@ -13,10 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from tandem.cli import main
 from tandem.report import load_run, write_report
 from tandem.report.run_info import RUN_FILE, STATUS_FILE, RunInfo
+from tandem.report.samples import VAL_SAMPLES_FILE, append_val_samples, thumbnail_url
 from tests.report.test_report import figures_of
 
 # each would end the page's script, open a comment or start a new script if embedded as it is
@@ -156,3 +160,28 @@ def test_a_trainer_killed_with_sigkill_reads_as_interrupted_not_running(tmp_path
     assert load_run(run_dir).status["status"] == "running"  # the new process is alive
     page = html.unescape(write_report([run_dir], out).read_text())
     assert f"<td>interrupted</td><td>at step 1 (process {process.pid} gone; last update" in page
+
+
+def test_validation_samples_are_escaped_and_only_png_thumbnails_kept(tmp_path):
+    run = write_run(tmp_path / "run", "samples", ("arithmetic",))
+    good = thumbnail_url(Image.new("RGB", (400, 200), (200, 10, 10)))
+    svg = "data:image/svg+xml;base64," + base64.b64encode(b"<svg onload=alert(1)>").decode()
+    append_val_samples(
+        run, 2,
+        [
+            {"prompt": "</pre><script>window.pwned=1</script>", "response": "<img src=x onerror=alert(1)>",
+             "score": 1.0, "ground_truth": "<b>", "images": [good, "javascript:alert(1)", svg, good + "' onload='x"]},
+        ],
+    )  # fmt: skip
+    with (run / VAL_SAMPLES_FILE).open("a") as file:
+        file.write('{"step": "1", "prompt": "bad step"}\n[1, 2]\n{"step": 3, "prompt": "partial li')
+    page = write_report([run], tmp_path / "report.html").read_text()
+    section = page[page.index("<h3>Validation samples</h3>") : page.index("Resolved config")]
+    assert (
+        "<script>window.pwned" not in section
+        and html.escape("</pre><script>window.pwned=1</script>") in section
+    )
+    assert "<img src=x" not in section and "javascript:" not in section and "svg" not in section
+    assert section.count("<img class='thumb'") == 1 and good in section
+    assert "bad step" not in section and "validation at step 2" in section
+    assert Image.open(io.BytesIO(base64.b64decode(good.split(",")[1]))).size == (160, 80)  # a real PNG

@@ -98,6 +98,52 @@ def test_overrides_apply_and_bad_ones_name_the_key():
             "critic.engine.sp_size=4 must divide the 2 workers",
         ),
         (
+            ["trainer.n_workers=3", "actor.engine.tp_size=2", "actor.engine.strategy=fsdp2"],
+            "actor.engine.tp_size=2 must divide the 3 workers: each data-parallel rank is tp_size workers",
+        ),
+        (
+            ["trainer.n_workers=4", "actor.engine.tp_size=2"],
+            "actor.engine.tp_size=2 with actor.engine.strategy=single trains one tensor-parallel group, but the "
+            "4 workers form 2: set actor.engine.strategy=fsdp2",
+        ),
+        (
+            [
+                "trainer.n_workers=4",
+                "actor.engine.tp_size=2",
+                "actor.engine.strategy=fsdp2",
+                "rollout.n=3",
+                "actor.ppo_mini_batch_size=1",
+            ],
+            r"3 sequences must divide evenly over the 2 data-parallel ranks \(.*, over actor.engine.tp_size\)",
+        ),  # fmt: skip
+        (
+            ["preset=ppo", "trainer.n_workers=2", "critic.engine.tp_size=4"],
+            "critic.engine.tp_size=4 must divide the 2 workers",
+        ),
+        (
+            ["trainer.n_workers=2", "actor.engine.tp_size=2", "actor.engine.lora.rank=4"],
+            "engine.tp_size=2 with engine.lora.rank=4: LoRA adapters are not split over tensor-parallel ranks",
+        ),
+        (
+            [
+                "algorithm.distill.objective=reverse_kl",
+                "teacher.model_path=/t",
+                "teacher.engine.tp_size=2",
+                "trainer.n_workers=2",
+            ],
+            "teacher.engine.tp_size=2: the teacher's workers do not dispatch over a tensor-parallel mesh yet",
+        ),  # fmt: skip
+        (
+            [
+                "algorithm.distill.objective=jsd",
+                "teacher.model_path=/t",
+                "teacher.top_k=4",
+                "actor.engine.tp_size=2",
+                "trainer.n_workers=2",
+            ],
+            "teacher.top_k=4 with actor.engine.tp_size=2: the student's log-probs of the teacher's top-k tokens",
+        ),  # fmt: skip
+        (
             ["actor.engine.max_tokens_per_micro_batch=100"],
             "actor.engine.max_tokens_per_micro_batch=100 is below",
         ),

@@ -133,18 +133,25 @@ def test_a_colocated_critic_trains_as_a_separate_one(rl_files, tmp_path, backend
 
 
 SEQUENCE_PARALLEL = ("actor.engine.sp_size=2", "critic.engine.sp_size=2")
+TENSOR_PARALLEL = ("actor.engine.tp_size=2", "critic.engine.tp_size=2")
 
 
 @pytest.mark.parametrize(
     "two_workers",
-    [(), SEQUENCE_PARALLEL, (*SEQUENCE_PARALLEL, "critic.placement=colocated")],
-    ids=["data-parallel", "sequence-parallel", "sequence-parallel-colocated"],
+    [
+        (),
+        SEQUENCE_PARALLEL,
+        (*SEQUENCE_PARALLEL, "critic.placement=colocated"),
+        pytest.param((*TENSOR_PARALLEL, "critic.placement=colocated"), marks=pytest.mark.slow),  # ~50 s
+    ],
+    ids=["data-parallel", "sequence-parallel", "sequence-parallel-colocated", "tensor-parallel-colocated"],
 )
 def test_two_workers_train_the_critic_like_one(rl_files, tmp_path, two_workers):
     """The critic's group splits each step over its workers and divides by global counts: the
     same losses, values and returns as one worker (DDP over two processes; or both workers on
     every row, each packed row split between them: sequence parallelism, the critic in its
-    own processes or in the actor's)."""
+    own processes or in the actor's; or each layer's weights split between them, the value
+    head replicated: tensor parallelism)."""
     runs = [
         RLTrainer(
             small_config(rl_files, tmp_path / str(n), *PPO, f"trainer.n_workers={n}", "data.val_path=", *extra)

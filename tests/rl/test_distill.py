@@ -7,12 +7,16 @@ import pytest
 import torch
 
 from tandem.controller import create_worker_group
+from tandem.data import write_parquet
+from tandem.data.rows import read_rows
 from tandem.demos.accuracy import accuracy_curve
 from tandem.demos.arithmetic import DemoSettings
 from tandem.demos.distill import DistillDemoSettings, first_step_reaching, run_distill_demo
 from tandem.models import TinyModelConfig, load_model, load_tokenizer, save_tiny_model
 from tandem.protocol import Batch
 from tandem.rl import RLTrainer
+from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows
+from tandem.rl.dataset_responses import is_off_policy_step
 from tandem.rl.teacher_worker import TeacherWorker
 from tests.rl.conftest import small_config
 
@@ -147,7 +151,18 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both_models(rl_files
             ("teacher.model_path=/x", "algorithm.distill.objective=jsd"),
             "compares distributions over the teacher's top-k tokens: set teacher.top_k",
         ),
-        (("algorithm.distill.lmbda=0.5",), "only on-policy distillation"),
+        (("algorithm.distill.lmbda=0.5",), "lmbda=0.5 trains some steps on the dataset's responses"),
+        (
+            (
+                "teacher.model_path=/x",
+                "algorithm.distill.objective=jsd",
+                "teacher.top_k=4",
+                "algorithm.distill.reward_coef=0",
+                "algorithm.distill.lmbda=0.5",
+                "pipeline.mode=fully_async",
+            ),
+            "use pipeline.mode=sync",
+        ),
         (
             ("preset=online_dpo", "teacher.model_path=/x", "algorithm.distill.objective=reverse_kl"),
             "online DPO",
@@ -173,3 +188,58 @@ def test_a_shrunk_distillation_demo_runs_end_to_end(tmp_path):
     assert (tmp_path / "distill" / "hf_model" / "config.json").exists()
     assert first_step_reaching([(0, 0.1), (4, 0.92), (8, 0.95)], 0.9) == 4
     assert first_step_reaching([(0, 0.1)], 0.9) is None
+
+
+@pytest.fixture(scope="module")
+def answered_rows(tmp_path_factory):
+    """The arithmetic task's training rows, each with its answer as a worked response."""
+    rows = arithmetic_rows(64, ArithmeticTaskConfig(max_digits=2), seed=0)
+    for row in rows:
+        row["extra_info"]["response"] = row["reward_model"]["ground_truth"]
+    return str(write_parquet(rows, tmp_path_factory.mktemp("answered") / "train.parquet"))
+
+
+def test_dataset_steps_train_the_forward_kl_on_the_rows_own_responses(
+    rl_files, teacher_dir, answered_rows, tmp_path
+):
+    forward = (
+        "algorithm.distill.objective=jsd", "algorithm.distill.beta=0", "teacher.top_k=8",
+        "algorithm.distill.reward_coef=0", "actor.engine.lr=1e-2", f"data.train_path={answered_rows}",
+    )  # fmt: skip
+    offline = RLTrainer(
+        distill_config(rl_files, tmp_path / "lmbda0", teacher_dir, *forward, "algorithm.distill.lmbda=0",
+                       "trainer.total_steps=6")
+    ).fit()  # fmt: skip
+    steps = [h for h in offline.history if h["step"] > 0]
+    assert all(h["distill/off_policy_step"] == 1.0 for h in steps)
+    tokenizer = load_tokenizer(rl_files["model"])
+    answers = [r["reward_model"]["ground_truth"] for r in read_rows(answered_rows)]
+    lengths = {len(tokenizer.encode(a, add_special_tokens=False)) + 1 for a in answers}  # + EOS
+    assert all(min(lengths) <= h["response_length/mean"] <= max(lengths) for h in steps)
+    assert all(
+        h["rollout_corr/kl"] == 0.0 for h in steps if "rollout_corr/kl" in h
+    )  # no rollout to differ from
+    loss = [h["distill/loss"] for h in steps]
+    assert sum(loss[-2:]) / 2 < 0.75 * sum(loss[:2]) / 2, loss  # KL(teacher || student) falls on those tokens
+
+    config = distill_config(
+        rl_files,
+        tmp_path / "lmbda05",
+        teacher_dir,
+        *forward,
+        "algorithm.distill.lmbda=0.5",
+        "trainer.total_steps=6",
+    )
+    mixed = RLTrainer(config).fit()
+    pattern = [h["distill/off_policy_step"] == 1.0 for h in mixed.history if h["step"] > 0]
+    assert pattern == [is_off_policy_step(config.trainer.seed, step, 0.5) for step in range(1, 7)]
+    assert any(pattern) and not all(pattern)
+
+
+def test_rows_without_a_response_are_named_before_the_first_step(rl_files, teacher_dir, tmp_path):
+    overrides = (
+        "algorithm.distill.objective=jsd", "teacher.top_k=4", "algorithm.distill.reward_coef=0",
+        "algorithm.distill.lmbda=0.5",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"training prompt 0 .* no response in extra_info\['response'\]"):
+        RLTrainer(distill_config(rl_files, tmp_path, teacher_dir, *overrides)).fit()

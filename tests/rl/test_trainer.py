@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 
+from tandem.data.rows import read_rows
 from tandem.models import load_model
 from tandem.rl import RLTrainer
 from tandem.run.checkpoints import CheckpointManager
@@ -61,7 +62,15 @@ def test_grpo_run_updates_the_policy_and_logs_finite_metrics(rl_files, tmp_path)
     assert len(changed) == len(list(before.parameters()))
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
-    assert "Plotly.newPlot" in result.report.read_text()
+    page = result.report.read_text()
+    assert "Plotly.newPlot" in page
+    samples = read_jsonl(tmp_path / "val_samples.jsonl")  # the first validation prompts, every validation
+    validated = sorted({r["step"] for r in records if "val-core/arithmetic/acc/mean@1" in r})
+    val_rows = read_rows(rl_files["val"])[:4]
+    assert [s["step"] for s in samples] == [step for step in validated for _ in val_rows]
+    assert [s["ground_truth"] for s in samples[:4]] == [r["reward_model"]["ground_truth"] for r in val_rows]
+    assert all(r["prompt"][-1]["content"] in s["prompt"] for s, r in zip(samples[:4], val_rows, strict=True))
+    assert "Validation samples" in page and "validation at step 0" in page
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert (tmp_path / "checkpoints" / "latest").read_text() == "global_step_2"
 

@@ -192,7 +192,6 @@ def test_engine_and_implementation_keys_of_verl_0_8_and_0_9_are_noted(item):
         "actor_rollout_ref.actor.megatron.use_dist_checkpointing=True",
         "+actor_rollout_ref.rollout.quantization=fp8",
         "actor_rollout_ref.model.mtp.enable=True",
-        "data.image_key=images",
         "+data.apply_chat_template_kwargs.enable_thinking=False",
     ],
 )

@@ -9,7 +9,7 @@ semantics.
 
 from tandem.rl.config.actor import OBJECTIVES, ActorConfig, ActorOffloadConfig
 from tandem.rl.config.algorithm import AlgorithmConfig, FilterGroupsConfig
-from tandem.rl.config.data import OVERLONG_PROMPTS, RLDataConfig
+from tandem.rl.config.data import OVERLONG_PROMPTS, RLDataConfig, RLImageConfig
 from tandem.rl.config.reward import (
     INTERACTION_SOURCE,
     JUDGE_SOURCE,
@@ -41,6 +41,7 @@ __all__ = [
     "FilterGroupsConfig",
     "OverlongPenaltyConfig",
     "RLDataConfig",
+    "RLImageConfig",
     "RewardConfig",
     "RewardModelSourceConfig",
     "RolloutConfig",

@@ -2,13 +2,42 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.data.file_lists import file_list
 
 OVERLONG_PROMPTS = ("filter", "error", "truncate_left", "truncate_right", "truncate_middle")
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
+
+
+@dataclass(frozen=True)
+class RLImageConfig:
+    """How prompts' images are read (``data.image.*``), for a vision-language model (docs/multimodal.md).
+
+    Attributes:
+        min_pixels / max_pixels: bounds on an image's area after the image processor resizes
+            it (in 28-pixel steps; each 28x28 block is one image token). None: the values
+            saved in the model directory's ``preprocessor_config.json``. An image entry's own
+            ``min_pixels`` / ``max_pixels`` replace these for that image, as in verl.
+        max_image_pixels: the largest image accepted, in pixels (width x height of the file as
+            decoded, before any resizing); a larger one is an error naming its row.
+    """
+
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+
+    def __post_init__(self) -> None:
+        for name in ("min_pixels", "max_pixels"):
+            if getattr(self, name) is not None:
+                check_positive("data.image", name, getattr(self, name))
+        check_positive("data.image", "max_image_pixels", self.max_image_pixels)
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ValueError(
+                f"data.image.min_pixels={self.min_pixels} exceeds data.image.max_pixels={self.max_pixels}"
+            )
 
 
 @dataclass(frozen=True)
@@ -26,6 +55,11 @@ class RLDataConfig:
             (keep the start), ``truncate_middle`` (keep both ends).
         shuffle: a fresh seeded order each epoch.
         val_max_samples: evaluate on at most this many validation prompts (0: all).
+        image_key: the column of a row's images (verl's ``data.image_key``): a list of
+            ``{"bytes": ...}`` or ``{"path": ...}`` entries, one per ``<image>`` in the prompt.
+        video_key: the column of a row's videos (verl's ``data.video_key``); videos are not
+            supported yet, so a row with any is an error.
+        image: how images are read and resized (:class:`RLImageConfig`).
     """
 
     train_path: Any = ""  # str | list[str]: OmegaConf cannot type a union with a list
@@ -35,12 +69,25 @@ class RLDataConfig:
     overlong_prompts: str = "filter"
     shuffle: bool = True
     val_max_samples: int = 0
+    image_key: str = "images"
+    video_key: str = "videos"
+    image: RLImageConfig = field(default_factory=RLImageConfig)
 
     def __post_init__(self) -> None:
         check_positive("data", "train_batch_size", self.train_batch_size)
         check_positive("data", "max_prompt_length", self.max_prompt_length)
         check_choice("data", "overlong_prompts", self.overlong_prompts, OVERLONG_PROMPTS)
         check_range("data", "val_max_samples", self.val_max_samples, low=0)
+        for name in ("image_key", "video_key"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(
+                    f"data.{name}={getattr(self, name)!r} must name a column (a non-empty string)"
+                )
+        if self.image_key == self.video_key:
+            raise ValueError(
+                f"data.image_key and data.video_key are both {self.image_key!r}: images and videos need "
+                "their own columns"
+            )
         file_list(self.train_path, "data.train_path")
         file_list(self.val_path, "data.val_path")
 

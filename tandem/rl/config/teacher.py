@@ -52,7 +52,8 @@ class TeacherConfig:
 
 def check_teacher(config: TrainConfig) -> None:
     """A distillation objective has a teacher and a teacher has an objective; online DPO takes
-    neither; the teacher's sequence-parallel size divides the workers. Errors name the keys."""
+    neither; the teacher's sequence-parallel size divides the workers, and neither the teacher nor
+    (with top-k tokens) the student runs tensor-parallel yet. Errors name the keys."""
     distill, teacher = config.algorithm.distill, config.teacher
     if distill.enabled and not teacher.model_path:
         raise ValueError(
@@ -73,6 +74,28 @@ def check_teacher(config: TrainConfig) -> None:
             f"algorithm.distill.objective={distill.objective!r} compares distributions over the teacher's top-k "
             "tokens: set teacher.top_k (e.g. 16)"
         )
+    if distill.lmbda < 1 and config.pipeline.mode != "sync":
+        raise ValueError(
+            f"algorithm.distill.lmbda={distill.lmbda} with pipeline.mode={config.pipeline.mode}: steps on the "
+            "dataset's responses are drawn step by step, which the asynchronous pipelines' rollout ahead of "
+            "the trainer does not do yet; use pipeline.mode=sync"
+        )
+    if distill.lmbda < 1 and config.algorithm.filter_groups.enable:
+        raise ValueError(
+            f"algorithm.distill.lmbda={distill.lmbda} with algorithm.filter_groups.enable: a step on the "
+            "dataset's responses has one response per group, so no group would ever be kept"
+        )
     sp = teacher.engine.sp_size
     if distill.enabled and config.world_size % sp:
         raise ValueError(f"teacher.engine.sp_size={sp} must divide the {config.world_size} workers")
+    if distill.enabled and teacher.engine.tp_size > 1:
+        raise ValueError(
+            f"teacher.engine.tp_size={teacher.engine.tp_size}: the teacher's workers do not dispatch over a "
+            "tensor-parallel mesh yet; set teacher.engine.tp_size=1"
+        )
+    if distill.enabled and teacher.top_k and config.actor.engine.tp_size > 1:
+        raise ValueError(
+            f"teacher.top_k={teacher.top_k} with actor.engine.tp_size={config.actor.engine.tp_size}: the student's "
+            "log-probs of the teacher's top-k tokens are not computed under tensor parallelism yet; set "
+            "teacher.top_k=0 or actor.engine.tp_size=1"
+        )

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from tandem.agents.config import AgentConfig
 from tandem.controller.resource_pool import ResourcePool
-from tandem.engine.config import refuse_trainer_tensor_parallel
+from tandem.engine.config import check_trainer_tensor_parallel
 from tandem.pipeline.config import PipelineConfig
 from tandem.rl.config.actor import ActorConfig, check_preference, check_router_replay
 from tandem.rl.config.algorithm import AlgorithmConfig
@@ -58,13 +58,14 @@ class TrainConfig:
         if not self.data.train_path:
             raise ValueError("data.train_path is required (a parquet file of prompts in verl's schema)")
         n, workers = self.rollout.n, self.world_size
-        refuse_trainer_tensor_parallel("actor.engine", self.actor.engine)
         sp = self.actor.engine.sp_size
         if workers % sp:
             raise ValueError(
                 f"actor.engine.sp_size={sp} must divide the {workers} workers (trainer.nnodes x "
                 "trainer.n_gpus_per_node or trainer.n_workers): each data-parallel rank is sp_size workers"
             )
+        check_trainer_tensor_parallel("actor.engine", self.actor.engine, workers)
+        shared = self.world_size // self.actor_dp_size  # workers per data-parallel rank (sp or tp)
         if self.algorithm.compares_groups and n < 2:
             raise ValueError(
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} compares the responses of a prompt, "
@@ -78,11 +79,11 @@ class TrainConfig:
                 f"actor.ppo_mini_batch_size={mini} must divide data.train_batch_size={self.data.train_batch_size}"
             )
         if (mini * n) % self.actor_dp_size:
-            ranks = f"{workers} workers" if sp == 1 else f"{self.actor_dp_size} data-parallel ranks"
+            ranks = f"{workers} workers" if shared == 1 else f"{self.actor_dp_size} data-parallel ranks"
+            over = "" if shared == 1 else f", over actor.engine.{'sp_size' if sp > 1 else 'tp_size'}"
             raise ValueError(
                 f"a mini-batch of actor.ppo_mini_batch_size * rollout.n = {mini * n} sequences must divide "
-                f"evenly over the {ranks} (trainer.nnodes x trainer.n_gpus_per_node or trainer.n_workers"
-                f"{'' if sp == 1 else ', over actor.engine.sp_size'})"
+                f"evenly over the {ranks} (trainer.nnodes x trainer.n_gpus_per_node or trainer.n_workers{over})"
             )
         longest = self.data.max_prompt_length + self.rollout.max_response_length
         engine = self.actor.engine
@@ -153,9 +154,9 @@ class TrainConfig:
 
     @property
     def actor_dp_size(self) -> int:
-        """The actor's data-parallel ranks: ``world_size / actor.engine.sp_size`` (the workers of
-        a sequence-parallel group share their rows)."""
-        return self.world_size // self.actor.engine.sp_size
+        """The actor's data-parallel ranks: ``world_size / (actor.engine.sp_size * tp_size)`` (the
+        workers of a sequence- or tensor-parallel group share their rows)."""
+        return self.world_size // (self.actor.engine.sp_size * self.actor.engine.tp_size)
 
     @property
     def gpus_per_worker(self) -> float:

@@ -3,25 +3,35 @@
 A row holds ``data_source`` (str: selects the reward function), ``prompt`` (chat messages:
 a list of ``{"role", "content"}`` dicts), ``reward_model`` (a dict with ``ground_truth``),
 and optionally ``ability`` (str) and ``extra_info`` (dict). verl users' files load unchanged.
-A malformed row is an error naming the file, the row and the field.
+A malformed row is an error naming the file, the row and the field. For a vision-language
+model a row may also hold images (verl's ``images`` column and ``<image>`` placeholders:
+:mod:`tandem.rl.data.images`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from tandem.data.file_lists import file_list
 from tandem.data.rows import read_rows
-from tandem.models.chat import check_message, template_ids
+from tandem.models.chat import check_message, template_ids, with_image_parts
 from tandem.protocol import Batch
+from tandem.protocol.images import ImageInputs
+from tandem.rl.data.images import ImageReader, PromptImages, expand_prompt, row_images
 
 
 @dataclass(frozen=True)
 class PromptSample:
-    """One tokenised prompt and what its reward function needs."""
+    """One tokenised prompt and what its reward function needs.
+
+    ``images`` holds a vision-language prompt's images, encoded (:class:`PromptImages`; None:
+    text only); ``prompt_ids`` then already holds one ``<|image_pad|>`` per image token.
+    ``raw_prompt`` is the row's messages as the file holds them, ``<image>`` placeholders included.
+    """
 
     prompt_ids: tuple[int, ...]
     data_source: str
@@ -29,6 +39,7 @@ class PromptSample:
     extra_info: dict
     raw_prompt: list
     agent_name: str = ""  # the row's agent loop (empty: agent.name)
+    images: PromptImages | None = None
 
 
 REQUIRED = {  # what each required field must hold, for the messages
@@ -102,11 +113,22 @@ def as_files(paths: DataFiles) -> tuple[Path, ...]:
 
 
 def _sample(
-    row: Any, where: str, tokenizer: Any, max_prompt_length: int, overlong: str
+    row: Any,
+    where: str,
+    tokenizer: Any,
+    max_prompt_length: int,
+    overlong: str,
+    reader: ImageReader,
+    folder: Path,
 ) -> PromptSample | None:
     """One validated, tokenised row; ``None`` when ``overlong=filter`` drops it."""
     validate_row(row, where)
-    ids = template_ids(tokenizer, row["prompt"], add_generation_prompt=True)
+    images = row_images(row, where, folder, reader)
+    if images is None:
+        ids = template_ids(tokenizer, row["prompt"], add_generation_prompt=True)
+    else:
+        ids = template_ids(tokenizer, with_image_parts(row["prompt"])[0], add_generation_prompt=True)
+        ids = expand_prompt(ids, images, reader, where)
     if len(ids) > max_prompt_length:
         if overlong == "error":
             raise ValueError(
@@ -115,6 +137,13 @@ def _sample(
             )
         if overlong == "filter":
             return None
+        if images is not None:
+            raise ValueError(
+                f"{where}: field 'prompt' is {len(ids)} tokens with its image tokens, over "
+                f"data.max_prompt_length={max_prompt_length}, and cutting it would cut image tokens "
+                f"(data.overlong_prompts={overlong}); raise the limit, lower data.image.max_pixels, "
+                "or set data.overlong_prompts=filter"
+            )
         ids = truncate(ids, max_prompt_length, overlong)
     return PromptSample(
         prompt_ids=tuple(ids),
@@ -123,23 +152,34 @@ def _sample(
         extra_info=dict(row.get("extra_info") or {}),
         raw_prompt=list(row["prompt"]),
         agent_name=str(row.get("agent_name") or ""),
+        images=images,
     )
 
 
 @dataclass
 class RLDataset:
-    """Tokenised prompts; ``filtered`` counts the prompts dropped as longer than ``max_prompt_length``."""
+    """Tokenised prompts; ``filtered`` counts the prompts dropped as longer than ``max_prompt_length``;
+    ``reader`` processes the prompts' images when a batch is built."""
 
     samples: list[PromptSample]
     filtered: int = 0
+    reader: ImageReader | None = None
 
     @staticmethod
-    def load(paths: DataFiles, tokenizer: Any, max_prompt_length: int, overlong: str = "filter") -> RLDataset:
+    def load(
+        paths: DataFiles,
+        tokenizer: Any,
+        max_prompt_length: int,
+        overlong: str = "filter",
+        images: ImageReader | None = None,
+    ) -> RLDataset:
         """Read and tokenise ``paths``: one file, or several read in order as one dataset (verl
         concatenates the files of ``data.train_files`` the same way), every row checked against
         verl's schema with errors naming its file and row. ``overlong`` is ``filter`` (drop and
         count), ``error``, or ``truncate_left`` / ``truncate_right`` / ``truncate_middle`` (cut
-        to ``max_prompt_length``)."""
+        to ``max_prompt_length``). ``images`` reads rows' images for the model
+        (:func:`tandem.rl.data.images.image_reader`); without it a row holding images is an error."""
+        reader = images or ImageReader(model_path="")
         files = as_files(paths)
         samples, filtered = [], 0
         for path in files:
@@ -147,7 +187,8 @@ class RLDataset:
             if not rows:
                 raise ValueError(f"data file {path} has no rows")
             for index, row in enumerate(rows):
-                sample = _sample(row, f"{path}: row {index}", tokenizer, max_prompt_length, overlong)
+                where = f"{path}: row {index}"
+                sample = _sample(row, where, tokenizer, max_prompt_length, overlong, reader, path.parent)
                 if sample is None:
                     filtered += 1
                 else:
@@ -157,7 +198,7 @@ class RLDataset:
             raise ValueError(
                 f"{names}: no usable prompts ({filtered} longer than {max_prompt_length} tokens)"
             )
-        return RLDataset(samples, filtered)
+        return RLDataset(samples, filtered, reader)
 
     def check_fills_batch(self, batch_size: int, field: str) -> None:
         """Raise ``ValueError`` with the numbers when there are fewer prompts than one batch:
@@ -175,9 +216,23 @@ class RLDataset:
     def __len__(self) -> int:
         return len(self.samples)
 
+    @cached_property
+    def has_images(self) -> bool:
+        """Whether any prompt holds images (then batches carry the ``images`` column)."""
+        return any(sample.images is not None for sample in self.samples)
+
+    def image_inputs(self, sample: PromptSample) -> ImageInputs | None:
+        """``sample``'s images processed for the model (None: a text-only prompt)."""
+        if sample.images is None:
+            return None
+        assert self.reader is not None, "a dataset with images is loaded with its reader"
+        return self.reader.inputs(sample.images)
+
     def collate(self, indices: list[int]) -> Batch:
-        """The prompts at ``indices`` as a batch of per-sample columns (token ids stay lists until generation)."""
+        """The prompts at ``indices`` as a batch of per-sample columns (token ids stay lists until
+        generation); a dataset with images adds ``images``, one :class:`ImageInputs` or None a row."""
         rows = [self.samples[i] for i in indices]
+        images = {"images": [self.image_inputs(r) for r in rows]} if self.has_images else {}
         return Batch(
             non_tensors={
                 "prompt_ids": [r.prompt_ids for r in rows],
@@ -187,5 +242,6 @@ class RLDataset:
                 "raw_prompt": [r.raw_prompt for r in rows],
                 "agent_name": [r.agent_name for r in rows],
                 "index": list(indices),
+                **images,
             }
         )

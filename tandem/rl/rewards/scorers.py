@@ -1,4 +1,4 @@
-"""Built-in scorers, registered by ``data_source``: arithmetic, gsm8k and MATH.
+"""Built-in scorers, registered by ``data_source``: arithmetic, gsm8k, MATH and shapes.
 
 A scorer is ``fn(solution_str, ground_truth, extra_info) -> float`` (1.0 correct, 0.0 not),
 or a dict with the ``score`` to train on and the exact ``acc``; the reward manager picks one
@@ -7,6 +7,7 @@ by each sample's ``data_source``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from tandem.registry import Registry
@@ -72,3 +73,22 @@ def math_score(solution: str, ground_truth: str, extra_info: dict) -> float:
         a, b = normalize_latex(answer), normalize_latex(ground_truth)
         return float(a == b or numbers_equal(a, b))
     return float(verify(parse(f"${ground_truth}$"), parse(f"\\boxed{{{answer}}}")))
+
+
+NUMBER_WORDS = {"zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5"}
+
+
+def one_word_answer(solution: str) -> str:
+    """The answer of a reply asked for one word: the first word of its last non-empty line,
+    lowercased, without surrounding punctuation, a number word as its digit ("Two." -> "2")."""
+    lines = [line for line in solution.strip().splitlines() if line.strip()]
+    words = lines[-1].split() if lines else []
+    word = re.sub(r"^\W+|\W+$", "", words[0].lower()) if words else ""
+    return NUMBER_WORDS.get(word, word)
+
+
+@register_scorer("shapes")
+def shapes_score(solution: str, ground_truth: str, extra_info: dict) -> float:
+    """1 when the reply's one-word answer (:func:`one_word_answer`) is the ground truth exactly
+    (the ``shapes`` task: a digit, a colour, or yes/no)."""
+    return float(one_word_answer(solution) == ground_truth.strip().lower())

@@ -1,0 +1,253 @@
+"""The vision-language demo: a tiny Qwen2-VL learns to answer questions about generated pictures.
+
+Everything is built locally: a tiny Qwen2-VL (a 2-block vision tower and a 2-layer language
+model, ~0.7M parameters) with its image processor, and the ``shapes`` task
+(:mod:`tandem.rl.data.shapes`): pictures of coloured shapes with questions only the picture
+answers (how many red shapes, which colour is the largest, is the circle left of the square).
+
+As in the main demo, the SFT warm-up imitates a *flawed teacher*: most of its answers are
+slipped by a fixed rule (the next count, the next colour, yes for no), so the model learns
+to read the picture and the format but answers with the slip. GRPO then uses only the
+exact-match reward to find the right answers. Validation pictures never appear in training.
+
+The control: the final model answers the same held-out questions with every picture
+replaced by an empty canvas. If the policy reads the picture, that accuracy falls to about
+what guessing gets (:data:`~tandem.rl.data.shapes.CHANCE`).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image
+from rich.console import Console
+from rich.table import Table
+from transformers.utils import logging as hf_logging
+
+from tandem.data import write_parquet
+from tandem.data.images import decode_image
+from tandem.demos.accuracy import accuracy_curve
+from tandem.engine import EngineConfig
+from tandem.models import load_tokenizer
+from tandem.models.chat import template_ids, with_image_parts
+from tandem.models.tiny_vlm import TinyVLMConfig, save_tiny_vlm
+from tandem.models.vision import ImagePrompter
+from tandem.protocol.generation import RolloutRequest, SamplingParams
+from tandem.rl.config_loader import load_train_config
+from tandem.rl.data.shapes import ANSWERS, BACKGROUND, CHANCE, png_bytes, shapes_rows
+from tandem.rl.rewards.scorers import shapes_score
+from tandem.rl.trainer import RLResult, RLTrainer
+from tandem.rollout import NativeEngineConfig, NativeRolloutEngine
+from tandem.sft import SFTConfig, SFTTrainer
+from tandem.sft.config import SFTTrainerConfig
+from tandem.sft.data import SFTDataConfig
+
+ACCURACY_KEY = "val-core/shapes/acc/mean@1"
+QUESTIONS = ("count", "largest")  # has_circle and left_of: beyond this model's budget (docs/multimodal.md)
+MODEL = TinyVLMConfig(family="qwen2_vl", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+
+
+@dataclass(frozen=True)
+class VLMDemoSettings:
+    """Sizes of the VLM demo (the defaults are what the README's numbers were measured with).
+
+    ``sft_rows`` / ``train_rows``: pictures generated for the warm-up and for GRPO.
+    ``teacher_error_rate``: share of SFT demonstrations whose answer is slipped (:func:`slip`).
+    ``sft_model_dir``: start GRPO from this finished warm-up instead of running step 1.
+    ``overrides``: extra ``key=value`` settings for the GRPO run.
+    """
+
+    output_dir: str = "outputs/demo-vlm"
+    sft_rows: int = 6000
+    train_rows: int = 4000
+    sft_steps: int = 300
+    sft_batch_size: int = 64
+    sft_lr: float = 2e-3
+    rl_steps: int = 30
+    prompts_per_step: int = 32
+    responses_per_prompt: int = 8
+    mini_batch_prompts: int = 32
+    rl_lr: float = 1e-3
+    val_prompts: int = 128
+    val_every: int = 5
+    teacher_error_rate: float = 0.8
+    seed: int = 0
+    sft_model_dir: str = ""
+    overrides: tuple[str, ...] = ()
+
+
+def slip(question: str, truth: str) -> str:
+    """The flawed teacher's answer: the next answer of the question's kind, in a fixed order
+    (a count one too high, wrapping; the next colour; yes for no and no for yes)."""
+    answers = ANSWERS[question]
+    return answers[(answers.index(truth) + 1) % len(answers)]
+
+
+def write_demo_data(root: Path, settings: VLMDemoSettings) -> dict[str, Path]:
+    """SFT conversations (the flawed teacher's answers), GRPO prompts and held-out prompts, each
+    with its picture; the splits are drawn from different seeds."""
+    flawed = random.Random(settings.seed)
+    sft = []
+    for row in shapes_rows(settings.sft_rows, settings.seed + 2, split="sft", questions=QUESTIONS):
+        truth = row["reward_model"]["ground_truth"]
+        if flawed.random() < settings.teacher_error_rate:
+            truth = slip(row["extra_info"]["question"], truth)
+        sft.append(
+            {"messages": [*row["prompt"], {"role": "assistant", "content": truth}], "images": row["images"]}
+        )
+    data = root / "data"
+    return {
+        "sft": write_parquet(sft, data / "sft.parquet"),
+        "train": write_parquet(
+            shapes_rows(settings.train_rows, settings.seed + 3, split="train", questions=QUESTIONS),
+            data / "train.parquet",
+        ),
+        "val": write_parquet(
+            shapes_rows(settings.val_prompts, settings.seed + 1, split="test", questions=QUESTIONS),
+            data / "val.parquet",
+        ),
+    }
+
+
+def warm_up(settings: VLMDemoSettings, base: Path, sft_data: Path, root: Path, console: Console) -> Path:
+    """Step 1: SFT on the flawed teacher's answers; returns the fine-tuned model directory."""
+    console.rule(
+        f"1. SFT warm-up ({settings.sft_steps} steps) on a teacher whose answer slips "
+        f"{settings.teacher_error_rate:.0%} of the time"
+    )
+    result = SFTTrainer(
+        SFTConfig(
+            model_path=str(base),
+            data=SFTDataConfig(train_path=str(sft_data), max_length=128),
+            engine=EngineConfig(lr=settings.sft_lr, seed=settings.seed),
+            trainer=SFTTrainerConfig(
+                global_batch_size=settings.sft_batch_size,
+                total_steps=settings.sft_steps,
+                log_every=50,
+                output_dir=str(root / "sft"),
+                seed=settings.seed,
+            ),
+        ),
+        console,
+    ).fit()
+    return result.hf_model_dir
+
+
+def grpo_overrides(
+    settings: VLMDemoSettings, sft_model: Path, paths: dict[str, Path], root: Path
+) -> list[str]:
+    """The GRPO run's settings: from the warmed-up model on the shapes prompts, validated every
+    ``val_every`` steps, ``settings.overrides`` last."""
+    optimizer_steps = settings.rl_steps * settings.prompts_per_step // settings.mini_batch_prompts
+    return [
+        "preset=grpo",
+        f"model_path={sft_model}",
+        f"data.train_path={paths['train']}",
+        f"data.val_path={paths['val']}",
+        f"data.train_batch_size={settings.prompts_per_step}",
+        "data.max_prompt_length=128",
+        f"rollout.n={settings.responses_per_prompt}",
+        "rollout.max_response_length=6",
+        f"actor.engine.lr={settings.rl_lr}",
+        "actor.engine.lr_schedule=cosine",
+        f"actor.engine.total_steps={optimizer_steps}",
+        "actor.engine.min_lr_ratio=0.1",
+        f"actor.ppo_mini_batch_size={settings.mini_batch_prompts}",
+        f"trainer.total_steps={settings.rl_steps}",
+        f"trainer.val_every={settings.val_every}",
+        f"trainer.output_dir={root / 'grpo'}",
+        "trainer.resume=disable",
+        f"trainer.seed={settings.seed}",
+        "trainer.experiment=demo-grpo-shapes",
+        *settings.overrides,
+    ]
+
+
+def blank_png(canvas: int = 112) -> bytes:
+    """An empty canvas: the background colour alone."""
+    return png_bytes(Image.new("RGB", (canvas, canvas), BACKGROUND))
+
+
+def greedy_accuracy(model_dir: str | Path, val_data: list[dict], blank: bool) -> float:
+    """Held-out greedy accuracy of ``model_dir`` on ``val_data`` (rows of the shapes task), with
+    each picture replaced by an empty canvas when ``blank``."""
+    tokenizer = load_tokenizer(model_dir)
+    prompter = ImagePrompter.for_model(model_dir)
+    assert prompter is not None, f"{model_dir} is not a vision-language model"
+    engine = NativeRolloutEngine.from_pretrained(
+        str(model_dir), NativeEngineConfig(max_num_seqs=64, max_model_len=256)
+    )
+    try:
+        requests = []
+        for i, row in enumerate(val_data):
+            messages, _ = with_image_parts(list(row["prompt"]))
+            ids = template_ids(tokenizer, messages, add_generation_prompt=True)
+            raw = blank_png() if blank else row["images"][0]["bytes"]
+            prompt, images = prompter.prompt(ids, [decode_image(raw)])
+            requests.append(
+                RolloutRequest(
+                    f"control-{i}", tuple(prompt), SamplingParams(temperature=0.0, max_tokens=6), images
+                )
+            )
+        completions = engine.generate_batch(requests)
+    finally:
+        engine.close()
+    scores = [
+        shapes_score(
+            tokenizer.decode(c.token_ids, skip_special_tokens=True), row["reward_model"]["ground_truth"], {}
+        )
+        for c, row in zip(completions, val_data, strict=True)
+    ]
+    return sum(scores) / len(scores)
+
+
+def chance_level(val_data: list[dict]) -> float:
+    """What uniform guessing within each question's answers scores on ``val_data``."""
+    return sum(CHANCE[row["extra_info"]["question"]]["uniform_guess"] for row in val_data) / len(val_data)
+
+
+def run_vlm_demo(
+    settings: VLMDemoSettings | None = None, console: Console | None = None
+) -> tuple[RLResult, float]:
+    """Build, warm up with SFT, train with GRPO; print held-out accuracy before and after, and the
+    blanked-picture control. Returns the GRPO run and the control's accuracy."""
+    settings = settings or VLMDemoSettings()
+    console = console or Console()
+    hf_logging.disable_progress_bar()
+    root = Path(settings.output_dir)
+    started = time.monotonic()
+    console.rule("tandem demo: questions about pictures, a tiny Qwen2-VL, SFT on a flawed teacher, then GRPO")
+    base = save_tiny_vlm(root / "base_model", MODEL)
+    paths = write_demo_data(root, settings)
+    console.print(f"model, tokenizer and image processor in {base}; data in {paths['train'].parent}")
+    sft_model = (
+        Path(settings.sft_model_dir)
+        if settings.sft_model_dir
+        else warm_up(settings, base, paths["sft"], root, console)
+    )
+    console.rule(
+        f"2. GRPO ({settings.rl_steps} steps of {settings.prompts_per_step} prompts x {settings.responses_per_prompt})"
+    )
+    result = RLTrainer(load_train_config(grpo_overrides(settings, sft_model, paths, root)), console).fit()
+    val_data = shapes_rows(settings.val_prompts, settings.seed + 1, split="test", questions=QUESTIONS)
+    control = greedy_accuracy(result.hf_model_dir, val_data, blank=True)
+    curve = accuracy_curve(result, ACCURACY_KEY)
+    table = Table(
+        title=f"held-out greedy accuracy ({settings.val_prompts} unseen pictures)", title_justify="left"
+    )
+    table.add_column("stage")
+    table.add_column("accuracy", justify="right")
+    table.add_row("after SFT warm-up (GRPO step 0)", f"{curve[0][1]:.1%}")
+    for step, value in curve[1:-1]:
+        table.add_row(f"GRPO step {step}", f"{value:.1%}")
+    table.add_row(f"after GRPO (step {curve[-1][0]})", f"[bold]{curve[-1][1]:.1%}")
+    table.add_row("control: final model, pictures blanked", f"{control:.1%}")
+    table.add_row("chance (uniform guess per question)", f"{chance_level(val_data):.1%}")
+    console.print(table)
+    console.print(
+        f"total time {time.monotonic() - started:.0f} s; report: {result.report}; final model: {result.hf_model_dir}"
+    )
+    return result, control
