@@ -38,6 +38,7 @@ from tandem.sft.data import SFTDataConfig
 
 if TYPE_CHECKING:
     from tandem.demos.tool_agent import ToolDemoSettings
+    from tandem.demos.vlm import VLMDemoSettings
 
 TASK = ArithmeticTaskConfig(min_digits=1, max_digits=2, num_operands=2, operators="+")
 MODEL = TinyModelConfig(
@@ -117,7 +118,7 @@ def warm_up(settings: DemoSettings, base: Path, paths: dict[str, Path], root: Pa
 
 
 def sft_warm_up(
-    settings: DemoSettings | ToolDemoSettings,
+    settings: DemoSettings | ToolDemoSettings | VLMDemoSettings,
     base: Path,
     data: Path,
     max_length: int,

@@ -24,13 +24,13 @@ from pathlib import Path
 
 from PIL import Image
 from rich.console import Console
-from rich.table import Table
 from transformers.utils import logging as hf_logging
 
 from tandem.data import write_parquet
 from tandem.data.images import decode_image
-from tandem.demos.accuracy import accuracy_curve
-from tandem.engine import EngineConfig
+from tandem.data.rows import read_rows
+from tandem.demos.accuracy import accuracy_curve, accuracy_table
+from tandem.demos.arithmetic import sft_warm_up
 from tandem.models import load_tokenizer
 from tandem.models.chat import template_ids, with_image_parts
 from tandem.models.tiny_vlm import TinyVLMConfig, save_tiny_vlm
@@ -41,9 +41,6 @@ from tandem.rl.data.shapes import ANSWERS, BACKGROUND, CHANCE, png_bytes, shapes
 from tandem.rl.rewards.scorers import shapes_score
 from tandem.rl.trainer import RLResult, RLTrainer
 from tandem.rollout import NativeEngineConfig, NativeRolloutEngine
-from tandem.sft import SFTConfig, SFTTrainer
-from tandem.sft.config import SFTTrainerConfig
-from tandem.sft.data import SFTDataConfig
 
 ACCURACY_KEY = "val-core/shapes/acc/mean@1"
 QUESTIONS = ("count", "largest")  # has_circle and left_of: beyond this model's budget (docs/multimodal.md)
@@ -118,22 +115,7 @@ def warm_up(settings: VLMDemoSettings, base: Path, sft_data: Path, root: Path, c
         f"1. SFT warm-up ({settings.sft_steps} steps) on a teacher whose answer slips "
         f"{settings.teacher_error_rate:.0%} of the time"
     )
-    result = SFTTrainer(
-        SFTConfig(
-            model_path=str(base),
-            data=SFTDataConfig(train_path=str(sft_data), max_length=128),
-            engine=EngineConfig(lr=settings.sft_lr, seed=settings.seed),
-            trainer=SFTTrainerConfig(
-                global_batch_size=settings.sft_batch_size,
-                total_steps=settings.sft_steps,
-                log_every=50,
-                output_dir=str(root / "sft"),
-                seed=settings.seed,
-            ),
-        ),
-        console,
-    ).fit()
-    return result.hf_model_dir
+    return sft_warm_up(settings, base, sft_data, 128, root / "sft", 50, console)
 
 
 def grpo_overrides(
@@ -232,18 +214,12 @@ def run_vlm_demo(
         f"2. GRPO ({settings.rl_steps} steps of {settings.prompts_per_step} prompts x {settings.responses_per_prompt})"
     )
     result = RLTrainer(load_train_config(grpo_overrides(settings, sft_model, paths, root)), console).fit()
-    val_data = shapes_rows(settings.val_prompts, settings.seed + 1, split="test", questions=QUESTIONS)
+    val_data = read_rows(paths["val"])
     control = greedy_accuracy(result.hf_model_dir, val_data, blank=True)
     curve = accuracy_curve(result, ACCURACY_KEY)
-    table = Table(
-        title=f"held-out greedy accuracy ({settings.val_prompts} unseen pictures)", title_justify="left"
+    table = accuracy_table(
+        f"held-out greedy accuracy ({settings.val_prompts} unseen pictures)", "GRPO", curve
     )
-    table.add_column("stage")
-    table.add_column("accuracy", justify="right")
-    table.add_row("after SFT warm-up (GRPO step 0)", f"{curve[0][1]:.1%}")
-    for step, value in curve[1:-1]:
-        table.add_row(f"GRPO step {step}", f"{value:.1%}")
-    table.add_row(f"after GRPO (step {curve[-1][0]})", f"[bold]{curve[-1][1]:.1%}")
     table.add_row("control: final model, pictures blanked", f"{control:.1%}")
     table.add_row("chance (uniform guess per question)", f"{chance_level(val_data):.1%}")
     console.print(table)

@@ -42,11 +42,10 @@ def prompt_groups(
     groups: dict[tuple, list[int]] = {}
     prompts = input_ids[:, :prompt_width].tolist()
     masks = attention_mask[:, :prompt_width].bool().tolist()
-    seen: dict[int, bytes] = {}
     for row, (ids, mask) in enumerate(zip(prompts, masks, strict=True)):
         key = tuple(token for token, valid in zip(ids, mask, strict=True) if valid)
         if images is not None:
-            key = (key, images_key(images[row], seen))
+            key = (key, images_key(images[row]))
         groups.setdefault(key, []).append(row)
     return list(groups.values())
 

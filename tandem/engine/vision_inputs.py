@@ -189,18 +189,10 @@ def decoder_inputs(
     return {"inputs_embeds": embeds, "position_ids": vision.rope_positions.to(input_ids.device)}
 
 
-def images_key(images: ImageInputs | None, seen: dict[int, bytes] | None = None) -> bytes | None:
-    """A key equal for equal images (:meth:`ImageInputs.digest`), ``None`` without images: rows
-    sharing a prompt must share its images too. ``seen`` caches keys by object identity (rows of
-    a group usually hold one object)."""
-    if images is None or images.num_images == 0:
-        return None
-    if seen is not None and id(images) in seen:
-        return seen[id(images)]
-    key = images.digest()
-    if seen is not None:
-        seen[id(images)] = key
-    return key
+def images_key(images: ImageInputs | None) -> bytes | None:
+    """A key equal for equal images (:attr:`ImageInputs.digest`, computed once per object),
+    ``None`` without images: rows sharing a prompt must share its images too."""
+    return None if images is None or images.num_images == 0 else images.digest
 
 
 def check_images_field(images: Sequence[ImageInputs | None] | None, vision_language: bool) -> None:

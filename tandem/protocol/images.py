@@ -3,6 +3,7 @@ request, a batch row (the ``images`` field) and a packed row carry for a VLM."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,9 +38,11 @@ class ImageInputs:
     def to(self, device: torch.device) -> ImageInputs:
         return ImageInputs(to_device(self.pixel_values, device), to_device(self.image_grid_thw, device))
 
+    @functools.cached_property
     def digest(self) -> bytes:
         """A 16-byte blake2b digest of the pixels (dtype, shape, bytes) and grids: equal images,
-        equal digests (rows or requests sharing a prompt must share its images too)."""
+        equal digests (rows or requests sharing a prompt must share its images too). Computed
+        once per object (the n rows or requests of a group hold one) and kept with it."""
         digest = hashlib.blake2b(digest_size=16)
         for tensor in (self.pixel_values, self.image_grid_thw):
             host = tensor.detach().cpu().contiguous()

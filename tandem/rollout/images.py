@@ -4,12 +4,11 @@ with different images apart in a prefix cache, and the native engine's packed VL
 A vision-language request carries its images (:class:`~tandem.protocol.images.ImageInputs`) and a
 prompt whose ``<|image_pad|>`` tokens are already expanded, one per image token. Two requests
 share a prompt's keys and values only when both their token ids and their images are equal, so
-every prefix key holds the images' digest (:class:`ImageDigests`).
+every prefix key holds the images' digest (:attr:`ImageInputs.digest`, computed once per object).
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -58,30 +57,6 @@ def image_request_problem(request: RolloutRequest, model_config, exact: bool = F
             f"take {expected} (expand each image's placeholder with tandem.models.vision.expand_image_tokens)"
         )
     return None
-
-
-class ImageDigests:
-    """:meth:`ImageInputs.digest` computed once per object: the n requests of a
-    GRPO group carry the same object, and its pixels are hashed once. An entry is dropped when
-    its object is."""
-
-    def __init__(self) -> None:
-        self._known: dict[int, tuple[weakref.ref, bytes]] = {}
-
-    def __call__(self, images: ImageInputs | None) -> bytes | None:
-        """The digest of ``images``, or ``None`` when there are none."""
-        if images is None or images.num_images == 0:
-            return None
-        key = id(images)
-        known = self._known.get(key)
-        if known is not None and known[0]() is images:
-            return known[1]
-        digest = images.digest()
-        self._known[key] = (weakref.ref(images, lambda _, key=key: self._known.pop(key, None)), digest)
-        return digest
-
-    def __len__(self) -> int:
-        return len(self._known)
 
 
 def packed_vision_inputs(

@@ -60,7 +60,7 @@ from tandem.protocol.generation import (
     prompt_problem,
 )
 from tandem.rollout.decode_graphs import DecodeGraphs
-from tandem.rollout.images import ImageDigests, image_request_problem, packed_vision_inputs
+from tandem.rollout.images import has_images, image_request_problem, packed_vision_inputs
 from tandem.rollout.kv_cache import KV_ATTENTION, SlotKVCache, StepPlan
 from tandem.rollout.lean import LeanDecoder, lean_unsupported_reason
 from tandem.rollout.native_config import PAUSE_MODES, NativeEngineConfig
@@ -104,7 +104,6 @@ class NativeRolloutEngine:
         self.vision = is_vision_language(self.model)
         # A VLM's vision tower keeps its own attention: the cache is the language model's.
         self.model.set_attn_implementation({"text_config": KV_ATTENTION} if self.vision else KV_ATTENTION)
-        self._image_digests = ImageDigests()
         lean = self.config.lean_forward and not self.vision and lean_unsupported_reason(self.model) is None
         self._packed = PackedLinears(
             self.model, enabled=self.config.prepack_weights and uses_cpu_kernels(self.device)
@@ -206,7 +205,9 @@ class NativeRolloutEngine:
             frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
             min(params.max_tokens, self.config.max_model_len - len(request.prompt_ids)),
             on_token,
-            image_key=self._image_digests(request.images),  # hashed here, off the engine's thread
+            image_key=request.images.digest
+            if has_images(request)
+            else None,  # hashed here, off the engine's thread
         )
         with self._lock:
             if any(

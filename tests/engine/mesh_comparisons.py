@@ -1,15 +1,18 @@
-"""How the mesh tests (sequence and tensor parallelism) compare split ranks with one process:
-their worker groups, and the comparisons."""
+"""How the mesh tests (sequence, tensor and expert parallelism) compare split ranks with one
+process: their worker groups, their engine settings, a step, a resume, and the comparisons."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
 from tandem.controller import ResourcePool, create_worker_group
 from tandem.device import cuda_device_count
+from tandem.engine import EngineConfig
 
 TOLERANCE = 1e-5  # max abs difference allowed against the one-process reference (fp32)
 
@@ -67,3 +70,34 @@ def assert_same_gradients(split: list[dict], whole: dict, tolerance: float = TOL
         for name, grad in whole["grads"].items():
             diffs[f"rank{rank}/grad/{name}"] = max_diff(got["grads"][name], grad)
     assert_within_tolerance(diffs, tolerance)
+
+
+def mesh_config(model_dir: str, **overrides) -> EngineConfig:
+    """A small token budget and no pad multiple: several micro-batches per step, rows of odd
+    lengths, uneven over the ranks."""
+    base = EngineConfig(
+        model_path=model_dir, lr=1e-2, eps=1e-3, max_tokens_per_micro_batch=48, pad_tokens_to_multiple=1
+    )
+    return dataclasses.replace(base, **overrides)
+
+
+def train_step(group, batch) -> tuple:
+    """One optimizer step: the pre-step outputs, loss and grad norm, and the updated weights."""
+    return group.train_step(batch), group.parameters()[0]
+
+
+def resumed_steps(
+    groups: dict, configs: dict, saved: int, resumed: int, first, second, directory: Path
+) -> dict:
+    """Train ``first`` on ``groups[saved]`` and save; then, for the sizes ``saved`` and ``resumed``,
+    build that group afresh, load the checkpoint and take one :func:`train_step` on ``second``."""
+    saver = groups[saved]
+    saver.build(configs[saved])
+    saver.train_step(first)
+    saver.save(str(directory / "checkpoint"))
+    steps = {}
+    for size in (saved, resumed):
+        groups[size].build(configs[size])
+        groups[size].load(str(directory / "checkpoint"))
+        steps[size] = train_step(groups[size], second)
+    return steps

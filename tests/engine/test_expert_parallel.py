@@ -18,7 +18,14 @@ from tandem.models import TinyModelConfig, build_tiny_model, save_tiny_model
 from tandem.protocol import Batch
 from tests.engine.conftest import random_batch
 from tests.engine.expert_parallel_workers import ExpertParallelWorker
-from tests.engine.mesh_comparisons import assert_within_tolerance, max_diff, mesh_groups
+from tests.engine.mesh_comparisons import (
+    assert_within_tolerance,
+    max_diff,
+    mesh_config,
+    mesh_groups,
+    resumed_steps,
+    train_step,
+)
 
 LAYERS, TOP_K, EXPERTS = 2, 2, 4
 
@@ -36,14 +43,6 @@ def model_dirs(tmp_path_factory):
 
 
 one_process, two_ranks, gpu_groups = mesh_groups(ExpertParallelWorker, "expert-parallel")
-
-
-def _config(model_dir: str, **overrides) -> EngineConfig:
-    # small token budget and no pad multiple: several micro-batches per step (uneven over the ranks)
-    base = EngineConfig(
-        model_path=model_dir, lr=1e-2, eps=1e-3, max_tokens_per_micro_batch=48, pad_tokens_to_multiple=1
-    )
-    return dataclasses.replace(base, **overrides)
 
 
 def _routed_batch(seed: int, rows: int = 8, length: int = 24) -> Batch:
@@ -94,7 +93,7 @@ def test_two_expert_parallel_ranks_equal_one_process(
     model_dirs, one_process, two_ranks, model, overrides, strategy
 ):
     batch = _routed_batch(0)
-    config = _config(model_dirs[model], **overrides)
+    config = mesh_config(model_dirs[model], **overrides)
     one_process.build(config)
     whole = one_process.gradients(batch)[0]
     two_ranks.build(dataclasses.replace(config, ep_size=2, strategy=strategy))
@@ -106,7 +105,9 @@ def test_a_rank_with_fewer_micro_batches_joins_the_exchanges(model_dirs, one_pro
     """Rank 0 gets 2 rows (one micro-batch), rank 1 gets 6 (three): rank 0 runs two zero-weighted
     passes, whose MoE layers still exchange tokens with rank 1's, forward and backward."""
     batch = _routed_batch(7)
-    config = _config(model_dirs["qwen2_moe"], use_packing=False, micro_batch_size=2, router_replay="rollout")
+    config = mesh_config(
+        model_dirs["qwen2_moe"], use_packing=False, micro_batch_size=2, router_replay="rollout"
+    )
     one_process.build(config)
     whole = one_process.gradients(batch)[0]
     two_ranks.build(dataclasses.replace(config, ep_size=2, strategy="ddp"))
@@ -117,7 +118,9 @@ def test_load_balancing_loss_under_expert_parallelism_equals_data_parallelism(mo
     """The load-balancing loss is each micro-batch's (a product of two means over its tokens, so
     it depends on how rows are split): ``ep=2`` equals the same two ranks holding every expert."""
     batch = _routed_batch(1)
-    config = _config(model_dirs["qwen2_moe"], strategy="ddp", moe_aux_loss_coef=0.1, router_replay="rollout")
+    config = mesh_config(
+        model_dirs["qwen2_moe"], strategy="ddp", moe_aux_loss_coef=0.1, router_replay="rollout"
+    )
     two_ranks.build(config)
     replicated = two_ranks.shard_gradients(_halves(batch))
     two_ranks.build(dataclasses.replace(config, ep_size=2))
@@ -128,11 +131,6 @@ def test_load_balancing_loss_under_expert_parallelism_equals_data_parallelism(mo
         diffs |= {f"rank{rank}/{n}": max_diff(got["outputs"][n], v) for n, v in expected["outputs"].items()}
         diffs |= {f"rank{rank}/grad/{n}": max_diff(got["grads"][n], g) for n, g in expected["grads"].items()}
     assert_within_tolerance(diffs)
-
-
-def _train_step(group, batch) -> tuple[Batch, dict]:
-    """One optimizer step: the pre-step outputs, loss and grad norm, and the updated weights."""
-    return group.train_step(batch), group.parameters()[0]
 
 
 def _assert_same_step(split: tuple[Batch, dict], whole: tuple[Batch, dict], dp_size: int) -> None:
@@ -153,11 +151,11 @@ def test_expert_parallel_optimizer_step_equals_one_process(model_dirs, one_proce
     """The clipped grad norm (reduced over the expert shards), the loss and every updated weight,
     with routing replay."""
     batch = _routed_batch(2)
-    config = _config(model_dirs["qwen2_moe"], grad_clip=0.5, router_replay="rollout")
+    config = mesh_config(model_dirs["qwen2_moe"], grad_clip=0.5, router_replay="rollout")
     one_process.build(config)
-    whole = _train_step(one_process, batch)
+    whole = train_step(one_process, batch)
     two_ranks.build(dataclasses.replace(config, ep_size=2, strategy=strategy))
-    _assert_same_step(_train_step(two_ranks, batch), whole, dp_size=2)
+    _assert_same_step(train_step(two_ranks, batch), whole, dp_size=2)
 
 
 @pytest.mark.parametrize("saved_ep,resumed_ep", [(2, 1), (1, 2)])
@@ -168,18 +166,10 @@ def test_checkpoint_resumes_under_another_expert_parallel_size(
     does resumed under the ``ep_size`` that saved it (the expert shards and their Adam moments
     are DTensors of the whole shapes: DCP reads each rank's part)."""
     groups = {1: one_process, 2: two_ranks}
-    config = _config(model_dirs["qwen3_moe"], router_replay="rollout")
+    config = mesh_config(model_dirs["qwen3_moe"], router_replay="rollout")
     configs = {1: config, 2: dataclasses.replace(config, ep_size=2, strategy="fsdp2")}
     first, second = _routed_batch(3), _routed_batch(4)
-    saver = groups[saved_ep]
-    saver.build(configs[saved_ep])
-    saver.train_step(first)
-    saver.save(str(tmp_path / "checkpoint"))
-    resumed = {}
-    for ep in (saved_ep, resumed_ep):
-        groups[ep].build(configs[ep])
-        groups[ep].load(str(tmp_path / "checkpoint"))
-        resumed[ep] = _train_step(groups[ep], second)
+    resumed = resumed_steps(groups, configs, saved_ep, resumed_ep, first, second, tmp_path)
     _assert_same_step(resumed[2], resumed[1], dp_size=2)
 
 
@@ -187,7 +177,7 @@ def test_export_and_weight_sync_give_whole_expert_tensors(model_dirs, one_proces
     """After one step, the HF export and the weight-sync buckets of an ep=2 engine hold the
     one-process engine's whole tensors (every expert), gathered one tensor at a time."""
     batch = _routed_batch(5)
-    config = _config(model_dirs["qwen2_moe"])
+    config = mesh_config(model_dirs["qwen2_moe"])
     one_process.build(config)
     one_process.train_step(batch)
     expected = one_process.parameters()[0]
@@ -213,13 +203,13 @@ def test_four_ranks_expert_parallel_step_equals_one_process(model_dirs, one_proc
     """Four data-parallel ranks: two expert-parallel groups of two (each expert shard's gradient
     summed over the two ranks holding it), or one group of four (one expert per rank)."""
     batch = _routed_batch(2)
-    config = _config(model_dirs["qwen2_moe"], router_replay="rollout")
+    config = mesh_config(model_dirs["qwen2_moe"], router_replay="rollout")
     one_process.build(config)
-    whole = _train_step(one_process, batch)
+    whole = train_step(one_process, batch)
     with create_worker_group(ExpertParallelWorker, ResourcePool((4,)), "process") as group:
         group.build(dataclasses.replace(config, ep_size=ep_size, strategy="ddp"))
         assert all(set(held.values()) == {EXPERTS // ep_size} for held in group.local_experts())
-        split = _train_step(group, batch)
+        split = train_step(group, batch)
     _assert_same_step(split, whole, dp_size=4)
 
 
@@ -253,14 +243,14 @@ def test_models_whose_experts_do_not_split_are_refused(family, experts, message)
 
 def test_a_world_that_does_not_divide_into_expert_parallel_groups_is_refused(model_dirs, two_ranks):
     with pytest.raises(WorkerError, match="engine.ep_size=4 must divide the world size 2"):
-        two_ranks.build(_config(model_dirs["qwen2_moe"], ep_size=4, strategy="ddp"))
+        two_ranks.build(mesh_config(model_dirs["qwen2_moe"], ep_size=4, strategy="ddp"))
 
 
 def test_single_strategy_runs_forward_passes_only(model_dirs, one_process, two_ranks):
     """A frozen reference (``single``) splits its experts and scores each rank's own rows like one
     process does; training it is refused (its replicated weights' gradients would not be reduced)."""
     batch = _routed_batch(6)
-    config = _config(model_dirs["qwen2_moe"], router_replay="rollout")
+    config = mesh_config(model_dirs["qwen2_moe"], router_replay="rollout")
     one_process.build(config)
     whole = one_process.log_probs_of([batch])[0]
     two_ranks.build(dataclasses.replace(config, ep_size=2))

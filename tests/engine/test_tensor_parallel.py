@@ -22,7 +22,10 @@ from tests.engine.mesh_comparisons import (
     assert_same_gradients,
     assert_within_tolerance,
     max_diff,
+    mesh_config,
     mesh_groups,
+    resumed_steps,
+    train_step,
 )
 from tests.engine.tensor_parallel_workers import TensorParallelWorker
 
@@ -45,14 +48,6 @@ def model_dirs(tmp_path_factory):
 one_process, two_ranks, gpu_groups = mesh_groups(TensorParallelWorker, "tensor-parallel")
 
 
-def _config(model_dir: str, **overrides) -> EngineConfig:
-    # small token budget and no pad multiple: several micro-batches per step, rows of odd lengths
-    base = EngineConfig(
-        model_path=model_dir, lr=1e-2, eps=1e-3, max_tokens_per_micro_batch=48, pad_tokens_to_multiple=1
-    )
-    return dataclasses.replace(base, **overrides)
-
-
 @pytest.mark.parametrize(
     "model,overrides,strategy",
     [
@@ -70,16 +65,11 @@ def test_two_tensor_parallel_ranks_equal_one_process(
     model_dirs, one_process, two_ranks, model, overrides, strategy
 ):
     batch = random_batch(0, batch=6, length=24)
-    config = _config(model_dirs[model], **overrides)
+    config = mesh_config(model_dirs[model], **overrides)
     one_process.build(config)
     whole = one_process.gradients(batch)[0]
     two_ranks.build(dataclasses.replace(config, tp_size=2, strategy=strategy))
     assert_same_gradients(two_ranks.gradients(batch), whole)
-
-
-def _train_step(group, batch) -> tuple[dict, dict]:
-    """One optimizer step: the pre-step outputs, loss and grad norm, and the updated weights."""
-    return group.train_step(batch), group.parameters()[0]
 
 
 def _assert_same_step(
@@ -105,23 +95,23 @@ def test_tensor_parallel_optimizer_step_equals_one_process(model_dirs, one_proce
     """grad norm (clipped: grad_clip below the norm), loss and the updated weights; the policy,
     and a critic, whose value head (replicated, like the norms) reads the whole hidden state."""
     batch = random_batch(2, batch=8, length=24)
-    config = _config(model_dirs["qwen2"], grad_clip=0.5, head=head)
+    config = mesh_config(model_dirs["qwen2"], grad_clip=0.5, head=head)
     one_process.build(config)
-    whole = _train_step(one_process, batch)
+    whole = train_step(one_process, batch)
     two_ranks.build(dataclasses.replace(config, tp_size=2, strategy="fsdp2"))
-    _assert_same_step(_train_step(two_ranks, batch), whole, outputs=outputs)
+    _assert_same_step(train_step(two_ranks, batch), whole, outputs=outputs)
 
 
 @pytest.mark.slow  # four processes start on a 2-core machine
 def test_fsdp2_by_tensor_parallel_mesh_step_equals_one_process(model_dirs, one_process):
     """Four ranks, ``(dp, tp) = (2, 2)``: FSDP2 over ``dp`` of the tensor-parallel shards."""
     batch = random_batch(2, batch=8, length=24)
-    config = _config(model_dirs["qwen2"])
+    config = mesh_config(model_dirs["qwen2"])
     one_process.build(config)
-    whole = _train_step(one_process, batch)
+    whole = train_step(one_process, batch)
     with create_worker_group(TensorParallelWorker, ResourcePool((4,)), "process") as group:
         group.build(dataclasses.replace(config, tp_size=2, strategy="fsdp2"))
-        split = _train_step(group, batch)
+        split = train_step(group, batch)
     _assert_same_step(split, whole, dp_size=2)
 
 
@@ -132,18 +122,10 @@ def test_checkpoint_resumes_on_another_mesh(
     """A checkpoint saved under one ``tp_size`` and resumed under another trains on exactly as
     it does resumed under the mesh that saved it."""
     groups = {1: one_process, 2: two_ranks}
-    config = _config(model_dirs["qwen2"])
+    config = mesh_config(model_dirs["qwen2"])
     configs = {1: config, 2: dataclasses.replace(config, tp_size=2, strategy="fsdp2")}
     first, second = random_batch(3, batch=8, length=24), random_batch(4, batch=8, length=24)
-    saver = groups[saved_tp]
-    saver.build(configs[saved_tp])
-    saver.train_step(first)
-    saver.save(str(tmp_path / "checkpoint"))
-    resumed = {}
-    for tp in (saved_tp, resumed_tp):
-        groups[tp].build(configs[tp])
-        groups[tp].load(str(tmp_path / "checkpoint"))
-        resumed[tp] = _train_step(groups[tp], second)
+    resumed = resumed_steps(groups, configs, saved_tp, resumed_tp, first, second, tmp_path)
     _assert_same_step(resumed[2], resumed[1])
 
 
@@ -151,7 +133,7 @@ def test_export_and_weight_sync_give_whole_tensors(model_dirs, one_process, two_
     """After one step, the HF export and the weight-sync buckets of a tp=2 engine hold the
     whole tensors of the one-process engine's weights, gathered one at a time."""
     batch = random_batch(5, batch=8, length=24)
-    config = _config(model_dirs["qwen2"])
+    config = mesh_config(model_dirs["qwen2"])
     one_process.build(config)
     one_process.train_step(batch)
     expected = one_process.parameters()[0]
@@ -218,7 +200,7 @@ def test_a_tensor_parallel_mesh_that_does_not_fit_is_refused(
     model_dirs, two_ranks, model, overrides, message
 ):
     with pytest.raises(WorkerError, match=message):
-        two_ranks.build(_config(model_dirs[model], strategy="fsdp2", **overrides))
+        two_ranks.build(mesh_config(model_dirs[model], strategy="fsdp2", **overrides))
 
 
 @pytest.mark.parametrize(
@@ -268,7 +250,7 @@ def test_a_trainer_whose_workers_do_not_fit_the_tensor_parallel_size_is_refused(
 
 def test_ranks_of_a_tensor_parallel_group_handed_different_rows_are_refused(model_dirs, two_ranks):
     """They would mix their rows into each other's sums: refused before any forward."""
-    two_ranks.build(_config(model_dirs["qwen2"], tp_size=2))
+    two_ranks.build(mesh_config(model_dirs["qwen2"], tp_size=2))
     batch = random_batch(3, batch=4, length=16)
     same = two_ranks.log_probs_of([batch, batch])
     torch.testing.assert_close(same[0], same[1], rtol=0, atol=0)
@@ -282,7 +264,7 @@ def test_two_nccl_tensor_parallel_ranks_equal_one_gpu(model_dirs, gpu_groups):
     reorder sums on a GPU: a looser tolerance)."""
     one, two = gpu_groups
     batch = random_batch(0, batch=6, length=24)
-    config = _config(model_dirs["qwen2"], device="cuda")
+    config = mesh_config(model_dirs["qwen2"], device="cuda")
     one.build(config)
     whole = one.gradients(batch)[0]
     two.build(dataclasses.replace(config, tp_size=2, strategy="fsdp2"))

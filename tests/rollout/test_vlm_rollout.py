@@ -5,6 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tandem.engine.vision_inputs import images_key
 from tandem.models import TinyModelConfig, save_tiny_model
 from tandem.models.loading import load_model, load_tokenizer
 from tandem.models.tiny_vlm import TinyVLMConfig, save_tiny_vlm
@@ -17,7 +18,7 @@ from tandem.rollout import (
     RolloutRequest,
     SamplingParams,
 )
-from tandem.rollout.images import ImageDigests, collapse_image_tokens, rebuilt_pictures
+from tandem.rollout.images import collapse_image_tokens, rebuilt_pictures
 from tests.models.test_vision import picture, prompt_with_images
 
 SAMPLE = SamplingParams(temperature=1.0, max_tokens=12)
@@ -153,7 +154,7 @@ def test_same_text_different_images_never_share_and_a_group_shares_its_prompt(qw
         assert engine.stats.prefilled_tokens - sum(len(c.token_ids) for c in completions) <= 2 * len(prompt)
         assert engine.stats.shared_prefix_steps > 0
         assert len(engine._prefix) == 2 and len({key for _, key in engine._prefix}) == 2
-        assert len(engine._image_digests) == 2  # the group's pixels were hashed once
+        assert "digest" in vars(pictures_a) and "digest" in vars(pictures_b)  # each object hashed once, kept
         greedy_a, greedy_b = engine.generate_batch(
             [
                 RolloutRequest("ga", prompt, GREEDY, pictures_a),
@@ -231,16 +232,15 @@ def test_images_a_model_cannot_take_finish_their_request_with_an_error(qwen2_vl_
 def test_digests_tell_pictures_apart_and_are_computed_once_per_object():
     grid = torch.tensor([[1, 2, 2]])
     first = ImageInputs(torch.zeros(4, 1176), grid)
-    digests = ImageDigests()
-    assert digests(first) == digests(first) and len(digests) == 1
+    assert first.digest is first.digest and len(first.digest) == 16  # computed once, kept with the object
     same = ImageInputs(torch.zeros(4, 1176), grid.clone())
     changed = ImageInputs(torch.zeros(4, 1176).index_fill_(1, torch.tensor([5]), 1e-7), grid)
-    assert digests(same) == digests(first) and digests(changed) != digests(first)
+    assert same.digest == first.digest and changed.digest != first.digest
     assert (
-        digests(None) is None and digests(ImageInputs(torch.zeros(0, 1176), torch.zeros(0, 3).long())) is None
+        images_key(None) is None
+        and images_key(ImageInputs(torch.zeros(0, 1176), torch.zeros(0, 3).long())) is None
     )
-    del same, changed
-    assert len(digests) == 1  # an entry goes with its object
+    assert images_key(first) == first.digest
 
 
 def test_rebuilt_pictures_give_the_same_patches_and_collapsed_prompts_expand_back(qwen2_vl_dir):
