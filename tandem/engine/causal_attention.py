@@ -78,15 +78,15 @@ def causal_attention(
 
     Shapes: ``q [n, H, L_q, d]``, ``k, v [n, H_kv, L_k, d]`` -> ``[n, H, L_q, d]``. Without
     ``offsets`` query ``i`` sits at key position ``i`` (``L_q == L_k``, plain causal attention).
-    fp32 sequences on the CPU of up to :data:`MAX_LENGTH` keys without dropout take the
-    CPU kernel's batched products; the rest (GPUs, whose fused kernels are the fast path there; dropout)
-    go to ``scaled_dot_product_attention``.
+    fp32 sequences on the CPU of up to :data:`MAX_LENGTH` keys without dropout or autocast take
+    the CPU kernel's batched products; the rest (GPUs, whose fused kernels are the fast path there;
+    dropout; bf16 autocast) go to ``scaled_dot_product_attention``.
     """
     heads, q_len = q.shape[1], q.shape[2]
     kv_heads, k_len = k.shape[1], k.shape[2]
     if offsets is None and q_len != k_len:
         raise ValueError(f"{q_len} queries over {k_len} keys need QueryOffsets")
-    if not batched_attention_applies(q, k_len, dropout_p):
+    if not batched_attention_applies(q, k, v, dropout_p):
         gqa = kv_heads != heads
         if offsets is None:
             return F.scaled_dot_product_attention(

@@ -111,9 +111,10 @@ class EngineConfig:
             data-parallel ranks (rank ``r`` of a group holds experts ``r * E / ep_size ..``),
             and each layer sends its routed tokens to their experts' ranks and back with
             all-to-alls (:mod:`tandem.engine.expert_parallel`). The world size and the model's
-            ``num_experts`` must divide by it. Trains with ``ddp`` or ``fsdp2`` (``single``:
-            forward passes only); refused with ``tp_size > 1``, ``sp_size > 1`` and LoRA. See
-            docs/moe.md. 1: off.
+            ``num_experts`` must divide by it (under ``tp_size > 1``, the ``world / tp_size``
+            data-parallel ranks). Trains with ``ddp`` or ``fsdp2`` (``single``: forward passes
+            only); combines with ``sp_size``, ``tp_size`` and LoRA (which leaves the experts
+            frozen). See docs/moe.md. 1: off.
         lora: LoRA adapter settings.
         seed: parameter-init / dropout seed.
     """
@@ -179,8 +180,6 @@ class EngineConfig:
             check_positive(owner, name, getattr(self, name))
         if self.tp_size > 1:
             _check_tensor_parallel(self, owner)
-        if self.ep_size > 1:
-            _check_expert_parallel(self, owner)
         if self.sp_size > 1 and not self.use_packing:
             raise ValueError(
                 f"{owner}.sp_size={self.sp_size} needs {owner}.use_packing=True: sequence parallelism "
@@ -215,16 +214,6 @@ def _check_tensor_parallel(config: EngineConfig, owner: str) -> None:
         "lora.rank": (config.lora.rank > 0, "LoRA adapters are not split over tensor-parallel ranks"),
     }
     _refuse(config, owner, "tp_size", refused)
-
-
-def _check_expert_parallel(config: EngineConfig, owner: str) -> None:
-    """Refuse what expert parallelism (``ep_size > 1``) does not combine with, naming both keys."""
-    refused = {
-        "tp_size": (config.tp_size > 1, "expert and tensor parallelism do not combine yet"),
-        "sp_size": (config.sp_size > 1, "expert and sequence parallelism do not combine yet (untested)"),
-        "lora.rank": (config.lora.rank > 0, "LoRA adapters are not split over expert-parallel ranks"),
-    }
-    _refuse(config, owner, "ep_size", refused)
 
 
 def _refuse(config: EngineConfig, owner: str, size_key: str, refused: dict[str, tuple[bool, str]]) -> None:

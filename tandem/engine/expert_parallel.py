@@ -9,12 +9,24 @@ sent to the experts' owners and back (:class:`~tandem.models.sharded_experts.Sha
 Everything else (attention, norms, embeddings, the router, Qwen2-MoE's shared expert) stays
 replicated and is reduced over every rank by DDP or FSDP2, which leave the expert shards alone.
 
-Gradients: the engine multiplies each micro-batch's loss by the world size so that DDP's and
-FSDP2's average becomes a sum. An expert shard's gradient is not averaged by them: in its
-backward it is multiplied by ``1 / W`` and summed over the ``edp`` group (the ranks holding
-the same experts for other groups' tokens), so it becomes the sum over every rank's tokens,
-as a replicated weight's is. The gradient norm is reduced over the ``ep`` dimension
+Gradients: the engine multiplies each micro-batch's loss by the number of ranks DDP and FSDP2
+average over (``W``, or ``W / tp`` under tensor parallelism) so that their average becomes a
+sum. An expert shard's gradient is not averaged by them: in its backward it is multiplied by
+the inverse of that number and summed over the ``edp`` group (the ranks holding the same experts
+for other groups' tokens), so it becomes the sum over every rank's tokens, as a replicated
+weight's is. The gradient norm is reduced over the ``ep`` dimension
 (:func:`tandem.engine.grad_norm.clip_grad_norm_`).
+
+With the other meshes:
+
+- **sequence parallelism** (``(dp, sp)``): the ranks of a sequence-parallel group hold different
+  tokens too (their shards of a row; the MoE layers run on the shards), so the expert-parallel
+  groups are taken from the flattened ``dp x sp`` ranks as above: with ``ep == sp`` a group is
+  a sequence-parallel group, a larger ``ep`` spans several;
+- **tensor parallelism** (``(dp, tp)``): the ``tp`` ranks of a data-parallel rank hold the same
+  tokens, and each MoE block runs whole on each of them (:mod:`tandem.engine.tensor_parallel`
+  splits attention only), so the expert-parallel groups are data-parallel ranks with the same
+  tensor-parallel rank: the mesh is ``(edp, ep, tp)``, ``ep`` dividing ``W / tp``.
 
 The shards are DTensors of the whole tensors' shapes, so checkpoints (DCP) reshard between any
 ``ep_size`` and exports and weight syncs gather one whole tensor at a time with
@@ -40,12 +52,12 @@ EXPERT_BLOCKS = ("mlp",)  # where an HF MoE decoder layer keeps its sparse block
 
 @dataclass(frozen=True)
 class ExpertMesh:
-    """This rank's place in the ``(edp, ep)`` mesh.
+    """This rank's place in the ``(edp, ep)`` (or ``(edp, ep, tp)``) mesh.
 
     Attributes:
         ep_size / ep_rank: the expert-parallel group's size and this rank's place in it.
         edp_size: how many groups hold the same experts (``world / ep_size``).
-        device_mesh: ``(edp, ep)``, which the expert DTensors live on.
+        device_mesh: ``(edp, ep)`` or ``(edp, ep, tp)``, which the expert DTensors live on.
         dispatch_group: the expert-parallel group the tokens are exchanged in.
         reduce_group: the ranks holding this rank's experts (``None`` when ``edp_size`` is 1).
     """
@@ -58,30 +70,51 @@ class ExpertMesh:
     reduce_group: ProcessGroup | None
 
 
-def build_expert_mesh(device_type: str, ep_size: int) -> ExpertMesh:
-    """The ``(edp, ep)`` mesh of the default group's ranks (a collective: every rank calls it).
+def build_expert_mesh(device_type: str, ep_size: int, tp_size: int = 1) -> ExpertMesh:
+    """The ``(edp, ep)`` mesh of the default group's ranks, ``(edp, ep, tp)`` under tensor
+    parallelism (a collective: every rank calls it).
 
-    The dispatch and reduce groups are groups of their own, never the default one, so their
-    collectives (inside the backward) cannot interleave with DDP's or FSDP2's."""
+    Under tensor parallelism the ``tp_size`` neighbouring ranks of a data-parallel rank hold the
+    same tokens, so the expert-parallel groups are made of data-parallel ranks with the same
+    tensor-parallel rank: rank ``(d * ep_size + e) * tp_size + t``. The ``tp`` ranks hold the same
+    experts and compute the same results and gradients. The dispatch and reduce groups are
+    groups of their own, never the default one, so their collectives (inside the backward)
+    cannot interleave with DDP's or FSDP2's."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    check_world_fits(ep_size, world)
-    edp = world // ep_size
-    mesh = init_device_mesh(device_type, (edp, ep_size), mesh_dim_names=("edp", "ep"))
+    check_world_fits(ep_size, world, tp_size)
+    edp = world // (ep_size * tp_size)
+    shape, names = (edp, ep_size), ("edp", "ep")
+    if tp_size > 1:
+        shape, names = (*shape, tp_size), (*names, "tp")
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+    def rank_at(d: int, e: int, t: int) -> int:
+        return (d * ep_size + e) * tp_size + t
+
     dispatch = reduce = None
-    for start in range(0, world, ep_size):  # every rank creates every group, in the same order
-        group = dist.new_group(list(range(start, start + ep_size)))
-        if start <= rank < start + ep_size:
-            dispatch = group
+    for d in range(edp):  # every rank creates every group, in the same order
+        for t in range(tp_size):
+            group = dist.new_group([rank_at(d, e, t) for e in range(ep_size)])
+            if rank in {rank_at(d, e, t) for e in range(ep_size)}:
+                dispatch = group
     if edp > 1:
-        for shard in range(ep_size):
-            group = dist.new_group(list(range(shard, world, ep_size)))
-            if rank % ep_size == shard:
-                reduce = group
-    return ExpertMesh(ep_size, rank % ep_size, edp, mesh, dispatch, reduce)
+        for e in range(ep_size):
+            for t in range(tp_size):
+                group = dist.new_group([rank_at(d, e, t) for d in range(edp)])
+                if rank in {rank_at(d, e, t) for d in range(edp)}:
+                    reduce = group
+    return ExpertMesh(ep_size, (rank // tp_size) % ep_size, edp, mesh, dispatch, reduce)
 
 
-def check_world_fits(ep_size: int, world: int) -> None:
-    """Raise ``ValueError`` naming ``engine.ep_size`` unless the world divides into groups of ``ep_size``."""
+def check_world_fits(ep_size: int, world: int, tp_size: int = 1) -> None:
+    """Raise ``ValueError`` naming ``engine.ep_size`` unless the data-parallel ranks (the world,
+    or ``world / tp_size`` under tensor parallelism) divide into groups of ``ep_size``."""
+    if tp_size > 1 and (world // tp_size) % ep_size:
+        raise ValueError(
+            f"engine.ep_size={ep_size} must divide the {world // tp_size} data-parallel ranks (the world "
+            f"size {world} over engine.tp_size={tp_size}): the expert-parallel groups are data-parallel "
+            "ranks, each with rows of its own"
+        )
     if world % ep_size:
         raise ValueError(
             f"engine.ep_size={ep_size} must divide the world size {world} (the data-parallel ranks "
@@ -123,7 +156,7 @@ def apply_expert_parallel(
     on ``device``), in place; returns the shards' parameters, which data parallelism must leave
     alone. ``grad_scale``: ``1 / world``, undoing the engine's loss scaling (module docstring)."""
     check_experts_fit(model, mesh.ep_size)
-    placements = [Replicate(), Shard(0)]
+    placements = [Replicate(), Shard(0)] + [Replicate()] * (mesh.device_mesh.ndim - 2)  # edp, ep (, tp)
     sharded = set()
     for block in sparse_blocks(model):
         experts = block.experts

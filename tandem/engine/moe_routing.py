@@ -12,9 +12,11 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from tandem.engine.config import EngineConfig
-from tandem.models.moe import RouterTap, is_moe
+from tandem.engine.ulysses import gather_sequence
+from tandem.models.moe import RouterCall, RouterTap, is_moe
 from tandem.models.moe_metrics import load_balancing_loss, load_metrics, routing_disagreement
 
 ROUTING_FIELD = "routed_experts"  # [B, S, L, k] the rollout's experts per token and MoE layer
@@ -37,13 +39,23 @@ def check_moe_settings(config: EngineConfig, model: nn.Module) -> None:
 
 
 class EngineRouting:
-    """What the engine does with an MoE model's routers (None of it for a dense model)."""
+    """What the engine does with an MoE model's routers (None of it for a dense model).
 
-    def __init__(self, config: EngineConfig, model: nn.Module) -> None:
+    ``sequence_group``: under sequence parallelism, the ranks a micro-batch's rows are split
+    over. The load-balancing loss and the routing metrics are then computed over the whole
+    micro-batch on every rank of the group (its routers' tensors gathered), so they equal one
+    process's; each rank's backward keeps its own tokens' share of the gradient, as the
+    log-probs' does (:func:`~tandem.engine.ulysses.gather_sequence`).
+    """
+
+    def __init__(
+        self, config: EngineConfig, model: nn.Module, sequence_group: ProcessGroup | None = None
+    ) -> None:
         check_moe_settings(config, model)
         self.tap = RouterTap(model) if is_moe(model) else None
         self.replay = config.router_replay == "rollout"
         self.aux_loss_coef = config.moe_aux_loss_coef
+        self.sequence_group = sequence_group
 
     def check_batch(self, fields: set[str]) -> None:
         """Refuse a replaying step whose batch carries no recorded routing."""
@@ -74,28 +86,56 @@ class MicroBatchRouting:
         self.stack: contextlib.ExitStack | None = None
         self.recorded: torch.Tensor | None = None
         self.token_mask: torch.Tensor | None = None
+        self._whole: tuple[list[RouterCall], torch.Tensor, torch.Tensor | None] | None = None
 
     def start(self, recorded: torch.Tensor | None, token_mask: torch.Tensor) -> None:
         """Before the forward: the rollout's routing ``recorded [N, L, k]`` of its ``N`` tokens
-        (flattened ``[B, S]`` order, as the routers see them; None: not recorded) and which of
-        them are real ``token_mask [N]`` (not padding or fillers). Replays ``recorded`` when
-        ``engine.router_replay='rollout'``."""
+        (flattened ``[B, S]`` order, as the routers see them; this rank's shard under sequence
+        parallelism; None: not recorded) and which of them are real ``token_mask [N]`` (not
+        padding or fillers). Replays ``recorded`` when ``engine.router_replay='rollout'``."""
         self.recorded, self.token_mask = recorded, token_mask
+        self._whole = None
         replayed = recorded if self.owner.replay else None
         self.stack.enter_context(self.tap.replaying(replayed))
 
+    @property
+    def real_tokens(self) -> torch.Tensor:
+        """The micro-batch's real tokens (every sequence-parallel rank's), 0-d."""
+        return self._gathered()[1].sum()
+
     def aux_loss(self) -> torch.Tensor:
         """The load-balancing loss of this forward's real tokens (0-d, with gradient)."""
-        return load_balancing_loss(self._calls(), self.token_mask, self.tap.num_experts, self.tap.top_k)
+        calls, token_mask, _ = self._gathered()
+        return load_balancing_loss(calls, token_mask, self.tap.num_experts, self.tap.top_k)
 
     def metrics(self) -> dict[str, torch.Tensor]:
         """``moe/load_max_share``, ``moe/load_entropy`` and, with recorded routing,
         ``moe/routing_disagreement`` (the trainer's live choice against the rollout's)."""
-        calls = self._calls()
-        metrics = load_metrics(calls, self.token_mask, self.tap.num_experts)
-        if self.recorded is not None:
-            metrics["moe/routing_disagreement"] = routing_disagreement(calls, self.recorded, self.token_mask)
+        calls, token_mask, recorded = self._gathered()
+        metrics = load_metrics(calls, token_mask, self.tap.num_experts)
+        if recorded is not None:
+            metrics["moe/routing_disagreement"] = routing_disagreement(calls, recorded, token_mask)
         return {name: value.detach() for name, value in metrics.items()}
 
-    def _calls(self) -> list:
-        return [self.tap.calls[layer] for layer in range(self.tap.num_layers)]
+    def _gathered(self) -> tuple[list[RouterCall], torch.Tensor, torch.Tensor | None]:
+        """The forward's router calls, token mask and recorded routing, of the whole micro-batch:
+        gathered over the sequence-parallel group (once per forward: every rank of the group
+        asks in the same order), this rank's alone without one."""
+        if self._whole is None:
+            calls = [self.tap.calls[layer] for layer in range(self.tap.num_layers)]
+            group = self.owner.sequence_group
+            if group is None:
+                self._whole = calls, self.token_mask, self.recorded
+            else:
+                calls = [
+                    RouterCall(*(gather_sequence(t, group, 0) for t in (call.logits, call.live, call.used)))
+                    for call in calls
+                ]  # fmt: skip
+                mask = gather_sequence(self.token_mask.to(torch.int32), group, 0).bool()
+                recorded = (
+                    None
+                    if self.recorded is None
+                    else gather_sequence(self.recorded.to(torch.int32), group, 0)
+                )
+                self._whole = calls, mask, recorded
+        return self._whole

@@ -1,4 +1,4 @@
-"""Tensor parallelism for Llama / Qwen2 / Qwen3 decoders: DTensor plans over the ``tp`` mesh dimension.
+"""Tensor parallelism for Llama / Qwen2 / Qwen3 decoders, dense or MoE: DTensor plans over the ``tp`` mesh dimension.
 
 Each decoder layer (Megatron-LM's split, as torchtitan applies it):
 
@@ -7,7 +7,11 @@ Each decoder layer (Megatron-LM's split, as torchtitan applies it):
   outputs are summed over the group). The attention functions read the head count from the
   projected tensor (``[B, heads, T, D]``, HF reshapes with ``-1``), so they run unchanged on a
   rank's heads;
-* MLP: ``gate_proj`` and ``up_proj`` column-wise, ``down_proj`` row-wise.
+* MLP: ``gate_proj`` and ``up_proj`` column-wise, ``down_proj`` row-wise. A mixture-of-experts
+  block (Qwen2-MoE / Qwen3-MoE) is not split: it runs whole on every rank, on the whole hidden
+  states, like a norm (its router, experts and shared expert replicated, their gradients the
+  same on every rank), its experts split by expert parallelism if ``ep_size > 1``
+  (:mod:`tandem.engine.expert_parallel`).
 
 The token embedding is split over the vocabulary (row-wise: each rank looks up the ids it
 holds, zeros elsewhere, summed over the group), and the output head's rows likewise; the head
@@ -30,18 +34,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from tandem.engine.expert_parallel import sparse_blocks
 from tandem.engine.parallel import decoder_layers
 
 HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")  # Qwen3's per-head norms, on a rank's heads
-LAYER_PLAN = {
+ATTENTION_PLAN = {
     "self_attn.q_proj": "colwise",
     "self_attn.k_proj": "colwise",
     "self_attn.v_proj": "colwise",
     "self_attn.o_proj": "rowwise",
-    "mlp.gate_proj": "colwise",
-    "mlp.up_proj": "colwise",
-    "mlp.down_proj": "rowwise",
 }
+MLP_PLAN = {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
+LAYER_PLAN = ATTENTION_PLAN | MLP_PLAN  # a dense decoder layer's
 
 
 def check_tensor_parallel_fits(model: nn.Module, tp_size: int, owner: str = "engine") -> None:
@@ -58,12 +62,19 @@ def check_tensor_parallel_fits(model: nn.Module, tp_size: int, owner: str = "eng
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"{owner}.tp_size={tp_size}: found no decoder layers (a ModuleList named 'layers')")
-    for name in LAYER_PLAN:
-        if not isinstance(_submodule(layers[0], name), nn.Linear):
-            raise ValueError(
-                f"{owner}.tp_size={tp_size}: the model's decoder layers have no linear {name} (tensor "
-                "parallelism plans dense Llama / Qwen2 / Qwen3 layers)"
-            )
+    for layer in layers:
+        for name in layer_plan(layer):
+            if not isinstance(_submodule(layer, name), nn.Linear):
+                raise ValueError(
+                    f"{owner}.tp_size={tp_size}: the model's decoder layers have no linear {name} (tensor "
+                    "parallelism plans Llama / Qwen2 / Qwen3 layers and Qwen2-MoE / Qwen3-MoE attention)"
+                )
+
+
+def layer_plan(layer: nn.Module) -> dict[str, str]:
+    """The split of one decoder layer: attention always; its MLP unless it is a mixture-of-experts
+    block, which stays whole on every rank (its experts split by expert parallelism, if at all)."""
+    return ATTENTION_PLAN if sparse_blocks(layer) else LAYER_PLAN
 
 
 def _split_over_heads(norm: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -94,7 +105,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     :func:`check_tensor_parallel_fits`) over the one-dimensional ``tp_mesh``, in place."""
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for layer in decoder_layers(model):
-        parallelize_module(layer, tp_mesh, {name: styles[style]() for name, style in LAYER_PLAN.items()})
+        parallelize_module(
+            layer, tp_mesh, {name: styles[style]() for name, style in layer_plan(layer).items()}
+        )
         for name in HEAD_NORMS:
             if _submodule(layer, name) is not None:
                 _split_over_heads(layer.get_submodule(name), tp_mesh)

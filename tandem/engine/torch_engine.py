@@ -136,10 +136,12 @@ class TorchTrainEngine:
             apply_tensor_parallel(model, self.mesh.tp_mesh)
         expert_shards = set()  # expert-parallel shards: reduced by their own group, not by DDP / FSDP2
         if config.ep_size > 1:
-            expert_mesh = build_expert_mesh(self.device.type, config.ep_size)
+            expert_mesh = build_expert_mesh(self.device.type, config.ep_size, config.tp_size)
             scale = 1 / self.mesh.gradient_ranks  # undoes the loss scaling DDP / FSDP2 average away
             expert_shards = apply_expert_parallel(model, expert_mesh, self.device, scale)
-        self.routing = EngineRouting(config, model)  # replay, aux loss, metrics of an MoE model's routers
+        # replay, aux loss, metrics of an MoE model's routers (the latter two over a whole split row)
+        sequence_group = self.sequence_parallel.group if self.sequence_parallel is not None else None
+        self.routing = EngineRouting(config, model, sequence_group)
         enable_cpu_kernels(model, self.device)  # oneDNN linears and malloc settings, on the CPU only
         if config.head == "value":
             self.module = TokenValueModel(model)
@@ -293,7 +295,7 @@ class TorchTrainEngine:
                 trained = loss
                 if aux_tokens and not forward_only:  # this rank's share of the step's real tokens weighs it
                     aux = moe.aux_loss()
-                    trained = loss + self.config.moe_aux_loss_coef * aux * (moe.token_mask.sum() / aux_tokens)
+                    trained = loss + self.config.moe_aux_loss_coef * aux * (moe.real_tokens / aux_tokens)
                     metrics["moe/aux_loss"] = aux.detach()
                 if not forward_only:  # DDP and FSDP2 average gradients over the ranks: make it a sum
                     (trained * self.mesh.gradient_ranks).backward()

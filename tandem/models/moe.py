@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -37,6 +38,22 @@ NOT_ROUTED = -1  # a recorded expert id meaning "route this token live"
 def moe_routers(model: nn.Module) -> list[nn.Module]:
     """The model's top-k routers in layer order (empty for a dense model)."""
     return [module for module in model.modules() if isinstance(module, ROUTER_CLASSES)]
+
+
+def moe_layer_indices(model: nn.Module) -> list[int]:
+    """The decoder-layer index of each router of :func:`moe_routers`, in the same order.
+
+    Routing records are indexed by MoE layer (dense layers skipped: Qwen-MoE's ``mlp_only_layers``
+    and ``decoder_sparse_step``); an engine that indexes by decoder layer maps through this.
+    """
+    indices = []
+    for name, module in model.named_modules():
+        if isinstance(module, ROUTER_CLASSES):
+            found = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+            if found is None:
+                raise ValueError(f"router {name!r} is not inside a numbered decoder layer (layers.N)")
+            indices.append(int(found.group(1)))
+    return indices
 
 
 def is_moe(model: nn.Module) -> bool:

@@ -100,7 +100,8 @@ def teacher_engine_config(config: TrainConfig, device: str, strategy: str) -> En
 
 
 def rollout_engine_config(config: TrainConfig, device: str) -> RolloutEngineConfig:
-    """The rollout engine's config with the run's longest sequence, seed and ``device`` filled in."""
+    """The rollout engine's config with the run's longest sequence, seed and ``device`` filled in,
+    and vLLM recording the experts when ``actor.router_replay=rollout`` replays them."""
     rollout = config.rollout.engine
     longest = (config.max_sequence_length, "data.max_prompt_length + rollout.max_response_length")
     seed = (config.trainer.seed, "trainer.seed")
@@ -108,6 +109,10 @@ def rollout_engine_config(config: TrainConfig, device: str) -> RolloutEngineConf
         "rollout.engine.native", rollout.native, {"max_model_len": longest, "seed": seed}
     )
     vllm = _replace_derived("rollout.engine.vllm", rollout.vllm, {"max_model_len": longest, "seed": seed})
+    # Replay needs vLLM to record the experts; recording without replay still feeds the
+    # trainer's moe/routing_disagreement, so a user's True stands either way.
+    replays = config.actor.router_replay == "rollout"
+    vllm = dataclasses.replace(vllm, record_routing=vllm.record_routing or replays)
     return dataclasses.replace(rollout, native=native, vllm=vllm).on_device(device)
 
 

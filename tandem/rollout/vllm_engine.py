@@ -19,6 +19,13 @@ tandem's tokenizer decides EOS and stop strings exactly as in the native engine.
   the load; vLLM's NCCL weight transfer is the path for multi-GB GPU policies.
 - pause/resume: vLLM's ``pause_generation(mode=keep|abort|wait)``; tokens record the
   weight version current when vLLM hands them over.
+- routing (``VLLMEngineConfig.record_routing``, mixture-of-experts models): vLLM's
+  ``enable_return_routed_experts`` returns, with a finished request, the experts of every token
+  it fed in, ``[prompt + response - 1, decoder layers, k]``; prompt blocks read from the prefix
+  cache carry the routing of the computation that filled them (vLLM keeps the rows per cache
+  block). :func:`~tandem.rollout.routing.routing_from_decoder_layers` turns that into
+  ``Completion.routed_experts`` as the native engine records it. vLLM records only with its
+  prefix cache on and its Model Runner V2, which needs Triton (a GPU: vLLM's CPU build has none).
 - images (vision-language models): vLLM runs the image processor itself and expands each
   image's placeholder itself, so a request's images go in as ``multi_modal_data`` pictures
   rebuilt exactly from its patches (:func:`~tandem.rollout.images.rebuilt_pictures`) and its
@@ -44,6 +51,7 @@ from tandem.checkpoint_engine.buckets import group_tensors
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.device import check_device_setting, only_visible_gpu
 from tandem.models.loading import load_tokenizer
+from tandem.models.moe import moe_layer_indices, moe_routers
 from tandem.models.vision import image_token_id, is_vision_language, load_image_processor, merge_size
 from tandem.protocol.generation import (
     Completion,
@@ -54,6 +62,7 @@ from tandem.protocol.generation import (
 )
 from tandem.rollout.images import collapse_image_tokens, has_images, image_request_problem, rebuilt_pictures
 from tandem.rollout.native_config import PAUSE_MODES
+from tandem.rollout.routing import routing_from_decoder_layers
 from tandem.rollout.stats import EngineStats
 
 WORKER_EXTENSION = "tandem.rollout.vllm_worker.TandemWorkerExtension"
@@ -81,6 +90,11 @@ class VLLMEngineConfig:
         device: the GPU vLLM's engine process computes on: ``cuda:N`` shows it only that GPU of
             this process's; ``auto``, ``cuda`` or ``cpu`` leave vLLM to choose (its first visible
             GPU, or the CPU on vLLM's CPU build). The RL workers set it to their own device.
+        record_routing: return each token's experts (``Completion.routed_experts``) of a
+            mixture-of-experts model, for rollout routing replay (docs/moe.md). Turns vLLM's
+            prefix cache on (vLLM records only with it). Needs vLLM's Model Runner V2, so a GPU:
+            vLLM's CPU build refuses it. A dense model is refused. The RL trainer turns it on
+            with ``actor.router_replay=rollout``.
     """
 
     max_num_seqs: int = 256
@@ -95,6 +109,7 @@ class VLLMEngineConfig:
     weight_bucket_mb: int = 512
     tensor_parallel_size: int = 1
     device: str = "auto"
+    record_routing: bool = False
 
     def __post_init__(self) -> None:
         owner = "vllm"
@@ -106,6 +121,11 @@ class VLLMEngineConfig:
         )
         check_choice(owner, "dtype", self.dtype, ["float32", "bfloat16", "float16"])
         check_choice(owner, "logprobs_mode", self.logprobs_mode, list(VLLM_LOGPROBS_MODES))
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether vLLM runs its prefix cache: asked for, or needed to record routing."""
+        return self.enable_prefix_caching or self.record_routing
 
 
 def weight_buckets(
@@ -131,6 +151,31 @@ def weight_buckets(
     owned = ((name, owned_copy(tensor)) for name, tensor in named_tensors)
     for group in group_tensors(owned, limit_bytes):
         yield _serialise(dict(group))
+
+
+def _moe_layout(hf_config) -> tuple[list[int], int]:
+    """The decoder-layer index of each MoE layer (model order) and the top-k of the model
+    ``hf_config`` describes, read from the model built on the meta device (no weights), so the
+    layers are the ones the trainer's router hooks see."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    routers = moe_routers(model)
+    if not routers:
+        raise ValueError(
+            f"vllm.record_routing=True: {type(model).__name__} has no mixture-of-experts layers tandem "
+            "routes (Qwen2-MoE, Qwen3-MoE); set vllm.record_routing=False"
+        )
+    return moe_layer_indices(model), int(routers[0].top_k)
+
+
+async def _last_routing(outputs, routing):
+    """Drain a request's outputs after its abort; the final one carries vLLM's routing record."""
+    async for output in outputs:
+        if output.outputs[0].routed_experts is not None:
+            routing = output.outputs[0].routed_experts
+    return routing
 
 
 def _serialise(named: dict[str, torch.Tensor]) -> bytes:
@@ -161,6 +206,9 @@ class VLLMRolloutEngine:
         self.eos_ids = {i for i in [*eos, self.tokenizer.eos_token_id] if i is not None}
         vision = is_vision_language(self.hf_config)
         self.image_processor = load_image_processor(model_path) if vision else None
+        if self.config.record_routing and vision:
+            raise ValueError("vllm.record_routing=True: vision-language models record no routing yet")
+        self.moe_layers, self.top_k = _moe_layout(self.hf_config) if self.config.record_routing else ([], 0)
         self.version = 0
         self.stats = EngineStats()
         self._in_flight: dict[str, Completion] = {}
@@ -171,7 +219,11 @@ class VLLMRolloutEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-vllm", daemon=True)
         self._thread.start()
-        self._llm = self._call(self._start(model_path))
+        try:
+            self._llm = self._call(self._start(model_path))
+        except BaseException:
+            self.close()
+            raise
         try:
             self.weights_dtype = self._uniform_parameter_dtype()
         except BaseException:
@@ -204,14 +256,24 @@ class VLLMRolloutEngine:
             gpu_memory_utilization=c.gpu_memory_utilization,
             enforce_eager=c.enforce_eager,
             logprobs_mode=VLLM_LOGPROBS_MODES[c.logprobs_mode],
-            enable_prefix_caching=c.enable_prefix_caching,
+            enable_prefix_caching=c.prefix_caching,
             enable_sleep_mode=c.enable_sleep_mode,
             seed=c.seed,
             tensor_parallel_size=c.tensor_parallel_size,
             worker_extension_cls=WORKER_EXTENSION,
+            enable_return_routed_experts=c.record_routing,
         )
         with only_visible_gpu(c.device, c.tensor_parallel_size):  # the engine's processes start inside
-            return AsyncLLM.from_engine_args(args)
+            try:
+                return AsyncLLM.from_engine_args(args)
+            except ValueError as error:
+                if not c.record_routing:
+                    raise
+                raise ValueError(
+                    f"vllm.record_routing=True: this vLLM cannot record the experts ({error}). vLLM "
+                    "records them only with its Model Runner V2, which needs Triton (a GPU; vLLM's CPU "
+                    "build has none); set vllm.record_routing=False (and actor.router_replay=off)"
+                ) from error
 
     def _call(self, coroutine, timeout: float | None = None):
         """Run ``coroutine`` on the engine's loop and wait for its result."""
@@ -292,6 +354,7 @@ class VLLMRolloutEngine:
     async def _generate(self, request: RolloutRequest, on_token: TokenCallback | None) -> Completion:
         completion = self._in_flight[request.request_id]
         reason = None
+        routing = None  # vLLM's [fed tokens, decoder layers, k], on a finished request's last output
         try:
             outputs = self._llm.generate(
                 self._vllm_prompt(request),
@@ -300,6 +363,7 @@ class VLLMRolloutEngine:
             )
             async for output in outputs:
                 sample = output.outputs[0]
+                routing = sample.routed_experts if sample.routed_experts is not None else routing
                 for token, candidates in zip(sample.token_ids, sample.logprobs or [], strict=True):
                     log_prob = candidates[token].logprob
                     completion.token_ids.append(token)
@@ -311,10 +375,17 @@ class VLLMRolloutEngine:
                 if request.params.stop and self._hit_stop_string(completion, request.params.stop):
                     reason = "stop"
                     await self._llm.abort(request.request_id)
+                    if self.config.record_routing:  # the abort's final output carries the routing
+                        routing = await _last_routing(outputs, routing)
                     break
                 if sample.finish_reason is not None:
                     reason = "abort" if sample.finish_reason == "abort" else sample.finish_reason
             completion.finish_reason = reason or "abort"
+            if self.config.record_routing:
+                total = len(completion.prompt_ids) + len(completion.token_ids)
+                completion.routed_experts = routing_from_decoder_layers(
+                    routing, total, self.moe_layers, self.top_k
+                )
         except Exception as error:  # the request fails; the engine keeps serving
             completion.finish_reason, completion.error = "error", f"{type(error).__name__}: {error}"
         finally:
@@ -379,7 +450,7 @@ class VLLMRolloutEngine:
         """Empty vLLM's prefix cache. vLLM declines while a request holds KV blocks (one kept
         through a pause does); with prefix caching on, such requests then give their blocks up
         and compute their KV again, so no block computed under old weights is reused."""
-        if self._call(self._llm.reset_prefix_cache()) or not self.config.enable_prefix_caching:
+        if self._call(self._llm.reset_prefix_cache()) or not self.config.prefix_caching:
             return
         if not self._call(self._llm.reset_prefix_cache(reset_running_requests=True)):
             raise RuntimeError("vLLM did not reset its prefix cache, even after preempting its requests")

@@ -6,6 +6,7 @@ import torch
 
 from tandem.dpo import DPOTrainer
 from tandem.engine import EngineConfig
+from tandem.models import TinyModelConfig, save_tiny_model
 from tandem.models.loading import load_model
 from tandem.sft import SFTConfig, SFTDataConfig, SFTTrainer, SFTTrainerConfig
 from tests.dpo.conftest import dpo_config, write_jsonl
@@ -68,19 +69,23 @@ def test_dpo_on_two_workers_equals_one(dpo_files, tmp_path, overrides):
 
 @pytest.mark.parametrize(
     "mesh",
-    [{}, {"sp_size": 2}, {"tp_size": 2}],
-    ids=["data-parallel", "sequence-parallel", "tensor-parallel"],
+    [{}, {"sp_size": 2}, {"tp_size": 2}, {"ep_size": 2}],
+    ids=["data-parallel", "sequence-parallel", "tensor-parallel", "expert-parallel"],
 )
 def test_sft_on_two_workers_equals_one(dpo_files, tmp_path, mesh):
     """DDP over the two workers; or one data-parallel rank of two, both handed every row, which
     they split along the sequence (``sp_size``) or split each layer's weights for (``tp_size``,
-    ``single``: one tensor-parallel group), one of them reporting."""
+    ``single``: one tensor-parallel group), one of them reporting; or a tiny Qwen2-MoE whose
+    experts the two data-parallel workers split (``ep_size``), each half of every MoE layer's."""
     train = write_jsonl(tmp_path / "train.jsonl", addition_conversations(24, 4))
     val = write_jsonl(tmp_path / "val.jsonl", addition_conversations(6, 5))
+    model = dpo_files["model"]
+    if "ep_size" in mesh:
+        model = str(save_tiny_model(tmp_path / "moe", TinyModelConfig(family="qwen2_moe")))
     results = []
     for workers in (1, 2):
         config = SFTConfig(
-            model_path=dpo_files["model"],
+            model_path=model,
             data=SFTDataConfig(train_path=train, val_path=val),
             engine=EngineConfig(lr=3e-3, max_tokens_per_micro_batch=128, **(mesh if workers == 2 else {})),
             trainer=SFTTrainerConfig(

@@ -58,6 +58,22 @@ def test_other_dtypes_long_sequences_and_dropout_take_the_fused_kernel():
     )
 
 
+def test_mixed_dtypes_under_autocast_take_the_fused_kernel():
+    """Under bf16 autocast, Qwen3's per-head norms hand over fp32 queries and keys beside bf16
+    values: the batched products (whose backward runs outside autocast) would mix dtypes, so the
+    fused kernel runs, forward and backward, as SDPA under autocast does."""
+    torch.manual_seed(1)
+    q, k = (torch.randn(2, 4, 12, 8, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 2, 12, 8, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(2, 4, 12, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = causal_attention(q, k[:, :2], v, 0.5)
+        expected = F.scaled_dot_product_attention(q, k[:, :2], v, is_causal=True, scale=0.5, enable_gqa=True)
+    assert torch.equal(ours, expected)
+    ours.backward(grad)
+    assert q.grad is not None and v.grad.dtype == torch.bfloat16
+
+
 def suffix_reference(q_full, k, v, offsets, q_len, scale):
     """Each sequence's queries at key positions ``offsets[s] ..`` from plain causal attention over
     all its keys (queries at every position), cut to the ``q_len`` rows after the offset."""

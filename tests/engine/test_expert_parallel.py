@@ -12,13 +12,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tandem.controller import ResourcePool, WorkerError, create_worker_group
-from tandem.engine import EngineConfig, LoraConfig
+from tandem.engine import LoraConfig
 from tandem.engine.expert_parallel import check_experts_fit
 from tandem.models import TinyModelConfig, build_tiny_model, save_tiny_model
 from tandem.protocol import Batch
 from tests.engine.conftest import random_batch
 from tests.engine.expert_parallel_workers import ExpertParallelWorker
 from tests.engine.mesh_comparisons import (
+    assert_same_gradients,
     assert_within_tolerance,
     max_diff,
     mesh_config,
@@ -198,33 +199,47 @@ def test_export_and_weight_sync_give_whole_expert_tensors(model_dirs, one_proces
 
 
 @pytest.mark.slow  # four processes start on a 2-core machine
-@pytest.mark.parametrize("ep_size", [2, 4])
-def test_four_ranks_expert_parallel_step_equals_one_process(model_dirs, one_process, ep_size):
-    """Four data-parallel ranks: two expert-parallel groups of two (each expert shard's gradient
-    summed over the two ranks holding it), or one group of four (one expert per rank)."""
+@pytest.mark.parametrize("ep_size,sp_size", [(2, 1), (4, 1), (2, 2), (4, 2)])
+def test_four_ranks_expert_parallel_step_equals_one_process(model_dirs, one_process, ep_size, sp_size):
+    """Four ranks: two expert-parallel groups of two (each expert shard's gradient summed over the
+    two ranks holding it), or one group of four (one expert per rank); as four data-parallel
+    ranks, or as two data-parallel groups of two sequence-parallel ranks (``ep=2``: the groups
+    exchanging tokens are the sequence-parallel ones; ``ep=4``: they span both)."""
     batch = _routed_batch(2)
     config = mesh_config(model_dirs["qwen2_moe"], router_replay="rollout")
     one_process.build(config)
     whole = train_step(one_process, batch)
     with create_worker_group(ExpertParallelWorker, ResourcePool((4,)), "process") as group:
-        group.build(dataclasses.replace(config, ep_size=ep_size, strategy="ddp"))
+        group.build(dataclasses.replace(config, ep_size=ep_size, sp_size=sp_size, strategy="ddp"))
         assert all(set(held.values()) == {EXPERTS // ep_size} for held in group.local_experts())
         split = train_step(group, batch)
-    _assert_same_step(split, whole, dp_size=4)
+    _assert_same_step(split, whole, dp_size=4 // sp_size)
 
 
-@pytest.mark.parametrize(
-    "overrides,message",
-    [
-        ({"tp_size": 2, "strategy": "fsdp2"}, "engine.ep_size=2 with engine.tp_size=2: expert and tensor parallelism"),
-        ({"sp_size": 2}, "engine.ep_size=2 with engine.sp_size=2: expert and sequence parallelism do not"),
-        ({"lora": LoraConfig(rank=4)}, "engine.ep_size=2 with engine.lora.rank=4: LoRA adapters are not split"),
-    ],
-    ids=["tp", "sp", "lora"],
-)  # fmt: skip
-def test_config_refuses_what_expert_parallelism_does_not_combine_with(overrides, message):
-    with pytest.raises(ValueError, match=message):
-        EngineConfig(ep_size=2, **overrides)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_lora_with_expert_parallelism_equals_one_process(
+    model_dirs, one_process, two_ranks, strategy, tmp_path
+):
+    """LoRA adapts the linear layers (attention, Qwen2-MoE's shared expert): the split experts
+    are frozen base weights. The adapters' gradients and, after one step, the merged weights a
+    weight sync sends (every expert gathered whole) equal one process's."""
+    batch = _routed_batch(12)
+    config = mesh_config(model_dirs["qwen2_moe"], router_replay="rollout", lora=LoraConfig(rank=4))
+    one_process.build(config)
+    whole = one_process.gradients(batch)[0]
+    assert any("shared_expert" in name for name in whole["grads"])
+    assert not any("experts." in name for name in whole["grads"])  # the routed experts stay frozen
+    one_process.train_step(batch)
+    merged = one_process.weight_buckets(1 << 20)[0]["tensors"]
+    two_ranks.build(dataclasses.replace(config, ep_size=2, strategy=strategy))
+    assert all(set(held.values()) == {EXPERTS // 2} for held in two_ranks.local_experts())
+    _assert_same_gradients(two_ranks.shard_gradients(_halves(batch)), whole)
+    two_ranks.train_step(batch)
+    diffs = {}
+    for rank, got in enumerate(two_ranks.weight_buckets(1 << 20)):
+        assert got["tensors"].keys() == merged.keys()
+        diffs |= {f"rank{rank}/{name}": max_diff(got["tensors"][name], t) for name, t in merged.items()}
+    assert_within_tolerance(diffs)
 
 
 @pytest.mark.parametrize(
@@ -241,9 +256,22 @@ def test_models_whose_experts_do_not_split_are_refused(family, experts, message)
         check_experts_fit(model, 2)
 
 
-def test_a_world_that_does_not_divide_into_expert_parallel_groups_is_refused(model_dirs, two_ranks):
-    with pytest.raises(WorkerError, match="engine.ep_size=4 must divide the world size 2"):
-        two_ranks.build(mesh_config(model_dirs["qwen2_moe"], ep_size=4, strategy="ddp"))
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"ep_size": 4, "strategy": "ddp"}, "engine.ep_size=4 must divide the world size 2"),
+        (
+            {"ep_size": 2, "tp_size": 2, "strategy": "fsdp2"},
+            "engine.ep_size=2 must divide the 1 data-parallel ranks \\(the world size 2 over engine.tp_size=2\\)",
+        ),
+    ],
+    ids=["world", "tensor-parallel"],
+)
+def test_a_world_that_does_not_divide_into_expert_parallel_groups_is_refused(
+    model_dirs, two_ranks, overrides, message
+):
+    with pytest.raises(WorkerError, match=message):
+        two_ranks.build(mesh_config(model_dirs["qwen2_moe"], **overrides))
 
 
 def test_single_strategy_runs_forward_passes_only(model_dirs, one_process, two_ranks):
@@ -260,3 +288,87 @@ def test_single_strategy_runs_forward_passes_only(model_dirs, one_process, two_r
         WorkerError, match="engine.ep_size=2 with engine.strategy=single: the expert-parallel"
     ):
         two_ranks.shard_gradients(_halves(batch))
+
+
+@pytest.mark.parametrize(
+    "model,overrides,strategy,ep_size",
+    [
+        ("qwen2_moe", {"router_replay": "rollout", "moe_aux_loss_coef": 0.1}, "ddp", 2),
+        ("qwen3_moe", {"gradient_checkpointing": True, "router_replay": "rollout"}, "fsdp2", 2),
+        ("qwen2_moe", {"router_replay": "rollout", "moe_aux_loss_coef": 0.1}, "fsdp2", 1),
+    ],
+    ids=["qwen2-replay-aux-ddp", "qwen3-checkpointing-replay-fsdp2", "sp-only-replay-aux-fsdp2"],
+)
+def test_expert_and_sequence_parallel_ranks_equal_one_process(
+    model_dirs, one_process, two_ranks, model, overrides, strategy, ep_size
+):
+    """``sp=2`` on two ranks: each packed row (and its recorded routing) is split over the two
+    ranks; with ``ep=2`` each MoE layer sends a rank's sequence shard's tokens to the experts'
+    owners and back, with ``ep=1`` each rank holds every expert. The load-balancing loss is the
+    whole micro-batch's (its router logits gathered over the two ranks), as in one process."""
+    batch = _routed_batch(8)
+    config = mesh_config(model_dirs[model], **overrides)
+    one_process.build(config)
+    whole = one_process.gradients(batch)[0]
+    two_ranks.build(dataclasses.replace(config, ep_size=ep_size, sp_size=2, strategy=strategy))
+    if ep_size > 1:
+        assert all(set(held.values()) == {EXPERTS // ep_size} for held in two_ranks.local_experts())
+    assert_same_gradients(two_ranks.gradients(batch), whole)
+
+
+@pytest.mark.parametrize(
+    "model,overrides,strategy",
+    [
+        ("qwen2_moe", {"router_replay": "rollout"}, "single"),
+        ("qwen3_moe", {"router_replay": "rollout", "gradient_checkpointing": True}, "fsdp2"),
+    ],
+    ids=["qwen2-replay-single", "qwen3-checkpointing-replay-fsdp2"],
+)
+def test_tensor_parallel_moe_equals_one_process(
+    model_dirs, one_process, two_ranks, model, overrides, strategy
+):
+    """``tp=2`` on an MoE model: attention (and the vocabulary) split over the two ranks, each MoE
+    block whole on both, which hold the same rows."""
+    batch = _routed_batch(9)
+    config = mesh_config(model_dirs[model], **overrides)
+    one_process.build(config)
+    whole = one_process.gradients(batch)[0]
+    two_ranks.build(dataclasses.replace(config, tp_size=2, strategy=strategy))
+    assert_same_gradients(two_ranks.gradients(batch), whole)
+
+
+def test_expert_and_tensor_parallel_step_equals_one_process(model_dirs, one_process):
+    """Four ranks, ``(dp, tp) = (2, 2)`` with ``ep=2``: the two data-parallel ranks of each
+    tensor-parallel rank exchange tokens and split the experts; one optimizer step (clipped)."""
+    batch = _routed_batch(10)
+    config = mesh_config(model_dirs["qwen3_moe"], router_replay="rollout", grad_clip=0.5)
+    one_process.build(config)
+    whole = train_step(one_process, batch)
+    with create_worker_group(ExpertParallelWorker, ResourcePool((4,)), "process") as group:
+        group.build(dataclasses.replace(config, ep_size=2, tp_size=2, strategy="fsdp2"))
+        assert all(set(held.values()) == {EXPERTS // 2} for held in group.local_experts())
+        split = train_step(group, batch)
+    _assert_same_step(split, whole, dp_size=2)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_bf16_expert_parallel_ranks_agree_with_replicated_experts(model_dirs, two_ranks, strategy):
+    """``mixed_precision=bf16`` (DDP: autocast; FSDP2: its policy, which skips the ignored expert
+    shards, cast to bf16 in the layer): ``ep=2`` against the same two ranks holding every expert,
+    within bf16's rounding; the expert shards' gradients stay fp32 (the master weights' dtype).
+    Qwen3-MoE, whose per-head norms hand fp32 queries to the attention beside bf16 values."""
+    batch = _routed_batch(11)
+    config = mesh_config(
+        model_dirs["qwen3_moe"], router_replay="rollout", mixed_precision="bf16", strategy=strategy
+    )
+    two_ranks.build(config)
+    replicated = two_ranks.shard_gradients(_halves(batch))
+    two_ranks.build(dataclasses.replace(config, ep_size=2))
+    split = two_ranks.shard_gradients(_halves(batch))
+    for got, expected in zip(split, replicated, strict=True):
+        assert got["loss"] == pytest.approx(expected["loss"], rel=1e-3)
+        for name, values in expected["outputs"].items():
+            assert max_diff(got["outputs"][name], values) <= 1e-2, name
+        for name, grad in expected["grads"].items():
+            assert got["grads"][name].dtype == torch.float32, name
+            assert max_diff(got["grads"][name], grad) <= 3e-2 * float(grad.abs().max()), name

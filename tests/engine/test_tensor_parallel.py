@@ -217,13 +217,16 @@ def test_config_refuses_what_tensor_parallelism_does_not_combine_with(overrides,
         EngineConfig(tp_size=2, **overrides)
 
 
-def test_models_tensor_parallelism_does_not_plan_are_refused():
-    """A mixture-of-experts model has no dense MLP to split."""
-    moe = build_tiny_model(TinyModelConfig(family="qwen2_moe"), 103, 0, 1, 2)
+def test_layers_tensor_parallelism_does_not_plan_are_refused():
+    """Every decoder layer is checked: a dense layer whose MLP projection is not a linear layer
+    is refused (a mixture-of-experts block is planned: it stays whole)."""
+    model = build_tiny_model(TinyModelConfig(family="qwen2", num_layers=2), 103, 0, 1, 2)
+    check_tensor_parallel_fits(build_tiny_model(TinyModelConfig(family="qwen2_moe"), 103, 0, 1, 2), 2)
+    model.model.layers[1].mlp.gate_proj = torch.nn.Identity()
     with pytest.raises(
         ValueError, match="engine.tp_size=2: the model's decoder layers have no linear mlp.gate_proj"
     ):
-        check_tensor_parallel_fits(moe, 2)
+        check_tensor_parallel_fits(model, 2)
 
 
 @pytest.mark.parametrize(

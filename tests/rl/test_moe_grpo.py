@@ -9,6 +9,7 @@ import pytest
 
 from tandem.models import TinyModelConfig, save_tiny_model
 from tandem.rl import RLTrainer
+from tandem.rl.derived import rollout_engine_config
 from tests.rl.conftest import small_config
 from tests.rl.test_trainer import CORE_METRICS, _without_timings
 
@@ -86,13 +87,20 @@ def test_a_resumed_replay_run_equals_the_uninterrupted_one(moe_files, tmp_path):
     assert all("moe/routing_disagreement" in h for h in resumed.history)
 
 
+def test_replay_without_recorded_experts_is_refused_naming_the_keys(moe_files, tmp_path):
+    with pytest.raises(ValueError, match="agent episodes"):
+        small_config(moe_files, tmp_path, "actor.router_replay=rollout", "agent.name=tool_agent")
+
+
 @pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (("rollout.engine.name=vllm",), "rollout.engine.name=vllm does not return them yet"),
-        (("agent.name=tool_agent",), "agent episodes"),
-    ],
+    ("replay", "asked", "records"), [("rollout", False, True), ("off", False, False), ("off", True, True)]
 )
-def test_replay_without_recorded_experts_is_refused_naming_the_keys(moe_files, tmp_path, overrides, message):
-    with pytest.raises(ValueError, match=message):
-        small_config(moe_files, tmp_path, "actor.router_replay=rollout", *overrides)
+def test_replay_with_vllm_turns_its_recording_on(moe_files, tmp_path, replay, asked, records):
+    """vLLM records the experts when replay needs them, or when asked (the routing metrics);
+    the GRPO run itself needs vLLM on a GPU (tests/rl/test_vllm_loop.py, gpu tier)."""
+    config = small_config(
+        moe_files, tmp_path, "rollout.engine.name=vllm", f"actor.router_replay={replay}",
+        f"rollout.engine.vllm.record_routing={str(asked).lower()}",
+    )  # fmt: skip
+    vllm = rollout_engine_config(config, "cpu").vllm
+    assert (vllm.record_routing, vllm.prefix_caching) == (records, records)

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from tandem.controller import WorkerError
 from tandem.models.weights import read_hf_weights
 from tandem.rl import RLTrainer
 from tandem.rollout import RolloutRequest, SamplingParams
@@ -15,6 +16,8 @@ from tests.rollout.test_native_engine import random_prompts
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
+
+from vllm.triton_utils import HAS_TRITON  # noqa: E402
 
 from tandem.rollout.vllm_engine import VLLMEngineConfig, VLLMRolloutEngine  # noqa: E402
 
@@ -55,3 +58,34 @@ def test_bucketed_weight_update_equals_a_fresh_engine_with_those_weights(rl_file
     finally:
         fresh.close()
     assert updated == expected != before
+
+
+def _moe_files(rl_files, tmp_path):
+    from tandem.models import TinyModelConfig, save_tiny_model
+
+    return {
+        **rl_files,
+        "model": str(save_tiny_model(tmp_path / "moe", TinyModelConfig(family="qwen3_moe", seed=3))),
+    }
+
+
+@pytest.mark.skipif(HAS_TRITON, reason="this vLLM has Triton, so it can record routing")
+def test_replay_with_vllm_that_cannot_record_fails_naming_the_key(rl_files, tmp_path):
+    overrides = ("rollout.engine.name=vllm", "actor.router_replay=rollout", "data.val_path=")
+    with pytest.raises(WorkerError, match=r"vllm.record_routing=True: this vLLM cannot record the experts"):
+        RLTrainer(small_config(_moe_files(rl_files, tmp_path), tmp_path / "run", *overrides)).fit()
+
+
+@pytest.mark.gpu
+def test_grpo_with_vllm_recording_the_routing_replays_it(rl_files, tmp_path):
+    """A tiny Qwen3-MoE policy, vLLM recording each token's experts (vLLM records only on a GPU):
+    two replayed GRPO steps, the trainer's live routing close to vLLM's (both fp32)."""
+    overrides = ("rollout.engine.name=vllm", "actor.router_replay=rollout", "data.val_path=")
+    history = (
+        RLTrainer(small_config(_moe_files(rl_files, tmp_path), tmp_path / "run", *overrides)).fit().history
+    )
+    assert [h["step"] for h in history] == [1, 2]
+    for metrics in history:
+        assert metrics["moe/routing_disagreement"] <= 0.01  # measured before replay: vLLM's vs the trainer's
+        assert metrics["rollout_corr/max_abs_log_prob_diff"] < 0.05
+        assert math.isfinite(metrics["actor/pg_loss"])

@@ -35,11 +35,17 @@ def causal_bias(group: int, length: int, dtype: torch.dtype, device: torch.devic
     return additive_bias(visible, dtype).repeat(group, 1)
 
 
-def batched_attention_applies(q: torch.Tensor, k_len: int, dropout_p: float) -> bool:
-    """Whether :class:`GroupedCausalAttention` is the path for these queries: fp32 CPU tensors,
-    no dropout, and at most :data:`MAX_LENGTH` keys."""
+def batched_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+    """Whether :class:`GroupedCausalAttention` is the path for these tensors: fp32 CPU queries,
+    keys and values outside autocast (its backward runs without autocast, so the dtypes autocast
+    would mix in the forward's products would not match there), no dropout, and at most
+    :data:`MAX_LENGTH` keys."""
     return (
-        q.device.type == "cpu" and q.dtype == torch.float32 and dropout_p == 0.0 and 0 < k_len <= MAX_LENGTH
+        q.device.type == "cpu"
+        and q.dtype == k.dtype == v.dtype == torch.float32
+        and not torch.is_autocast_enabled("cpu")
+        and dropout_p == 0.0
+        and 0 < k.shape[2] <= MAX_LENGTH
     )
 
 

@@ -73,8 +73,9 @@ class ActorConfig:
         router_replay: a mixture-of-experts policy's routing in the trainer: ``off`` (the
             trainer routes each token itself) or ``rollout`` (rollout routing replay: the old
             log-prob and update forwards run the experts the rollout engine recorded for each
-            token, weighted by the live router; needs the native or hf rollout engine). Sets
-            ``actor.engine.router_replay``; see docs/moe.md.
+            token, weighted by the live router; needs the native, hf or vllm rollout engine, vLLM
+            on a GPU). Sets ``actor.engine.router_replay`` and turns on
+            ``rollout.engine.vllm.record_routing``; see docs/moe.md.
     """
 
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(lr=1e-6))
@@ -97,7 +98,7 @@ class ActorConfig:
         check_range("actor", "entropy_coeff", self.entropy_coeff, low=0.0)
 
 
-ROUTING_RECORDERS = ("native", "hf")  # the rollout engines that return each token's experts
+ROUTING_RECORDERS = ("native", "hf", "vllm")  # the rollout engines that return each token's experts
 
 
 def check_router_replay(config: TrainConfig) -> None:
