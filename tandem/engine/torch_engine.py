@@ -1,5 +1,5 @@
-"""The PyTorch training engine: single process, DDP or FSDP2, Ulysses sequence parallelism; packing;
-token-budget micro-batches; LoRA."""
+"""The PyTorch training engine: single process, DDP or FSDP2; Ulysses sequence, tensor and expert
+parallelism; packing; token-budget micro-batches; LoRA; a vision-language model's images."""
 
 from __future__ import annotations
 
@@ -19,12 +19,13 @@ from tandem.engine.base import GATHER_FIELD, LossFn, StepResult, TokenOutputs
 from tandem.engine.checkpoint import load_engine_state, save_engine_state
 from tandem.engine.config import EngineConfig
 from tandem.engine.divergence import ModelHealth
-from tandem.engine.expert_parallel import apply_expert_parallel, build_expert_mesh, check_expert_training
+from tandem.engine.expert_parallel import check_expert_training
 from tandem.engine.grad_norm import clip_grad_norm_
-from tandem.engine.lora import apply_lora, iter_merged_lora_parameters
+from tandem.engine.lora import iter_merged_lora_parameters
 from tandem.engine.lr_schedule import build_scheduler
 from tandem.engine.mesh import EngineMesh, build_engine_mesh
-from tandem.engine.micro_batch import token_budget_micro_batches
+from tandem.engine.micro_batch_plan import plan_micro_batches
+from tandem.engine.model_setup import head_module, prepare_model
 from tandem.engine.moe_routing import ROUTING_FIELD, EngineRouting, MicroBatchRouting
 from tandem.engine.offload import HostCopies
 from tandem.engine.packing import (
@@ -38,13 +39,11 @@ from tandem.engine.packing import (
 )
 from tandem.engine.parallel import reshard, wrap_data_parallel
 from tandem.engine.reward_model import TokenScoreModel
-from tandem.engine.shared_prompts import pack_shared_prompts, prompt_groups
-from tandem.engine.tensor_parallel import apply_tensor_parallel, check_tensor_parallel_fits
+from tandem.engine.shared_prompts import pack_shared_prompts
+from tandem.engine.step_outputs import read_back, reassemble
 from tandem.engine.token_model import TokenLogProbModel
 from tandem.engine.ulysses import SequenceParallel, check_same_rows
-from tandem.engine.ulysses_attention import ULYSSES_ATTENTION, check_heads
 from tandem.engine.value_model import TokenValueModel
-from tandem.engine.varlen_attention import VARLEN_ATTENTION
 from tandem.engine.vision_inputs import (
     IMAGES_FIELD,
     VisionInputs,
@@ -57,11 +56,10 @@ from tandem.engine.vision_model import (
     check_vision_language_engine,
     copy_processor_files,
     engine_model_is_vision_language,
-    freeze_vision_tower,
 )
 from tandem.files import atomic_directory
 from tandem.kernels.cpu import enable_cpu_kernels
-from tandem.models.loading import load_head_model, resolve_dtype
+from tandem.models.loading import load_head_model
 from tandem.models.weights import load_named_tensors
 from tandem.protocol import Batch
 
@@ -89,8 +87,9 @@ class TorchTrainEngine:
 
     # ------------------------------------------------------------------ set-up
     def initialize(self) -> None:
-        """Bind the device, build the ``(dp, sp)`` mesh, load (or take) the model, add LoRA, wrap
-        for data parallelism, build optimizer and schedule."""
+        """Bind the device, build the mesh, load (or take) the model and prepare it (LoRA, the
+        tensor- and expert-parallel splits: :mod:`tandem.engine.model_setup`), wrap it for data
+        parallelism, build the optimizer and the schedule."""
         config = self.config
         if config.strategy != "single" and not dist.is_initialized():
             raise RuntimeError(
@@ -111,50 +110,12 @@ class TorchTrainEngine:
             if self._given_model is not None
             else load_head_model(config.model_path, config.head, config.param_dtype)
         )
-        # FSDP2 moves each unit's parameters to the device as it shards them, so the whole model
-        # never sits on one GPU; the other strategies hold it whole there anyway
-        target = None if config.strategy == "fsdp2" else self.device
-        model = model.to(device=target, dtype=resolve_dtype(config.param_dtype))
-        if config.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-        if self.vision_language and config.freeze_vision_tower:
-            freeze_vision_tower(model)
-        if config.sp_size > 1:
-            heads = model.config.num_attention_heads
-            check_heads(heads, getattr(model.config, "num_key_value_heads", None) or heads, config.sp_size)
-            model.set_attn_implementation(ULYSSES_ATTENTION)  # the varlen attention between all-to-alls
-        elif config.use_packing:  # attention within each packed sequence only (cost sum(len^2), not T^2)
-            # a VLM's vision tower keeps its own (bidirectional, per image) attention
-            model.set_attn_implementation(
-                {"text_config": VARLEN_ATTENTION} if self.vision_language else VARLEN_ATTENTION
-            )
-        if config.lora.rank:
-            model = apply_lora(model, config.lora)
-        if config.tp_size > 1:  # before FSDP2, which shards each rank's tensor-parallel shards over dp
-            check_tensor_parallel_fits(model, config.tp_size)
-            apply_tensor_parallel(model, self.mesh.tp_mesh)
-        expert_shards = set()  # expert-parallel shards: reduced by their own group, not by DDP / FSDP2
-        if config.ep_size > 1:
-            expert_mesh = build_expert_mesh(self.device.type, config.ep_size, config.tp_size)
-            scale = 1 / self.mesh.gradient_ranks  # undoes the loss scaling DDP / FSDP2 average away
-            expert_shards = apply_expert_parallel(model, expert_mesh, self.device, scale)
+        model, expert_shards = prepare_model(model, config, self.mesh, self.device, self.vision_language)
         # replay, aux loss, metrics of an MoE model's routers (the latter two over a whole split row)
         sequence_group = self.sequence_parallel.group if self.sequence_parallel is not None else None
         self.routing = EngineRouting(config, model, sequence_group)
         enable_cpu_kernels(model, self.device)  # oneDNN linears and malloc settings, on the CPU only
-        if config.head == "value":
-            self.module = TokenValueModel(model)
-        elif config.head == "reward":
-            self.module = TokenScoreModel(model)
-        else:
-            self.module = TokenLogProbModel(
-                model,
-                config.logprob_chunk_size,
-                config.logprob_temperature,
-                config.logprob_head_dtype,
-                vocab_group=self.mesh.tp_group,
-            )
+        self.module = head_module(model, config, self.mesh.tp_group)
         # gradients reduce over every rank of the mesh: sequence-parallel ranks hold partial ones
         self.wrapped = wrap_data_parallel(
             self.module,
@@ -199,38 +160,7 @@ class TorchTrainEngine:
 
     def micro_batches(self, batch: Batch) -> list[list[int]]:
         """Row index lists of the micro-batches for this rank (same count on every data-parallel rank)."""
-        attention_mask = batch["attention_mask"]
-        lengths = attention_mask.sum(-1).tolist()
-        units = _units(batch[UNIT_FIELD]) if UNIT_FIELD in batch else None
-        if self.config.use_packing:
-            groups = None
-            shared = [0] * len(lengths)
-            if self._shares_prompts(batch):  # keep each prompt's rows together, counting the prompt once
-                width = batch["prompts"].shape[1]
-                shared = attention_mask[:, :width].sum(-1).tolist()
-                groups = [
-                    (rows, shared[rows[0]])
-                    for rows in prompt_groups(
-                        batch["input_ids"], attention_mask, width, batch.get(IMAGES_FIELD)
-                    )
-                ]
-            if units is not None:  # rows that must share a micro-batch (a shared prompt counted once)
-                groups = [(rows, min(shared[row] for row in rows)) for rows in units]
-            budget, split = self.config.max_tokens_per_micro_batch, units is None
-            parts = token_budget_micro_batches(lengths, budget, groups=groups, split_groups=split)
-            count = self._agree_on_count(len(parts))
-            if count != len(parts):
-                parts = token_budget_micro_batches(
-                    lengths, budget, min_parts=count, groups=groups, split_groups=split
-                )
-            return parts
-        size = self.config.micro_batch_size
-        if units is not None:
-            parts = _whole_units_per_chunk(units, size)
-            parts += [[] for _ in range(self._agree_on_count(len(parts)) - len(parts))]
-            return parts
-        count = self._agree_on_count(math.ceil(len(lengths) / size))
-        return [list(range(start, min(start + size, len(lengths)))) for start in range(0, count * size, size)]
+        return plan_micro_batches(batch, self.config, self._shares_prompts(batch), self._agree_on_count)
 
     def _shares_prompts(self, batch: Batch) -> bool:
         return self.config.use_packing and self.config.share_prompts and "prompts" in batch
@@ -304,9 +234,9 @@ class TorchTrainEngine:
                     metrics_seen.setdefault(name, []).append(value)
         # read back once per step: a read-back per micro-batch would stall the host while the
         # device finishes, instead of preparing the next micro-batch meanwhile
-        result.loss, result.metrics = _read_back(losses, metrics_seen)
+        result.loss, result.metrics = read_back(losses, metrics_seen)
         if forward_only:
-            result.outputs = _reassemble(collected, batch["input_ids"].shape)
+            result.outputs = reassemble(collected, batch["input_ids"].shape)
             reshard(self.wrapped)
         return result
 
@@ -661,23 +591,6 @@ class TorchTrainEngine:
         }
 
 
-def _read_back(
-    losses: list[torch.Tensor], metrics: dict[str, list[torch.Tensor | float]]
-) -> tuple[float, dict[str, list[float]]]:
-    """The micro-batches' losses summed in order and each metric's values as floats, with one
-    device-to-host transfer for every tensor among them (in float64: each reads back exactly)."""
-    values = [*losses, *(value for listed in metrics.values() for value in listed)]
-    tensors = [value.detach().double().reshape(()) for value in values if isinstance(value, torch.Tensor)]
-    device = tensors[0].device if tensors else None
-    read = iter(torch.stack([t.to(device) for t in tensors]).tolist() if tensors else ())
-    floats = [next(read) if isinstance(value, torch.Tensor) else float(value) for value in values]
-    loss = 0.0
-    for value in floats[: len(losses)]:
-        loss += value
-    rest = iter(floats[len(losses) :])
-    return loss, {name: [next(rest) for _ in listed] for name, listed in metrics.items()}
-
-
 def _token_choices(top_k: int, gather_ids: torch.Tensor | None) -> dict[str, Any]:
     """The policy forward's keywords for its top-k tokens and named tokens' log-probs (none when
     neither is asked for, so value and score models keep their own signature)."""
@@ -687,26 +600,6 @@ def _token_choices(top_k: int, gather_ids: torch.Tensor | None) -> dict[str, Any
     return choices
 
 
-def _reassembled_dtype(values: torch.Tensor) -> torch.dtype:
-    """float32 for every floating-point output (whatever the compute dtype), the type itself else."""
-    return torch.float32 if values.is_floating_point() else values.dtype
-
-
-def _reassemble(collected: list[tuple[list[int], TokenOutputs]], shape: torch.Size) -> TokenOutputs:
-    """The micro-batches' outputs (any device) in the batch's row order, on the CPU: ``[B, S, ...]``
-    each, float32 (token ids keep their integer type)."""
-    first = collected[0][1].fields() if collected else {}
-    whole = {
-        name: torch.zeros(*shape, *values.shape[2:], dtype=_reassembled_dtype(values))
-        for name, values in first.items()
-    }
-    for rows, outputs in collected:
-        index = torch.tensor(rows)
-        for name, values in outputs.fields().items():
-            whole[name][index] = values.to(whole[name].device, whole[name].dtype)
-    return TokenOutputs(**whole)
-
-
 def _fused_adamw_applies(params: list[torch.Tensor]) -> bool:
     """Plain (not sharded) CPU parameters: PyTorch's fused AdamW, one kernel per tensor instead of
     ~10 operators (2.1 vs 5.2 ms per step for a 3M-parameter model here; same update to ~1e-8).
@@ -714,25 +607,3 @@ def _fused_adamw_applies(params: list[torch.Tensor]) -> bool:
     return bool(params) and all(
         type(p) is nn.Parameter and p.device.type == "cpu" and p.dtype.is_floating_point for p in params
     )
-
-
-UNIT_FIELD = "micro_batch_unit"  # [B] ids: rows with one id are never split across micro-batches
-
-
-def _units(ids: torch.Tensor) -> list[list[int]]:
-    """Row indices grouped by equal ``ids`` (groups in order of first appearance)."""
-    units: dict[int, list[int]] = {}
-    for row, unit in enumerate(ids.tolist()):
-        units.setdefault(unit, []).append(row)
-    return list(units.values())
-
-
-def _whole_units_per_chunk(units: list[list[int]], size: int) -> list[list[int]]:
-    """Fixed-size micro-batches of up to ``size`` rows made of whole units (a unit larger than
-    ``size`` gets a micro-batch of its own)."""
-    parts: list[list[int]] = [[]]
-    for unit in units:
-        if parts[-1] and len(parts[-1]) + len(unit) > size:
-            parts.append([])
-        parts[-1].extend(unit)
-    return [sorted(part) for part in parts if part]

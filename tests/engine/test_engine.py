@@ -8,7 +8,7 @@ import torch
 
 from tandem.engine import EngineConfig, LoraConfig, TorchTrainEngine
 from tandem.engine.lr_schedule import lr_multiplier
-from tandem.engine.torch_engine import _read_back
+from tandem.engine.step_outputs import read_back
 from tandem.models import load_model
 from tandem.protocol import Batch
 from tandem.sft.loss import sft_loss
@@ -223,10 +223,10 @@ def test_one_read_back_per_step_gives_the_per_micro_batch_floats():
         "clip": [torch.rand((), generator=gen, dtype=torch.float64) for _ in range(5)],
         "count": [1, 2.5, torch.tensor(3), 4, torch.tensor([5.0])],  # plain numbers beside tensors
     }
-    loss, floats = _read_back(losses, metrics)
+    loss, floats = read_back(losses, metrics)
     expected = 0.0
     for value in losses:
         expected += float(value)
     assert loss == expected
     assert floats == {name: [float(v) for v in values] for name, values in metrics.items()}
-    assert _read_back([], {"plain": [1, 2]}) == (0.0, {"plain": [1.0, 2.0]})
+    assert read_back([], {"plain": [1, 2]}) == (0.0, {"plain": [1.0, 2.0]})
