@@ -106,7 +106,11 @@ ROLLOUT_RULES: tuple[Rule, ...] = (
     noted(f"{ROLLOUT}.mode", "tandem's rollout engines serve requests asynchronously"),
     noted(f"{ROLLOUT}.tensor_model_parallel_size", ONE_GPU_REPLICA, example=2),
     noted(f"{ROLLOUT}.data_parallel_size", MEMORY, example=2),
-    only(f"{ROLLOUT}.expert_parallel_size", (1,), f"expert parallelism {NOT_YET_PARALLEL}"),
+    only(
+        f"{ROLLOUT}.expert_parallel_size",
+        (1,),
+        f"expert parallelism in the rollout {NOT_YET_PARALLEL}; the trainer's is actor.engine.ep_size",
+    ),
     only(f"{ROLLOUT}.pipeline_model_parallel_size", (1,), f"pipeline parallelism {NOT_YET_PARALLEL}"),
     noted(f"{ROLLOUT}.enable_chunked_prefill", MEMORY),
     noted(f"{ROLLOUT}.max_num_batched_tokens", MEMORY),
