@@ -56,7 +56,7 @@ class ExpertMesh:
 
     Attributes:
         ep_size / ep_rank: the expert-parallel group's size and this rank's place in it.
-        edp_size: how many groups hold the same experts (``world / ep_size``).
+        edp_size: how many groups hold the same experts (``world / (ep_size * tp_size)``).
         device_mesh: ``(edp, ep)`` or ``(edp, ep, tp)``, which the expert DTensors live on.
         dispatch_group: the expert-parallel group the tokens are exchanged in.
         reduce_group: the ranks holding this rank's experts (``None`` when ``edp_size`` is 1).
@@ -154,7 +154,8 @@ def apply_expert_parallel(
 ) -> set[nn.Parameter]:
     """Replace every MoE block's experts by this rank's shard of them (:class:`ShardedExperts`,
     on ``device``), in place; returns the shards' parameters, which data parallelism must leave
-    alone. ``grad_scale``: ``1 / world``, undoing the engine's loss scaling (module docstring)."""
+    alone. ``grad_scale``: one over the ranks DDP / FSDP2 average over, undoing the engine's
+    loss scaling (module docstring)."""
     check_experts_fit(model, mesh.ep_size)
     placements = [Replicate(), Shard(0)] + [Replicate()] * (mesh.device_mesh.ndim - 2)  # edp, ep (, tp)
     sharded = set()
