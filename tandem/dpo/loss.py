@@ -19,6 +19,7 @@ import torch
 
 from tandem.algos.preference import PreferenceInput, PreferenceLossConfig, compute_preference_loss
 from tandem.engine.base import TokenOutputs
+from tandem.engine.moe_routing import METRIC_PREFIX
 from tandem.protocol import Batch
 
 SUMMED = (
@@ -151,9 +152,15 @@ def summed_preference_loss(
 
 
 def pair_metrics(per_micro: dict[str, list[float]], chosen_tokens: float | None = None) -> dict[str, float]:
-    """The step's metrics from the micro-batches' sums: means over pairs.
+    """The step's metrics from the micro-batches' sums: means over pairs. A mixture-of-experts
+    policy's routing metrics (``moe/*``) are each micro-batch's mean already: their mean over the
+    micro-batches.
 
     ``chosen_tokens`` is accepted for callers that pass it and not needed: a pair's ``nll_loss``
     is already its share of the token mean."""
     pairs = sum(per_micro["pairs"])
-    return {name: sum(values) / pairs for name, values in per_micro.items() if name != "pairs"}
+    return {
+        name: sum(values) / (len(values) if name.startswith(METRIC_PREFIX) else pairs)
+        for name, values in per_micro.items()
+        if name != "pairs"
+    }

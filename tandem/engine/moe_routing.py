@@ -20,6 +20,7 @@ from tandem.models.moe import RouterCall, RouterTap, is_moe
 from tandem.models.moe_metrics import load_balancing_loss, load_metrics, routing_disagreement
 
 ROUTING_FIELD = "routed_experts"  # [B, S, L, k] the rollout's experts per token and MoE layer
+METRIC_PREFIX = "moe/"  # the routing metrics: each a micro-batch's mean (not a sum over its rows)
 
 
 def check_moe_settings(config: EngineConfig, model: nn.Module) -> None:
