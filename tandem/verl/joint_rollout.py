@@ -93,8 +93,13 @@ def router_replay(ctx: Context) -> None:
         )
     elif mode != "disabled":
         raise ValueError(f"{mode_key}={mode}: choose disabled, R2 or R3")
-    elif recorded:
+    elif recorded:  # recorded, not replayed: tandem still measures how often the trainer disagrees
+        name = ctx.get(f"{ROLLOUT}.name")
+        if name is not None and names.tandem_name(f"{ROLLOUT}.name", name) == "vllm":
+            ctx.out["rollout.engine.vllm.record_routing"] = True
         ctx.notes.append(
-            f"{record_key}=True without {mode_key}=R3: the rollout's experts would go unused; "
-            "tandem records them only when it replays them"
+            f"{record_key}=True without {mode_key}=R3: the rollout records each token's experts and "
+            "the trainer logs moe/routing_disagreement (how often its own routing differs) without "
+            "replaying them (tandem's native and hf engines always record; vLLM: "
+            "rollout.engine.vllm.record_routing)"
         )

@@ -339,5 +339,15 @@ def test_verl_s_rollout_routing_replay_is_tandem_s_and_the_rest_is_refused():
         translate(args("actor_rollout_ref.actor.router_replay.mode=R3"))
     with pytest.raises(ValueError, match="R2 replays the old-log-prob pass's routing"):
         translate(args("actor_rollout_ref.actor.router_replay.mode=R2"))
-    recorded = translate(args("actor_rollout_ref.rollout.enable_rollout_routing_replay=true"))
-    assert any("would go unused" in note for note in recorded.notes)
+    # recorded, not replayed: the trainer logs how often its routing differs (vLLM told to record)
+    for engine, records in (("vllm", True), ("hf", False)):
+        recorded = translate(
+            args(
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+                f"actor_rollout_ref.rollout.name={engine}",
+            )
+        )
+        assert any("moe/routing_disagreement" in note for note in recorded.notes)
+        config = recorded.config()
+        assert config.actor.router_replay == "off"
+        assert config.rollout.engine.vllm.record_routing is records
