@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from tandem.controller import ResourcePool, create_worker_group
 from tandem.device import cuda_device_count
@@ -101,3 +102,44 @@ def resumed_steps(
         groups[size].load(str(directory / "checkpoint"))
         steps[size] = train_step(groups[size], second)
     return steps
+
+
+def assert_same_step(
+    split: tuple[dict, dict],
+    whole: tuple[dict, dict],
+    dp_size: int = 1,
+    outputs: tuple[str, ...] = ("log_probs", "entropy"),
+) -> None:
+    """Two :func:`train_step` results agree: ``outputs``, the grad norm, every updated weight,
+    and the loss (each of the ``dp_size`` data-parallel ranks reports its share on its rows:
+    the shares add up to the whole loss)."""
+    (got, got_params), (expected, expected_params) = split, whole
+    diffs = {name: max_diff(got[name], expected[name]) for name in (*outputs, "grad_norm")}
+    rows = len(got["loss"]) // dp_size
+    loss = sum(float(got["loss"][rank * rows]) for rank in range(dp_size))
+    diffs["loss"] = abs(loss - float(expected["loss"][0]))
+    assert got_params.keys() == expected_params.keys()
+    diffs |= {name: max_diff(got_params[name], tensor) for name, tensor in expected_params.items()}
+    assert_within_tolerance(diffs)
+
+
+def export_and_sync_diffs(one_process, two_ranks, split_config, batch, directory: Path) -> tuple[dict, dict]:
+    """After one step on ``batch`` each (the one-process engine as built, ``two_ranks`` built
+    with ``split_config``), the differences of the split engine's HF export and weight-sync
+    buckets (64 KiB, never more than a bucket or the largest tensor gathered at once) from the
+    one-process weights; and the export's tensors."""
+    one_process.train_step(batch)
+    expected = one_process.parameters()[0]
+    two_ranks.build(split_config)
+    two_ranks.train_step(batch)
+    two_ranks.export(str(directory / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(directory / "hf").state_dict()
+    limit = 64 * 1024
+    largest_tensor = max(t.numel() * t.element_size() for t in expected.values())
+    diffs = {}
+    for rank, got in enumerate(two_ranks.weight_buckets(limit)):
+        assert got["tensors"].keys() == expected.keys()
+        assert got["largest_bucket"] <= max(limit, largest_tensor)  # never the whole model at once
+        diffs |= {f"rank{rank}/sync/{n}": max_diff(got["tensors"][n], t) for n, t in expected.items()}
+    diffs |= {f"export/{name}": max_diff(exported[name], tensor) for name, tensor in expected.items()}
+    return diffs, exported

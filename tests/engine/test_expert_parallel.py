@@ -9,7 +9,6 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from tandem.controller import ResourcePool, WorkerError, create_worker_group
 from tandem.engine import LoraConfig
@@ -20,7 +19,9 @@ from tests.engine.conftest import random_batch
 from tests.engine.expert_parallel_workers import ExpertParallelWorker
 from tests.engine.mesh_comparisons import (
     assert_same_gradients,
+    assert_same_step,
     assert_within_tolerance,
+    export_and_sync_diffs,
     max_diff,
     mesh_config,
     mesh_groups,
@@ -134,19 +135,6 @@ def test_load_balancing_loss_under_expert_parallelism_equals_data_parallelism(mo
     assert_within_tolerance(diffs)
 
 
-def _assert_same_step(split: tuple[Batch, dict], whole: tuple[Batch, dict], dp_size: int) -> None:
-    (got, got_params), (expected, expected_params) = split, whole
-    diffs = {name: max_diff(got[name], expected[name]) for name in ("log_probs", "entropy", "grad_norm")}
-    # each data-parallel rank reports its loss share on its rows: the shares add up to the whole loss
-    rows = len(got) // dp_size
-    diffs["loss"] = abs(
-        float(sum(got["loss"][rank * rows] for rank in range(dp_size))) - float(expected["loss"][0])
-    )
-    assert got_params.keys() == expected_params.keys()
-    diffs |= {name: max_diff(got_params[name], tensor) for name, tensor in expected_params.items()}
-    assert_within_tolerance(diffs)
-
-
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_expert_parallel_optimizer_step_equals_one_process(model_dirs, one_process, two_ranks, strategy):
     """The clipped grad norm (reduced over the expert shards), the loss and every updated weight,
@@ -156,7 +144,7 @@ def test_expert_parallel_optimizer_step_equals_one_process(model_dirs, one_proce
     one_process.build(config)
     whole = train_step(one_process, batch)
     two_ranks.build(dataclasses.replace(config, ep_size=2, strategy=strategy))
-    _assert_same_step(train_step(two_ranks, batch), whole, dp_size=2)
+    assert_same_step(train_step(two_ranks, batch), whole, dp_size=2)
 
 
 @pytest.mark.parametrize("saved_ep,resumed_ep", [(2, 1), (1, 2)])
@@ -171,7 +159,7 @@ def test_checkpoint_resumes_under_another_expert_parallel_size(
     configs = {1: config, 2: dataclasses.replace(config, ep_size=2, strategy="fsdp2")}
     first, second = _routed_batch(3), _routed_batch(4)
     resumed = resumed_steps(groups, configs, saved_ep, resumed_ep, first, second, tmp_path)
-    _assert_same_step(resumed[2], resumed[1], dp_size=2)
+    assert_same_step(resumed[2], resumed[1], dp_size=2)
 
 
 def test_export_and_weight_sync_give_whole_expert_tensors(model_dirs, one_process, two_ranks, tmp_path):
@@ -180,21 +168,9 @@ def test_export_and_weight_sync_give_whole_expert_tensors(model_dirs, one_proces
     batch = _routed_batch(5)
     config = mesh_config(model_dirs["qwen2_moe"])
     one_process.build(config)
-    one_process.train_step(batch)
-    expected = one_process.parameters()[0]
-    two_ranks.build(dataclasses.replace(config, ep_size=2, strategy="ddp"))
-    two_ranks.train_step(batch)
-    two_ranks.export(str(tmp_path / "hf"))
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
-    limit = 64 * 1024
-    largest_tensor = max(t.numel() * t.element_size() for t in expected.values())
-    diffs = {}
-    for rank, got in enumerate(two_ranks.weight_buckets(limit)):
-        assert got["tensors"].keys() == expected.keys()
-        assert got["largest_bucket"] <= max(limit, largest_tensor)  # never the whole model at once
-        diffs |= {f"rank{rank}/sync/{n}": max_diff(got["tensors"][n], t) for n, t in expected.items()}
+    split = dataclasses.replace(config, ep_size=2, strategy="ddp")
+    diffs, exported = export_and_sync_diffs(one_process, two_ranks, split, batch, tmp_path)
     assert exported["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == EXPERTS
-    diffs |= {f"export/{name}": max_diff(exported[name], tensor) for name, tensor in expected.items()}
     assert_within_tolerance(diffs)
 
 
@@ -213,7 +189,7 @@ def test_four_ranks_expert_parallel_step_equals_one_process(model_dirs, one_proc
         group.build(dataclasses.replace(config, ep_size=ep_size, sp_size=sp_size, strategy="ddp"))
         assert all(set(held.values()) == {EXPERTS // ep_size} for held in group.local_experts())
         split = train_step(group, batch)
-    _assert_same_step(split, whole, dp_size=4 // sp_size)
+    assert_same_step(split, whole, dp_size=4 // sp_size)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
@@ -348,7 +324,7 @@ def test_expert_and_tensor_parallel_step_equals_one_process(model_dirs, one_proc
         group.build(dataclasses.replace(config, ep_size=2, tp_size=2, strategy="fsdp2"))
         assert all(set(held.values()) == {EXPERTS // 2} for held in group.local_experts())
         split = train_step(group, batch)
-    _assert_same_step(split, whole, dp_size=2)
+    assert_same_step(split, whole, dp_size=2)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])

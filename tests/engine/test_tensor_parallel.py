@@ -9,7 +9,6 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from tandem.controller import ResourcePool, WorkerError, create_worker_group
 from tandem.engine import EngineConfig, LoraConfig
@@ -20,7 +19,9 @@ from tandem.sft.data import SFTDataConfig
 from tests.engine.conftest import random_batch
 from tests.engine.mesh_comparisons import (
     assert_same_gradients,
+    assert_same_step,
     assert_within_tolerance,
+    export_and_sync_diffs,
     max_diff,
     mesh_config,
     mesh_groups,
@@ -72,22 +73,6 @@ def test_two_tensor_parallel_ranks_equal_one_process(
     assert_same_gradients(two_ranks.gradients(batch), whole)
 
 
-def _assert_same_step(
-    split: tuple[dict, dict],
-    whole: tuple[dict, dict],
-    dp_size: int = 1,
-    outputs: tuple[str, ...] = ("log_probs", "entropy"),
-) -> None:
-    (got, got_params), (expected, expected_params) = split, whole
-    diffs = {name: max_diff(got[name], expected[name]) for name in (*outputs, "grad_norm")}
-    # the data-parallel ranks' loss shares (first rows, last rows) add up to the whole loss
-    loss = float(got["loss"][0] + (got["loss"][-1] if dp_size == 2 else 0.0))
-    diffs["loss"] = abs(loss - float(expected["loss"][0]))
-    assert got_params.keys() == expected_params.keys()
-    diffs |= {name: max_diff(got_params[name], tensor) for name, tensor in expected_params.items()}
-    assert_within_tolerance(diffs)
-
-
 @pytest.mark.parametrize(
     "head,outputs", [("lm", ("log_probs", "entropy")), ("value", ("values",))], ids=["policy", "critic"]
 )
@@ -99,7 +84,7 @@ def test_tensor_parallel_optimizer_step_equals_one_process(model_dirs, one_proce
     one_process.build(config)
     whole = train_step(one_process, batch)
     two_ranks.build(dataclasses.replace(config, tp_size=2, strategy="fsdp2"))
-    _assert_same_step(train_step(two_ranks, batch), whole, outputs=outputs)
+    assert_same_step(train_step(two_ranks, batch), whole, outputs=outputs)
 
 
 @pytest.mark.slow  # four processes start on a 2-core machine
@@ -112,7 +97,7 @@ def test_fsdp2_by_tensor_parallel_mesh_step_equals_one_process(model_dirs, one_p
     with create_worker_group(TensorParallelWorker, ResourcePool((4,)), "process") as group:
         group.build(dataclasses.replace(config, tp_size=2, strategy="fsdp2"))
         split = train_step(group, batch)
-    _assert_same_step(split, whole, dp_size=2)
+    assert_same_step(split, whole, dp_size=2)
 
 
 @pytest.mark.parametrize("saved_tp,resumed_tp", [(2, 1), (1, 2)])
@@ -126,7 +111,7 @@ def test_checkpoint_resumes_on_another_mesh(
     configs = {1: config, 2: dataclasses.replace(config, tp_size=2, strategy="fsdp2")}
     first, second = random_batch(3, batch=8, length=24), random_batch(4, batch=8, length=24)
     resumed = resumed_steps(groups, configs, saved_tp, resumed_tp, first, second, tmp_path)
-    _assert_same_step(resumed[2], resumed[1])
+    assert_same_step(resumed[2], resumed[1])
 
 
 def test_export_and_weight_sync_give_whole_tensors(model_dirs, one_process, two_ranks, tmp_path):
@@ -135,21 +120,8 @@ def test_export_and_weight_sync_give_whole_tensors(model_dirs, one_process, two_
     batch = random_batch(5, batch=8, length=24)
     config = mesh_config(model_dirs["qwen2"])
     one_process.build(config)
-    one_process.train_step(batch)
-    expected = one_process.parameters()[0]
-    two_ranks.build(dataclasses.replace(config, tp_size=2, strategy="fsdp2"))
-    two_ranks.train_step(batch)
-    two_ranks.export(str(tmp_path / "hf"))
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
-    limit = 64 * 1024
-    synced = two_ranks.weight_buckets(limit)
-    largest_tensor = max(t.numel() * t.element_size() for t in expected.values())
-    diffs = {}
-    for rank, got in enumerate(synced):
-        assert got["tensors"].keys() == expected.keys()
-        assert got["largest_bucket"] <= max(limit, largest_tensor)  # never the whole model at once
-        diffs |= {f"rank{rank}/sync/{n}": max_diff(got["tensors"][n], t) for n, t in expected.items()}
-    diffs |= {f"export/{name}": max_diff(exported[name], tensor) for name, tensor in expected.items()}
+    split = dataclasses.replace(config, tp_size=2, strategy="fsdp2")
+    diffs, _ = export_and_sync_diffs(one_process, two_ranks, split, batch, tmp_path)
     assert_within_tolerance(diffs)
 
 
