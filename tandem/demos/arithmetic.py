@@ -162,21 +162,46 @@ def pipeline_overrides(mode: str) -> list[str]:
 def rl_overrides(
     settings: DemoSettings, sft_model: str, paths: dict[str, Path], root: Path, run_name: str = ""
 ) -> list[str]:
-    """The RL run's settings: the preset from the warmed-up model on the demo's prompts, a cosine
-    schedule over the run's optimizer steps, validation every ``val_every`` steps, the pipeline,
-    and ``settings.overrides`` last. The run writes to ``root / run_name`` (default: the preset's
-    name)."""
+    """The RL run's settings: the preset from the warmed-up model on the demo's prompts
+    (:func:`rl_run_overrides`), the pipeline, and ``settings.overrides`` last. The run writes to
+    ``root / run_name`` (default: the preset's name)."""
     run_name = run_name or settings.preset
+    return [
+        *rl_run_overrides(
+            settings, settings.preset, sft_model, paths, root / run_name,
+            f"demo-{run_name.replace('_', '-')}-arithmetic", prompt_length=64, response_length=8,
+        ),
+        *pipeline_overrides(settings.pipeline),
+        *(PPO_DEMO if settings.preset == "ppo" else ()),
+        *settings.overrides,
+    ]  # fmt: skip
+
+
+def rl_run_overrides(
+    settings: DemoSettings | VLMDemoSettings,
+    preset: str,
+    sft_model: str | Path,
+    paths: dict[str, Path],
+    output_dir: Path,
+    experiment: str,
+    prompt_length: int,
+    response_length: int,
+) -> list[str]:
+    """What every demo's RL run sets: ``preset`` from the warmed-up ``sft_model`` on the demo's
+    train and validation prompts, ``settings``' batch, group size and learning rate with a cosine
+    schedule over the run's optimizer steps, validation every ``val_every`` steps, a fresh run in
+    ``output_dir``. ``settings``: a demo's settings (``rl_steps``, ``prompts_per_step``,
+    ``responses_per_prompt``, ``mini_batch_prompts``, ``rl_lr``, ``val_every``, ``seed``)."""
     optimizer_steps = settings.rl_steps * settings.prompts_per_step // settings.mini_batch_prompts
     return [
-        f"preset={settings.preset}",
+        f"preset={preset}",
         f"model_path={sft_model}",
         f"data.train_path={paths['train']}",
         f"data.val_path={paths['val']}",
         f"data.train_batch_size={settings.prompts_per_step}",
-        "data.max_prompt_length=64",
+        f"data.max_prompt_length={prompt_length}",
         f"rollout.n={settings.responses_per_prompt}",
-        "rollout.max_response_length=8",
+        f"rollout.max_response_length={response_length}",
         f"actor.engine.lr={settings.rl_lr}",
         "actor.engine.lr_schedule=cosine",
         f"actor.engine.total_steps={optimizer_steps}",
@@ -184,13 +209,10 @@ def rl_overrides(
         f"actor.ppo_mini_batch_size={settings.mini_batch_prompts}",
         f"trainer.total_steps={settings.rl_steps}",
         f"trainer.val_every={settings.val_every}",
-        f"trainer.output_dir={root / run_name}",
+        f"trainer.output_dir={output_dir}",
         "trainer.resume=disable",
         f"trainer.seed={settings.seed}",
-        f"trainer.experiment=demo-{run_name.replace('_', '-')}-arithmetic",
-        *pipeline_overrides(settings.pipeline),
-        *(PPO_DEMO if settings.preset == "ppo" else ()),
-        *settings.overrides,
+        f"trainer.experiment={experiment}",
     ]
 
 

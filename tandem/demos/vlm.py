@@ -30,7 +30,7 @@ from tandem.data import write_parquet
 from tandem.data.images import decode_image
 from tandem.data.rows import read_rows
 from tandem.demos.accuracy import accuracy_curve, accuracy_table
-from tandem.demos.arithmetic import sft_warm_up
+from tandem.demos.arithmetic import rl_run_overrides, sft_warm_up
 from tandem.models import load_tokenizer
 from tandem.models.chat import template_ids, with_image_parts
 from tandem.models.tiny_vlm import TinyVLMConfig, save_tiny_vlm
@@ -123,27 +123,17 @@ def grpo_overrides(
 ) -> list[str]:
     """The GRPO run's settings: from the warmed-up model on the shapes prompts, validated every
     ``val_every`` steps, ``settings.overrides`` last."""
-    optimizer_steps = settings.rl_steps * settings.prompts_per_step // settings.mini_batch_prompts
     return [
-        "preset=grpo",
-        f"model_path={sft_model}",
-        f"data.train_path={paths['train']}",
-        f"data.val_path={paths['val']}",
-        f"data.train_batch_size={settings.prompts_per_step}",
-        "data.max_prompt_length=128",
-        f"rollout.n={settings.responses_per_prompt}",
-        "rollout.max_response_length=6",
-        f"actor.engine.lr={settings.rl_lr}",
-        "actor.engine.lr_schedule=cosine",
-        f"actor.engine.total_steps={optimizer_steps}",
-        "actor.engine.min_lr_ratio=0.1",
-        f"actor.ppo_mini_batch_size={settings.mini_batch_prompts}",
-        f"trainer.total_steps={settings.rl_steps}",
-        f"trainer.val_every={settings.val_every}",
-        f"trainer.output_dir={root / 'grpo'}",
-        "trainer.resume=disable",
-        f"trainer.seed={settings.seed}",
-        "trainer.experiment=demo-grpo-shapes",
+        *rl_run_overrides(
+            settings,
+            "grpo",
+            sft_model,
+            paths,
+            root / "grpo",
+            "demo-grpo-shapes",
+            prompt_length=128,
+            response_length=6,
+        ),
         *settings.overrides,
     ]
 
