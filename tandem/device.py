@@ -19,6 +19,9 @@ Everything else asks this module instead of probing ``torch.cuda`` itself:
 * :func:`to_device` moves inputs to a GPU without waiting for the work queued there.
 * :func:`uses_cuda_graphs` is true only for CUDA: the native engine's decode steps replay
   CUDA graphs there (:mod:`tandem.rollout.decode_graphs`).
+* :func:`available_memory_bytes` is the memory a new allocation on a device may take: the
+  GPU's free memory, or on the CPU the kernel's ``MemAvailable`` capped by the cgroup's room
+  (the native engine sizes its KV cache from it).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import os
 import threading
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -195,3 +199,69 @@ def release_cached_memory(device: torch.device | str) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def available_memory_bytes(device: torch.device | str) -> int | None:
+    """Bytes a new allocation on ``device`` may take now: ``torch.cuda.mem_get_info``'s free
+    memory on a GPU; on the CPU ``/proc/meminfo``'s ``MemAvailable``, capped by the room left
+    under this process's cgroup memory limit (v2 or v1; reclaimable page cache counts as room).
+    ``None`` where the system does not say (no ``/proc/meminfo``)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    available = _meminfo_available()
+    room = _cgroup_room()
+    if available is None:
+        return room
+    return available if room is None else min(available, room)
+
+
+def _meminfo_available() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes, or ``None`` without it."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+# (limit, usage, stat file, its inactive page-cache key) of cgroup v2, then v1
+_CGROUPS = (
+    (
+        "/sys/fs/cgroup/memory.max",
+        "/sys/fs/cgroup/memory.current",
+        "/sys/fs/cgroup/memory.stat",
+        "inactive_file",
+    ),
+    (
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+        "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        "/sys/fs/cgroup/memory/memory.stat",
+        "total_inactive_file",
+    ),
+)
+
+
+def _cgroup_room() -> int | None:
+    """Bytes left under the cgroup's memory limit (limit - usage + inactive page cache), or
+    ``None`` when no limit is set (v2's ``max``, v1's huge number) or readable."""
+    for limit_file, usage_file, stat_file, inactive_key in _CGROUPS:
+        try:
+            limit_text = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max" or not limit_text.isdigit() or int(limit_text) >= 1 << 60:
+            return None
+        inactive = 0
+        try:
+            for line in Path(stat_file).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == inactive_key:
+                    inactive = int(value)
+        except (OSError, ValueError):
+            pass
+        return max(0, int(limit_text) - usage + inactive)
+    return None

@@ -12,6 +12,10 @@ class OutputDirInUseError(RuntimeError):
     """Another run holds the output directory."""
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (the disk is full); the earlier ones are intact."""
+
+
 class RolloutReplicaError(RuntimeError):
     """A rollout replica of an asynchronous pipeline died, hung or failed; the message names it.
 
@@ -26,4 +30,11 @@ class RolloutReplicaError(RuntimeError):
         return (RolloutReplicaError, (str(self), self.rank))
 
 
-USER_ERRORS = (ValueError, FileNotFoundError, DivergenceError, OutputDirInUseError, RolloutReplicaError)
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    DivergenceError,
+    OutputDirInUseError,
+    RolloutReplicaError,
+    CheckpointSaveError,
+)

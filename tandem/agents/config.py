@@ -8,6 +8,7 @@ from tandem.agents.loops import AGENT_LOOPS, load_interaction
 from tandem.agents.sandbox import SandboxLimits
 from tandem.agents.tool_calls import TOOL_CALL_PARSERS
 from tandem.agents.tools import duplicate_names, load_user_tools
+from tandem.config.paths import INPUT_PATH, path_field
 from tandem.config.validation import check_positive
 
 BUILTIN_TOOLS = ("calculator", "python")
@@ -43,11 +44,11 @@ class AgentConfig:
 
     name: str = "single_turn"
     tools: tuple[str, ...] = ()
-    tools_path: str = ""
+    tools_path: str = path_field(INPUT_PATH)
     tool_parser: str = "hermes"
     max_turns: int = 4
     tool_concurrency: int = 8
-    interaction_path: str = ""
+    interaction_path: str = path_field(INPUT_PATH)
     interaction_name: str = "respond"
     tool_timeout_s: float = 60.0
     interaction_timeout_s: float = 60.0

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.models.chat_literal import literal_template_ids
 from tandem.protocol.generation import Completion
 
 ANCHOR = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
@@ -79,10 +80,17 @@ class TurnEncoder:
                 "an agent loop needs to know where the model's turn ends"
             )
         self.after_turn = self.anchor[at + len(end) :]  # e.g. ChatML's "\n" after <|im_end|>
+        # the anchor's tokens through its EOS: a special token, so the tokens after it never merge with it
+        self.anchor_ids = list(tokenizer.encode(self.anchor[: at + len(end)], add_special_tokens=False))
 
     def encode(self, messages: list[dict]) -> list[int]:
         """Tokens of ``messages`` (tool results, user replies) and the next generation prompt, as
-        they follow a model turn that ended with the EOS token."""
+        they follow a model turn that ended with the EOS token.
+
+        The messages' text is always tokenized as plain text: a special-token string inside a tool's
+        output or a user reply (``<|im_end|>``) never becomes a control token, so a tool cannot
+        close its turn and forge another (:mod:`tandem.models.chat_literal`).
+        """
         full = self.tokenizer.apply_chat_template(
             [*ANCHOR, *messages], tokenize=False, add_generation_prompt=True
         )
@@ -90,6 +98,7 @@ class TurnEncoder:
             raise ValueError(
                 "the chat template does not render a conversation as a prefix of its continuation"
             )
-        return list(
-            self.tokenizer.encode(self.after_turn + full[len(self.anchor) :], add_special_tokens=False)
-        )
+        ids = literal_template_ids(self.tokenizer, [*ANCHOR, *messages], add_generation_prompt=True)
+        if ids[: len(self.anchor_ids)] != self.anchor_ids:
+            raise ValueError("the chat template's tokens of a conversation do not begin with its first turns'")
+        return ids[len(self.anchor_ids) :]

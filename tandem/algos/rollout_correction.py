@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from tandem.algos.masked import masked_mean, masked_sum
-from tandem.config.validation import check_choice, check_positive
+from tandem.config.finite import no_limit_at_inf
+from tandem.config.validation import check_choice, check_finite, check_positive
 
 MAX_LOG_WEIGHT = 20.0  # log-ratios are clamped here before exp() so weights stay finite
 
@@ -33,26 +34,28 @@ class RolloutCorrectionConfig:
 
     Attributes:
         is_level: ``none``, ``token`` or ``sequence`` truncated importance weights.
-        is_threshold: the truncation ``C`` of the importance weights.
+        is_threshold: the truncation ``C`` of the importance weights (``inf``: no truncation).
         rejection: ``none``, ``token``, ``sequence`` (product ratio) or ``geometric``
             (per-token geometric mean ratio) masking.
-        rejection_low / rejection_high: the accepted ratio interval of the rejection.
+        rejection_low / rejection_high: the accepted ratio interval of the rejection
+            (``rejection_high=inf``: no upper limit, only ratios below ``rejection_low`` are rejected).
         veto_threshold: drop a sequence with any token ratio below this (None: off).
     """
 
     is_level: str = "none"
-    is_threshold: float = 2.0
+    is_threshold: float = no_limit_at_inf(2.0)
     rejection: str = "none"
     rejection_low: float = 0.5
-    rejection_high: float = 2.0
+    rejection_high: float = no_limit_at_inf(2.0)
     veto_threshold: float | None = None
 
     def __post_init__(self) -> None:
         owner = "algorithm.rollout_correction"
         check_choice(owner, "is_level", self.is_level, ["none", "token", "sequence"])
         check_choice(owner, "rejection", self.rejection, ["none", "token", "sequence", "geometric"])
-        check_positive(owner, "is_threshold", self.is_threshold)
+        check_positive(owner, "is_threshold", self.is_threshold, allow_inf=True)
         check_positive(owner, "rejection_low", self.rejection_low)
+        check_finite(owner, "rejection_high", self.rejection_high, allow_inf=True)
         if self.rejection_high <= self.rejection_low:
             raise ValueError(
                 f"{owner}.rejection_high={self.rejection_high} must exceed rejection_low={self.rejection_low}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.config.paths import OUTPUT_PATH, path_field
 from tandem.config.validation import check_choice, check_positive
 
 BACKENDS = ("naive", "broadcast", "shared_memory", "files")
@@ -31,7 +32,7 @@ class CheckpointEngineConfig:
 
     backend: str = "naive"
     bucket_mb: float = 512
-    directory: str = ""
+    directory: str = path_field(OUTPUT_PATH)
     host: str = ""
     timeout_s: float = 300.0
 

@@ -37,7 +37,7 @@ def _check_path(schema: type, path: str, value: str, removing: bool) -> None:
             )
             where = f"{group} ({node.__name__})" if group else node.__name__
             raise ValueError(f"{path} is not a setting: {where} has no field {part!r}{hint}")
-        kind = _unwrap(typing.get_type_hints(node)[part])
+        kind = unwrap_optional(typing.get_type_hints(node)[part])
         if _is_open_mapping(kind):
             return  # a free-form dict: any deeper key is the user's
         last = depth == len(parts) - 1
@@ -55,7 +55,7 @@ def _check_path(schema: type, path: str, value: str, removing: bool) -> None:
         node = kind
 
 
-def _unwrap(kind: Any) -> Any:
+def unwrap_optional(kind: Any) -> Any:
     """``X | None`` → ``X``; anything else unchanged."""
     args = [a for a in typing.get_args(kind) if a is not type(None)]
     if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(args) == 1:

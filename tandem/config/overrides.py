@@ -8,6 +8,7 @@ from typing import TypeVar
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from tandem.config.finite import check_finite_floats
 from tandem.config.keys import check_override_keys
 
 T = TypeVar("T")
@@ -16,8 +17,8 @@ T = TypeVar("T")
 def config_from_overrides(schema: type[T], overrides: Sequence[str], yaml_path: str | None = None) -> T:
     """Build ``schema`` (a dataclass) from its defaults, an optional YAML file of overrides, then ``overrides``.
 
-    Unknown keys and wrong types are errors naming the key; each dataclass's ``__post_init__``
-    validation runs on the result.
+    Unknown keys, wrong types and non-finite floats (:mod:`tandem.config.finite`) are errors
+    naming the key; each dataclass's ``__post_init__`` validation runs on the result.
     """
     for item in overrides:
         if "=" not in item:
@@ -30,6 +31,7 @@ def config_from_overrides(schema: type[T], overrides: Sequence[str], yaml_path: 
         if yaml_path:
             merged = OmegaConf.merge(merged, OmegaConf.load(yaml_path))
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        check_finite_floats(schema, merged)  # NaN/inf named by the key as written, before any __post_init__
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise ValueError(f"bad configuration: {error}") from None

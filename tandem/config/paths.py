@@ -4,8 +4,9 @@ Workers may not share the driver's working directory: on a Ray cluster started b
 (``ray start``), actors run in a directory of Ray's choosing, and a relative
 ``trainer.output_dir`` would scatter a checkpoint between the driver's folder and theirs. The
 trainers therefore resolve their path keys against their own working directory before any
-worker starts. Inputs (models, data, user code) are resolved only when they exist there, since a
-``model_path`` may also name a model on the Hugging Face Hub.
+worker starts: every config field declared with :func:`path_field` (marked on the field, so a new
+path key cannot be forgotten in a list elsewhere). Inputs (models, data, user code) are resolved
+only when they exist there, since a ``model_path`` may also name a model on the Hugging Face Hub.
 
 Every trainer rank writes its part of a checkpoint under ``trainer.output_dir``, so on several
 machines that directory must be one filesystem they all mount:
@@ -22,10 +23,58 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+INPUT_PATH = "input"  # read by the run: resolved only when it exists here (else a Hub id, left alone)
+OUTPUT_PATH = "output"  # written by the run: always resolved
+_PATH_KIND = "path"  # the key of a dataclass field's metadata that marks it
+
+
+def path_field(kind: str, default: str | None = "") -> Any:
+    """A config dataclass field that holds a file-system path (or a list of them), marked so that
+    :func:`with_absolute_paths` finds it: ``kind`` is :data:`INPUT_PATH` or :data:`OUTPUT_PATH`."""
+    if kind not in (INPUT_PATH, OUTPUT_PATH):
+        raise ValueError(f"a path field is {INPUT_PATH!r} or {OUTPUT_PATH!r}, not {kind!r}")
+    return dataclasses.field(default=default, metadata={_PATH_KIND: kind})
+
+
+def path_kind(field: dataclasses.Field) -> str | None:
+    """:data:`INPUT_PATH` or :data:`OUTPUT_PATH` for a field made by :func:`path_field`, else None."""
+    return field.metadata.get(_PATH_KIND)
+
+
 def _absolute(path: str, must_exist: bool) -> str:
     if not path or os.path.isabs(path) or (must_exist and not os.path.exists(path)):
         return path
     return os.path.abspath(path)
+
+
+def _absolute_value(value: Any, must_exist: bool) -> Any:
+    """A path, or each path of a list or tuple of them, made absolute (anything else as it is)."""
+    if isinstance(value, str):
+        return _absolute(value, must_exist)
+    if isinstance(value, list | tuple) and all(isinstance(item, str) for item in value):
+        return type(value)(_absolute(item, must_exist) for item in value)
+    return value
+
+
+def with_absolute_paths(config: T) -> T:
+    """``config`` with every relative path in a field marked by :func:`path_field`, at any depth of
+    nested config dataclasses, made absolute against this process's working directory: outputs
+    always, inputs where they exist here. Each dataclass on the way is rebuilt once, with all its
+    new values together, so its checks see them together (a key that must equal another stays
+    equal when both resolve)."""
+    changed: dict[str, Any] = {}
+    for field in dataclasses.fields(config):  # type: ignore[arg-type]
+        value = getattr(config, field.name)
+        kind = path_kind(field)
+        if kind is not None:
+            resolved = _absolute_value(value, must_exist=kind == INPUT_PATH)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            resolved = with_absolute_paths(value)
+        else:
+            continue
+        if resolved is not value and resolved != value:
+            changed[field.name] = resolved
+    return dataclasses.replace(config, **changed) if changed else config  # type: ignore[type-var]
 
 
 def _value(config: Any, key: str) -> Any:
@@ -37,7 +86,7 @@ def _value(config: Any, key: str) -> Any:
     return config
 
 
-def _replace_keys(config: T, values: dict[str, Any]) -> T:
+def replace_keys(config: T, values: dict[str, Any]) -> T:
     """``config`` with each dotted key of ``values`` set, every dataclass on the way rebuilt once
     (so its checks see all the new values together: a key that must equal another stays equal)."""
     own: dict[str, Any] = {key: value for key, value in values.items() if "." not in key}
@@ -47,21 +96,8 @@ def _replace_keys(config: T, values: dict[str, Any]) -> T:
             head, rest = key.split(".", 1)
             nested.setdefault(head, {})[rest] = value
     for head, below in nested.items():
-        own[head] = _replace_keys(getattr(config, head), below)
+        own[head] = replace_keys(getattr(config, head), below)
     return dataclasses.replace(config, **own) if own else config
-
-
-def with_absolute_paths(config: T, outputs: tuple[str, ...], inputs: tuple[str, ...]) -> T:
-    """``config`` with its relative path keys made absolute against this process's working
-    directory: every key of ``outputs``, and those of ``inputs`` that exist here (keys this
-    config lacks are skipped)."""
-    changed: dict[str, str] = {}
-    for keys, must_exist in ((outputs, False), (inputs, True)):
-        for key in keys:
-            path = _value(config, key)
-            if isinstance(path, str) and _absolute(path, must_exist) != path:
-                changed[key] = _absolute(path, must_exist)
-    return _replace_keys(config, changed) if changed else config
 
 
 def check_workers_share_output_dir(workers: Any, output_dir: Path) -> None:

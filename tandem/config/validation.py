@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,10 +23,16 @@ def check_range(
     *,
     low_inclusive: bool = True,
     high_inclusive: bool = True,
+    allow_inf: bool = False,
 ) -> None:
-    """Raise ``ValueError`` unless ``low <= value <= high`` (bounds optional, inclusivity configurable)."""
+    """Raise ``ValueError`` unless ``low <= value <= high`` (bounds optional, inclusivity configurable).
+
+    NaN is always refused, and ``inf``/``-inf`` too unless ``allow_inf`` (for a field whose
+    documentation says ``inf`` means "no limit"); the bounds still apply to an infinite value.
+    """
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ValueError(f"{owner}.{field} must be a number, got {type(value).__name__} {value!r}")
+    check_finite(owner, field, value, allow_inf=allow_inf)
     too_low = low is not None and (value < low if low_inclusive else value <= low)
     too_high = high is not None and (value > high if high_inclusive else value >= high)
     if too_low or too_high:
@@ -34,6 +41,18 @@ def check_range(
         raise ValueError(f"{owner}.{field}={value!r} is outside the allowed range {lower}, {upper}")
 
 
-def check_positive(owner: str, field: str, value: float) -> None:
-    """Raise ``ValueError`` unless ``value > 0``."""
-    check_range(owner, field, value, low=0.0, low_inclusive=False)
+def check_positive(owner: str, field: str, value: float, *, allow_inf: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value > 0`` (and finite, unless ``allow_inf``)."""
+    check_range(owner, field, value, low=0.0, low_inclusive=False, allow_inf=allow_inf)
+
+
+def check_finite(owner: str, field: str, value: Any, *, allow_inf: bool = False) -> None:
+    """Raise ``ValueError`` when ``value`` is a NaN float, or ``inf``/``-inf`` unless ``allow_inf``.
+
+    ``owner`` may be empty when ``field`` is already the whole dotted key (``actor.engine.lr``).
+    """
+    if not isinstance(value, float) or math.isfinite(value) or (allow_inf and not math.isnan(value)):
+        return
+    key = f"{owner}.{field}" if owner else field
+    allowed = "a number or inf (no limit)" if allow_inf else "a finite number"
+    raise ValueError(f"{key}={value!r} is not allowed: it must be {allowed}")

@@ -19,8 +19,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tandem.dataplane import BatchRef
 from tandem.protocol import Batch
 from tandem.registry import Registry
+
+Rows = (Batch, BatchRef)  # what the data-parallel modes split: batches, or references to their rows
 
 
 class GroupView(Protocol):
@@ -100,10 +103,11 @@ def _first_output(group: GroupView, outputs: list, context: Any) -> Any:
     return outputs[0]
 
 
-def _require_batch(mode: str, position: Any, value: Any) -> Batch:
-    if not isinstance(value, Batch):
+def _require_batch(mode: str, position: Any, value: Any) -> Batch | BatchRef:
+    if not isinstance(value, Rows):
         raise DispatchError(
-            f"{mode} splits Batch arguments; argument {position!r} is a {type(value).__name__}"
+            f"{mode} splits Batch arguments; argument {position!r} is a {type(value).__name__}, "
+            "not a Batch or a BatchRef"
         )
     return value
 
@@ -111,11 +115,12 @@ def _require_batch(mode: str, position: Any, value: Any) -> Batch:
 def split_batches(mode: str, parts: int, args: tuple, kwargs: dict) -> tuple[list, list, int]:
     """Pad every Batch argument to a multiple of ``parts`` and chunk it; returns per-part args/kwargs and the pad.
 
-    Positional arguments must be Batches. Keyword arguments that are not Batches (settings,
+    Positional arguments must be Batches or :class:`~tandem.dataplane.BatchRef` s (split the
+    same way, by rewriting their row indices). Keyword arguments that are neither (settings,
     such as sampling parameters) go to every part unchanged.
     """
-    settings = {k: v for k, v in kwargs.items() if not isinstance(v, Batch)}
-    kwargs = {k: v for k, v in kwargs.items() if isinstance(v, Batch)}
+    settings = {k: v for k, v in kwargs.items() if not isinstance(v, Rows)}
+    kwargs = {k: v for k, v in kwargs.items() if isinstance(v, Rows)}
     sizes = {len(_require_batch(mode, p, v)) for p, v in [*enumerate(args), *kwargs.items()]}
     if len(sizes) > 1:
         raise DispatchError(f"{mode}: Batch arguments have different sizes {sorted(sizes)}")
@@ -136,12 +141,16 @@ def split_batches(mode: str, parts: int, args: tuple, kwargs: dict) -> tuple[lis
 
 
 def concat_and_unpad(outputs: Sequence[Any], pad: int) -> Any:
-    """Concatenate per-rank Batch outputs and drop the padding; other outputs come back as a list."""
+    """Concatenate per-rank Batch (or BatchRef) outputs and drop the padding; other outputs come back
+    as a list."""
     if outputs and all(isinstance(o, Batch) for o in outputs):
         return Batch.concat(list(outputs)).unpad(pad)
+    if outputs and all(isinstance(o, BatchRef) for o in outputs):
+        return BatchRef.concat(list(outputs)).unpad(pad)
     if pad:
         raise DispatchError(
-            "a DP call padded its input but its outputs are not Batches, so the padding cannot be removed"
+            "a DP call padded its input but its outputs are not all Batches or all BatchRefs, "
+            "so the padding cannot be removed"
         )
     return list(outputs)
 

@@ -18,6 +18,10 @@ Batches sent to workers in other processes on the controller's host travel as sh
 files (:mod:`tandem.protocol.shared`): only a path crosses the pipe or Ray's object store, and
 the worker's tensors are views of the file. Which ranks can read the controller's
 ``/dev/shm`` is asked once, with a probe file; the others get the batch pickled.
+
+A :class:`~tandem.dataplane.BatchRef` argument travels as what it is — references and per-row
+scalars — and each rank fetches its rows itself (:meth:`Worker._tandem_execute`); a method
+registered with ``outputs="ref"`` returns references to outputs kept in the ranks' stores.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from typing import Any, Protocol
 
 from tandem.controller.decorator import MethodSpec, registered_methods
 from tandem.controller.dispatch import ONE_TO_ALL, DispatchError, DispatchMode, MeshRank
+from tandem.dataplane import BatchRef, DataPlaneConfig, Traffic
+from tandem.dataplane.shm import discard_blocks_of
 from tandem.protocol import Batch
 from tandem.protocol.shared import BatchSharer, write_probe
 
@@ -159,6 +165,7 @@ class WorkerGroup:
         # Workers in the controller's own process take the batch object itself.
         self.sharer = None if getattr(backend, "same_process", False) else (sharer or BatchSharer())
         self._shared_ranks: set[int] | None = None  # ranks that read the controller's /dev/shm (probed once)
+        self._data_plane = DataPlaneConfig()  # where the ranks put kept outputs (use_data_store)
         for name, spec in registered_methods(worker_cls).items():
             if hasattr(WorkerGroup, name):
                 raise ValueError(
@@ -279,6 +286,23 @@ class WorkerGroup:
         collect = functools.partial(_collect_values, future.mode, future.group.snapshot(), future.context)
         return self.backend.derive(future.handles, collect)
 
+    # ------------------------------------------------------------------ the data plane
+    def use_data_store(self, config: DataPlaneConfig) -> None:
+        """Every rank puts its kept outputs into ``config``'s store from now on (default: shm)."""
+        self.execute_all("_tandem_set_data_store", config)
+        self._data_plane = config
+
+    def data_traffic(self) -> list[Traffic]:
+        """Each rank's data-plane byte counters since its process started, in rank order."""
+        return self.execute_all("_tandem_data_traffic")
+
+    def release_refs(self, ref: BatchRef) -> None:
+        """Release the blocks ``ref``'s rows live in, on every rank (the one that put a Ray block
+        drops it; a shared-memory block's file is deleted by whichever rank gets there first)."""
+        blocks = ref.blocks()
+        if blocks:
+            self.execute_all("_tandem_release_blocks", blocks)
+
     def restart(self, rank: int) -> None:
         """Replace rank ``rank``'s worker by a fresh one built with the group's arguments (a dead
         or hung rollout replica). Only for workers that share no process group; the in-process
@@ -290,10 +314,14 @@ class WorkerGroup:
         self._shared_ranks = None  # the new process is asked again which files it sees
 
     def shutdown(self) -> None:
-        """Stop every worker (idempotent) and delete batch files no worker opened."""
+        """Stop every worker (idempotent) and delete batch files no worker opened, and the
+        data-plane block files the workers on this host left."""
+        pids = [] if getattr(self.backend, "same_process", False) else list(self.backend.host_pids)
         self.backend.shutdown()
         if self.sharer is not None:
             self.sharer.discard_all()
+        for pid in pids:
+            discard_blocks_of(pid, self._data_plane.directory)
 
     def __enter__(self) -> WorkerGroup:
         return self

@@ -12,10 +12,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.controller.decorator import SPEC_ATTR, MethodSpec
 from tandem.controller.dispatch import MeshRank
 from tandem.controller.errors import WorkerError
 from tandem.controller.network import rendezvous_host, route_collectives_through
+from tandem.dataplane import BatchRef, Block, DataPlaneConfig, Traffic, store_for, traffic
+from tandem.dataplane import get as get_block
+from tandem.dataplane import release as release_block
 from tandem.device import process_group_backend
+from tandem.protocol import Batch
 from tandem.protocol.shared import SharedBatch, read_probe
 
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -164,8 +169,32 @@ class Worker:
         os.environ.update(info.as_env())
         return info.master_addr, info.master_port
 
+    # ------------------------------------------------------------------ the data plane
+    def _tandem_set_data_store(self, config: DataPlaneConfig) -> None:
+        """Put this rank's kept outputs (``@register(outputs="ref")``) into ``config``'s store."""
+        self.__dict__["_tandem_data_plane"] = config
+
+    def _tandem_data_store(self) -> Any:
+        return store_for(self.__dict__.get("_tandem_data_plane") or DataPlaneConfig())
+
+    def _tandem_data_traffic(self) -> Traffic:
+        """This process's data-plane byte counters (:func:`tandem.dataplane.traffic`)."""
+        return traffic()
+
+    def _tandem_release_blocks(self, blocks: list[Block]) -> None:
+        """Release ``blocks`` (shared-memory files on this host; Ray blocks this process put)."""
+        for block in blocks:
+            release_block(block)
+
     def _tandem_execute(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` (a dotted path such as ``"actor.update"`` for colocated roles).
+
+        A :class:`~tandem.dataplane.BatchRef` argument is fetched here, for every method: only
+        the fields the method declares it reads (``@register(reads=...)``; declared fields the
+        batch lacks are left out, as a Batch would lack them), only this rank's rows, built into
+        the padded ``Batch`` a Batch argument would have been. A method declared with
+        ``outputs="ref"`` and called with a ``BatchRef`` has its ``Batch`` result put into this
+        rank's store and returned as a ``BatchRef`` (called with Batches, it returns its ``Batch``).
 
         Any exception is re-raised as :class:`WorkerError` carrying this rank and the traceback,
         so every backend reports worker failures the same way. The call is a range named
@@ -175,17 +204,29 @@ class Worker:
         try:
             for part in method.split("."):
                 target = getattr(target, part)
-            args = tuple(_opened(value) for value in args)
-            kwargs = {key: _opened(value) for key, value in kwargs.items()}
+            spec: MethodSpec | None = getattr(target, SPEC_ATTR, None)
+            reads = spec.reads if spec is not None else None
+            by_ref = any(isinstance(value, BatchRef) for value in (*args, *kwargs.values()))
+            args = tuple(_opened(value, reads) for value in args)
+            kwargs = {key: _opened(value, reads) for key, value in kwargs.items()}
             with torch.profiler.record_function(method):  # a named range in profiler traces
-                return target(*args, **kwargs)
+                result = target(*args, **kwargs)
+            if by_ref and spec is not None and spec.outputs == "ref" and isinstance(result, Batch):
+                return BatchRef.put(result, self._tandem_data_store())
+            return result
         except Exception:
             raise WorkerError(self.rank, method, traceback.format_exc()) from None
 
 
-def _opened(value: Any) -> Any:
-    """A :class:`SharedBatch` argument as the batch it stands for (views of the mapped file)."""
-    return value.open() if isinstance(value, SharedBatch) else value
+def _opened(value: Any, reads: tuple[str, ...] | None) -> Any:
+    """A :class:`SharedBatch` argument as the batch it stands for (views of the mapped file); a
+    :class:`BatchRef` as the padded batch of the fields in ``reads`` (all when ``None``)."""
+    if isinstance(value, SharedBatch):
+        return value.open()
+    if isinstance(value, BatchRef):
+        fields = None if reads is None else [f for f in reads if f in value]
+        return value.materialise(get_block, fields)
+    return value
 
 
 def construct_worker(cls: type, dist_info: DistInfo, args: tuple, kwargs: dict) -> Any:

@@ -57,10 +57,14 @@ def decode_image(
 
 
 def decode_data_url(
-    url: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, max_bytes: int | None = None
+    url: str,
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    max_bytes: int | None = None,
+    limit: str | None = None,
 ) -> Image.Image:
-    """A ``data:image/...;base64,...`` URL's image (:func:`decode_image`); any other URL (``http:``,
-    ``file:``, ...) is refused: the caller must never fetch what a client names."""
+    """A ``data:image/...;base64,...`` URL's image (:func:`decode_image`, ``limit`` naming the pixel
+    limit's setting); any other URL (``http:``, ``file:``, ...) is refused: the caller must never
+    fetch what a client names."""
     if not isinstance(url, str) or not url.startswith("data:"):
         scheme = url.split(":", 1)[0] if isinstance(url, str) and ":" in url else "no scheme"
         raise ImageError(
@@ -78,13 +82,18 @@ def decode_data_url(
         raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as error:
         raise ImageError(f"the data: URL's payload is not valid base64 ({error})") from error
-    return decode_image(raw, max_pixels)
+    return decode_image(raw, max_pixels, limit)
 
 
 def entry_bytes(entry: object, base_dir: Path | None = None) -> bytes:
     """The bytes of one entry of a data file's image list, as verl writes it: ``{"bytes": ...}`` or
     ``{"path": ...}`` (a relative path is taken from ``base_dir``, the data file's folder);
-    :class:`ImageError` for a missing file or an entry that is neither."""
+    :class:`ImageError` for a missing file, one that is not a regular file (``/dev/zero``, a
+    folder, a pipe) or an entry that is neither.
+
+    Paths are trusted as the rest of the data file is: an absolute path or one with ``..`` is
+    read wherever it points (as verl does). Check a data file from elsewhere before training on it.
+    """
     if isinstance(entry, (bytes, bytearray)):
         return bytes(entry)
     if not isinstance(entry, dict):
@@ -100,6 +109,10 @@ def entry_bytes(entry: object, base_dir: Path | None = None) -> bytes:
     if not isinstance(path, str) or not path:
         raise ImageError(f"an image entry needs 'bytes' or a 'path', got keys {sorted(entry)}")
     file = Path(path) if base_dir is None or Path(path).is_absolute() else base_dir / path
-    if not file.is_file():
+    if not file.exists():
         raise ImageError(f"the image file {file} does not exist")
+    if not file.is_file():
+        raise ImageError(
+            f"the image path {file} is not a regular file (a device, folder or pipe); name an image file"
+        )
     return file.read_bytes()

@@ -61,15 +61,60 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     if path.suffix == ".parquet":
         return _read_parquet(path)
     if path.suffix in (".jsonl", ".json"):
-        rows = []
-        for line_number, line in enumerate(path.read_text().splitlines(), start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}: line {line_number} is not valid JSON: {error}") from None
-        return rows
+        return _read_json_lines(path)
     raise ValueError(f"data file {path} must end in .parquet or .jsonl")
+
+
+def _read_json_lines(path: Path) -> list[dict[str, Any]]:
+    """The rows of one JSONL file. Invalid UTF-8, invalid JSON and a lone surrogate (``"\\ud800"``:
+    valid JSON, but no text, so the tokenizer refuses it) are each a ``ValueError`` naming the file,
+    the line (and the row, counting rows as the trainers do) and the byte or field."""
+    rows: list[dict[str, Any]] = []
+    for line_number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(
+                f"{path}: line {line_number}: byte {error.start + 1} ({raw[error.start : error.start + 1]!r}) "
+                f"is not valid UTF-8 ({error.reason}); save the file as UTF-8"
+            ) from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: line {line_number} is not valid JSON: {error}") from None
+        where = f"{path}: line {line_number} (row {len(rows)})"
+        _check_surrogates(row, where, "")
+        rows.append(row)
+    return rows
+
+
+def _check_surrogates(value: Any, where: str, field: str) -> None:
+    """Raise ``ValueError`` naming ``where`` and the field path when a string in ``value`` holds a
+    lone UTF-16 surrogate (``\\ud800``-``\\udfff`` escaped alone in JSON)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")  # fails exactly on a lone surrogate, at C speed
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"{where}: field {_printable(field) or '(the row)'!r} holds a lone surrogate "
+                f"\\u{ord(value[error.start]):04x} at character {error.start}, which is not text; a JSON "
+                "\\u escape outside the Basic Multilingual Plane must be a pair (\\ud83d\\ude00)"
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            path = f"{field}.{key}" if field else str(key)
+            _check_surrogates(key, where, f"{path} (a key)")
+            _check_surrogates(item, where, path)
+    elif isinstance(value, list):
+        for number, item in enumerate(value):
+            _check_surrogates(item, where, f"{field}[{number}]")
+
+
+def _printable(text: str) -> str:
+    """``text`` with any surrogate escaped, so the message itself can be printed."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:

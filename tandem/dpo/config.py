@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.algos.preference import PreferenceLossConfig
+from tandem.config.paths import INPUT_PATH, OUTPUT_PATH, path_field
 from tandem.dpo.data import PreferenceDataConfig
 from tandem.engine.config import EngineConfig, check_trainer_tensor_parallel
 from tandem.sft.config import SFTTrainerConfig
@@ -17,7 +18,7 @@ class DPOTrainerConfig(SFTTrainerConfig):
     """The loop (``trainer.*``): the SFT loop's settings (``global_batch_size`` counts pairs),
     under another directory and name."""
 
-    output_dir: str = "outputs/dpo"
+    output_dir: str = path_field(OUTPUT_PATH, "outputs/dpo")
     experiment: str = "dpo"
 
 
@@ -40,12 +41,12 @@ class DPOConfig:
         trainer: the loop (:class:`DPOTrainerConfig`).
     """
 
-    model_path: str = ""
+    model_path: str = path_field(INPUT_PATH)
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(lr=1e-6))
     preference: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
     reference: str = "precompute"
-    ref_model_path: str = ""
+    ref_model_path: str = path_field(INPUT_PATH)
     trainer: DPOTrainerConfig = field(default_factory=DPOTrainerConfig)
 
     def __post_init__(self) -> None:

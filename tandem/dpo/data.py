@@ -23,9 +23,11 @@ from typing import Any
 
 import torch
 
+from tandem.config.paths import INPUT_PATH, path_field
 from tandem.config.validation import check_choice, check_positive
 from tandem.data.rows import read_rows
 from tandem.models.chat import check_message, template_ids
+from tandem.models.chat_literal import SPECIAL_TOKENS_IN_TEXT
 from tandem.protocol import Batch
 
 POLICIES = ("error", "drop")
@@ -43,10 +45,13 @@ class PreferenceDataConfig:
         max_length: most tokens of prompt + the longer response.
         overlong_pairs: ``drop`` (skip, counted) or ``error`` (name the row).
         invalid_pairs: ``error`` (name the row and what is wrong) or ``drop`` (skip, counted).
+        special_tokens_in_text: ``text`` (a special-token string inside a message, such as
+            ``<|im_end|>``, is tokenized as plain text) or ``control`` (it becomes that control
+            token, as transformers' ``apply_chat_template`` does).
     """
 
-    train_path: str = ""
-    val_path: str | None = None
+    train_path: str = path_field(INPUT_PATH)
+    val_path: str | None = path_field(INPUT_PATH, None)
     prompt_key: str = "prompt"
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
@@ -55,8 +60,10 @@ class PreferenceDataConfig:
     max_length: int = 1024
     overlong_pairs: str = "drop"
     invalid_pairs: str = "error"
+    special_tokens_in_text: str = "text"
 
     def __post_init__(self) -> None:
+        check_choice("data", "special_tokens_in_text", self.special_tokens_in_text, SPECIAL_TOKENS_IN_TEXT)
         check_positive("data", "max_length", self.max_length)
         check_choice("data", "overlong_pairs", self.overlong_pairs, POLICIES)
         check_choice("data", "invalid_pairs", self.invalid_pairs, POLICIES)
@@ -98,11 +105,16 @@ def _messages(value: Any, default_role: str, where: str) -> list[dict]:
 
 
 def _response_ids(
-    tokenizer: Any, prompt: list[dict], prompt_ids: list[int], response: list[dict], where: str
+    tokenizer: Any,
+    prompt: list[dict],
+    prompt_ids: list[int],
+    response: list[dict],
+    where: str,
+    special_tokens_in_text: str = "text",
 ) -> list[int]:
     if response[0]["role"] != "assistant":
         raise InvalidPair(f"{where} must start with an assistant message, got role {response[0]['role']!r}")
-    full = template_ids(tokenizer, prompt + response, add_generation_prompt=False)
+    full = template_ids(tokenizer, prompt + response, False, special_tokens_in_text=special_tokens_in_text)
     if full[: len(prompt_ids)] != prompt_ids:
         raise InvalidPair(
             f"{where}: the chat template does not render the response as a continuation of the prompt"
@@ -138,11 +150,12 @@ def tokenize_pair(tokenizer: Any, row: dict, config: PreferenceDataConfig, where
         raise InvalidPair(
             f"{where}: {config.chosen_key} and {config.rejected_key} are identical, so there is no preference"
         )
-    prompt_ids = template_ids(tokenizer, prompt, add_generation_prompt=True)
+    literal = config.special_tokens_in_text
+    prompt_ids = template_ids(tokenizer, prompt, True, special_tokens_in_text=literal)
     return PreferencePair(
         prompt_ids,
-        _response_ids(tokenizer, prompt, prompt_ids, chosen, f"{where}: {config.chosen_key}"),
-        _response_ids(tokenizer, prompt, prompt_ids, rejected, f"{where}: {config.rejected_key}"),
+        _response_ids(tokenizer, prompt, prompt_ids, chosen, f"{where}: {config.chosen_key}", literal),
+        _response_ids(tokenizer, prompt, prompt_ids, rejected, f"{where}: {config.rejected_key}", literal),
     )
 
 

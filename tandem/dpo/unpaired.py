@@ -54,8 +54,11 @@ def tokenize_unpaired(tokenizer: Any, row: dict, config: PreferenceDataConfig, w
     if not isinstance(label, bool):
         raise InvalidPair(f"{where}: {config.label_key} must be true or false, got {label!r}")
     completion = _messages(row[config.completion_key], "assistant", f"{where}: {config.completion_key}")
-    prompt_ids = template_ids(tokenizer, prompt, add_generation_prompt=True)
-    ids = _response_ids(tokenizer, prompt, prompt_ids, completion, f"{where}: {config.completion_key}")
+    literal = config.special_tokens_in_text
+    prompt_ids = template_ids(tokenizer, prompt, True, special_tokens_in_text=literal)
+    ids = _response_ids(
+        tokenizer, prompt, prompt_ids, completion, f"{where}: {config.completion_key}", literal
+    )
     return UnpairedRow(prompt_ids, ids, label)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.config.paths import INPUT_PATH, path_field
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.device import check_device_setting
 from tandem.models.loading import DTYPES
@@ -119,7 +120,7 @@ class EngineConfig:
         seed: parameter-init / dropout seed.
     """
 
-    model_path: str = ""
+    model_path: str = path_field(INPUT_PATH)
     head: str = "lm"
     device: str = "auto"
     strategy: str = "single"

@@ -156,6 +156,20 @@ class TokenLogProbModel(nn.Module):
         self.temperature = temperature
         self.head_dtype = head_dtype  # the head product's precision (tandem.models.logprobs)
         self.vocab_group = vocab_group  # tensor parallelism: the group the head's rows are split over
+        self.vocab_rows = 0  # 0: every row of the head scores; else only the first rows (restrict_vocabulary)
+
+    def restrict_vocabulary(self, rows: int) -> None:
+        """Score over the head's first ``rows`` token ids only: log-probs, entropy and top-k are of
+        the softmax renormalised over them, and an input id at or past ``rows`` is refused (a
+        teacher whose head is padded beyond its student's vocabulary, :mod:`tandem.rl.teacher_worker`)."""
+        full = self._output_weight().shape[0]
+        if not 0 < rows <= full:
+            raise ValueError(f"the head has {full} rows: cannot score over the first {rows}")
+        if self.vocab_group is not None and rows < full:
+            raise ValueError(
+                "a vocabulary split over tensor-parallel ranks cannot be restricted to its first rows"
+            )
+        self.vocab_rows = rows if rows < full else 0
 
     def decoder(self) -> nn.Module:
         model = self.causal_lm
@@ -163,11 +177,16 @@ class TokenLogProbModel(nn.Module):
             model = model.get_base_model()
         return model.get_decoder()
 
-    def head_weight(self) -> torch.Tensor:
+    def _output_weight(self) -> torch.Tensor:
         model = (
             self.causal_lm.get_base_model() if hasattr(self.causal_lm, "get_base_model") else self.causal_lm
         )
         return model.get_output_embeddings().weight
+
+    def head_weight(self) -> torch.Tensor:
+        """``[V, H]``: the output head's rows that score (all, or the first ``vocab_rows``)."""
+        weight = self._output_weight()
+        return weight[: self.vocab_rows] if self.vocab_rows else weight
 
     def forward(
         self,
@@ -234,4 +253,4 @@ class TokenLogProbModel(nn.Module):
         return {name: picked.placed(values) for name, values in outputs.items() if values is not None}
 
     def vocab_size(self) -> int:
-        return self.head_weight().shape[0]
+        return self.vocab_rows or self._output_weight().shape[0]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem.models.chat_literal import literal_template_ids
+
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -23,9 +25,25 @@ def check_message(message: Any, where: str) -> None:
 
 
 def template_ids(
-    tokenizer: Any, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+    tokenizer: Any,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    tools: list[dict] | None = None,
+    special_tokens_in_text: str = "control",
 ) -> list[int]:
-    """Token ids of ``messages`` (and the ``tools``' schemas) rendered with the tokenizer's chat template."""
+    """Token ids of ``messages`` (and the ``tools``' schemas) rendered with the tokenizer's chat template.
+
+    ``special_tokens_in_text``: ``control`` tokenizes a special-token string typed inside a
+    message (``<|im_end|>``) as that control token, as transformers and vLLM do; ``text``
+    tokenizes it as plain text (:mod:`tandem.models.chat_literal`), so message text can never
+    open or close a role turn.
+    """
+    if special_tokens_in_text == "text":
+        return literal_template_ids(
+            tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt
+        )
+    if special_tokens_in_text != "control":
+        raise ValueError(f"special_tokens_in_text={special_tokens_in_text!r}; choose text or control")
     ids = tokenizer.apply_chat_template(
         messages, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt
     )

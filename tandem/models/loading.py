@@ -19,6 +19,8 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from tandem.models.gguf import resolve_model_path
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -38,8 +40,9 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     A directory whose ``tokenizer_config.json`` declares a generic ``tokenizer.json``-backed
     class is loaded as exactly that: ``AutoTokenizer`` would otherwise pick the model
     family's own class from ``config.json`` (e.g. ``Qwen2Tokenizer``), which replaces the
-    saved pre-tokenizer and adds tokens.
+    saved pre-tokenizer and adds tokens. A GGUF ``path`` reads its converted directory.
     """
+    path = resolve_model_path(str(path))
     if not Path(path).is_dir():
         raise FileNotFoundError(
             f"no tokenizer at {path}: not a directory (expected a save_pretrained directory)"
@@ -60,8 +63,9 @@ def load_model(
 ) -> PreTrainedModel:
     """The causal LM saved in ``path``, in ``dtype``, with the given attention implementation: a
     vision-language model (a config with a ``vision_config``, such as Qwen2-VL's) loads as an
-    image-text-to-text model, whose ``get_decoder()`` is its language model."""
-    path = Path(path)
+    image-text-to-text model, whose ``get_decoder()`` is its language model. A GGUF ``path``
+    reads its converted directory (:func:`tandem.models.gguf.resolve_model_path`)."""
+    path = Path(resolve_model_path(str(path)))
     if not (path / "config.json").exists():
         raise FileNotFoundError(
             f"no model at {path}: config.json is missing (expected a save_pretrained directory)"
@@ -97,7 +101,7 @@ def _with_scalar_head(
     auto_class: type, path: str | Path, dtype: str, attn_implementation: str
 ) -> PreTrainedModel:
     """``auto_class`` (a classifier) with one label from ``path``; a causal LM gets a fresh head."""
-    path = Path(path)
+    path = Path(resolve_model_path(str(path)))
     if not (path / "config.json").exists():
         raise FileNotFoundError(
             f"no model at {path}: config.json is missing (expected a save_pretrained directory)"

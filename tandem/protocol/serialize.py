@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from tandem.protocol.batch import Batch
+from tandem.protocol.traffic import count_batch_bytes
 
 MAGIC = b"TNDM"
 FORMAT_VERSION = 1
@@ -76,6 +77,7 @@ def to_buffers(batch: Batch) -> tuple[bytes, list[memoryview]]:
         )
         buffers.append(raw)
         offset = _aligned(offset + raw.nbytes)
+    count_batch_bytes(serialised=sum(buffer.nbytes for buffer in buffers) + len(objects))
     header = {
         "batch_size": batch.batch_size,
         "tensors": entries,
@@ -130,6 +132,9 @@ def from_bytes(data: bytes | bytearray | memoryview) -> Batch:
             continue
         raw = torch.frombuffer(view[begin : begin + entry["nbytes"]], dtype=torch.uint8)
         tensors[entry["name"]] = raw.view(dtype).reshape(entry["shape"])
+    count_batch_bytes(
+        deserialised=sum(entry["nbytes"] for entry in header["tensors"]) + header["objects"]["nbytes"]
+    )
     obj_begin = start + header["objects"]["offset"]
     objects = pickle.loads(view[obj_begin:objects_end])
     return Batch(tensors, objects["non_tensors"], objects["meta"], batch_size=header["batch_size"])

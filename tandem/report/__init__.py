@@ -21,6 +21,10 @@ def write_report(run_dirs: list[str | Path], target: str | Path, title: str | No
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(target.name + ".tmp")
-    staging.write_text(page)
-    staging.replace(target)
+    try:
+        staging.write_text(page)
+        staging.replace(target)
+    except BaseException:
+        staging.unlink(missing_ok=True)  # a full disk leaves no partial ``.tmp`` behind
+        raise
     return target

@@ -50,8 +50,12 @@ def invocation() -> str:
 def write_json_atomically(path: Path, value: dict) -> None:
     """Write ``value`` to ``path`` so a reader sees the old file or the new one, never half of one."""
     staging = path.with_name(path.name + ".tmp")
-    staging.write_text(json.dumps(value, indent=1, default=str))
-    os.replace(staging, path)
+    try:
+        staging.write_text(json.dumps(value, indent=1, default=str))
+        os.replace(staging, path)
+    except BaseException:
+        staging.unlink(missing_ok=True)  # a full disk leaves no empty ``.tmp`` behind
+        raise
 
 
 def read_json(path: Path) -> dict:
@@ -130,7 +134,13 @@ class RunInfo:
         try:
             yield
         except BaseException as error:
-            self.finish(error)
+            try:
+                self.finish(error)
+            except OSError as unrecorded:  # a full disk: say so, and let the run's own error through
+                print(
+                    f"tandem: could not mark the run failed in {self.output_dir / STATUS_FILE}: {unrecorded}",
+                    file=sys.stderr,
+                )
             raise
         self.finish()
 

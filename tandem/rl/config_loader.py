@@ -3,7 +3,8 @@
 The typed :class:`TrainConfig` is registered in Hydra's ConfigStore as ``train_schema``; each
 preset in ``tandem/rl/presets/`` is a YAML file that starts from it (``defaults: [train_schema,
 _self_]``) and sets the algorithm's knobs. Overrides use Hydra's grammar and are checked against
-the schema (an unknown key or a wrong type names the key); then every dataclass validates.
+the schema (an unknown key or a wrong type names the key), every float is checked finite by its
+full key (:mod:`tandem.config.finite`); then every dataclass validates.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from tandem.config.finite import check_finite_floats
 from tandem.config.keys import check_override_keys
 from tandem.config.overrides import make_writable
 from tandem.rl.config import TrainConfig
@@ -56,6 +58,7 @@ def load_train_config(overrides: Sequence[str] = (), preset: str = "grpo") -> Tr
     try:
         with initialize_config_dir(config_dir=str(PRESET_DIR), version_base=None):
             composed = compose(config_name=preset, overrides=rest)
+        check_finite_floats(TrainConfig, composed)  # NaN/inf named by the key as written, before any load
         return OmegaConf.to_object(composed)
     except (HydraException, OmegaConfBaseException) as error:
         cause = f" ({error.__cause__})" if error.__cause__ else ""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tandem.algos import LOSS_AGG_MODES
+from tandem.config.paths import INPUT_PATH, path_field
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.engine.config import EngineConfig, check_trainer_tensor_parallel
 from tandem.engine.offload import OffloadConfig
@@ -43,7 +44,7 @@ class CriticConfig:
             for the results, it changes nothing.
     """
 
-    model_path: str = ""
+    model_path: str = path_field(INPUT_PATH)
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(lr=1e-5))
     ppo_epochs: int = 0
     ppo_mini_batch_size: int = 0

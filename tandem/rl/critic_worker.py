@@ -24,6 +24,7 @@ from tandem.device import bind_device
 from tandem.engine import TorchTrainEngine
 from tandem.engine.base import TokenOutputs
 from tandem.engine.divergence import ModelHealth, SkippedUpdates
+from tandem.engine.forward_fields import FORWARD_FIELDS
 from tandem.engine.offload import Residency
 from tandem.engine.parallel import rank_strategy
 from tandem.protocol import Batch
@@ -32,6 +33,7 @@ from tandem.rl.config import TrainConfig
 from tandem.rl.derived import critic_engine_config
 
 SUMMED = ("critic/vf_loss",)  # micro-batch shares of one loss: add up
+CRITIC_UPDATE_FIELDS = (*FORWARD_FIELDS, "response_mask", "returns", "values")  # update_critic's reads
 CRITIC_MESH = "critic"  # the engine's data-parallel ranks: sequence/tensor-parallel peers get the same rows
 
 
@@ -83,14 +85,14 @@ class CriticWorker(Worker):
         self.residency.offload()  # waits on the CPU between its passes (when asked, on a GPU)
         return sum(p.numel() for p in self.engine.causal_lm.parameters())
 
-    @register(dispatch=mesh_dispatch(CRITIC_MESH))
+    @register(dispatch=mesh_dispatch(CRITIC_MESH), reads=FORWARD_FIELDS, outputs="ref")
     def compute_values(self, batch: Batch) -> Batch:
         """``values [B, R]``: ``V(s_t)`` of each response token under the current critic."""
         with self.residency.computing():
             outputs = self.engine.forward_backward(batch, None, forward_only=True).outputs
         return Batch({"values": response_part(outputs.values, batch["prompts"].shape[1])})
 
-    @register(dispatch=mesh_dispatch(CRITIC_MESH))
+    @register(dispatch=mesh_dispatch(CRITIC_MESH), reads=CRITIC_UPDATE_FIELDS)
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Clipped value-loss updates on this rank's shard (needs ``values`` and ``returns``);
         returns the metrics averaged over the optimizer steps."""

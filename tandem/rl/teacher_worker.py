@@ -2,21 +2,24 @@
 
 Each rank holds a frozen :class:`~tandem.engine.TorchTrainEngine` on ``teacher.model_path`` and
 returns the teacher's log-probs of the student's sampled response tokens for its shard
-(``teacher_log_probs [B, R]``). It lives in the actor's processes (``teacher.placement=colocated``,
-a role of the colocated group) or in a group of its own (``separate``); either way the numbers
-are the same. The controller (:mod:`tandem.rl.trainer`) calls it after the old log-probs.
+(``teacher_log_probs [B, R]``), over the token ids the two models share (:func:`shared_vocabulary`:
+a teacher's head padded past the student's scores without its padding rows). It lives in the
+actor's processes (``teacher.placement=colocated``, a role of the colocated group) or in a group
+of its own (``separate``); either way the numbers are the same. The controller
+(:mod:`tandem.rl.trainer`) calls it after the old log-probs.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoConfig, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from tandem.controller import Worker, mesh_dispatch, register
 from tandem.device import bind_device
 from tandem.engine import TorchTrainEngine
+from tandem.engine.forward_fields import FORWARD_FIELDS
 from tandem.engine.offload import Residency
 from tandem.engine.parallel import rank_strategy
 from tandem.models.loading import check_vocab_compatible, load_tokenizer
@@ -47,6 +50,30 @@ def check_same_tokenizer(
         )
 
 
+def vocabulary_rows(path: str) -> int:
+    """The rows of the output head of the HF model in ``path``: its config's ``vocab_size`` (a
+    vision-language model's text config's)."""
+    return int(AutoConfig.from_pretrained(path).get_text_config().vocab_size)
+
+
+def shared_vocabulary(config: TrainConfig) -> int:
+    """The token ids the teacher scores over: the first ``min(V_student, V_teacher)`` rows of its head.
+
+    The two tokenizers are one (:func:`check_same_tokenizer`) and fit both heads, so the rows past
+    the shorter head are padding no tokenizer emits: the teacher's softmax is renormalised over
+    the shared ids, and its top-k tokens are ids the student has. Raises ``ValueError`` naming
+    ``teacher.top_k`` when it asks for more tokens than there are."""
+    student, teacher = vocabulary_rows(config.model_path), vocabulary_rows(config.teacher.model_path)
+    shared, top_k = min(student, teacher), config.teacher.top_k
+    if top_k > shared:
+        raise ValueError(
+            f"teacher.top_k={top_k} is more than the {shared} token ids the teacher scores (the "
+            f"vocabulary model_path={config.model_path} has {student} ids, "
+            f"teacher.model_path={config.teacher.model_path} {teacher}): set teacher.top_k <= {shared}"
+        )
+    return shared
+
+
 class TeacherWorker(Worker):
     """One rank of the teacher group (see the module docstring)."""
 
@@ -68,13 +95,14 @@ class TeacherWorker(Worker):
         self.engine.initialize()
         self.engine.causal_lm.requires_grad_(False)
         check_vocab_compatible(self.engine.causal_lm, load_tokenizer(Path(config.model_path)))
+        self.engine.module.restrict_vocabulary(shared_vocabulary(config))  # a head padded past the student's
         mesh = self.engine.mesh  # the ranks of a sequence-parallel group share rows; one reports
         self.set_mesh_rank(TEACHER_MESH, mesh.dp_rank, mesh.dp_size, is_collect=mesh.sp_rank == 0)
         self.residency = Residency(self.engine, self.device, config.teacher.offload, optimizer=False)
         self.residency.offload()  # waits on the CPU between its passes (when asked, on a GPU)
         return sum(p.numel() for p in self.engine.causal_lm.parameters())
 
-    @register(dispatch=mesh_dispatch(TEACHER_MESH))
+    @register(dispatch=mesh_dispatch(TEACHER_MESH), reads=FORWARD_FIELDS, outputs="ref")
     def compute_teacher_log_prob(self, batch: Batch) -> Batch:
         """``teacher_log_probs [B, R]``: the teacher's log-probs of each sampled response token;
         with ``teacher.top_k`` also ``teacher_top_ids`` (int64) and ``teacher_top_log_probs``

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 
 from tandem.agents.loops import episode_metrics
 from tandem.algos import (
@@ -39,6 +40,7 @@ from tandem.config.paths import check_workers_share_output_dir, with_absolute_pa
 from tandem.controller import Role, check_placement, create_colocated_group, create_worker_group
 from tandem.data.images import decode_image
 from tandem.engine.divergence import check_health, check_skipped_in_a_row
+from tandem.models.gguf import with_gguf_resolved
 from tandem.models.loading import load_tokenizer
 from tandem.pipeline.colocated import ColocatedRollout
 from tandem.pipeline.runner import AsyncRollout
@@ -64,7 +66,8 @@ from tandem.rl.preference_pairs import best_worst_pairs, with_reference_sums
 from tandem.rl.rewards.model_worker import RewardModelWorker
 from tandem.rl.rewards.sources import RewardSources
 from tandem.rl.scoring import score_responses
-from tandem.rl.teacher_worker import TeacherWorker, check_same_tokenizer
+from tandem.rl.step_data import step_data, use_data_stores
+from tandem.rl.teacher_worker import TeacherWorker, check_same_tokenizer, shared_vocabulary
 from tandem.rl.worker import ActorRolloutRefWorker, reduce_metric
 from tandem.rollout.factory import check_engine_installed
 from tandem.run.checkpoints import CheckpointManager
@@ -96,19 +99,13 @@ PLACEMENT_KEYS = (  # what shapes the pools of config.resource_pools(), named wh
     "and pipeline.rollout_replicas"
 )
 
-# the config's paths, made absolute where the run starts (tandem.config.paths)
-PATH_OUTPUTS = ("trainer.output_dir", "trainer.profile_dir", "pipeline.checkpoint_engine.directory")
-PATH_INPUTS = (
-    "model_path",
-    "actor.engine.model_path",
-    "critic.model_path",
-    "critic.engine.model_path",
-    "reward.model.path",
-    "reward.custom_path",
-    "data.train_path",
-    "data.val_path",
-    "agent.tools_path",
-    "agent.interaction_path",
+# the stage outputs compute_advantages reads (ref_log_probs too, with the KL penalty in the reward)
+ADVANTAGE_READS = ("old_log_probs", "sum_pi_squared", "values", "teacher_log_probs")
+
+# the config's models: a GGUF file among them is converted once, here, before any worker starts
+MODEL_PATHS = (
+    "model_path", "actor.engine.model_path", "critic.model_path", "critic.engine.model_path",
+    "reward.model.path", "teacher.model_path",
 )
 
 
@@ -116,7 +113,8 @@ class RLTrainer:
     """Runs :class:`TrainConfig` end to end (see the module docstring)."""
 
     def __init__(self, config: TrainConfig, console: Console | None = None) -> None:
-        config = with_absolute_paths(config, PATH_OUTPUTS, PATH_INPUTS)  # workers may run elsewhere (Ray)
+        config = with_absolute_paths(config)  # its path fields: workers may run elsewhere (Ray)
+        config = with_gguf_resolved(config, MODEL_PATHS)
         self.config = config
         self.console = console or Console()
         self.output_dir = check_output_dir(config.trainer.output_dir, "trainer.output_dir")
@@ -124,11 +122,21 @@ class RLTrainer:
         self.tokenizer = load_tokenizer(config.model_path)
         images = image_reader(config.model_path, data)  # a vision-language model's processor, loaded once
         self.train_data = RLDataset.load(
-            data.train_path, self.tokenizer, data.max_prompt_length, data.overlong_prompts, images
+            data.train_path,
+            self.tokenizer,
+            data.max_prompt_length,
+            data.overlong_prompts,
+            images,
+            data.special_tokens_in_text,
         )
         self.val_data = (
             RLDataset.load(
-                data.val_path, self.tokenizer, data.max_prompt_length, data.overlong_prompts, images
+                data.val_path,
+                self.tokenizer,
+                data.max_prompt_length,
+                data.overlong_prompts,
+                images,
+                data.special_tokens_in_text,
             )
             if data.val_path
             else None
@@ -160,6 +168,7 @@ class RLTrainer:
                 load_tokenizer(config.teacher.model_path), config.teacher.model_path,
                 self.tokenizer, config.model_path,
             )  # fmt: skip
+            shared_vocabulary(config)  # refuses a teacher.top_k past the vocabulary, before any model loads
         self.rollout: BatchSource | None = None  # built with the workers
         self.critics = None  # the critic's worker group, when the estimator reads values
         self.teachers = None  # the teacher's ranks, when the run distils
@@ -256,6 +265,8 @@ class RLTrainer:
             )
         if MODEL_SOURCE in config.reward.sources:  # a pool of its own
             self._start_reward_model(groups)
+        if config.dataplane.enabled:
+            use_data_stores([self.workers, self.critics, self.teachers], config.dataplane)
         return params
 
     def _start_teacher(self, groups: contextlib.ExitStack) -> None:
@@ -374,38 +385,50 @@ class RLTrainer:
                 batch["attention_mask"], self.config.rollout.n, self.config.actor_dp_size
             )
             batch = batch.reorder(order)
-        if OFF_POLICY in batch and batch[OFF_POLICY][0]:  # the dataset's responses: no rollout sampled them
-            with timed(timings, "old_log_prob"):
-                batch = batch.union(self.workers.compute_log_prob(batch))
-            batch = batch.assign(tensors={"rollout_log_probs": batch["old_log_probs"]})
-        elif self.config.old_log_probs_from_rollout:
+        config = self.config
+        off_policy = OFF_POLICY in batch and bool(batch[OFF_POLICY][0])  # the dataset's responses
+        if config.old_log_probs_from_rollout and not off_policy:
             batch = batch.assign(tensors={"old_log_probs": batch["rollout_log_probs"]})
-        elif not self.config.old_log_probs_from_update:
-            with timed(timings, "old_log_prob"):
-                batch = batch.union(self.workers.compute_log_prob(batch))
-        if self.config.needs_reference:
-            with timed(timings, "ref"):
-                batch = batch.union(self.workers.compute_ref_log_prob(batch))
-        if self.teachers is not None:
-            with timed(timings, "teacher"):
-                batch = batch.union(self.teachers.compute_teacher_log_prob(batch))
-        if self.critics is not None:
-            with timed(timings, "values"):
-                batch = batch.union(self.critics.compute_values(batch))
-        with timed(timings, "adv"):
-            batch, adv_metrics = self.compute_advantages(batch)
+        data = step_data(batch, config.dataplane, config.dataplane.enabled)
+        try:
+            if off_policy or not (config.old_log_probs_from_rollout or config.old_log_probs_from_update):
+                with timed(timings, "old_log_prob"):
+                    data.stage(self.workers, self.workers.compute_log_prob)
+            if config.needs_reference:
+                with timed(timings, "ref"):
+                    data.stage(self.workers, self.workers.compute_ref_log_prob)
+            if self.teachers is not None:
+                with timed(timings, "teacher"):
+                    data.stage(self.teachers, self.teachers.compute_teacher_log_prob)
+            if self.critics is not None:
+                with timed(timings, "values"):
+                    data.stage(self.critics, self.critics.compute_values)
+            kl_in_reward = ("ref_log_probs",) if config.algorithm.kl.use_kl_in_reward else ()
+            view = data.view(ADVANTAGE_READS + kl_in_reward)
+            if off_policy:  # no rollout sampled them: their rollout log-probs are the policy's
+                view = view.assign(tensors={"rollout_log_probs": view["old_log_probs"]})
+            with timed(timings, "adv"):
+                view, adv_metrics = self.compute_advantages(view)
+            metrics = self._updates(data.for_updates(view), view, timings)
+        finally:
+            data.release()
+        return view, {**metrics, **adv_metrics}  # the controller's measures win over the workers' ones
+
+    def _updates(self, step: Any, view: Batch, timings: dict[str, float]) -> dict[str, float]:
+        """The critic's and the actor's updates on ``step`` (a ``Batch`` or ``BatchRef``); ``view``
+        is the controller's batch of the step, for the value metrics."""
         metrics: dict[str, float] = {}
         if self.critics is not None:
             with timed(timings, "update_critic"):
-                per_worker = self.critics.update_critic(batch)
+                per_worker = self.critics.update_critic(step)
             metrics.update(
                 {name: reduce_metric(name, [m[name] for m in per_worker]) for name in per_worker[0]}
             )
-            metrics.update(value_metrics(batch))
+            metrics.update(value_metrics(view))
         if self.step > self.config.critic.warmup_steps or self.critics is None:
             with timed(timings, "update_actor"):
-                metrics.update(self._update_actor(batch))
-        return batch, {**metrics, **adv_metrics}  # the controller's measures win over the workers' ones
+                metrics.update(self._update_actor(step))
+        return metrics
 
     def _preference_update(self, batch: Batch, timings: dict[str, float]) -> tuple[Batch, dict[str, float]]:
         """Online DPO: each prompt's best and worst response form a pair; reference log-probs of
@@ -632,9 +655,11 @@ class RLTrainer:
         mode = self.config.trainer.resume
         if mode == "disable":
             return False
-        path = (
-            self.checkpoints.latest() if mode == "auto" else Path(mode).absolute()
-        )  # workers may run elsewhere
+        path = (  # workers may run elsewhere: an absolute path
+            self.checkpoints.resume_point(self._warn)
+            if mode == "auto"
+            else CheckpointManager.check_intact(Path(mode).absolute())
+        )
         if path is None:
             return False
         state = CheckpointManager.read_state(path)
@@ -648,6 +673,9 @@ class RLTrainer:
         self.kl_controller.value = state["kl_coef"]
         self.console.print(f"resumed from {path} (step {self.step})")
         return True
+
+    def _warn(self, message: str) -> None:
+        self.console.print(f"[yellow]warning: {escape(message)}", highlight=False)
 
     @contextlib.contextmanager
     def _profiled(self, step: int) -> Iterator[None]:

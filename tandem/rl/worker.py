@@ -30,6 +30,7 @@ from tandem.dpo.loss import pair_metrics, preference_loss
 from tandem.engine import TorchTrainEngine
 from tandem.engine.base import GATHER_FIELD
 from tandem.engine.divergence import ModelHealth, SkippedUpdates
+from tandem.engine.forward_fields import FORWARD_FIELDS
 from tandem.engine.offload import Residency
 from tandem.engine.parallel import rank_strategy
 from tandem.models.loading import check_vocab_compatible, load_tokenizer
@@ -52,6 +53,19 @@ SUMMED_METRICS = (
 )  # micro-batch (and worker) shares of one loss: add up
 MAX_METRICS = ("rollout_corr/max_abs_log_prob_diff",)
 ACTOR_MESH = "actor"  # the engine's data-parallel ranks: sequence/tensor-parallel peers get the same rows
+ACTOR_UPDATE_FIELDS = (
+    *FORWARD_FIELDS,
+    "response_mask",
+    "old_log_probs",
+    "advantages",
+    "rollout_is_weights",
+    "rollout_log_probs",
+    "ref_log_probs",
+    "teacher_top_ids",
+    "teacher_top_log_probs",
+    "loss_mask",
+    "chosen",
+)  # what update_actor and its losses read (a BatchRef argument fetches only these)
 SHUFFLE_SEED_TAG = 101  # derive_seed(run seed, this, step, epoch): the mini-batch order of an epoch
 
 
@@ -202,7 +216,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
             release_cached_memory(self.device)
 
     # ------------------------------------------------------------------ log-probs
-    @register(dispatch=mesh_dispatch(ACTOR_MESH))
+    @register(dispatch=mesh_dispatch(ACTOR_MESH), reads=FORWARD_FIELDS, outputs="ref")
     def compute_log_prob(self, batch: Batch) -> Batch:
         """``old_log_probs [B, R]`` of the responses under the current policy, and ``sum_pi_squared
         [B, R]`` (``sum_v pi_old(v)^2`` per response token) when the advantage estimator reads it."""
@@ -218,7 +232,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
             tensors["sum_pi_squared"] = response_part(outputs.sum_pi_squared, width)
         return Batch(tensors)
 
-    @register(dispatch=mesh_dispatch(ACTOR_MESH))
+    @register(dispatch=mesh_dispatch(ACTOR_MESH), reads=FORWARD_FIELDS, outputs="ref")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """``ref_log_probs [B, R]`` under the frozen reference (the base model when LoRA is on)."""
         with self._phase("ref"):
@@ -232,7 +246,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         return Batch({"ref_log_probs": response_part(outputs.log_probs, batch["prompts"].shape[1])})
 
     # ------------------------------------------------------------------ update
-    @register(dispatch=mesh_dispatch(ACTOR_MESH))
+    @register(dispatch=mesh_dispatch(ACTOR_MESH), reads=ACTOR_UPDATE_FIELDS)
     def update_actor(self, batch: Batch, *, step: int) -> dict[str, float]:
         """PPO-style update on this rank's shard: ``ppo_epochs`` passes over its mini-batches.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.algos.preference import PreferenceLossConfig
+from tandem.config.paths import OUTPUT_PATH, path_field
 from tandem.dpo.config import DPOConfig, DPOTrainerConfig
 from tandem.engine.config import EngineConfig
 
@@ -13,7 +14,7 @@ from tandem.engine.config import EngineConfig
 class RewardModelTrainerConfig(DPOTrainerConfig):
     """The loop (``trainer.*``): :class:`DPOTrainerConfig`'s, under another directory and name."""
 
-    output_dir: str = "outputs/rm"
+    output_dir: str = path_field(OUTPUT_PATH, "outputs/rm")
     experiment: str = "rm"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from tandem.models.gguf import resolve_model_path
 from tandem.rollout.base import RolloutEngine
 from tandem.rollout.config import RolloutEngineConfig
 from tandem.rollout.hf_engine import HFRolloutEngine
@@ -26,8 +27,9 @@ def build_rollout_engine(config: RolloutEngineConfig, model_path: str) -> Rollou
     """The engine ``config.name`` names, over the HF model directory ``model_path`` and its tokenizer.
 
     The vLLM engine's module imports vLLM only when an engine is built, so a missing optional
-    install only matters when it is chosen.
+    install only matters when it is chosen. A GGUF ``model_path`` is read as its converted directory.
     """
+    model_path = resolve_model_path(model_path)
     if config.name == "native":
         return NativeRolloutEngine.from_pretrained(model_path, config.native)
     if config.name == "vllm":

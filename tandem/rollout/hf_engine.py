@@ -19,6 +19,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from tandem.device import bind_device
 from tandem.models.loading import load_model, load_tokenizer
 from tandem.models.moe import RouterTap, is_moe
+from tandem.models.stop_ids import end_of_sequence_ids
 from tandem.models.vision import image_token_id, is_vision_language
 from tandem.models.weights import load_named_tensors
 from tandem.protocol.generation import Completion, EngineMetrics, RolloutRequest, TokenCallback
@@ -39,6 +40,7 @@ class HFRolloutEngine:
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.tokenizer = tokenizer
+        self.eos_ids = end_of_sequence_ids(model, tokenizer)  # config, generation config, tokenizer
         self.version = 0
         self.paused = False
         self.generated_tokens = 0
@@ -98,7 +100,7 @@ class HFRolloutEngine:
         if problem:
             message = f"request {request.request_id!r}: {problem}"
             return Completion(request.request_id, request.prompt_ids, finish_reason="error", error=message)
-        eos = [] if params.ignore_eos else [self.tokenizer.eos_token_id]
+        eos = [] if params.ignore_eos else sorted(self.eos_ids)
         stop_ids = list(params.stop_token_ids) + eos
         # The request's seed drives sampling without disturbing the process's RNGs (CPU and CUDA).
         cuda = []

@@ -50,6 +50,7 @@ from tandem.kernels.cpu.linear import PackedLinears
 from tandem.kernels.cuda.head import half_head_logits
 from tandem.models.loading import load_model, load_tokenizer, resolve_dtype
 from tandem.models.moe import RouterTap, is_moe
+from tandem.models.stop_ids import end_of_sequence_ids
 from tandem.models.vision import is_vision_language
 from tandem.models.weights import load_named_tensors
 from tandem.protocol.generation import (
@@ -61,6 +62,7 @@ from tandem.protocol.generation import (
 )
 from tandem.rollout.decode_graphs import DecodeGraphs
 from tandem.rollout.images import has_images, image_request_problem, packed_vision_inputs
+from tandem.rollout.kv_budget import engine_kv_plan
 from tandem.rollout.kv_cache import KV_ATTENTION, SlotKVCache, StepPlan
 from tandem.rollout.lean import LeanDecoder, lean_unsupported_reason
 from tandem.rollout.native_config import PAUSE_MODES, NativeEngineConfig
@@ -69,7 +71,6 @@ from tandem.rollout.native_step import (
     PrefixCache,
     PrefixEntry,
     SequenceState,
-    as_list,
     plan_prefill,
     stop_reason,
 )
@@ -113,13 +114,13 @@ class NativeRolloutEngine:
         self.tokenizer = tokenizer
         hf = self.model.config.get_text_config()
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
-        self.eos_ids = frozenset(
-            i for i in as_list(hf.eos_token_id) + [tokenizer.eos_token_id] if i is not None
-        )
+        self.eos_ids = end_of_sequence_ids(self.model, tokenizer)  # config, generation config, tokenizer
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.kv_plan = engine_kv_plan(self.config, hf, head_dim, self.device)  # refuses what cannot fit
+        self.max_num_seqs = self.kv_plan.num_slots  # the config's, or what fits when it is unset
         self.cache = SlotKVCache(
             hf.num_hidden_layers,
-            self.config.max_num_seqs,
+            self.max_num_seqs,
             hf.num_key_value_heads,
             self.config.max_model_len,
             head_dim,
@@ -285,7 +286,7 @@ class NativeRolloutEngine:
         """A snapshot for monitoring: queue sizes, throughput, KV-cache use, weight version."""
         with self._lock:
             cached = sum(s.cached_len for s in self._running)
-            capacity = self.config.max_num_seqs * self.config.max_model_len
+            capacity = self.max_num_seqs * self.config.max_model_len
             return EngineMetrics(
                 running=len(self._running),
                 waiting=len(self._waiting),
@@ -294,7 +295,7 @@ class NativeRolloutEngine:
                 tokens_per_second=self.stats.tokens_per_second(time.monotonic()),
                 kv_cache_usage=0.0 if self._asleep else cached / capacity,
                 kv_slots_used=len(self._running),
-                kv_slots_total=self.config.max_num_seqs,
+                kv_slots_total=self.max_num_seqs,
                 version=self.version,
                 paused=self._paused,
                 asleep=self._asleep,
@@ -545,7 +546,7 @@ class NativeRolloutEngine:
 
     def _admit(self) -> list[SequenceState]:
         admitted, prompt_tokens = [], 0
-        while self._waiting and len(self._running) < self.config.max_num_seqs:
+        while self._waiting and len(self._running) < self.max_num_seqs:
             sequence = self._waiting[0]
             if admitted and prompt_tokens + len(sequence.prompt) > self.config.max_prefill_tokens:
                 break

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.config.validation import check_choice, check_positive
+from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.device import check_device_setting
 
 PAUSE_MODES = ("keep", "abort", "wait")
+DEFAULT_MAX_NUM_SEQS = 256  # what an unset max_num_seqs asks for, before the KV cache's memory budget
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,16 @@ class NativeEngineConfig:
 
     Attributes:
         max_num_seqs: KV-cache slots = most requests running at once (admission waits beyond).
-        max_model_len: longest prompt + response in tokens.
+            Unset (``None``): 256, or as many as fit the KV cache's memory budget when fewer
+            do (the engine says so). A value set that does not fit is an error.
+        max_model_len: longest prompt + response in tokens; at most the model's
+            ``max_position_embeddings`` (a model with rope scaling may go beyond, with a warning).
+        kv_cache_memory_fraction: the KV cache may take this fraction of the memory available
+            when the engine starts, after the model is loaded (free GPU memory; on the CPU
+            ``MemAvailable`` capped by the cgroup's room), as vLLM's ``gpu_memory_utilization``
+            bounds its cache.
+        kv_cache_memory_bytes: a fixed KV-cache budget in bytes instead of the fraction (None:
+            use the fraction).
         max_prefill_tokens: most prompt tokens admitted into one step.
         dtype: model and KV-cache dtype (the head is fp32 regardless).
         device: ``auto``, ``cpu``, ``cuda`` (this process's local-rank GPU) or ``cuda:N``.
@@ -37,8 +47,10 @@ class NativeEngineConfig:
             lean forward. Such steps read each prompt once per request (no shared reads).
     """
 
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None
     max_model_len: int = 2048
+    kv_cache_memory_fraction: float = 0.5
+    kv_cache_memory_bytes: int | None = None
     max_prefill_tokens: int = 8192
     dtype: str = "float32"
     device: str = "auto"
@@ -50,7 +62,16 @@ class NativeEngineConfig:
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_model_len", "max_prefill_tokens"):
-            check_positive("rollout", name, getattr(self, name))
+        for name in ("max_num_seqs", "max_model_len", "max_prefill_tokens", "kv_cache_memory_bytes"):
+            if getattr(self, name) is not None:
+                check_positive("rollout.engine.native", name, getattr(self, name))
+        check_range(
+            "rollout.engine.native",
+            "kv_cache_memory_fraction",
+            self.kv_cache_memory_fraction,
+            0.0,
+            1.0,
+            low_inclusive=False,
+        )
         check_choice("rollout", "dtype", self.dtype, ["float32", "bfloat16", "float16"])
         check_device_setting("rollout", "device", self.device)

@@ -143,10 +143,3 @@ def stop_reason(sequence: SequenceState, token: int, tokenizer) -> str | None:
     if len(sequence.completion.token_ids) >= sequence.token_limit:
         return "length"
     return None
-
-
-def as_list(value) -> list:
-    """A config's token id or list of them (``eos_token_id``) as a list."""
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]

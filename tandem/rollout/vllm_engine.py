@@ -52,6 +52,7 @@ from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.device import check_device_setting, only_visible_gpu
 from tandem.models.loading import load_tokenizer
 from tandem.models.moe import moe_layer_indices, moe_routers
+from tandem.models.stop_ids import end_of_sequence_ids
 from tandem.models.vision import image_token_id, is_vision_language, load_image_processor, merge_size
 from tandem.protocol.generation import (
     Completion,
@@ -202,8 +203,7 @@ class VLLMRolloutEngine:
         self.hf_config = AutoConfig.from_pretrained(model_path)
         hf = self.hf_config.get_text_config()
         self.vocab_size = hf.vocab_size
-        eos = hf.eos_token_id if isinstance(hf.eos_token_id, list) else [hf.eos_token_id]
-        self.eos_ids = {i for i in [*eos, self.tokenizer.eos_token_id] if i is not None}
+        self.eos_ids = end_of_sequence_ids(model_path, self.tokenizer)  # config, generation config, tokenizer
         vision = is_vision_language(self.hf_config)
         self.image_processor = load_image_processor(model_path) if vision else None
         if self.config.record_routing and vision:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -95,13 +96,23 @@ def recording(
     run_info: Any, trackers: list[Tracker], start_step: int, console: Console
 ) -> Iterator[RunRecord]:
     """A :class:`RunRecord` over ``trackers`` for the loop's duration, inside ``status.json``'s
-    running / finished / failed bracket; the trackers close after, whatever happened."""
+    running / finished / failed bracket; the trackers close after, whatever happened. When the
+    loop failed, a tracker that cannot close (a full disk) is one line on stderr, not a new error."""
+    failed = False
     try:
         with run_info.running(start_step):
             yield RunRecord(trackers, run_info, console)
+    except BaseException:
+        failed = True
+        raise
     finally:
         for tracker in trackers:
-            tracker.close()
+            try:
+                tracker.close()
+            except OSError as error:  # a full disk, say: the error that stopped the run comes first
+                if not failed:
+                    raise
+                print(f"tandem: {type(tracker).__name__} could not close: {error}", file=sys.stderr)
 
 
 def run_steps(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import threading
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
@@ -59,7 +60,9 @@ def create_app(
             media_type="text/plain; version=0.0.4",
         )
 
-    app.include_router(openai_router(engine, tokenizer, config, authorize, prompter))
+    # the requests decoding images at once (server.max_image_requests); on app.state for probes and tests
+    app.state.image_slots = threading.BoundedSemaphore(config.max_image_requests)
+    app.include_router(openai_router(engine, tokenizer, config, authorize, prompter, app.state.image_slots))
     app.include_router(admin_router(engine, authorize))
     served_paths.extend(app.openapi()["paths"])
     return app

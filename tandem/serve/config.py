@@ -5,7 +5,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from tandem.config.validation import check_positive, check_range
+from tandem.config.validation import check_choice, check_positive, check_range
+from tandem.models.chat_literal import SPECIAL_TOKENS_IN_TEXT
 
 
 def is_loopback(host: str) -> bool:
@@ -44,6 +45,14 @@ class ServerConfig:
             models only).
         max_image_pixels: an image larger than this (decoded width x height) is refused with
             400 before it is decoded.
+        max_request_image_pixels: most decoded pixels (width x height, summed over its images)
+            one chat request may bring; an image that would pass it is refused with 400 before
+            it is decoded.
+        max_image_requests: most requests decoding and processing images at once; one more
+            is answered 429 at once (the client retries later).
+        special_tokens_in_text: ``text`` (a special-token string typed in a message, such as
+            ``<|im_end|>``, is tokenized as plain text, so a client cannot forge role turns) or
+            ``control`` (it becomes the control token: transformers' and vLLM's default).
     """
 
     host: str = "127.0.0.1"
@@ -60,6 +69,9 @@ class ServerConfig:
     default_completion_tokens: int = 16
     max_images_per_request: int = 8
     max_image_pixels: int = 4096 * 4096
+    max_request_image_pixels: int = 2 * 4096 * 4096
+    max_image_requests: int = 2
+    special_tokens_in_text: str = "text"
 
     def __post_init__(self) -> None:
         check_range("server", "port", self.port, 0, 65535)
@@ -73,8 +85,11 @@ class ServerConfig:
             "default_completion_tokens",
             "max_images_per_request",
             "max_image_pixels",
+            "max_request_image_pixels",
+            "max_image_requests",
         ):
             check_positive("server", name, getattr(self, name))
+        check_choice("server", "special_tokens_in_text", self.special_tokens_in_text, SPECIAL_TOKENS_IN_TEXT)
         if not self.model_name:
             raise ValueError("server.model_name must not be empty")
         if self.api_key is not None and not self.api_key.strip():

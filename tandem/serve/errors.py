@@ -11,6 +11,7 @@ ERROR_TYPES = {
     408: "timeout_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Callable
 
@@ -146,9 +147,11 @@ def openai_router(
     config: ServerConfig,
     authorize: Callable[[Request], None],
     prompter: ImagePrompter | None = None,
+    image_slots: threading.Semaphore | None = None,
 ) -> APIRouter:
     """The ``/v1`` routes over ``engine`` (``tokenizer`` renders chat and decodes text; a
-    vision-language model's ``prompter`` turns ``image_url`` parts into the prompt's images)."""
+    vision-language model's ``prompter`` turns ``image_url`` parts into the prompt's images, a
+    request holding one of ``image_slots`` meanwhile)."""
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
     started_at = int(time.time())
 
@@ -166,7 +169,7 @@ def openai_router(
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_request(body, config)
         check_fan_out(body, 1, config)
-        prompt, images = await asyncio.to_thread(chat_prompt, body, tokenizer, prompter, config)
+        prompt, images = await asyncio.to_thread(chat_prompt, body, tokenizer, prompter, config, image_slots)
         return await generate(engine, tokenizer, config, body, "chat", [prompt], None, request, images)
 
     @v1.get("/models")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.config.paths import INPUT_PATH, OUTPUT_PATH, path_field
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.controller.factory import BACKENDS
 from tandem.controller.resource_pool import ResourcePool
@@ -42,7 +43,7 @@ class SFTTrainerConfig:
     eval_every: int = 0
     save_every: int = 0
     log_every: int = 10
-    output_dir: str = "outputs/sft"
+    output_dir: str = path_field(OUTPUT_PATH, "outputs/sft")
     resume: bool = False
     keep_last: int = 0
     seed: int = 0
@@ -92,7 +93,7 @@ class SFTTrainerConfig:
 class SFTConfig:
     """Everything ``tandem sft`` reads; ``model_path`` fills ``engine.model_path`` when that is empty."""
 
-    model_path: str = ""
+    model_path: str = path_field(INPUT_PATH)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(lr=1e-4))
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)

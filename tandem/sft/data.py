@@ -19,11 +19,13 @@ from typing import Any
 
 import torch
 
+from tandem.config.paths import INPUT_PATH, path_field
 from tandem.config.validation import check_choice, check_positive
 from tandem.data.images import DEFAULT_MAX_IMAGE_PIXELS, ImageError, decode_image, entry_bytes
 from tandem.data.rows import read_rows
 from tandem.models.chat import check_message, template_ids, with_image_parts
-from tandem.models.vision import ImagePrompter
+from tandem.models.chat_literal import SPECIAL_TOKENS_IN_TEXT
+from tandem.models.vision import ImagePrompter, expand_image_tokens, process_images
 from tandem.protocol import Batch
 from tandem.protocol.images import ImageInputs
 
@@ -43,10 +45,13 @@ class SFTDataConfig:
         images_key: the column holding a row's images (vision-language models).
         min_pixels / max_pixels: the image processor's resizing bounds (None: the model's saved ones).
         max_image_pixels: a larger image (decoded width x height) is an error naming the row.
+        special_tokens_in_text: ``text`` (a special-token string inside a message, such as
+            ``<|im_end|>``, is tokenized as plain text) or ``control`` (it becomes that control
+            token, as transformers' ``apply_chat_template`` does).
     """
 
-    train_path: str = ""
-    val_path: str | None = None
+    train_path: str = path_field(INPUT_PATH)
+    val_path: str | None = path_field(INPUT_PATH, None)
     messages_key: str = "messages"
     max_length: int = 1024
     truncation: str = "error"
@@ -54,19 +59,21 @@ class SFTDataConfig:
     min_pixels: int | None = None
     max_pixels: int | None = None
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    special_tokens_in_text: str = "text"
 
     def __post_init__(self) -> None:
+        check_choice("data", "special_tokens_in_text", self.special_tokens_in_text, SPECIAL_TOKENS_IN_TEXT)
         check_positive("data", "max_length", self.max_length)
         check_positive("data", "max_image_pixels", self.max_image_pixels)
         check_choice("data", "truncation", self.truncation, TRUNCATION)
 
 
 def tokenize_conversation(
-    tokenizer: Any, messages: list[dict], where: str, images: int = 0
+    tokenizer: Any, messages: list[dict], where: str, images: int = 0, special_tokens_in_text: str = "text"
 ) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)`` of one conversation; ``where`` names the row in errors. With
     ``images`` the messages' ``<image>`` placeholders (as many) become image parts, rendered as
-    one placeholder token each."""
+    one placeholder token each. ``special_tokens_in_text``: ``data.special_tokens_in_text``."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: messages must be a non-empty list, got {type(messages).__name__}")
     for turn, message in enumerate(messages):
@@ -86,13 +93,22 @@ def tokenize_conversation(
                 f"{where}: the messages hold {placeholders} <image> placeholders and the row {images} images; "
                 "each image needs exactly one"
             )
-    input_ids = template_ids(tokenizer, messages, add_generation_prompt=False)
+
+    def render(turns: list[dict], add_generation_prompt: bool) -> list[int]:
+        try:
+            return template_ids(
+                tokenizer, turns, add_generation_prompt, special_tokens_in_text=special_tokens_in_text
+            )
+        except ValueError as error:  # a typed special token the template's rewriting hides: name the row
+            raise ValueError(f"{where}: {error}") from error
+
+    input_ids = render(messages, False)
     loss_mask = [0] * len(input_ids)
     for turn, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = template_ids(tokenizer, messages[:turn], add_generation_prompt=True)
-        through = template_ids(tokenizer, messages[: turn + 1], add_generation_prompt=False)
+        prompt = render(messages[:turn], True)
+        through = render(messages[: turn + 1], False)
         if through[: len(prompt)] != prompt or input_ids[: len(through)] != through:
             raise ValueError(f"{where}: the chat template does not render turn {turn} as a prefix extension")
         for position in range(len(prompt), len(through)):
@@ -121,11 +137,20 @@ def row_images(row: dict, config: SFTDataConfig, base_dir: Path, where: str) -> 
 
 
 def expand_images(
-    ids: list[int], mask: list[int], images: list, prompter: ImagePrompter
+    ids: list[int], mask: list[int], images: list, prompter: ImagePrompter, where: str
 ) -> tuple[list[int], list[int], ImageInputs]:
     """``ids`` and ``mask`` with each image placeholder repeated once per image token (the copies
-    are prompt: mask 0), and the processed images."""
-    expanded, inputs = prompter.prompt(ids, images)
+    are prompt: mask 0), and the processed images. Each image is processed alone (the same
+    pixels and grid as together), so the processor's own refusals (Qwen2-VL's aspect ratio
+    under 200) name ``where`` and the image."""
+    parts = []
+    for number, image in enumerate(images):
+        try:
+            parts.append(process_images(prompter.processor, [image]))
+        except ValueError as error:
+            raise ValueError(f"{where}: image {number} ({image.width}x{image.height}): {error}") from None
+    inputs = ImageInputs.concat(parts)
+    expanded = expand_image_tokens(ids, inputs, prompter.placeholder, prompter.merge)
     counts = iter(inputs.token_counts(prompter.merge))
     expanded_mask = []
     for token, keep in zip(ids, mask, strict=True):
@@ -155,10 +180,14 @@ class SFTDataset:
             pictures = row_images(row, config, Path(path).parent, where)
             if pictures and prompter is None:
                 raise ValueError(f"{where}: the row has images but the model has no vision tower")
-            ids, mask = tokenize_conversation(tokenizer, row[config.messages_key], where, len(pictures))
+            ids, mask = tokenize_conversation(
+                tokenizer, row[config.messages_key], where, len(pictures), config.special_tokens_in_text
+            )
             inputs = None
             if pictures:
-                ids, mask, inputs = expand_images(ids, mask, pictures, prompter)
+                ids, mask, inputs = expand_images(
+                    ids, mask, pictures, prompter, f"{where}: field {config.images_key!r}"
+                )
             if len(ids) > config.max_length:
                 if inputs is not None and config.truncation == "right":
                     raise ValueError(

@@ -17,11 +17,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from tandem.algos.aggregation import LossNormalizer
 from tandem.config.paths import check_workers_share_output_dir, with_absolute_paths
 from tandem.controller import WorkerGroup, check_placement, create_worker_group
 from tandem.engine.divergence import SkippedUpdates, check_health
+from tandem.models.gguf import with_gguf_resolved
 from tandem.models.loading import check_vocab_fits, load_tokenizer
 from tandem.models.vision import ImagePrompter
 from tandem.protocol import Batch
@@ -47,7 +49,7 @@ class SFTResult:
     hf_model_dir: Path
 
 
-PATH_INPUTS = ("model_path", "engine.model_path", "ref_model_path")  # ref_model_path: DPO's
+MODEL_PATHS = ("model_path", "engine.model_path", "ref_model_path")  # ref_model_path: DPO's
 
 
 class SFTTrainer:
@@ -56,9 +58,11 @@ class SFTTrainer:
     :class:`tandem.dpo.DPOTrainer` builds on it: the worker group, checkpoints, resume,
     divergence checks and export are shared; the data and the step differ."""
 
+    worker_class: type[EngineWorker] = EngineWorker  # a subclass, built with worker_args(), may extend a rank
+
     def __init__(self, config: SFTConfig, console: Console | None = None) -> None:
-        # workers may run in another directory (Ray); data is read here
-        config = with_absolute_paths(config, ("trainer.output_dir",), PATH_INPUTS)
+        config = with_absolute_paths(config)  # its path fields: workers may run in another directory (Ray)
+        config = with_gguf_resolved(config, MODEL_PATHS)  # a GGUF model converted once, before the workers
         self.config = config
         self.console = console or Console()
         self.output_dir = check_output_dir(config.trainer.output_dir, "trainer.output_dir")
@@ -120,7 +124,7 @@ class SFTTrainer:
             "trainer.n_gpus_per_node or trainer.n_workers",
             device=("engine.device", self.config.engine.device),
         )
-        with create_worker_group(EngineWorker, pool, trainer.backend, args=self.worker_args()) as group:
+        with create_worker_group(self.worker_class, pool, trainer.backend, args=self.worker_args()) as group:
             check_workers_share_output_dir(group, self.output_dir)
             check_vocab_fits(group.init_engine()[0], self.tokenizer)
             self.workers = group
@@ -241,7 +245,9 @@ class SFTTrainer:
         )
 
     def _resume(self) -> None:
-        latest = self.checkpoints.latest()
+        latest = self.checkpoints.resume_point(
+            lambda message: self.console.print(f"[yellow]warning: {escape(message)}", highlight=False)
+        )
         if latest is None:
             self.console.print(f"no checkpoint in {self.output_dir}; starting fresh")
             return

@@ -2,10 +2,13 @@
 ``tool_agent`` loop teaches a tiny model to multiply 3-digit numbers with the calculator
 (a short run: about 90 s on 2 CPU cores)."""
 
+import pytest
+
 from tandem.demos.accuracy import ACCURACY_KEY
 from tandem.demos.tool_agent import ToolDemoSettings, run_tool_demo
 
 
+@pytest.mark.slow  # a whole demo run (minutes); agent episodes in RL runs are tested in test_rl_agents.py
 def test_grpo_with_the_calculator_raises_held_out_accuracy(tmp_path):
     settings = ToolDemoSettings(output_dir=str(tmp_path), rl_steps=5, val_prompts=64, val_every=5)
     result = run_tool_demo(settings)

@@ -47,7 +47,7 @@ def _bucket_files(sync: CheckpointEngineConfig) -> set:
 @pytest.mark.parametrize(
     ("backend", "trainer_ranks", "strategy"),
     [
-        ("broadcast", 1, "single"),
+        pytest.param("broadcast", 1, "single", marks=pytest.mark.slow),  # broadcast: (2, fsdp2) below
         ("shared_memory", 1, "single"),
         ("files", 1, "single"),
         ("broadcast", 2, "fsdp2"),

@@ -19,6 +19,7 @@ from tests.rl.conftest import small_config
 from tests.rl.test_distributed import CLOSE, SAME
 
 
+@pytest.mark.slow  # two raylets (minutes); the Ray group is compared with the local one in the default tier
 def test_two_nodes_place_one_rank_each_and_train_like_one_worker(rl_files, tmp_path):
     pytest.importorskip("ray")
     env = {**os.environ, "PYTHONPATH": ROOT, "RAY_DEDUP_LOGS": "0"}

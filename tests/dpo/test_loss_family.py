@@ -209,6 +209,33 @@ def test_cpo_with_alphapo_shaping(alpha):
         _check(_inputs(saturate=False), FAMILY[name], config)
 
 
+def _preference_input(values, mean_length):
+    fields = ("pc", "pr", "rc", "rr", "lc", "lr")
+    return PreferenceInput(*(values[k].float() for k in fields), mean_length)
+
+
+@pytest.mark.parametrize("name", ["cpo", "cpo_hinge", "cpo_ipo", "cpo_simpo", "alphapo"])
+def test_cpo_without_its_nll_term_logs_nll_loss_zero_as_trl_does(name):
+    """TRL's CPOTrainer logs ``nll_loss`` 0 when ``cpo_alpha=0`` (SimPO's setting) and the chosen
+    NLL otherwise; a combination with a loss that adds the NLL logs that NLL, in either order."""
+    settings = {"beta": 0.5, "gamma": 0.2, "alpha": 0.25 if name == "alphapo" else 0.0}
+    values, mean_length = _inputs(saturate=False), 4.0
+    without = PreferenceLossConfig(name=name, cpo_alpha=0.0, **settings)
+    _check(values, FAMILY[name], without)  # the loss is the preference term alone
+    x = _preference_input(values, mean_length)
+    assert torch.equal(
+        compute_preference_loss(x, without).metrics["nll_loss"], torch.zeros(len(values["pc"]))
+    )
+    expected = (-values["pc"] / mean_length).float()  # the chosen responses' per-token NLL
+    with_nll = compute_preference_loss(x, PreferenceLossConfig(name=name, cpo_alpha=0.7, **settings))
+    torch.testing.assert_close(with_nll.metrics["nll_loss"], expected, rtol=0, atol=0)
+    for names in ((name, "sft"), ("sft", name)):
+        combined = PreferenceLossConfig(names=names, weights=(1.0, 1.0), cpo_alpha=0.0, **settings)
+        torch.testing.assert_close(
+            compute_preference_loss(x, combined).metrics["nll_loss"], expected, rtol=0, atol=0
+        )
+
+
 @pytest.mark.parametrize("divergence", ["forward_kl", "js_divergence", "alpha_divergence"])
 @pytest.mark.parametrize(
     "name", ["sigmoid", "hinge", "ipo", "robust", "exo_pair", "discopop", "sigmoid_norm"]

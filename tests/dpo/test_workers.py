@@ -1,23 +1,15 @@
 """SFT and DPO on several workers equal one worker: the same losses, metrics, validation and
-exported weights (DDP, FSDP2 and Ulysses sequence parallelism, each worker a spawned process)."""
+every step's gradients, and exported weights within the Adam bound of those gradients (DDP,
+FSDP2, Ulysses sequence, tensor and expert parallelism, each worker a spawned process)."""
 
 import pytest
-import torch
 
-from tandem.dpo import DPOTrainer
 from tandem.engine import EngineConfig
 from tandem.models import TinyModelConfig, save_tiny_model
-from tandem.models.loading import load_model
-from tandem.sft import SFTConfig, SFTDataConfig, SFTTrainer, SFTTrainerConfig
+from tandem.sft import SFTConfig, SFTDataConfig, SFTTrainerConfig
 from tests.dpo.conftest import dpo_config, write_jsonl
+from tests.sft.recorded_gradients import RecordingDPOTrainer, RecordingSFTTrainer, assert_same_steps
 from tests.sft.test_sft import addition_conversations
-
-
-def assert_same_weights(left, right, atol: float = 2e-5):
-    left, right = load_model(left).state_dict(), load_model(right).state_dict()
-    assert left.keys() == right.keys()
-    for name, value in left.items():
-        torch.testing.assert_close(right[name], value, rtol=1e-4, atol=atol, msg=name)
 
 
 def assert_same_history(left: list[dict], right: list[dict], skipped: tuple[str, ...] = ()):
@@ -36,21 +28,21 @@ def assert_same_history(left: list[dict], right: list[dict], skipped: tuple[str,
     [
         ("engine.strategy=single",),  # DDP over the two workers
         ("engine.strategy=fsdp2", "reference=model"),  # sharded policy, a frozen reference per worker
-        ("engine.strategy=single", "engine.sp_size=2"),  # one row split over both workers (Ulysses)
-        (
-            "engine.strategy=single",
-            "engine.tp_size=2",
-            "reference=model",
-        ),  # weights split, the reference's too
-        ("engine.strategy=single", "engine.ep_size=2", "reference=model"),  # a tiny MoE's experts split
+        # the meshes below are compared with one process in tests/engine too: slow tier here
+        pytest.param(  # one row split over both workers (Ulysses)
+            ("engine.strategy=single", "engine.sp_size=2"), id="sequence-parallel", marks=pytest.mark.slow
+        ),
+        pytest.param(  # weights split, the reference's too
+            ("engine.strategy=single", "engine.tp_size=2", "reference=model"),
+            id="tensor-parallel-reference-model", marks=pytest.mark.slow,
+        ),  # fmt: skip
+        pytest.param(  # a tiny MoE's experts split
+            ("engine.strategy=single", "engine.ep_size=2", "reference=model"),
+            id="expert-parallel-reference-model", marks=pytest.mark.slow,
+        ),  # fmt: skip
     ],
-    ids=[
-        "ddp",
-        "fsdp2-reference-model",
-        "sequence-parallel",
-        "tensor-parallel-reference-model",
-        "expert-parallel-reference-model",
-    ],
+    ids=["ddp", "fsdp2-reference-model", "sequence-parallel", "tensor-parallel-reference-model",
+         "expert-parallel-reference-model"],  # fmt: skip
 )
 def test_dpo_on_two_workers_equals_one(dpo_files, tmp_path, overrides):
     model = ()
@@ -58,17 +50,17 @@ def test_dpo_on_two_workers_equals_one(dpo_files, tmp_path, overrides):
         moe = save_tiny_model(tmp_path / "moe", TinyModelConfig(family="qwen2_moe"))
         model = (f"model_path={moe}",)
     mesh_keys = ("engine.sp_size", "engine.tp_size", "engine.ep_size")
-    results = [
-        DPOTrainer(
+    trainers = [
+        RecordingDPOTrainer(
             dpo_config(
                 dpo_files, tmp_path / f"workers{workers}", f"trainer.n_workers={workers}", "trainer.total_steps=3",
                 "preference.rpo_alpha=0.5", *model,
                 *(o for o in overrides if workers == 2 or not o.startswith(mesh_keys)),
             )
-        ).fit()
+        )
         for workers in (1, 2)
     ]  # fmt: skip
-    one, two = results
+    one, two = (trainer.fit() for trainer in trainers)
     # the routing metrics are each micro-batch's means, and two workers' micro-batches hold half
     # the rows: they are checked for range only (1/E balanced .. 1/k: one expert in every top-k)
     assert_same_history(one.history, two.history, skipped=("moe/",))
@@ -77,16 +69,21 @@ def test_dpo_on_two_workers_equals_one(dpo_files, tmp_path, overrides):
     assert two.validation["eval_rewards/accuracies"] == pytest.approx(
         one.validation["eval_rewards/accuracies"]
     )
-    # Adam divides each element's step by its own gradient's scale: where that gradient is near
-    # zero, the rounding tensor parallelism reorders (losses and grad norms agree to 1e-7) grows
-    # into the update; after three steps one element of 16384 (an o_proj) is 2.2e-5 apart.
-    tensor_parallel = "engine.tp_size=2" in overrides
-    assert_same_weights(one.hf_model_dir, two.hf_model_dir, atol=5e-5 if tensor_parallel else 2e-5)
+    # the gradients agree to rounding; the weights within the Adam bound of those gradients (tensor
+    # parallelism's reordered rounding, where a gradient is near zero, grows into the update)
+    print(assert_same_steps(
+        (one.output_dir, one.hf_model_dir), (two.output_dir, two.hf_model_dir), trainers[1].engine_config, 3
+    ))  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "mesh",
-    [{}, {"sp_size": 2}, {"tp_size": 2}, {"ep_size": 2}],
+    [  # sequence and tensor parallelism are compared with one process in tests/engine too: slow tier here
+        {},
+        pytest.param({"sp_size": 2}, marks=pytest.mark.slow),
+        pytest.param({"tp_size": 2}, marks=pytest.mark.slow),
+        {"ep_size": 2},
+    ],
     ids=["data-parallel", "sequence-parallel", "tensor-parallel", "expert-parallel"],
 )
 def test_sft_on_two_workers_equals_one(dpo_files, tmp_path, mesh):
@@ -113,11 +110,16 @@ def test_sft_on_two_workers_equals_one(dpo_files, tmp_path, mesh):
                 output_dir=str(tmp_path / f"workers{workers}"),
             ),
         )
-        results.append(SFTTrainer(config).fit())
+        results.append(RecordingSFTTrainer(config).fit())
     one, two = results
     assert two.train_losses == pytest.approx(one.train_losses, rel=1e-5)
     assert two.eval_losses[3] == pytest.approx(one.eval_losses[3], rel=1e-5)
-    assert_same_weights(one.hf_model_dir, two.hf_model_dir)
+    # the gradients agree to rounding; the weights by the Adam bound of those gradients: where an
+    # element's gradient is noise-level (~eps, seen on an AVX-512 host: one expert weight of 32768
+    # had a step-2 gradient of -3.1e-8 against -3.2e-8), Adam makes the rounding up to lr of a step
+    print(assert_same_steps(
+        (tmp_path / "workers1", one.hf_model_dir), (tmp_path / "workers2", two.hf_model_dir), config.engine, 3
+    ))  # fmt: skip
 
 
 def test_the_batch_must_divide_over_the_workers():

@@ -29,7 +29,7 @@ def _two_steps(config: EngineConfig, offload_between: bool) -> dict[str, torch.T
         return group.parameters()[0]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp2"])  # fsdp2 frees shards
 def test_an_offload_round_trip_between_steps_changes_nothing(tiny_model_dir, strategy):
     config = EngineConfig(model_path=tiny_model_dir, lr=1e-2, strategy=strategy, micro_batch_size=4)
     kept = _two_steps(config, offload_between=False)

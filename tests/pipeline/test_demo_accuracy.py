@@ -6,6 +6,10 @@ import pytest
 
 from tandem.demos.arithmetic import ACCURACY_KEY, DemoSettings, run_demo
 
+# whole demo runs (minutes each): the asynchronous modes train like sync step for step in
+# tests/pipeline/test_async_training.py; these accuracy runs are in the slow tier
+pytestmark = pytest.mark.slow
+
 
 def _final_accuracy(result) -> float:
     return [r[ACCURACY_KEY] for r in result.history if ACCURACY_KEY in r][-1]

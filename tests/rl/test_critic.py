@@ -112,7 +112,9 @@ def test_a_diverging_critic_stops_the_run_naming_the_step(rl_files, tmp_path):
     assert not (tmp_path / "checkpoints" / "global_step_1").exists()
 
 
-@pytest.mark.parametrize("backend, workers", [("local", 1), ("local", 2), ("ray", 2)])
+@pytest.mark.parametrize(
+    "backend, workers", [("local", 1), ("local", 2), pytest.param("ray", 2, marks=pytest.mark.slow)]
+)  # ray: the same run on another backend (slow tier)
 def test_a_colocated_critic_trains_as_a_separate_one(rl_files, tmp_path, backend, workers, request):
     """The critic inside the actor's processes (or, alone, the controller's) computes what its
     own processes do. On Ray, rank 0's roles join the group through the store its process hosts."""

@@ -3,9 +3,13 @@ forward does, colocated and in its own pool alike, and distilling lowers the rev
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
+from tandem.algos.distill import distill_metrics, reverse_kl_advantages, top_k_jsd
 from tandem.controller import create_worker_group
 from tandem.data import write_parquet
 from tandem.data.rows import read_rows
@@ -136,6 +140,149 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both_models(rl_files
     assert str(other) in str(error.value) and rl_files["model"] in str(error.value)
 
 
+PADDING_ROWS = 50
+
+
+@pytest.fixture(scope="module")
+def padded_teacher_dir(teacher_dir, tmp_path_factory):
+    """The teacher with its vocabulary padded from 103 to 153 rows and the same tokenizer: the
+    first 103 rows are the teacher's, the padding rows ten times its first 50, so their logits are
+    the largest wherever those are positive (as if the padding had been trained upward)."""
+    path = tmp_path_factory.mktemp("padded_teacher")
+    model = load_model(teacher_dir)
+    rows = model.get_output_embeddings().weight.shape[0]
+    model.resize_token_embeddings(rows + PADDING_ROWS)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head[rows:] = 10.0 * head[:PADDING_ROWS]
+    model.save_pretrained(path)
+    load_tokenizer(teacher_dir).save_pretrained(path)
+    return str(path)
+
+
+def _teacher_scores(config, batch: Batch) -> Batch:
+    with create_worker_group(TeacherWorker, config.teacher_resource_pool(), "local", args=(config,)) as group:
+        group.init_model()
+        return group.compute_teacher_log_prob(batch)
+
+
+def test_a_teacher_padded_past_the_students_vocabulary_scores_as_the_unpadded_one(
+    rl_files, teacher_dir, padded_teacher_dir, tmp_path
+):
+    """Its softmax used to include the padding rows (``reverse_kl``), and its top-k tokens ids the
+    student does not have (``index 109 is out of bounds``): scored over the shared ids it gives
+    the unpadded teacher's numbers exactly, and so the same advantages, divergence and metrics."""
+    tokenizer = load_tokenizer(teacher_dir)
+    batch = _padded_batch(tokenizer, [("12+7=", "19"), ("3+45=", "48<|im_end|>"), ("99+1=", "1 and more")])
+    padded_model = load_model(padded_teacher_dir)
+    with torch.no_grad():  # the padding matters: it holds most of the padded head's own softmax
+        full = torch.softmax(padded_model(batch["input_ids"]).logits.float(), -1)
+    assert full[..., -PADDING_ROWS:].sum(-1).mean() > 0.5
+    plain, padded = (
+        _teacher_scores(distill_config(rl_files, tmp_path, teacher, "teacher.top_k=8"), batch)
+        for teacher in (teacher_dir, padded_teacher_dir)
+    )
+    assert set(padded.keys()) == set(plain.keys())
+    for name in plain.keys():
+        assert torch.equal(padded[name], plain[name]), name
+    student = torch.full_like(plain["teacher_log_probs"], -2.0)  # any student: the same for both teachers
+    mask = batch["response_mask"]
+    assert torch.equal(
+        reverse_kl_advantages(student, padded["teacher_log_probs"], mask),
+        reverse_kl_advantages(student, plain["teacher_log_probs"], mask),
+    )
+    assert distill_metrics(student, padded["teacher_log_probs"], mask) == distill_metrics(
+        student, plain["teacher_log_probs"], mask
+    )
+    student_top = torch.log_softmax(
+        torch.randn(*padded["teacher_top_ids"].shape[:2], 103, generator=torch.Generator().manual_seed(0)), -1
+    ).gather(
+        -1, padded["teacher_top_ids"]
+    )  # a student's log-probs of the padded teacher's top-k tokens: ids it has
+    assert torch.equal(
+        top_k_jsd(student_top, padded["teacher_top_log_probs"], 0.5),
+        top_k_jsd(student_top, plain["teacher_top_log_probs"], 0.5),
+    )
+
+
+@pytest.mark.slow  # two one-step runs each: 15 s (reverse_kl) and 25 s (jsd) on 2 busy cores
+@pytest.mark.parametrize(
+    "objective",
+    [("algorithm.distill.objective=reverse_kl",), ("algorithm.distill.objective=jsd", "teacher.top_k=8")],
+    ids=["reverse_kl", "jsd"],
+)
+def test_a_run_with_a_padded_teacher_equals_the_run_with_the_unpadded_one(
+    rl_files, teacher_dir, padded_teacher_dir, tmp_path, objective
+):
+    runs = [
+        RLTrainer(
+            distill_config(
+                rl_files, tmp_path / name, teacher, *objective, "trainer.total_steps=1", "data.val_path="
+            )
+        ).fit()
+        for name, teacher in (("plain", teacher_dir), ("padded", padded_teacher_dir))
+    ]
+    (plain,), (padded,) = ([h for h in run.history if h["step"] > 0] for run in runs)
+    distilled = [name for name in plain if name.startswith("distill/")]
+    assert distilled and all(padded[name] == plain[name] for name in distilled), distilled
+    for name in ("actor/pg_loss", "actor/grad_norm", "critic/advantages/max", "critic/advantages/min"):
+        assert padded[name] == plain[name], name
+
+
+@pytest.mark.parametrize(
+    ("teacher", "top_k", "sizes"),
+    [
+        ("teacher_dir", 200, "model_path=.* has 103 ids, teacher.model_path=.* 103"),
+        ("padded_teacher_dir", 120, "103 ids, .* 153"),
+    ],
+)
+def test_a_top_k_past_the_vocabulary_is_refused_before_any_worker_starts(
+    rl_files, tmp_path, request, teacher, top_k, sizes
+):
+    """It used to be accepted, then crash in the first step's top-k."""
+    config = distill_config(rl_files, tmp_path, request.getfixturevalue(teacher), f"teacher.top_k={top_k}")
+    with pytest.raises(
+        ValueError, match=f"teacher.top_k={top_k} is more than the 103 token ids the teacher scores .*{sizes}"
+    ):
+        RLTrainer(config)
+
+
+def _working_directory() -> str:
+    return os.getcwd()
+
+
+@pytest.fixture
+def relative_teacher(teacher_dir, tmp_path, monkeypatch, ray_cluster):
+    """``"teacher"``: the teacher, relative to the driver's working directory (``tmp_path``),
+    which is not the directory Ray's workers run in."""
+    shutil.copytree(teacher_dir, tmp_path / "teacher")
+    monkeypatch.chdir(tmp_path)
+    assert ray_cluster.get(ray_cluster.remote(_working_directory).remote()) != str(tmp_path)
+    return "teacher"
+
+
+@pytest.mark.slow  # Ray starts a worker process: ~20 s on 2 busy cores (fast sibling: tests/rl/test_paths.py)
+def test_a_relative_teacher_path_reaches_ray_teacher_workers_that_run_elsewhere(
+    rl_files, teacher_dir, relative_teacher, tmp_path
+):
+    """A relative ``teacher.model_path`` reached Ray's workers as written (``FileNotFoundError: no
+    model at teacher``); made absolute by the trainer, the teacher on Ray scores a batch as the
+    local teacher with the absolute path does."""
+    on_ray = RLTrainer(
+        distill_config(rl_files, tmp_path / "run", relative_teacher, "trainer.backend=ray")
+    ).config
+    local = distill_config(rl_files, tmp_path / "run", teacher_dir)
+    batch = _padded_batch(load_tokenizer(teacher_dir), [("12+7=", "19"), ("3+45=", "48 and")])
+    scored = []
+    for config, backend in ((on_ray, "ray"), (local, "local")):
+        with create_worker_group(
+            TeacherWorker, config.teacher_resource_pool(), backend, args=(config,)
+        ) as group:
+            group.init_model()
+            scored.append(group.compute_teacher_log_prob(batch)["teacher_log_probs"])
+    assert torch.equal(scored[0], scored[1])
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -174,6 +321,7 @@ def test_bad_distillation_settings_name_the_key(rl_files, tmp_path, overrides, m
         small_config(rl_files, tmp_path, *overrides)
 
 
+@pytest.mark.slow  # the distillation paths run in the default tier above; this is the demo end to end
 def test_a_shrunk_distillation_demo_runs_end_to_end(tmp_path):
     runs = DemoSettings(
         output_dir=str(tmp_path), sft_steps=4, sft_batch_size=8, rl_steps=2, prompts_per_step=4,

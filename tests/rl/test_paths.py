@@ -1,15 +1,20 @@
 """Relative paths in a run's config become absolute where the run starts (Ray workers may run
 in another directory), while names that are not files here (a Hub model id) stay as given."""
 
+import dataclasses
 import os
+import typing
 
 import pytest
 
-from tandem.config.paths import with_absolute_paths
+from tandem.config.paths import path_kind, with_absolute_paths
 from tandem.controller.group import WorkerGroup
+from tandem.dpo.config import DPOConfig
 from tandem.rl import RLTrainer
+from tandem.rl.config import TrainConfig
 from tandem.rl.config_loader import load_train_config
-from tandem.rl.trainer import PATH_INPUTS, PATH_OUTPUTS
+from tandem.rm.config import RewardModelConfig
+from tandem.sft.config import SFTConfig
 from tests.rl.conftest import small_config
 
 
@@ -28,16 +33,14 @@ def test_relative_paths_resolve_against_the_drivers_directory(tmp_path, monkeypa
             "trainer.profile_dir=",
         ]
     )
-    resolved = with_absolute_paths(config, PATH_OUTPUTS, PATH_INPUTS)
+    resolved = with_absolute_paths(config)
     assert resolved.model_path == str(tmp_path / "models" / "policy")
     assert resolved.critic.model_path == "Qwen/Qwen2.5-0.5B"
     assert resolved.data.train_path == str(tmp_path / "train.jsonl")
     assert resolved.reward.custom_path == str(tmp_path / "reward.py")
     assert resolved.trainer.output_dir == str(tmp_path / "runs" / "a")
     assert resolved.trainer.profile_dir == "" and resolved.data.val_path == ""
-    assert (
-        with_absolute_paths(resolved, PATH_OUTPUTS, PATH_INPUTS) == resolved
-    )  # absolute paths stay as they are
+    assert with_absolute_paths(resolved) == resolved  # absolute paths stay as they are
     assert all(os.path.isabs(p) for p in (resolved.model_path, resolved.trainer.output_dir))
 
 
@@ -54,5 +57,49 @@ def test_a_key_that_must_equal_another_still_does_once_both_resolve(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     (tmp_path / "m").mkdir()
     config = load_train_config(["model_path=m", "actor.engine.model_path=m", "data.train_path=t.parquet"])
-    resolved = with_absolute_paths(config, PATH_OUTPUTS, PATH_INPUTS)
+    resolved = with_absolute_paths(config)
     assert resolved.model_path == resolved.actor.engine.model_path == str(tmp_path / "m")
+
+
+PATH_NAMES = ("path", "directory")  # a field named so, or ending in _path or _dir, holds a path
+CONFIGS = {
+    "tandem train": TrainConfig,
+    "tandem sft": SFTConfig,
+    "tandem dpo": DPOConfig,
+    "tandem rm": RewardModelConfig,
+}
+
+
+def _unmarked_path_fields(config_class: type, prefix: str = "") -> list[str]:
+    """Dotted keys of fields below ``config_class`` that are named like paths but not marked."""
+    unmarked = []
+    hints = typing.get_type_hints(config_class)
+    for field in dataclasses.fields(config_class):
+        key = f"{prefix}{field.name}"
+        kind = hints[field.name]
+        if dataclasses.is_dataclass(kind):
+            unmarked += _unmarked_path_fields(kind, f"{key}.")
+        elif (field.name in PATH_NAMES or field.name.endswith(("_path", "_dir"))) and path_kind(
+            field
+        ) is None:
+            unmarked.append(key)
+    return unmarked
+
+
+@pytest.mark.parametrize("command", sorted(CONFIGS))
+def test_every_path_valued_key_is_marked_on_its_field(command):
+    """``teacher.model_path`` was missing from a list of keys kept beside the configs: the
+    fields carry the mark now, and a field named like a path without one fails here."""
+    assert _unmarked_path_fields(CONFIGS[command]) == []
+
+
+def test_a_relative_teacher_path_resolves_with_the_others(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "teacher").mkdir()
+    config = load_train_config(
+        ["model_path=m", "data.train_path=t.parquet", "teacher.model_path=teacher",
+         "algorithm.distill.objective=reverse_kl"]
+    )  # fmt: skip
+    resolved = with_absolute_paths(config)
+    assert resolved.teacher.model_path == str(tmp_path / "teacher")
+    assert resolved.model_path == "m"  # not here: left as written (a Hub id)

@@ -3,6 +3,7 @@ a crash while checkpointing leaves a usable checkpoint, bad rewards never stop a
 
 import json
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -130,6 +131,20 @@ def test_a_kill_during_checkpoint_write_leaves_a_resumable_checkpoint(rl_files, 
     assert [h["step"] for h in resumed.history] == [3, 4]
     assert [p.name for p in manager.complete()] == ["global_step_2", "global_step_4"]
     assert not (tmp_path / "checkpoints" / "global_step_4.tmp").exists()
+
+
+@pytest.mark.slow  # two RL runs; the fast sibling is tests/run/test_checkpoints.py
+def test_a_truncated_shard_is_refused_by_path_and_skipped_by_auto_resume(rl_files, tmp_path):
+    settings = ("trainer.total_steps=4", "trainer.save_every=2", "data.val_path=")
+    first = RLTrainer(small_config(rl_files, tmp_path, *settings)).fit()
+    damaged = tmp_path / "checkpoints" / "global_step_4"
+    shard = sorted((damaged / "actor").rglob("*.distcp"))[0]
+    os.truncate(shard, shard.stat().st_size - 1)
+    with pytest.raises(ValueError, match=f"cannot resume from checkpoint {damaged}: {shard} holds"):
+        RLTrainer(small_config(rl_files, tmp_path, *settings, f"trainer.resume={damaged}")).fit()
+    resumed = RLTrainer(small_config(rl_files, tmp_path, *settings)).fit()
+    assert [h["step"] for h in resumed.history] == [3, 4]
+    assert _without_timings(resumed.history) == _without_timings(first.history[2:])
 
 
 def test_keep_last_prunes_old_checkpoints(rl_files, tmp_path):

@@ -115,7 +115,11 @@ def test_path_entries_equal_bytes_entries(vlm_dir, tmp_path):
     by_absolute = load(
         write_parquet([row(text, [{"path": absolute}])], tmp_path / "other" / "a.parquet"), vlm_dir
     )
-    for data in (relative, by_absolute):
+    # paths are trusted like the rest of the file (docs/multimodal.md): ".." leaves the data folder
+    by_parent = load(
+        write_parquet([row(text, [{"path": "../pictures/a.png"}])], tmp_path / "other" / "p.parquet"), vlm_dir
+    )
+    for data in (relative, by_absolute, by_parent):
         assert data.samples[0].prompt_ids == by_bytes.samples[0].prompt_ids
         assert_same_images(data.collate([0])["images"][0], by_bytes.collate([0])["images"][0])
 
@@ -164,6 +168,14 @@ BAD_ROWS = {
     "more placeholders": (
         row("<image><image>Colour?", [{"bytes": GOOD, "path": None}]),
         r"2 <image> placeholders but field 'images' has 1 image",
+    ),
+    "not a regular file": (
+        row("<image>Colour?", [{"bytes": None, "path": "/dev/zero"}]),
+        r"image 0: the image path /dev/zero is not a regular file \(a device, folder or pipe\)",
+    ),
+    "aspect ratio over 200": (  # the processor's own limit, named with the file, row and image
+        row("<image>Colour?", [{"bytes": png(picture(2, 500, 6)), "path": None}]),
+        r"field 'images' image 0 \(500x2\): absolute aspect ratio must be smaller than 200",
     ),
     "neither": (
         row("<image>Colour?", [{"bytes": None, "path": None}]),

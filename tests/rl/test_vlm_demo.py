@@ -3,11 +3,14 @@ pictures blanked does not get there (it must read the picture)."""
 
 from __future__ import annotations
 
+import pytest
+
 from tandem.demos.accuracy import accuracy_curve
 from tandem.demos.vlm import ACCURACY_KEY, VLMDemoSettings, run_vlm_demo
 from tandem.run.trackers import read_jsonl
 
 
+@pytest.mark.slow  # a whole demo run; VLM GRPO with exact log-probs is tested in test_vlm_grpo.py
 def test_a_shrunk_vlm_demo_learns_from_the_pictures(tmp_path):
     settings = VLMDemoSettings(
         output_dir=str(tmp_path), sft_rows=3000, train_rows=300, sft_steps=150, sft_batch_size=32,

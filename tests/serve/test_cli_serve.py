@@ -29,6 +29,15 @@ def test_tandem_serve_process(model_dir):
         )
         assert http(url + "/v1/models")[0] == 401
     assert f"http://127.0.0.1:{port}/v1" in process.output
+    assert "native engine KV cache: 256 sequences x 128 tokens" in process.output  # the figure, said at start
+
+
+def test_tandem_serve_refuses_a_context_beyond_the_models_positions(model_dir):
+    command = [sys.executable, "-m", "tandem", "serve", model_dir, "--max-model-len", "100000", "--port", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "max_model_len=100000 exceeds the model's max_position_embeddings=2048" in result.stderr
+    assert "--max-model-len" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_tandem_serve_reports_a_missing_model(tmp_path):

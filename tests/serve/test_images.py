@@ -98,7 +98,8 @@ def test_image_url_answers_as_the_engine_does_with_the_same_images(vlm_server, v
         ("file:///etc/passwd", "never fetched"),
         ("data:image/png;base64,%%%", "not valid base64"),
         ("data:image/png;base64," + base64.b64encode(b"not a picture").decode(), "not an image"),
-        (data_url(png(400, 400, 3)), "more than the limit of 90000"),
+        (data_url(png(400, 400, 3)), "over server.max_image_pixels=90000"),
+        (data_url(png(2, 500, 6)), "the model's image processor refuses this 500x2 image"),  # aspect ratio 250
     ],
 )
 def test_bad_images_are_400s_naming_the_part(vlm_server, url, mentions):
@@ -123,3 +124,54 @@ def test_a_text_model_refuses_images(server):
     status, body = chat(server.url, [{"type": "text", "text": "hi"}, part])
     assert status == 400 and "takes no images" in body["error"]["message"]
     assert body["error"]["param"] == "messages.0.content.1.image_url"
+
+
+@pytest.fixture(scope="module")
+def budget_server(vlm_server, vlm_dir):
+    """The same engine behind limits a test can reach: 60000 decoded pixels per request, one
+    request decoding images at a time."""
+    _, engine, prompter = vlm_server
+    config = ServerConfig(
+        port=0,
+        model_name="tiny",
+        max_image_pixels=300 * 300,
+        max_request_image_pixels=60000,
+        max_image_requests=1,
+    )
+    with ServerThread(engine, load_tokenizer(vlm_dir), config, prompter) as running:
+        yield running
+
+
+def test_decoded_pixels_per_request_are_bounded(budget_server):
+    first = {"type": "image_url", "image_url": {"url": data_url(png(200, 200, 6))}}  # 40000 pixels
+    status, body = chat(
+        budget_server.url, [first, {"type": "image_url", "image_url": {"url": data_url(png(100, 200, 7))}}]
+    )
+    assert status == 200, body  # 40000 + 20000 = the limit exactly
+    second = {"type": "image_url", "image_url": {"url": data_url(png(120, 200, 8))}}  # 24000 more: over
+    status, body = chat(budget_server.url, [first, second])
+    assert status == 400, body
+    message = body["error"]["message"]
+    assert (
+        "24000 pixels" in message
+        and "the 20000 pixels left of server.max_request_image_pixels=60000" in message
+    )
+    assert body["error"]["param"] == "messages.0.content.1.image_url"
+
+
+def test_requests_decoding_images_at_once_are_bounded(budget_server):
+    part = {"type": "image_url", "image_url": {"url": data_url(png(56, 56, 9))}}
+    slots = budget_server.app.state.image_slots
+    assert slots.acquire(blocking=False)  # the one slot, as a request decoding its images holds it
+    try:
+        status, body = chat(budget_server.url, [part])
+        assert status == 429, body
+        assert "server.max_image_requests" in body["error"]["message"]
+        text_status, _ = chat(budget_server.url, [{"type": "text", "text": "hi"}])
+        assert text_status == 200  # requests without images are not bounded by it
+    finally:
+        slots.release()
+    status, body = chat(budget_server.url, [part])
+    assert status == 200, body  # the slot is free again
+    assert slots.acquire(blocking=False)  # and the request gave its slot back
+    slots.release()

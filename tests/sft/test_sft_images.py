@@ -88,6 +88,17 @@ def test_images_expand_into_prompt_tokens_outside_the_loss(vlm_dir, tmp_path):
             {"messages": conversation("<image>?", "a"), "images": [{"bytes": png(300, 300, 3)}]},
             "over data.max_image_pixels=40000",
         ),
+        (
+            {"messages": conversation("<image>?", "a"), "images": [{"path": "/dev/zero"}]},
+            "image 0: the image path /dev/zero is not a regular file",
+        ),
+        (
+            {
+                "messages": conversation("<image>?<image>", "a"),
+                "images": [{"bytes": png(56, 56, 5)}, {"bytes": png(2, 500, 6)}],
+            },
+            "row 0: field 'images': image 1 (500x2): absolute aspect ratio must be smaller than 200",
+        ),
     ],
 )
 def test_bad_image_rows_are_named(vlm_dir, tmp_path, row, mentions):

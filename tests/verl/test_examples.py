@@ -29,7 +29,9 @@ def resolved_config(output: str) -> str:
     return output.split("# the resolved config:\n", 1)[1]
 
 
-@pytest.mark.parametrize("recipe", ["grpo_gsm8k", "dapo_math", "ppo_gsm8k"])
+@pytest.mark.parametrize(  # one recipe in the default tier, the others in the slow one
+    "recipe", ["grpo_gsm8k", pytest.param("dapo_math", marks=pytest.mark.slow), pytest.param("ppo_gsm8k", marks=pytest.mark.slow)]
+)
 def test_verl_way_and_tandem_way_are_the_same_run(recipe):
     files = {"model": "/models/qwen", "train": "/data/train.parquet", "val": "/data/test.parquet"}
     verl = run_example(EXAMPLES / recipe / "verl.sh", files, "--print-config")

@@ -14,7 +14,7 @@ def compute_preference_loss(x: PreferenceInput, config: PreferenceLossConfig) ->
     ``w_c w_r`` with ``use_weighting``), plus ``rpo_alpha`` times the chosen NLL.
 
     The rewards are the first loss's; the metrics every loss reports are merged (an ``sft`` or
-    ``cpo`` NLL and RPO's are the same number, ``nll_loss``).
+    ``cpo`` NLL and RPO's are the same number, ``nll_loss``; it is 0 only when no term adds it).
     """
     pair_weights = None
     if config.use_weighting:
@@ -29,7 +29,12 @@ def compute_preference_loss(x: PreferenceInput, config: PreferenceLossConfig) ->
         loss = output.loss if pair_weights is None else output.loss * pair_weights
         total = weight * loss if total is None else total + weight * loss
         first = first or output
-        metrics.update(output.metrics)
+        for name, value in output.metrics.items():
+            # every loss that reports nll_loss reports the same chosen NLL (>= 0), or 0 where it adds
+            # none (cpo with cpo_alpha=0, as TRL logs it): the NLL wins, whatever the order
+            metrics[name] = (
+                torch.maximum(metrics[name], value) if name == "nll_loss" and name in metrics else value
+            )
     assert total is not None and first is not None  # config.losses is never empty
     if config.rpo_alpha:
         nll = chosen_nll(x)

@@ -73,13 +73,16 @@ def _cpo_rewards(
 def _cpo_output(
     preference: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor, x: PreferenceInput, config
 ) -> PreferenceOutput:
-    """CPO's preference term plus ``cpo_alpha`` times the chosen NLL, rewards ``β r``."""
-    nll = chosen_nll(x)
+    """CPO's preference term plus ``cpo_alpha`` times the chosen NLL, rewards ``β r``. With
+    ``cpo_alpha=0`` the NLL is neither computed nor added, and ``nll_loss`` is 0, as TRL's
+    ``CPOTrainer`` logs it (SimPO's recommended setting)."""
+    if config.cpo_alpha:
+        nll = chosen_nll(x)
+        loss = preference + config.cpo_alpha * nll
+    else:
+        nll, loss = torch.zeros_like(preference), preference
     return PreferenceOutput(
-        preference + config.cpo_alpha * nll,
-        config.beta * chosen.detach(),
-        config.beta * rejected.detach(),
-        {"nll_loss": nll.detach()},
+        loss, config.beta * chosen.detach(), config.beta * rejected.detach(), {"nll_loss": nll.detach()}
     )
 
 

@@ -10,6 +10,7 @@ semantics.
 from tandem.rl.config.actor import OBJECTIVES, ActorConfig, ActorOffloadConfig
 from tandem.rl.config.algorithm import AlgorithmConfig, FilterGroupsConfig
 from tandem.rl.config.data import OVERLONG_PROMPTS, RLDataConfig, RLImageConfig
+from tandem.rl.config.dataplane import RLDataPlaneConfig
 from tandem.rl.config.reward import (
     INTERACTION_SOURCE,
     JUDGE_SOURCE,
@@ -41,6 +42,7 @@ __all__ = [
     "FilterGroupsConfig",
     "OverlongPenaltyConfig",
     "RLDataConfig",
+    "RLDataPlaneConfig",
     "RLImageConfig",
     "RewardConfig",
     "RewardModelSourceConfig",

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.config.paths import INPUT_PATH, path_field
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.data.file_lists import file_list
+from tandem.models.chat_literal import SPECIAL_TOKENS_IN_TEXT
 
 OVERLONG_PROMPTS = ("filter", "error", "truncate_left", "truncate_right", "truncate_middle")
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
@@ -60,10 +62,13 @@ class RLDataConfig:
         video_key: the column of a row's videos (verl's ``data.video_key``); videos are not
             supported yet, so a row with any is an error.
         image: how images are read and resized (:class:`RLImageConfig`).
+        special_tokens_in_text: ``text`` (a special-token string inside a prompt's message, such
+            as ``<|im_end|>``, is tokenized as plain text) or ``control`` (it becomes that control
+            token, as transformers' ``apply_chat_template`` and vLLM do).
     """
 
-    train_path: Any = ""  # str | list[str]: OmegaConf cannot type a union with a list
-    val_path: Any = ""
+    train_path: Any = path_field(INPUT_PATH)  # str | list[str]: OmegaConf cannot type a union with a list
+    val_path: Any = path_field(INPUT_PATH)
     train_batch_size: int = 32
     max_prompt_length: int = 256
     overlong_prompts: str = "filter"
@@ -72,8 +77,10 @@ class RLDataConfig:
     image_key: str = "images"
     video_key: str = "videos"
     image: RLImageConfig = field(default_factory=RLImageConfig)
+    special_tokens_in_text: str = "text"
 
     def __post_init__(self) -> None:
+        check_choice("data", "special_tokens_in_text", self.special_tokens_in_text, SPECIAL_TOKENS_IN_TEXT)
         check_positive("data", "train_batch_size", self.train_batch_size)
         check_positive("data", "max_prompt_length", self.max_prompt_length)
         check_choice("data", "overlong_prompts", self.overlong_prompts, OVERLONG_PROMPTS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.config.paths import INPUT_PATH, path_field
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.rl.judge_config import JudgeConfig
 
@@ -37,7 +38,7 @@ class RewardModelSourceConfig:
         param_dtype: ``float32`` or ``bfloat16``.
     """
 
-    path: str = ""
+    path: str = path_field(INPUT_PATH)
     n_workers: int = 1
     max_length: int = 2048
     max_tokens_per_micro_batch: int = 16384
@@ -82,7 +83,7 @@ class RewardConfig:
 
     sources: tuple[str, ...] = (RULE_SOURCE,)
     weights: tuple[float, ...] = ()
-    custom_path: str = ""
+    custom_path: str = path_field(INPUT_PATH)
     custom_name: str = "compute_score"
     num_workers: int = 4
     timeout_s: float = 10.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tandem.config.paths import INPUT_PATH, path_field
 from tandem.config.validation import check_choice, check_range
 from tandem.engine.config import EngineConfig
 
@@ -34,10 +35,12 @@ class TeacherConfig:
         top_k: also return the teacher's ``k`` most likely tokens and their log-probs at each
             response position (``teacher_top_ids`` / ``teacher_top_log_probs [B, R, k]``), so the
             full-vocabulary distribution never travels. The ``jsd`` objective needs it; with
-            ``k >= 1`` the greedy-agreement metric is logged too. 0: the sampled tokens' only.
+            ``k >= 1`` the greedy-agreement metric is logged too. 0: the sampled tokens' only. More
+            than the vocabulary the teacher and the student share is refused when the run starts
+            (:func:`tandem.rl.teacher_worker.shared_vocabulary`).
     """
 
-    model_path: str = ""
+    model_path: str = path_field(INPUT_PATH)
     placement: str = "colocated"
     engine: EngineConfig = field(default_factory=EngineConfig)
     offload: bool = False

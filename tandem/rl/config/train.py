@@ -21,12 +21,14 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from tandem.agents.config import AgentConfig
+from tandem.config.paths import INPUT_PATH, path_field
 from tandem.controller.resource_pool import ResourcePool
 from tandem.engine.config import check_trainer_tensor_parallel
 from tandem.pipeline.config import PipelineConfig
 from tandem.rl.config.actor import ActorConfig, check_preference, check_router_replay
 from tandem.rl.config.algorithm import AlgorithmConfig
 from tandem.rl.config.data import RLDataConfig
+from tandem.rl.config.dataplane import RLDataPlaneConfig, check_dataplane
 from tandem.rl.config.pipeline import check_pipeline
 from tandem.rl.config.reward import INTERACTION_SOURCE, MODEL_SOURCE, RewardConfig
 from tandem.rl.config.rollout import RolloutConfig
@@ -40,7 +42,7 @@ from tandem.rl.derived import check_derived_fields
 class TrainConfig:
     """Everything ``tandem train`` reads; ``model_path`` is the policy (and reference) HF directory."""
 
-    model_path: str = ""
+    model_path: str = path_field(INPUT_PATH)
     data: RLDataConfig = field(default_factory=RLDataConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -51,6 +53,7 @@ class TrainConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    dataplane: RLDataPlaneConfig = field(default_factory=RLDataPlaneConfig)
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -112,6 +115,7 @@ class TrainConfig:
         check_router_replay(self)
         check_critic(self)
         check_teacher(self)
+        check_dataplane(self.dataplane, self.trainer.backend)
         check_derived_fields(self)
 
     @property

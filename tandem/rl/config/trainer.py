@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tandem.config.paths import OUTPUT_PATH, path_field
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.device import check_device_setting
 
@@ -75,7 +76,7 @@ class TrainerConfig:
     keep_last: int = 2
     max_skipped_updates_in_a_row: int = 5
     resume: str = "auto"
-    output_dir: str = "outputs/rl"
+    output_dir: str = path_field(OUTPUT_PATH, "outputs/rl")
     loggers: tuple[str, ...] = ("console", "jsonl")
     project: str = "tandem"
     experiment: str = "run"
@@ -84,7 +85,7 @@ class TrainerConfig:
     report_every: int = 10
     export_hf: bool = True
     profile_steps: tuple[int, ...] = ()
-    profile_dir: str = ""
+    profile_dir: str = path_field(OUTPUT_PATH)
     lr_schedule_unit: str = "optimizer_step"
 
     def __post_init__(self) -> None:

@@ -120,14 +120,19 @@ def _sample(
     overlong: str,
     reader: ImageReader,
     folder: Path,
+    special_tokens_in_text: str = "text",
 ) -> PromptSample | None:
     """One validated, tokenised row; ``None`` when ``overlong=filter`` drops it."""
     validate_row(row, where)
     images = row_images(row, where, folder, reader)
-    if images is None:
-        ids = template_ids(tokenizer, row["prompt"], add_generation_prompt=True)
-    else:
-        ids = template_ids(tokenizer, with_image_parts(row["prompt"])[0], add_generation_prompt=True)
+    messages = row["prompt"] if images is None else with_image_parts(row["prompt"])[0]
+    try:
+        ids = template_ids(
+            tokenizer, messages, add_generation_prompt=True, special_tokens_in_text=special_tokens_in_text
+        )
+    except ValueError as error:  # a typed special token the template's rewriting hides: name the row
+        raise ValueError(f"{where}: {error}") from error
+    if images is not None:
         ids = expand_prompt(ids, images, reader, where)
     if len(ids) > max_prompt_length:
         if overlong == "error":
@@ -172,13 +177,15 @@ class RLDataset:
         max_prompt_length: int,
         overlong: str = "filter",
         images: ImageReader | None = None,
+        special_tokens_in_text: str = "text",
     ) -> RLDataset:
         """Read and tokenise ``paths``: one file, or several read in order as one dataset (verl
         concatenates the files of ``data.train_files`` the same way), every row checked against
         verl's schema with errors naming its file and row. ``overlong`` is ``filter`` (drop and
         count), ``error``, or ``truncate_left`` / ``truncate_right`` / ``truncate_middle`` (cut
         to ``max_prompt_length``). ``images`` reads rows' images for the model
-        (:func:`tandem.rl.data.images.image_reader`); without it a row holding images is an error."""
+        (:func:`tandem.rl.data.images.image_reader`); without it a row holding images is an error.
+        ``special_tokens_in_text`` is ``data.special_tokens_in_text`` (:func:`~tandem.models.chat.template_ids`)."""
         reader = images or ImageReader(model_path="")
         files = as_files(paths)
         samples, filtered = [], 0
@@ -188,7 +195,16 @@ class RLDataset:
                 raise ValueError(f"data file {path} has no rows")
             for index, row in enumerate(rows):
                 where = f"{path}: row {index}"
-                sample = _sample(row, where, tokenizer, max_prompt_length, overlong, reader, path.parent)
+                sample = _sample(
+                    row,
+                    where,
+                    tokenizer,
+                    max_prompt_length,
+                    overlong,
+                    reader,
+                    path.parent,
+                    special_tokens_in_text,
+                )
                 if sample is None:
                     filtered += 1
                 else:

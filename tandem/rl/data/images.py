@@ -156,7 +156,10 @@ def row_images(row: dict, where: str, folder: Path, reader: ImageReader) -> Prom
             processor = reader.processor(pixel_bounds)
         except ValueError as error:
             raise ValueError(f"{entry_where}: {error}") from None
-        grids.append(process_images(processor, [picture]).image_grid_thw)
+        try:  # the processor's own limits (Qwen2-VL's aspect ratio under 200) name no image
+            grids.append(process_images(processor, [picture]).image_grid_thw)
+        except ValueError as error:
+            raise ValueError(f"{entry_where} ({picture.width}x{picture.height}): {error}") from None
         encoded.append(data)
         bounds.append(pixel_bounds)
     return PromptImages(tuple(encoded), tuple(bounds), torch.cat(grids))

@@ -1,0 +1,227 @@
+"""Today's path (Batch arguments through the controller) against the data plane's (BatchRefs:
+the controller moves references, the ranks fetch their rows) for one step of two stages over a
+process group of ``--workers`` ranks, side by side in one run.
+
+The step is a rollout-like stage that produces each row's tokens from per-row seeds (prompt and
+response lengths drawn per row, so the rows are jagged), then a log-prob-like stage that reads
+``input_ids``, ``attention_mask``, ``position_ids``, ``responses`` and ``response_mask`` and
+returns ``old_log_probs``. Today the first stage's padded output comes back to the controller
+and is shipped again to the second; with references each stage's output stays in its rank's
+store. For each size (rows x length grows ``4x`` in each of the two, ``16x`` in all):
+
+* payload bytes the controller serialised or rebuilt per step (:mod:`tandem.protocol.traffic`);
+* the controller's peak RSS during the step (``VmHWM``, reset before each step);
+* bytes on the wire per real response token (what the second stage's ranks received: today the
+  padded int64 batch, with references the jagged narrow columns they fetched).
+
+Then each rank's fetch throughput over a larger batch (``--fetch-rows`` x ``--fetch-width``): the
+wire bytes it fetched and the padded batch it built per second of ``materialise``, against a
+single-thread ``memcpy`` of the padded batch's size timed in that rank in the same run.
+
+    python bench/data_plane.py [--rows 32] [--width 512] [--workers 2] [--repeats 3]
+                               [--fetch-rows 256] [--fetch-width 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe_machine  # noqa: E402
+
+from tandem.controller import ResourcePool, Worker, create_worker_group, register  # noqa: E402
+from tandem.dataplane import BatchRef, get, traffic  # noqa: E402
+from tandem.protocol import Batch  # noqa: E402
+from tandem.protocol.traffic import batch_traffic  # noqa: E402
+
+READS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+PAD = 0
+
+
+def rollout_rows(seeds: list[int], prompt_width: int, response_width: int) -> Batch:
+    """Left-padded prompts and right-padded responses of random lengths, in today's int64 layout."""
+    rows = len(seeds)
+    prompts = torch.full((rows, prompt_width), PAD, dtype=torch.int64)
+    responses = torch.full((rows, response_width), PAD, dtype=torch.int64)
+    for i, seed in enumerate(seeds):
+        gen = torch.Generator().manual_seed(seed)
+        p = int(torch.randint(prompt_width // 4, prompt_width + 1, (1,), generator=gen))
+        r = int(torch.randint(1, response_width + 1, (1,), generator=gen))
+        prompts[i, prompt_width - p :] = torch.randint(1, 150_000, (p,), generator=gen)
+        responses[i, :r] = torch.randint(1, 150_000, (r,), generator=gen)
+    input_ids = torch.cat([prompts, responses], dim=1)
+    attention_mask = (input_ids != PAD).long()
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    return Batch(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "response_mask": attention_mask[:, prompt_width:].clone(),
+        }
+    )
+
+
+class BenchWorker(Worker):
+    def _generate(self, prompts: Batch, prompt_width: int, response_width: int) -> Batch:
+        return rollout_rows([int(s) for s in prompts["seed"]], prompt_width, response_width)
+
+    def _forward(self, batch: Batch) -> Batch:
+        width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+        ids = batch["input_ids"][:, width:]
+        return Batch({"old_log_probs": -(ids % 97).float() / 97 * batch["response_mask"]})
+
+    @register(dispatch="DP_COMPUTE")
+    def generate(self, prompts: Batch, *, prompt_width: int, response_width: int) -> Batch:
+        return self._generate(prompts, prompt_width, response_width)
+
+    @register(dispatch="DP_COMPUTE", reads=("seed",), outputs="ref")
+    def generate_kept(self, prompts: Batch, *, prompt_width: int, response_width: int) -> Batch:
+        return self._generate(prompts, prompt_width, response_width)
+
+    @register(dispatch="DP_COMPUTE")
+    def forward(self, batch: Batch) -> Batch:
+        return self._forward(batch)
+
+    @register(dispatch="DP_COMPUTE", reads=READS, outputs="ref")
+    def forward_kept(self, batch: Batch) -> Batch:
+        return self._forward(batch)
+
+    @register(dispatch="ALL_TO_ALL")
+    def time_fetch(self, wrapped: tuple, repeats: int) -> dict[str, float]:
+        """Fetch this rank's rows ``repeats`` times on one thread; and time a memcpy of as many bytes."""
+        (ref,) = wrapped  # wrapped, so that the generic path does not fetch it before we time it
+        torch.set_num_threads(1)
+
+        built = ref.materialise(get, READS)  # warm-up; and the padded batch's size
+        built_bytes = sum(t.numel() * t.element_size() for t in built.tensors.values())
+        before = traffic()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            ref.materialise(get, READS)
+        seconds = time.perf_counter() - start
+        fetched = (traffic() - before).fetched_bytes / repeats
+        source = torch.ones(built_bytes, dtype=torch.uint8)
+        target = source.clone()  # touched once, so the timed copies do not fault pages in
+        start = time.perf_counter()
+        for _ in range(repeats):
+            target.copy_(source)
+        memcpy_gbps = source.numel() * repeats / (time.perf_counter() - start) / 1e9
+        return {
+            "fetched": fetched,
+            "built": built_bytes,
+            "fetched_gbps": fetched * repeats / seconds / 1e9,
+            "built_gbps": built_bytes * repeats / seconds / 1e9,
+            "memcpy_gbps": memcpy_gbps,
+        }
+
+
+def reset_peak_rss() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux)
+
+
+def peak_rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def step(group, prompts, widths: dict, use_refs: bool) -> tuple[float, int, float, int]:
+    """One step; returns (seconds, controller payload bytes, peak RSS MB, second stage's input bytes)."""
+    reset_peak_rss()
+    before = batch_traffic()
+    start = time.perf_counter()
+    if use_refs:
+        before_ranks = group.data_traffic()
+        start = time.perf_counter()
+        generated = group.generate_kept(BatchRef(prompts, (), {}), **widths)
+        outputs = group.forward_kept(generated)
+        seconds = time.perf_counter() - start
+        after_ranks = group.data_traffic()
+        wire = sum(
+            (a - b).fetched_bytes + (a - b).fetched_index_bytes
+            for a, b in zip(after_ranks, before_ranks, strict=True)
+        )
+        for ref in (generated, outputs):
+            group.release_refs(ref)
+    else:
+        generated = group.generate(prompts, **widths)
+        outputs = group.forward(generated)
+        seconds = time.perf_counter() - start
+        wire = sum(t.numel() * t.element_size() for t in generated.select(list(READS)).tensors.values())
+        del generated, outputs
+    return seconds, (batch_traffic() - before).total, peak_rss_mb(), wire
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", type=int, default=32, help="rows at the smallest size")
+    parser.add_argument("--width", type=int, default=512, help="prompt + response width at the smallest size")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--fetch-rows", type=int, default=256, help="rows of the fetch-throughput batch")
+    parser.add_argument("--fetch-width", type=int, default=4096, help="its prompt + response width")
+    args = parser.parse_args()
+    # One thread per process (the ranks inherit it): on a machine of few cores shared by the
+    # controller and its ranks, OpenMP teams of several threads spin against each other and
+    # make every memory-bound op here many times slower, on both paths.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    print(describe_machine())
+    group = create_worker_group(BenchWorker, ResourcePool((args.workers,), cpus_per_process=1), "process")
+    try:
+        print(
+            f"{'rows x width':>14} | {'controller payload B/step':>27} | {'controller peak RSS MB':>24} "
+            f"| {'wire B / real resp token':>26} | {'step s':>13}"
+        )
+        print(f"{'':>14} | {'today':>13} {'refs':>13} | {'today':>11} {'refs':>12} | {'today':>12} {'refs':>13} "
+              f"| {'today':>6} {'refs':>6}")  # fmt: skip
+        sizes = [(args.rows * scale, args.width * scale) for scale in (1, 2, 4)]
+        results = {}
+        for use_refs in (True, False):  # references first: today's freed batches would raise the RSS floor
+            for rows, width in sizes:
+                widths = {"prompt_width": width // 4, "response_width": width - width // 4}
+                prompts = Batch(non_tensors={"seed": list(range(rows))})
+                step(group, prompts, widths, use_refs)  # warm-up (probes, first files)
+                results[use_refs, rows] = step(group, prompts, widths, use_refs)
+        for rows, width in sizes:
+            widths = {"prompt_width": width // 4, "response_width": width - width // 4}
+            real = int(rollout_rows(list(range(rows)), **widths)["response_mask"].sum())
+            today, refs = results[False, rows], results[True, rows]
+            print(
+                f"{f'{rows} x {width}':>14} | {today[1]:>13,} {refs[1]:>13,} | {today[2]:>11.0f} {refs[2]:>12.0f} "
+                f"| {today[3] / real:>12.1f} {refs[3] / real:>13.1f} | {today[0]:>6.2f} {refs[0]:>6.2f}"
+            )
+        rows, width = args.fetch_rows, args.fetch_width
+        prompts = Batch(non_tensors={"seed": list(range(rows))})
+        widths = {"prompt_width": width // 4, "response_width": width - width // 4}
+        generated = group.generate_kept(BatchRef(prompts, (), {}), **widths)
+        padded, _ = generated.pad_to_divisor(args.workers)
+        timings = group.time_fetch(
+            [(c,) for c in padded.chunk(args.workers)], repeats=[args.repeats] * args.workers
+        )
+        group.release_refs(generated)
+        for rank, t in enumerate(timings):
+            print(
+                f"rank {rank} ({rows} x {width} rows split {args.workers} ways): fetched {t['fetched'] / 1e6:.1f} MB "
+                f"and built a {t['built'] / 1e6:.1f} MB padded batch in {t['built'] / t['built_gbps'] / 1e9 * 1e3:.0f} "
+                f"ms: {t['fetched_gbps']:.2f} GB/s fetched, {t['built_gbps']:.2f} GB/s built; single-thread memcpy "
+                f"{t['memcpy_gbps']:.2f} GB/s; built / memcpy = {t['built_gbps'] / t['memcpy_gbps']:.0%}"
+            )
+    finally:
+        group.shutdown()
+
+
+if __name__ == "__main__":
+    main()

