@@ -379,6 +379,12 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         default="native",
         help="the rollout engine that generates (%(choices)s)",
     )
+    _add_serve_engine(server)
+    _add_serve_limits(server)
+
+
+def _add_serve_engine(server: argparse.ArgumentParser) -> None:
+    """``tandem serve``'s engine and memory options."""
     server.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     server.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + response")
     server.add_argument(
@@ -393,6 +399,11 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         default=0.5,
         help="native engine: the share of the available memory its KV cache may take",
     )
+    server.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="vllm engine only")
+
+
+def _add_serve_limits(server: argparse.ArgumentParser) -> None:
+    """``tandem serve``'s per-request limits, timeouts and what it trusts in a request."""
     server.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds before a request is aborted"
     )
@@ -413,7 +424,6 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         default=256,
         help="most sequences (n x prompts) one request may start",
     )
-    server.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="vllm engine only")
     server.add_argument(
         "--special-tokens-in-text",
         choices=["text", "control"],
@@ -432,7 +442,6 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         default=2,
         help="most requests decoding images at once; beyond: 429",
     )
-
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``tandem`` argument parser: one sub-command per command, each added by its own function."""

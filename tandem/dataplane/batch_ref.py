@@ -26,6 +26,7 @@ import torch
 
 from tandem.dataplane.store import Block, Store
 from tandem.protocol import Batch
+from tandem.protocol.batch import RowPieces
 
 Getter = Callable[[Block, Sequence[str], Sequence[int]], dict[str, torch.Tensor]]
 
@@ -62,7 +63,7 @@ def _positions(size: int, index: Any) -> np.ndarray:
     return Batch({"position": torch.arange(size)})[index]["position"].numpy()
 
 
-class BatchRef:
+class BatchRef(RowPieces):
     """See the module docstring. Build one with :meth:`put`; every op returns a new ``BatchRef``."""
 
     __slots__ = ("parts", "scalars", "schema")
@@ -173,22 +174,6 @@ class BatchRef:
 
     def reorder(self, index: torch.Tensor | Sequence[int]) -> BatchRef:
         return self[index]
-
-    def split(self, size: int) -> list[BatchRef]:
-        if size <= 0:
-            raise ValueError(f"split size must be positive, got {size}")
-        return [self[start : start + size] for start in range(0, self.batch_size, size)]
-
-    def chunk(self, chunks: int) -> list[BatchRef]:
-        """``chunks`` equal consecutive pieces (the size must divide, as for :meth:`Batch.chunk`)."""
-        if chunks <= 0:
-            raise ValueError(f"number of chunks must be positive, got {chunks}")
-        if self.batch_size % chunks:
-            raise ValueError(
-                f"batch size {self.batch_size} is not divisible into {chunks} chunks; "
-                f"use pad_to_divisor({chunks}) first and unpad after"
-            )
-        return self.split(self.batch_size // chunks)
 
     def repeat(self, times: int, interleave: bool = True) -> BatchRef:
         if times <= 0:

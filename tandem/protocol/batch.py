@@ -53,7 +53,31 @@ def _to_numpy_index(index: Any) -> Any:
     return index
 
 
-class Batch:
+class RowPieces:
+    """``split`` and ``chunk`` for any row container with ``batch_size`` and slicing by rows
+    (:class:`Batch`, and the data plane's ``BatchRef``)."""
+
+    __slots__ = ()
+
+    def split(self, size: int) -> list:
+        """Consecutive pieces of ``size`` samples each; the last may be smaller (like ``torch.split``)."""
+        if size <= 0:
+            raise ValueError(f"split size must be positive, got {size}")
+        return [self[start : start + size] for start in range(0, self.batch_size, size)]
+
+    def chunk(self, chunks: int) -> list:
+        """``chunks`` equal consecutive pieces; the batch size must divide (see ``pad_to_divisor``)."""
+        if chunks <= 0:
+            raise ValueError(f"number of chunks must be positive, got {chunks}")
+        if self.batch_size % chunks:
+            raise ValueError(
+                f"batch size {self.batch_size} is not divisible into {chunks} chunks; "
+                f"use pad_to_divisor({chunks}) first and unpad after"
+            )
+        return self.split(self.batch_size // chunks)
+
+
+class Batch(RowPieces):
     """Tensors, per-sample objects and batch metadata sharing one batch dimension.
 
     Args:
@@ -259,23 +283,6 @@ class Batch:
     def reorder(self, index: torch.Tensor | Sequence[int]) -> Batch:
         """Samples in the order given by ``index`` (e.g. a permutation from a balancing step)."""
         return self._take(index)
-
-    def split(self, size: int) -> list[Batch]:
-        """Consecutive pieces of ``size`` samples each; the last may be smaller (like ``torch.split``)."""
-        if size <= 0:
-            raise ValueError(f"split size must be positive, got {size}")
-        return [self[start : start + size] for start in range(0, self.batch_size, size)]
-
-    def chunk(self, chunks: int) -> list[Batch]:
-        """``chunks`` equal consecutive pieces; the batch size must divide (see :meth:`pad_to_divisor`)."""
-        if chunks <= 0:
-            raise ValueError(f"number of chunks must be positive, got {chunks}")
-        if self.batch_size % chunks:
-            raise ValueError(
-                f"batch size {self.batch_size} is not divisible into {chunks} chunks; "
-                f"use pad_to_divisor({chunks}) first and unpad after"
-            )
-        return self.split(self.batch_size // chunks)
 
     @staticmethod
     def concat(batches: Sequence[Batch]) -> Batch:

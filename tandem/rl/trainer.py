@@ -28,14 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from tandem.agents.loops import episode_metrics
-from tandem.algos import (
-    AdvantageInput,
-    apply_kl_penalty,
-    build_kl_controller,
-    compute_advantage,
-    compute_rollout_correction,
-)
-from tandem.algos.distill import distill_metrics, distilled_advantages
+from tandem.algos import build_kl_controller
 from tandem.config.paths import check_workers_share_output_dir, with_absolute_paths
 from tandem.controller import Role, check_placement, create_colocated_group, create_worker_group
 from tandem.data.images import decode_image
@@ -45,7 +38,7 @@ from tandem.models.loading import load_tokenizer
 from tandem.pipeline.colocated import ColocatedRollout
 from tandem.pipeline.runner import AsyncRollout
 from tandem.pipeline.source import BatchSource, merge_draw_metrics
-from tandem.protocol import Batch, group_ids_from_uids
+from tandem.protocol import Batch
 from tandem.protocol.sequences import (
     concat_sequences,
     response_lengths,
@@ -54,6 +47,7 @@ from tandem.protocol.sequences import (
 from tandem.report import RunInfo
 from tandem.report.samples import append_val_samples, thumbnail_url
 from tandem.report.tracker import ReportTracker
+from tandem.rl.advantages import advantage_reads, step_advantages
 from tandem.rl.balance import balanced_rank_order
 from tandem.rl.config import MODEL_SOURCE, TrainConfig
 from tandem.rl.critic_worker import CriticWorker
@@ -98,9 +92,6 @@ PLACEMENT_KEYS = (  # what shapes the pools of config.resource_pools(), named wh
     "trainer.nnodes, trainer.n_gpus_per_node (or trainer.n_workers), critic.placement, reward.model.n_workers "
     "and pipeline.rollout_replicas"
 )
-
-# the stage outputs compute_advantages reads (ref_log_probs too, with the KL penalty in the reward)
-ADVANTAGE_READS = ("old_log_probs", "sum_pi_squared", "values", "teacher_log_probs")
 
 # the config's models: a GGUF file among them is converted once, here, before any worker starts
 MODEL_PATHS = (
@@ -403,8 +394,7 @@ class RLTrainer:
             if self.critics is not None:
                 with timed(timings, "values"):
                     data.stage(self.critics, self.critics.compute_values)
-            kl_in_reward = ("ref_log_probs",) if config.algorithm.kl.use_kl_in_reward else ()
-            view = data.view(ADVANTAGE_READS + kl_in_reward)
+            view = data.view(advantage_reads(config.algorithm))
             if off_policy:  # no rollout sampled them: their rollout log-probs are the policy's
                 view = view.assign(tensors={"rollout_log_probs": view["old_log_probs"]})
             with timed(timings, "adv"):
@@ -522,53 +512,7 @@ class RLTrainer:
 
     def compute_advantages(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """KL penalty (if any), rollout correction, and the configured advantage estimator."""
-        algorithm = self.config.algorithm
-        metrics: dict[str, float] = {}
-        mask = batch["response_mask"]
-        rewards = batch["token_level_scores"]
-        if algorithm.kl.use_kl_in_reward:
-            rewards, kl_metrics = apply_kl_penalty(
-                rewards, batch["old_log_probs"], batch["ref_log_probs"], mask,
-                self.kl_controller.value, algorithm.kl.estimator,
-            )  # fmt: skip
-            self.kl_controller.update(float(kl_metrics["kl"]), len(batch))
-            metrics.update({f"actor/reward_{k}": float(v) for k, v in kl_metrics.items()})
-        weights = None
-        if "old_log_probs" in batch:  # else the update measures the mismatch (on-policy, no correction)
-            correction = compute_rollout_correction(
-                batch["old_log_probs"], batch["rollout_log_probs"], mask, algorithm.rollout_correction
-            )
-            metrics.update({k: float(v) for k, v in correction.metrics.items()})
-            mask, weights = correction.response_mask, correction.is_weights
-        advantage = compute_advantage(
-            AdvantageInput(
-                rewards,
-                mask,
-                group_ids_from_uids(batch["uid"]),
-                reward_baselines=batch.get("reward_baselines"),
-                reward_components=batch.get("reward_components"),
-                old_log_probs=batch.get("old_log_probs"),
-                sum_pi_squared=batch.get("sum_pi_squared"),
-                rollout_is_weights=weights,
-                values=batch.get("values"),
-            ),
-            algorithm.advantage_config(),
-        )
-        advantages = advantage.advantages
-        if "teacher_log_probs" in batch:  # on-policy distillation: the teacher's per-token signal
-            student = batch["old_log_probs"] if "old_log_probs" in batch else batch["rollout_log_probs"]
-            advantages = distilled_advantages(
-                advantages, student, batch["teacher_log_probs"], mask, algorithm.distill
-            )
-            metrics.update(
-                {k: float(v) for k, v in distill_metrics(student, batch["teacher_log_probs"], mask).items()}
-            )
-        tensors = {"token_level_rewards": rewards, "advantages": advantages, "response_mask": mask}
-        if "values" in batch:  # the critic's targets
-            tensors["returns"] = advantage.returns
-        if weights is not None:
-            tensors["rollout_is_weights"] = weights
-        return batch.assign(tensors=tensors), metrics
+        return step_advantages(batch, self.config.algorithm, self.kl_controller)
 
     def check_divergence(self, update_metrics: dict[str, float]) -> float:
         """Stop (:class:`DivergenceError`, naming the step) when too many optimizer steps in a row
