@@ -15,17 +15,25 @@ store. For each size (rows x length grows ``4x`` in each of the two, ``16x`` in 
   padded int64 batch, with references the jagged narrow columns they fetched).
 
 Then each rank's fetch throughput over a larger batch (``--fetch-rows`` x ``--fetch-width``): the
-wire bytes it fetched and the padded batch it built per second of ``materialise``, against a
-single-thread ``memcpy`` of the padded batch's size timed in that rank in the same run.
+bytes of the padded batch it built per second of ``materialise`` (wire bytes fetched beside),
+against a single-thread ``memcpy`` of a buffer that size into warm pages, timed in that rank in
+the same run, alternating with the fetches (so both see the same load); medians, and the ratio by
+CPU time too (on a shared machine the clock also counts the time other jobs held the cores).
 
-    python bench/data_plane.py [--rows 32] [--width 512] [--workers 2] [--repeats 3]
-                               [--fetch-rows 256] [--fetch-width 4096]
+    python bench/data_plane.py [--rows 32] [--width 512] [--workers 2] [--repeats 21]
+                               [--fetch-rows 256] [--fetch-width 4096] [--no-ray-fetch]
+
+The fetch measure runs for the shared-memory engine (the process group above), then for the Ray
+engine: the same ranks as Ray actors on a local one-node Ray cluster the bench starts, their
+blocks in Ray's object store, read by the same-node path (decoded from the object store's views).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -97,31 +105,50 @@ class BenchWorker(Worker):
 
     @register(dispatch="ALL_TO_ALL")
     def time_fetch(self, wrapped: tuple, repeats: int) -> dict[str, float]:
-        """Fetch this rank's rows ``repeats`` times on one thread; and time a memcpy of as many bytes."""
+        """Fetch this rank's rows, and copy a buffer of the padded batch's size, alternately
+        ``repeats`` times each; the medians, by the clock and by this thread's CPU time."""
         (ref,) = wrapped  # wrapped, so that the generic path does not fetch it before we time it
-        torch.set_num_threads(1)
+        torch.set_num_threads(1)  # the reference is a single-thread memcpy (the fetch uses numpy)
 
         built = ref.materialise(get, READS)  # warm-up; and the padded batch's size
         built_bytes = sum(t.numel() * t.element_size() for t in built.tensors.values())
-        before = traffic()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            ref.materialise(get, READS)
-        seconds = time.perf_counter() - start
-        fetched = (traffic() - before).fetched_bytes / repeats
+        del built
         source = torch.ones(built_bytes, dtype=torch.uint8)
         target = source.clone()  # touched once, so the timed copies do not fault pages in
-        start = time.perf_counter()
+        fetch, copy = [], []
+        before, faults = traffic(), _minor_faults()
         for _ in range(repeats):
-            target.copy_(source)
-        memcpy_gbps = source.numel() * repeats / (time.perf_counter() - start) / 1e9
+            fetch.append(_timed(lambda: ref.materialise(get, READS)))
+            copy.append(_timed(lambda: target.copy_(source)))
+        fetch_faults = (_minor_faults() - faults) / repeats  # the copies into warm pages fault none
+        fetched = (traffic() - before).fetched_bytes / repeats
+        (fetch_wall, fetch_cpu), (copy_wall, copy_cpu) = _medians(fetch), _medians(copy)
         return {
             "fetched": fetched,
             "built": built_bytes,
-            "fetched_gbps": fetched * repeats / seconds / 1e9,
-            "built_gbps": built_bytes * repeats / seconds / 1e9,
-            "memcpy_gbps": memcpy_gbps,
+            "fetch_ms": fetch_wall * 1e3,
+            "fetch_cpu_ms": fetch_cpu * 1e3,
+            "built_gbps": built_bytes / fetch_wall / 1e9,
+            "memcpy_gbps": built_bytes / copy_wall / 1e9,
+            "cpu_ratio": copy_cpu / fetch_cpu,
+            "faults": fetch_faults,
         }
+
+
+def _timed(call) -> tuple[float, float]:
+    """(wall, this thread's CPU) seconds of ``call()``: the CPU time leaves out the time a loaded
+    machine keeps the thread waiting, not the page faults it takes."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    call()
+    return time.perf_counter() - wall, time.thread_time() - cpu
+
+
+def _medians(timings: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(t[0] for t in timings), statistics.median(t[1] for t in timings)
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def reset_peak_rss() -> None:
@@ -169,9 +196,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32, help="rows at the smallest size")
     parser.add_argument("--width", type=int, default=512, help="prompt + response width at the smallest size")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=21, help="fetches (and copies) timed per rank")
     parser.add_argument("--fetch-rows", type=int, default=256, help="rows of the fetch-throughput batch")
     parser.add_argument("--fetch-width", type=int, default=4096, help="its prompt + response width")
+    parser.add_argument("--no-ray-fetch", dest="ray_fetch", action="store_false",
+                        help="skip the Ray engine's fetch measure (it starts a local Ray cluster)")  # fmt: skip
     args = parser.parse_args()
     # One thread per process (the ranks inherit it): on a machine of few cores shared by the
     # controller and its ranks, OpenMP teams of several threads spin against each other and
@@ -203,24 +232,60 @@ def main() -> None:
                 f"{f'{rows} x {width}':>14} | {today[1]:>13,} {refs[1]:>13,} | {today[2]:>11.0f} {refs[2]:>12.0f} "
                 f"| {today[3] / real:>12.1f} {refs[3] / real:>13.1f} | {today[0]:>6.2f} {refs[0]:>6.2f}"
             )
-        rows, width = args.fetch_rows, args.fetch_width
-        prompts = Batch(non_tensors={"seed": list(range(rows))})
-        widths = {"prompt_width": width // 4, "response_width": width - width // 4}
-        generated = group.generate_kept(BatchRef(prompts, (), {}), **widths)
-        padded, _ = generated.pad_to_divisor(args.workers)
-        timings = group.time_fetch(
-            [(c,) for c in padded.chunk(args.workers)], repeats=[args.repeats] * args.workers
-        )
-        group.release_refs(generated)
-        for rank, t in enumerate(timings):
-            print(
-                f"rank {rank} ({rows} x {width} rows split {args.workers} ways): fetched {t['fetched'] / 1e6:.1f} MB "
-                f"and built a {t['built'] / 1e6:.1f} MB padded batch in {t['built'] / t['built_gbps'] / 1e9 * 1e3:.0f} "
-                f"ms: {t['fetched_gbps']:.2f} GB/s fetched, {t['built_gbps']:.2f} GB/s built; single-thread memcpy "
-                f"{t['memcpy_gbps']:.2f} GB/s; built / memcpy = {t['built_gbps'] / t['memcpy_gbps']:.0%}"
-            )
+        fetch_throughput(group, args, "shm")
     finally:
         group.shutdown()
+    if args.ray_fetch:
+        fetch_on_ray(args)
+
+
+def fetch_on_ray(args) -> None:
+    """The same fetch measure with the Ray engine: ``--workers`` Ray actors on a local one-node
+    Ray cluster (started here), each rank's blocks in Ray's object store."""
+    try:
+        import ray
+    except ImportError:
+        print("Ray engine: skipped (Ray is not installed)")
+        return
+    from tandem.dataplane import DataPlaneConfig
+
+    start = time.perf_counter()
+    ray.init(num_cpus=args.workers + 1, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+                                       "OMP_NUM_THREADS": "1"}})  # fmt: skip
+    group = create_worker_group(BenchWorker, ResourcePool((args.workers,), cpus_per_process=1), "ray")
+    try:
+        group.use_data_store(DataPlaneConfig(engine="ray"))
+        print(
+            f"Ray engine: local cluster and {args.workers} actors up in {time.perf_counter() - start:.1f} s"
+        )
+        fetch_throughput(group, args, "ray")
+    finally:
+        group.shutdown()
+        ray.shutdown()
+
+
+def fetch_throughput(group, args, engine: str) -> None:
+    """Each rank's fetch of its own rows of a ``--fetch-rows x --fetch-width`` batch its rank put
+    (same node), against a single-thread memcpy of the padded batch it builds; printed."""
+    rows, width = args.fetch_rows, args.fetch_width
+    prompts = Batch(non_tensors={"seed": list(range(rows))})
+    widths = {"prompt_width": width // 4, "response_width": width - width // 4}
+    generated = group.generate_kept(BatchRef(prompts, (), {}), **widths)
+    padded, _ = generated.pad_to_divisor(args.workers)
+    timings = group.time_fetch(
+        [(c,) for c in padded.chunk(args.workers)], repeats=[args.repeats] * args.workers
+    )
+    group.release_refs(generated)
+    print(f"{engine} engine, fetch throughput per rank ({rows} x {width} split {args.workers} ways; medians of "
+          f"{args.repeats}, fetches and copies alternating):")  # fmt: skip
+    for rank, t in enumerate(timings):
+        print(
+            f"  rank {rank}: fetched {t['fetched'] / 1e6:.1f} MB, built a {t['built'] / 1e6:.1f} MB padded batch "
+            f"in {t['fetch_ms']:.1f} ms (CPU {t['fetch_cpu_ms']:.1f} ms) = {t['built_gbps']:.2f} GB/s; single-thread memcpy of {t['built'] / 1e6:.1f} "
+            f"MB {t['memcpy_gbps']:.2f} GB/s; built / memcpy = {t['built_gbps'] / t['memcpy_gbps']:.0%} "
+            f"(by CPU time {t['cpu_ratio']:.0%}); {t['faults']:.0f} page faults per fetch"
+        )
 
 
 if __name__ == "__main__":

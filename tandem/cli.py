@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tandem import __version__
+from tandem.config.plugins import load_plugins
 from tandem.errors import USER_ERRORS
 
 
@@ -53,11 +54,15 @@ def _first_line(fn: object) -> str:
 
 
 def print_registries(console: Console) -> None:
-    """One table per registry: every registered name with the first line of its docstring."""
+    """One table per registry: every registered name, where it came from (tandem or a plugin
+    file) and the first line of its docstring."""
+    from tandem.agents.loops import AGENT_LOOPS
     from tandem.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
     from tandem.algos.distill import DISTILL_ADVANTAGES, DISTILL_LOSSES
     from tandem.algos.preference import PREFERENCE_LOSSES, UNPAIRED_LOSSES
+    from tandem.config.plugins import plugin_of
     from tandem.rl.config import REWARD_SOURCES
+    from tandem.rl.rewards import SCORERS
 
     for title, registry in (
         ("advantage estimators (algorithm.adv_estimator)", ADVANTAGE_ESTIMATORS),
@@ -70,15 +75,20 @@ def print_registries(console: Console) -> None:
         ("unpaired preference losses (preference.name in tandem dpo, labelled rows)", UNPAIRED_LOSSES),
         ("distillation advantages (algorithm.distill.objective, with teacher.*)", DISTILL_ADVANTAGES),
         ("distillation losses (algorithm.distill.objective, with teacher.top_k)", DISTILL_LOSSES),
+        ("reward scorers (by each row's data_source)", SCORERS),
+        ("agent loops (agent.name, or a row's agent_name)", AGENT_LOOPS),
     ):
         table = Table(title=title, title_justify="left")
         table.add_column("name", style="bold cyan")
         table.add_column("also (verl's names)")
+        table.add_column("from")
         table.add_column("what it computes")
         aliases = registry.aliases()
         for name in registry.names():
             also = ", ".join(alias for alias, target in aliases.items() if target == name)
-            table.add_row(name, also, _first_line(registry.get(name)))
+            fn = registry.get(name)
+            source = plugin_of(fn)
+            table.add_row(name, also, Path(source).name if source else "tandem", _first_line(fn))
         console.print(table)
     console.print(f"loss aggregation modes (actor.policy_loss.loss_agg_mode): {', '.join(LOSS_AGG_MODES)}")
     console.print(f"reward sources (reward.sources): {', '.join(REWARD_SOURCES)}")
@@ -96,16 +106,16 @@ def run_train(args: argparse.Namespace, console: Console) -> None:
         for note in translation.notes:
             console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
         overrides = [*translation.command_overrides(), *args.set]
-        config = translation.config(extra=args.set)
+        config = translation.config(extra=args.set, plugins=args.plugin)
     else:
         if args.set:
             raise ValueError(
                 "--set adds tandem keys to a --verl command; without --verl, pass them as key=value"
             )
         overrides = list(args.overrides)
-        config = load_train_config(overrides)
+        config = load_train_config(overrides, plugins=args.plugin)
     if args.print_config:
-        print(config_text(overrides, config), end="")
+        print(config_text([*(f"--plugin={path}" for path in args.plugin), *overrides], config), end="")
         return
     result = RLTrainer(config, console).fit()
     if result.validation:
@@ -455,6 +465,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(commands)
     _add_trainers(commands)
     _add_serve(commands)
+    for command in commands.choices.values():
+        command.add_argument(
+            "--plugin",
+            action="append",
+            default=[],
+            metavar="FILE",
+            help="a Python file of @register_* calls (estimators, losses, rewards, agent loops), imported "
+            "first, here and in every worker; repeatable (docs/extending.md)",
+        )
     return parser
 
 
@@ -482,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     notes.addHandler(handler)
     notes.setLevel(logging.INFO)
     try:
+        load_plugins(args.plugin, "--plugin")  # before anything reads a registry; a broken one is one line
         _run(args, console)
     except USER_ERRORS as error:  # bad configuration or data, a diverged run: a message, not a traceback
         print(f"tandem {args.command}: error: {error}", file=sys.stderr)
@@ -493,31 +513,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, console: Console) -> None:
     if args.command == "demo":
-        from tandem.demos.arithmetic import DemoSettings, run_demo
-
-        preset = args.method if args.method in ("ppo", "online_dpo") else "grpo"
-        settings = DemoSettings(output_dir=args.output_dir, pipeline=args.pipeline, preset=preset)
-        if args.method == "tool_agent":
-            from tandem.demos.tool_agent import ToolDemoSettings, run_tool_demo
-
-            run_tool_demo(ToolDemoSettings(output_dir=args.output_dir, pipeline=args.pipeline), console)
-        elif args.method == "distill":
-            from tandem.demos.distill import DistillDemoSettings, run_distill_demo
-
-            runs = dataclasses.replace(
-                DistillDemoSettings().runs, output_dir=args.output_dir, pipeline=args.pipeline
-            )
-            run_distill_demo(DistillDemoSettings(runs=runs), console)
-        elif args.method == "vlm":
-            from tandem.demos.vlm import VLMDemoSettings, run_vlm_demo
-
-            run_vlm_demo(VLMDemoSettings(output_dir=args.output_dir), console)
-        elif args.method == "dpo":
-            from tandem.demos.preference import DPODemoSettings, run_dpo_demo
-
-            run_dpo_demo(DPODemoSettings(warm_up=settings), console)
-        else:
-            run_demo(settings, console)
+        run_demo_command(args, console)
     elif args.command == "train":
         run_train(args, console)
     elif args.command == "serve":
@@ -526,11 +522,51 @@ def _run(args: argparse.Namespace, console: Console) -> None:
         prepare_data(args, console)
     elif args.command == "report":
         make_report(args, console)
-    elif args.command == "sft":
+    elif args.command in ("sft", "dpo", "rm"):
+        run_offline_trainer(args, console)
+    else:
+        print_registries(console)
+
+
+def run_demo_command(args: argparse.Namespace, console: Console) -> None:
+    """``tandem demo METHOD``: the arithmetic demo (GRPO, PPO or online DPO), or the tool-agent,
+    distillation, VLM or DPO demo."""
+    from tandem.demos.arithmetic import DemoSettings, run_demo
+
+    preset = args.method if args.method in ("ppo", "online_dpo") else "grpo"
+    settings = DemoSettings(output_dir=args.output_dir, pipeline=args.pipeline, preset=preset)
+    if args.method == "tool_agent":
+        from tandem.demos.tool_agent import ToolDemoSettings, run_tool_demo
+
+        run_tool_demo(ToolDemoSettings(output_dir=args.output_dir, pipeline=args.pipeline), console)
+    elif args.method == "distill":
+        from tandem.demos.distill import DistillDemoSettings, run_distill_demo
+
+        runs = dataclasses.replace(
+            DistillDemoSettings().runs, output_dir=args.output_dir, pipeline=args.pipeline
+        )
+        run_distill_demo(DistillDemoSettings(runs=runs), console)
+    elif args.method == "vlm":
+        from tandem.demos.vlm import VLMDemoSettings, run_vlm_demo
+
+        run_vlm_demo(VLMDemoSettings(output_dir=args.output_dir), console)
+    elif args.method == "dpo":
+        from tandem.demos.preference import DPODemoSettings, run_dpo_demo
+
+        run_dpo_demo(DPODemoSettings(warm_up=settings), console)
+    else:
+        run_demo(settings, console)
+
+
+def run_offline_trainer(args: argparse.Namespace, console: Console) -> None:
+    """``tandem sft``, ``tandem dpo`` or ``tandem rm`` with ``key=value`` overrides (and ``--config``):
+    train, then say where the model went."""
+    if args.command == "sft":
         from tandem.config.overrides import config_from_overrides
         from tandem.sft import SFTConfig, SFTTrainer
 
-        result = SFTTrainer(config_from_overrides(SFTConfig, args.overrides, args.config), console).fit()
+        config = config_from_overrides(SFTConfig, args.overrides, args.config, args.plugin)
+        result = SFTTrainer(config, console).fit()
         console.print(f"model written to {result.hf_model_dir}")
     elif args.command in ("dpo", "rm"):
         from tandem.config.overrides import config_from_overrides
@@ -542,14 +578,13 @@ def _run(args: argparse.Namespace, console: Console) -> None:
             if args.command == "dpo"
             else (RewardModelConfig, RewardModelTrainer)
         )
-        result = trainer_cls(config_from_overrides(config_cls, args.overrides, args.config), console).fit()
+        config = config_from_overrides(config_cls, args.overrides, args.config, args.plugin)
+        result = trainer_cls(config, console).fit()
         if result.validation:
             console.print(
                 "final validation: " + ", ".join(f"{k} {v:.4f}" for k, v in result.validation.items())
             )
         console.print(f"model written to {result.hf_model_dir}")
-    else:
-        print_registries(console)
 
 
 if __name__ == "__main__":

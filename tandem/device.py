@@ -22,6 +22,10 @@ Everything else asks this module instead of probing ``torch.cuda`` itself:
 * :func:`available_memory_bytes` is the memory a new allocation on a device may take: the
   GPU's free memory, or on the CPU the kernel's ``MemAvailable`` capped by the cgroup's room
   (the native engine sizes its KV cache from it).
+* :func:`cpu_bf16_instructions` names the CPU's bf16 matrix instructions (AMX or AVX-512
+  BF16), and :func:`check_bf16_compute` refuses bf16 compute on a CPU that has neither:
+  there oneDNN emulates bf16 products with fp32 ones plus conversions, slower than plain fp32
+  and still bf16-rounded, so asking for it is a mistake worth an error, not a quiet fallback.
 """
 
 from __future__ import annotations
@@ -124,6 +128,29 @@ def only_visible_gpu(setting: str, count: int = 1) -> Iterator[None]:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+def cpu_bf16_instructions() -> str | None:
+    """The CPU's bf16 matrix instructions as torch's CPU feature probe reports them: ``amx_bf16``
+    (AMX tiles, Sapphire Rapids and later), ``avx512_bf16`` (AVX-512 BF16, e.g. Cooper Lake, AMD
+    Zen 4), or ``None`` where it has neither."""
+    probes = (("amx_bf16", "_is_amx_tile_supported"), ("avx512_bf16", "_is_avx512_bf16_supported"))
+    for name, probe in probes:
+        if getattr(torch.cpu, probe, lambda: False)():
+            return name
+    return None
+
+
+def check_bf16_compute(key: str, device: torch.device | str) -> None:
+    """Raise ``ValueError`` naming ``key`` (a mixed-precision setting of ``bf16``) when ``device``
+    is the CPU and :func:`cpu_bf16_instructions` finds no bf16 matrix instructions on it; a GPU
+    passes (every CUDA GPU tandem runs on computes bf16)."""
+    if torch.device(device).type == "cpu" and cpu_bf16_instructions() is None:
+        raise ValueError(
+            f"{key}=bf16 computes in bf16 on the CPU, but this CPU has no bf16 matrix instructions "
+            "(neither avx512_bf16 nor amx_bf16): bf16 products would be emulated, slower than fp32; "
+            f"set {key}=none"
+        )
 
 
 def process_group_backend(device: torch.device | str) -> str:

@@ -8,6 +8,7 @@ calls the k3 KL estimator ``low_var_kl``). Configs store the registered name
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
@@ -54,7 +55,7 @@ class Registry(Generic[F]):
 
     def canonical(self, name: str, key: str | None = None) -> str:
         """The registered name ``name`` stands for (itself, or an alias's target); ``ValueError``
-        listing the known names otherwise. ``key`` (the config key that gave it) names it in the
+        listing the known names (and the closest one) otherwise. ``key`` (the config key that gave it) names it in the
         error, and a note on ``tandem.names`` says what tandem calls an alias given there."""
         if name in self._entries:
             return name
@@ -64,9 +65,15 @@ class Registry(Generic[F]):
                 NAMES_LOG.info("%s=%s: tandem calls this %s %r", key, name, self.kind, target)
             return target
         aliases = f" (aliases: {sorted(self._aliases)})" if self._aliases else ""
+        close = difflib.get_close_matches(str(name), [*self._entries, *self._aliases], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
         if key is None:
-            raise ValueError(f"unknown {self.kind} {name!r}; registered: {sorted(self._entries)}{aliases}")
-        raise ValueError(f"{key}={name!r} is not registered; choose one of {sorted(self._entries)}{aliases}")
+            raise ValueError(
+                f"unknown {self.kind} {name!r}; registered: {sorted(self._entries)}{aliases}{hint}"
+            )
+        raise ValueError(
+            f"{key}={name!r} is not registered; choose one of {sorted(self._entries)}{aliases}{hint}"
+        )
 
     def get(self, name: str) -> F:
         """The function registered as ``name`` (or aliased by it); ``ValueError`` listing known names otherwise."""

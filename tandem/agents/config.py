@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.agents.loops import AGENT_LOOPS, load_interaction
+from tandem.agents.program.config import ProgramLimits, check_command, load_program
 from tandem.agents.sandbox import SandboxLimits
 from tandem.agents.tool_calls import TOOL_CALL_PARSERS
 from tandem.agents.tools import duplicate_names, load_user_tools
@@ -22,7 +23,8 @@ class AgentConfig:
         name: the loop for samples without an ``agent_name`` column: ``single_turn`` (one
             response), ``tool_agent`` (generate, run the tool calls, append the results, until
             an answer without calls, ``max_turns`` or the response budget) or ``interaction``
-            (a user function replies after each turn and may end the episode with a reward).
+            (a user function replies after each turn and may end the episode with a reward) or
+            ``program`` (the user's agent program, ``agent.program``, runs the episode).
         tools: built-in tools to offer (``calculator``, ``python``).
         tools_path: a Python file whose ``TOOLS`` list adds user tools (loaded when the config is
             built: a broken file is a one-line error before any model loads).
@@ -40,6 +42,23 @@ class AgentConfig:
         max_message_chars: characters kept of each tool result or user reply before it is
             tokenised (the first and last halves, with a note of how many were cut between).
         python: the sandbox limits of the ``python`` tool.
+        program: the ``program`` loop's agent: ``file.py`` or ``file.py:function`` (default
+            ``run``), ``async def run(client, row) -> float | {"reward": float, "metrics": {...}}``
+            called with an ``openai.AsyncOpenAI`` client of the run's endpoint (docs/agents.md;
+            loaded when the config is built).
+        program_command: the ``program`` loop's agent as a command line instead: its arguments
+            as a list (``[python, agent.py]``), run without a shell as one subprocess per episode
+            with ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` (the episode's key) in its environment
+            and the row as JSON on stdin; its last line of stdout is its result (a number, or
+            ``{"reward": ..., "metrics": {...}}``). A list, not a string, so it is never mistaken
+            for ``agent.program``'s file path nor re-split. Exclusive with ``agent.program``.
+        program_timeout_s: seconds one episode's program may run; a later one is cancelled (a
+            command's whole process group killed) and the episode scores 0 (``program_error``).
+        program_max_requests: chat requests one episode may make; one more is refused (400).
+        program_max_tokens: tokens the model may sample in one episode, over all its requests;
+            past them a request is refused (400).
+        program_output_bytes: bytes of stdout and of stderr (each) a command may write; they are
+            kept on the row (``agent_program_log``); one byte more kills it (``program_error``).
     """
 
     name: str = "single_turn"
@@ -54,11 +73,34 @@ class AgentConfig:
     interaction_timeout_s: float = 60.0
     max_message_chars: int = 32768
     python: SandboxLimits = field(default_factory=SandboxLimits)
+    program: str = path_field(INPUT_PATH)
+    program_timeout_s: float = 600.0
+    program_max_requests: int = 32
+    program_max_tokens: int = 8192
+    program_command: tuple[str, ...] = ()
+    program_output_bytes: int = 16384
 
     @property
     def enabled(self) -> bool:
         """Whether generation runs episodes (a loop other than ``single_turn``, or tools)."""
-        return self.name != "single_turn" or bool(self.tools or self.tools_path or self.interaction_path)
+        return self.name != "single_turn" or bool(
+            self.tools or self.tools_path or self.interaction_path or self.uses_program
+        )
+
+    @property
+    def uses_program(self) -> bool:
+        """Whether an agent program runs the episodes (``agent.program`` or ``agent.program_command``)."""
+        return bool(self.program or self.program_command)
+
+    @property
+    def program_limits(self) -> ProgramLimits:
+        """The limits of one agent program's episode (``agent.program_*``)."""
+        return ProgramLimits(
+            self.program_timeout_s,
+            self.program_max_requests,
+            self.program_max_tokens,
+            self.program_output_bytes,
+        )
 
     def __post_init__(self) -> None:
         if self.name not in AGENT_LOOPS:
@@ -78,10 +120,26 @@ class AgentConfig:
             "tool_timeout_s",
             "interaction_timeout_s",
             "max_message_chars",
+            "program_timeout_s",
+            "program_max_requests",
+            "program_max_tokens",
+            "program_output_bytes",
         ):
             check_positive("agent", name, getattr(self, name))
         if self.name == "interaction" and not self.interaction_path:
             raise ValueError("agent.name=interaction needs agent.interaction_path (a Python file)")
+        if self.name == "program" and not (self.program or self.program_command):
+            raise ValueError(
+                "agent.name=program needs agent.program (a Python file: async def run(client, row)) "
+                "or agent.program_command (a command line as a list: [python,agent.py])"
+            )
+        if self.program and self.program_command:
+            raise ValueError("agent.program and agent.program_command are both set: set one")
+        for key in ("program", "program_command"):
+            if getattr(self, key) and self.name != "program":
+                raise ValueError(f"agent.{key} is set but agent.name={self.name!r}: set agent.name=program")
+        if self.program_command:  # a list from the command line: kept as the tuple the field declares
+            object.__setattr__(self, "program_command", check_command(self.program_command))
         self._check_user_files()
 
     def _check_user_files(self) -> None:
@@ -99,3 +157,5 @@ class AgentConfig:
                 )
         if self.interaction_path:
             load_interaction(self.interaction_path, self.interaction_name)
+        if self.program:
+            load_program(self.program)

@@ -11,6 +11,8 @@ user turns between them — shares one budget of ``ctx.sampling.max_tokens`` tok
   episodes) and their results — or the errors of malformed calls, unknown tools and bad
   arguments — return as ``tool`` messages; the episode ends at a turn without calls
   (``stop``), at ``agent.max_turns`` (``max_turns``) or when the budget runs out (``length``).
+* ``program``: the user's own agent program drives the episode through an OpenAI-compatible
+  endpoint (``ctx.program``, :mod:`tandem.agents.program`); its return value is the reward.
 * ``interaction``: after each model turn a user function replies (a ``user`` message) or ends
   the episode, optionally with a reward. A function that raises (``SystemExit`` included), runs
   past ``ctx.interaction_timeout_s`` or replies malformed (not a dict, ``content`` not text, a
@@ -35,7 +37,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tandem.agents.generators import TokenGenerator
 from tandem.agents.tool_calls import ToolCallParser
@@ -52,6 +54,7 @@ from tandem.user_calls import UserCodeError, describe_error, start_user_call
 
 TURN_SEED_STRIDE = 1_000_003  # turn t of an episode samples with seed + t * stride
 INTERACTION_ERROR = "interaction_error"  # the finish reason of an episode whose interaction failed
+PROGRAM_ERROR = "program_error"  # the finish reason of an episode whose agent program failed
 LOG = logging.getLogger(__name__)
 MAX_REPORTED = 100  # distinct interaction failures logged per context; the metric counts them all
 
@@ -87,6 +90,7 @@ class AgentContext:
     interaction_timeout_s: float = 60.0
     max_message_chars: int = 32768
     prompter: ImagePrompter | None = None
+    program: EpisodeProgram | None = None  # the ``program`` loop's runner (agent.program)
     encoder: TurnEncoder = field(init=False)
     reported: set[str] = field(init=False, default_factory=set)  # interaction failures already logged
 
@@ -105,6 +109,12 @@ class AgentContext:
         parts, _ = with_image_parts(messages)
         ids = template_ids(self.tokenizer, parts, add_generation_prompt=True, tools=tools)
         return tuple(expand_image_tokens(ids, images, self.prompter.placeholder, self.prompter.merge))
+
+
+class EpisodeProgram(Protocol):
+    """Runs one episode of an agent program (:class:`~tandem.agents.program.runner.ProgramRunner`)."""
+
+    async def run_episode(self, ctx: AgentContext, sample: AgentSample) -> Trajectory: ...
 
 
 class AgentError(RuntimeError):
@@ -204,6 +214,14 @@ async def tool_agent(ctx: AgentContext, sample: AgentSample) -> Trajectory:
             return trajectory
     trajectory.finish_reason = "max_turns"
     return trajectory
+
+
+@AGENT_LOOPS.register("program")
+async def program(ctx: AgentContext, sample: AgentSample) -> Trajectory:
+    """The user's agent program runs the episode (see the module docstring)."""
+    if ctx.program is None:
+        raise ValueError("the program loop needs agent.program (a Python file: async def run(client, row))")
+    return await ctx.program.run_episode(ctx, sample)
 
 
 @AGENT_LOOPS.register("interaction")
@@ -351,15 +369,36 @@ def agent_metrics(trajectories: list[Trajectory], tools: ToolRunner | None = Non
     )
 
 
+def batch_episode_metrics(
+    batch: Any, tool_totals: Callable[[], list[dict[str, tuple[int, int, float]]]]
+) -> dict[str, float]:
+    """:func:`episode_metrics` of a step's rows (a ``Batch`` holding ``agent_turns``, ...) and the
+    workers' tool counters (``tool_totals()``, asked only for agent episodes); empty when the
+    rows are no agent episodes."""
+    if "agent_turns" not in batch:
+        return {}
+    return episode_metrics(
+        batch["agent_turns"],
+        batch["agent_tool_calls"],
+        batch["agent_tool_errors"],
+        batch["finish_reason"],
+        tool_totals(),
+        program_splits=batch.get("agent_program_splits", ()),
+    )
+
+
 def episode_metrics(
     turns: Sequence[int],
     tool_calls: Sequence[int],
     tool_errors: Sequence[int],
     finish_reasons: Sequence[str],
     tool_totals: list[dict[str, tuple[int, int, float]]],
+    program_splits: Sequence[int] = (),
 ) -> dict[str, float]:
     """``agent/turns/mean``, ``agent/tool_calls/mean``, ``agent/tool/errors`` (malformed calls
-    included), ``agent/interaction/errors`` (episodes whose interaction failed), the share of
+    included), ``agent/interaction/errors`` (episodes whose interaction failed),
+    ``agent/program/errors`` (episodes whose agent program failed), ``agent/program/splits``
+    (given ``program_splits``: new segments, summed over the episodes), the share of
     episodes per finish reason (``agent/finish/<reason>``), and per tool
     ``agent/tool/<name>/{calls,errors,latency_s}`` from the workers' :meth:`ToolStats.totals`."""
     metrics = {
@@ -368,7 +407,10 @@ def episode_metrics(
         "agent/tool_calls/mean": statistics.fmean(tool_calls),
         "agent/tool/errors": float(sum(tool_errors)),
         "agent/interaction/errors": float(sum(reason == INTERACTION_ERROR for reason in finish_reasons)),
+        "agent/program/errors": float(sum(reason == PROGRAM_ERROR for reason in finish_reasons)),
     }
+    if program_splits:
+        metrics["agent/program/splits"] = float(sum(program_splits))
     for reason, count in Counter(finish_reasons).items():
         metrics[f"agent/finish/{reason}"] = count / len(finish_reasons)
     return metrics

@@ -7,7 +7,14 @@ column); the episodes run at once over the worker's rollout engine; each traject
 completion whose ``token_mask`` keeps the model's tokens apart from the tool and user turns
 (``response_mask`` 0 there). The rows gain ``agent_messages`` (the conversation),
 ``agent_turns``, ``agent_tool_calls``, ``agent_tool_errors``, ``agent_reward`` (an interaction's
-reward, None where none ended the episode) and ``finish_reason``.
+or an agent program's reward, None where none ended the episode) and ``finish_reason``; with
+``agent.program``, also ``agent_program_splits`` (each episode's new segments),
+``agent_program_metrics`` (what the program returned as metrics) and ``agent_program_log``
+(``{"error", "stdout", "stderr"}``: why it failed, empty when it did not, and a command's output
+as kept). An agent program's row may
+have a longer prompt than the batch's prompt columns (a system prompt the program adds): its
+extra tokens move into the response columns, masked 0
+(:func:`~tandem.agents.program.recorder.fit_prompt_columns`).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from tandem.agents.loops import (
     run_episodes,
     turn_request_id,
 )
+from tandem.agents.program.recorder import fit_prompt_columns
 from tandem.agents.sandbox import sandbox_available
 from tandem.agents.tool_calls import TOOL_CALL_PARSERS
 from tandem.agents.tools import CALCULATOR, Tool, ToolRunner, load_user_tools, python_tool
@@ -76,6 +84,14 @@ class AgentRollout:
             if config.interaction_path
             else None
         )
+        self.program = None
+        if config.uses_program:
+            # deferred: the endpoint needs the serve extra (FastAPI, uvicorn, openai)
+            from tandem.agents.program.runner import ProgramRunner
+
+            self.program = ProgramRunner(
+                config.program, config.program_limits, engine, tokenizer, self.parser, config.program_command
+            )
 
     def generate(self, prompts: Batch, sampling: SamplingParams, prompt_width: int, rank: int) -> Batch:
         """The rows of ``prompts`` (with ``raw_prompt`` and ``seed``) completed by their episodes,
@@ -89,6 +105,8 @@ class AgentRollout:
             )
         ]
         trajectories = run_episodes(self.context(sampling), samples)
+        if self.program is not None:
+            trajectories = [fit_prompt_columns(t, prompt_width) for t in trajectories]
         longest = max(len(t.prompt_ids) for t in trajectories)
         if longest > prompt_width:
             raise ValueError(
@@ -114,6 +132,15 @@ class AgentRollout:
                 "agent_tool_calls": [t.tool_calls for t in trajectories],
                 "agent_tool_errors": [t.tool_errors for t in trajectories],
                 "agent_reward": [t.reward for t in trajectories],
+                **(
+                    {
+                        "agent_program_splits": [t.splits for t in trajectories],
+                        "agent_program_metrics": [t.metrics for t in trajectories],
+                        "agent_program_log": [t.program_log for t in trajectories],
+                    }
+                    if self.program is not None
+                    else {}
+                ),
             },
         )
 
@@ -125,6 +152,7 @@ class AgentRollout:
                 self.tools, self.parser, self.interaction,
                 interaction_timeout_s=self.config.interaction_timeout_s,
                 max_message_chars=self.config.max_message_chars, prompter=self.prompter,
+                program=self.program,
             )  # fmt: skip
         return self._contexts[sampling]
 
@@ -144,6 +172,8 @@ class AgentRollout:
     def close(self) -> None:
         if self._episodes is not None:
             self._episodes.close()
+        if self.program is not None:
+            self.program.close()
 
     def tool_totals(self) -> dict[str, tuple[int, int, float]]:
         """The tools' ``(calls, errors, seconds)`` since the last call, then reset."""

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from tandem.config.validation import check_positive
 
@@ -43,7 +44,7 @@ FLOOD_FACTOR = 1000  # output beyond this many times output_bytes ends the run
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Limits of one sandboxed run (``tools.python.*``).
+    """Limits of one sandboxed run (``agent.python.*`` in an RL config).
 
     Attributes:
         cpu_seconds: CPU time; the process gets SIGXCPU, then SIGKILL a second later.
@@ -61,6 +62,7 @@ class SandboxLimits:
     processes: int = 64
     wall_seconds: float = 20.0
     output_bytes: int = 8192
+    key_prefix: ClassVar[str] = "tools.python"  # loaded at agent.python: errors name that path
 
     def __post_init__(self) -> None:
         for name in ("cpu_seconds", "memory_mb", "file_size_mb", "processes", "wall_seconds", "output_bytes"):

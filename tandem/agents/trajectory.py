@@ -35,7 +35,10 @@ class Trajectory:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
-    reward: float | None = None  # from an interaction that ends the episode with one
+    reward: float | None = None  # from an interaction that ends the episode with one, or a program
+    splits: int = 0  # an agent program's requests that did not extend its history (new segments)
+    metrics: dict[str, float] = field(default_factory=dict)  # an agent program's own
+    program_log: dict[str, str] = field(default_factory=dict)  # an agent program's fault, a command's output
 
     def add_model_turn(self, completion: Completion) -> None:
         """Append the model's sampled tokens (``loss_mask`` 1) with their log-probs and versions."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from tandem.config.paths import OUTPUT_PATH, path_field
 from tandem.config.validation import check_choice, check_positive
@@ -29,6 +30,8 @@ class CheckpointEngineConfig:
             in Ray's cluster with the Ray backend, the loopback address otherwise.
         timeout_s: how long either side waits for the other before raising, naming what it waited for.
     """
+
+    key_prefix: ClassVar[str] = "checkpoint_engine"  # its messages' keys start so (tandem.config.build)
 
     backend: str = "naive"
     bucket_mb: float = 512

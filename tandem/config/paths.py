@@ -28,8 +28,8 @@ OUTPUT_PATH = "output"  # written by the run: always resolved
 _PATH_KIND = "path"  # the key of a dataclass field's metadata that marks it
 
 
-def path_field(kind: str, default: str | None = "") -> Any:
-    """A config dataclass field that holds a file-system path (or a list of them), marked so that
+def path_field(kind: str, default: str | tuple[str, ...] | None = "") -> Any:
+    """A config dataclass field that holds a file-system path (or a tuple of them), marked so that
     :func:`with_absolute_paths` finds it: ``kind`` is :data:`INPUT_PATH` or :data:`OUTPUT_PATH`."""
     if kind not in (INPUT_PATH, OUTPUT_PATH):
         raise ValueError(f"a path field is {INPUT_PATH!r} or {OUTPUT_PATH!r}, not {kind!r}")

@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from tandem.config.plugins import plugins_env
 from tandem.controller.errors import WorkerDiedError, WorkerError
 from tandem.controller.worker import DistInfo, construct_worker, host_rendezvous_store
 
@@ -227,7 +228,7 @@ class ProcessBackend(_LocalBackendBase):
         parent, child = self._context.Pipe()
         process = self._context.Process(
             target=_process_main,
-            args=(child, worker_cls, args, kwargs, self._infos[rank].as_env()),
+            args=(child, worker_cls, args, kwargs, {**self._infos[rank].as_env(), **plugins_env()}),
             name=f"tandem-worker-{rank}",
             daemon=True,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tandem.config.plugins import plugins_env
 from tandem.controller.errors import WorkerDiedError, WorkerError
 from tandem.controller.ray_capacity import check_ray_cluster_holds
 from tandem.controller.resource_pool import ResourcePool
@@ -90,7 +91,7 @@ class RayBackend:
         pool = self._pool
         node, local_rank = pool.node_and_local_rank(rank)
         info = DistInfo(rank, self.world_size, local_rank, pool.processes_per_node[node], *self._master)
-        env = info.as_env()
+        env = {**info.as_env(), **plugins_env()}  # the worker imports this process's plugins first
         if not pool.gpus_per_process:  # recent Ray shows every GPU to an actor that reserved none
             env["CUDA_VISIBLE_DEVICES"] = ""
         args, kwargs = self._args

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.config.plugins import load_plugins_from_env
 from tandem.controller.decorator import SPEC_ATTR, MethodSpec
 from tandem.controller.dispatch import MeshRank
 from tandem.controller.errors import WorkerError
@@ -79,6 +80,13 @@ class Worker:
     workers, which get their :class:`DistInfo` passed directly and leave the controller's
     environment alone.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Worker:
+        """Import the plugins the group named for this process (``TANDEM_PLUGINS``, set beside
+        ``RANK``) before the worker is built, whichever backend builds it: the names they register
+        resolve in the worker as in the controller (:mod:`tandem.config.plugins`)."""
+        load_plugins_from_env()
+        return super().__new__(cls)
 
     @property
     def dist_info(self) -> DistInfo:

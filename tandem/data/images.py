@@ -28,10 +28,23 @@ class ImageError(ValueError):
 
 
 def decode_image(
-    raw: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, limit: str | None = None
+    raw: bytes,
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    limit: str | None = None,
+    where: str | None = None,
 ) -> Image.Image:
     """``raw`` (PNG, JPEG, ... bytes) as an RGB PIL image; :class:`ImageError` when Pillow cannot
-    read it or it has more than ``max_pixels`` pixels (``limit``: the setting to name)."""
+    read it or it has more than ``max_pixels`` pixels (``limit``: the setting to name), its
+    message opening with ``where`` when given (a data file's row, field and image)."""
+    try:
+        return _decode(raw, max_pixels, limit)
+    except ImageError as error:
+        if where is None:
+            raise
+        raise ImageError(f"{where}: {error}") from None
+
+
+def _decode(raw: bytes, max_pixels: int, limit: str | None) -> Image.Image:
     if not isinstance(raw, (bytes, bytearray, memoryview)) or not raw:
         raise ImageError(
             "the image is empty" if not raw else f"expected image bytes, got {type(raw).__name__}"

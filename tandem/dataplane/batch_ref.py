@@ -33,10 +33,30 @@ Getter = Callable[[Block, Sequence[str], Sequence[int]], dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class FieldSchema:
-    """A stored field as it materialises: dtype (torch name) and one row's shape."""
+    """A stored field as it materialises: dtype (torch name), one row's shape and, when only a
+    window of the stored rows is wanted, ``crop = (axis, start, stop)`` along ``axis`` of a row
+    (the cut of padding columns: :meth:`BatchRef.crop`)."""
 
     dtype: str
     shape: tuple[int, ...]
+    crop: tuple[int, int, int] | None = None
+
+    def cropped(self, axis: int, start: int, stop: int) -> FieldSchema:
+        """This field with only ``[start, stop)`` of ``axis`` of what it materialises now."""
+        if not 0 <= axis < len(self.shape) or not 0 <= start < stop <= self.shape[axis]:
+            raise ValueError(f"crop ({axis}, {start}, {stop}) is outside a row of shape {self.shape}")
+        if self.crop is not None and self.crop[0] != axis:
+            raise ValueError(f"a field cropped along axis {self.crop[0]} cannot be cropped along {axis}")
+        offset = 0 if self.crop is None else self.crop[1]
+        shape = (*self.shape[:axis], stop - start, *self.shape[axis + 1 :])
+        return FieldSchema(self.dtype, shape, (axis, offset + start, offset + stop))
+
+    def apply(self, fetched: torch.Tensor) -> torch.Tensor:
+        """``fetched [n, *stored row]`` cut to this field's window (itself when uncropped)."""
+        if self.crop is None:
+            return fetched
+        axis, start, stop = self.crop
+        return fetched.narrow(axis + 1, start, stop - start).contiguous()
 
 
 @dataclass(frozen=True, eq=False)
@@ -172,6 +192,17 @@ class BatchRef(RowPieces):
             self.scalars.union(other.scalars), [*self.parts, *other.parts], {**self.schema, **other.schema}
         )
 
+    def crop(self, windows: dict[str, tuple[int, int, int]]) -> BatchRef:
+        """Stored fields cut to windows ``{field: (axis, start, stop)}`` of their rows (the
+        padding columns a ``Batch`` would trim); the blocks are untouched, ranks fetch the rows
+        and keep the window."""
+        schema = dict(self.schema)
+        for name, (axis, start, stop) in windows.items():
+            if name not in schema:
+                raise KeyError(f"crop: {name!r} is not a stored field; stored: {self.stored_fields()}")
+            schema[name] = schema[name].cropped(axis, start, stop)
+        return BatchRef(self.scalars, self.parts, schema)
+
     def reorder(self, index: torch.Tensor | Sequence[int]) -> BatchRef:
         return self[index]
 
@@ -250,7 +281,7 @@ class BatchRef(RowPieces):
         for b in np.unique(part.block_of_row):
             at = np.flatnonzero(part.block_of_row == b)
             rows, inverse = np.unique(part.row_in_block[at], return_inverse=True)
-            fetched = get(part.blocks[b], names, rows)
+            fetched = {n: self.schema[n].apply(t) for n, t in get(part.blocks[b], names, rows).items()}
             whole = len(at) == self.batch_size and np.array_equal(inverse, np.arange(len(at)))
             for name in names:
                 if whole:

@@ -17,14 +17,20 @@ fp32, ``bfloat16`` as its bits). A field of rank 1 is *dense*: ``values [N, *tra
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NARROW = (torch.uint8, torch.int16, torch.int32, torch.int64)
+from tandem.dataplane.windows import (
+    as_bits,
+    padded_from_windows,
+    rows_of_dense,
+    windows_of_padded,
+)
+
+_NARROW = (np.uint8, np.int16, np.int32, np.int64)
 
 
 @dataclass(frozen=True)
@@ -64,63 +70,73 @@ class WireColumn:
         )
 
 
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The same memory as signed integers of the element's width (bit-exact comparisons)."""
-    return tensor.contiguous().view(_BITS[tensor.element_size()])
-
-
-def _narrowest(values: torch.Tensor) -> torch.dtype:
-    """The narrowest integer wire dtype holding every value of integer ``values``."""
-    if values.dtype == torch.bool or values.numel() == 0:
-        return torch.uint8
+def _narrowest(values: np.ndarray) -> np.dtype:
+    """The narrowest wire integer (``uint8``/``int16``/``int32``/``int64``) holding every value of
+    integer ``values``; their own dtype when none does (``uint64`` beyond ``int64``)."""
+    if values.size == 0:
+        return np.dtype(np.uint8)
     low, high = int(values.min()), int(values.max())
     for dtype in _NARROW:
-        info = torch.iinfo(dtype)
+        info = np.iinfo(dtype)
         if info.min <= low and high <= info.max:
-            return dtype
+            return np.dtype(dtype)
     return values.dtype
 
 
-def _wire_values(values: torch.Tensor) -> torch.Tensor:
-    if values.is_floating_point() or values.is_complex():
-        return values.contiguous()
-    return values.to(_narrowest(values)).contiguous()
+def _as_source(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``tensor``: an integer tensor's values, otherwise its bits (floats keep their
+    bits on the wire; a bool's bits are the uint8 0/1 the wire holds)."""
+    integer = not (tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool)
+    return tensor.numpy() if integer else as_bits(tensor)
 
 
-def _fill_bits(bits: torch.Tensor) -> int:
+def _wire_values(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """Values gathered from :func:`_as_source` as the wire holds them: integers narrowed, floats
+    (from their bits) in their own dtype."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.from_numpy(values).view(dtype)
+    return torch.from_numpy(values.astype(_narrowest(values), copy=False))
+
+
+def _fill_bits(bits: np.ndarray) -> int:
     """The most common first element of the rows' first and last positions (the pad)."""
-    edges = torch.cat([bits[:, 0].reshape(len(bits), -1)[:, 0], bits[:, -1].reshape(len(bits), -1)[:, 0]])
-    values, counts = torch.unique(edges, return_counts=True)
+    rows = len(bits)
+    edges = np.concatenate([bits[:, 0].reshape(rows, -1)[:, 0], bits[:, -1].reshape(rows, -1)[:, 0]])
+    values, counts = np.unique(edges, return_counts=True)
     return int(values[counts.argmax()])
 
 
 def encode_field(name: str, tensor: torch.Tensor) -> tuple[WireColumn, dict[str, torch.Tensor]]:
-    """The wire column of ``tensor [N, ...]`` and its arrays (see the module docstring)."""
-    tensor = tensor.detach().cpu()
+    """The wire column of ``tensor [N, ...]`` and its arrays (see the module docstring).
+
+    Numpy, one pass per step on the calling thread (see :mod:`tandem.dataplane.windows`): find
+    each row's window on the bits, gather the windows, narrow the gathered integers."""
+    tensor = tensor.detach().cpu().contiguous()
     dtype = str(tensor.dtype).removeprefix("torch.")
-    if tensor.ndim < 2 or tensor.shape[0] == 0 or tensor.shape[1] == 0:
-        values = _wire_values(tensor)
+    if tensor.ndim < 2 or tensor.numel() == 0:
+        values = _wire_values(_as_source(tensor), tensor.dtype)
         column = WireColumn(
             name, dtype, tuple(tensor.shape[1:]), str(values.dtype).removeprefix("torch."), False
         )
         return column, {f"{name}.values": values}
     rows, width = tensor.shape[:2]
-    bits = _bits(tensor)
+    bits = as_bits(tensor)
     fill = _fill_bits(bits)
-    differs = (bits != fill).reshape(rows, width, -1).any(dim=-1)  # [N, W]
-    present = differs.any(dim=1)
-    first = torch.where(present, differs.int().argmax(dim=1), 0)
-    last = torch.where(present, width - 1 - differs.flip(1).int().argmax(dim=1), -1)
-    lengths = (last - first + 1).clamp(min=0)
-    positions = torch.arange(width)
-    window = (positions >= first[:, None]) & (positions < (first + lengths)[:, None])
-    values = _wire_values(tensor[window])
-    offsets = torch.zeros(rows + 1, dtype=torch.int64)
-    offsets[1:] = lengths.cumsum(0)
+    differs = (bits.reshape(rows, width, -1) != fill).any(axis=2)  # [N, W]
+    present = differs.any(axis=1)
+    first = np.where(present, differs.argmax(axis=1), 0)
+    last = np.where(present, width - 1 - differs[:, ::-1].argmax(axis=1), -1)
+    offsets = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(np.maximum(last - first + 1, 0), out=offsets[1:])
+    values = _wire_values(windows_of_padded(_as_source(tensor), first, offsets), tensor.dtype)
     column = WireColumn(
         name, dtype, tuple(tensor.shape[1:]), str(values.dtype).removeprefix("torch."), True, fill
     )
-    arrays = {f"{name}.values": values, f"{name}.offsets": offsets, f"{name}.starts": first.to(torch.int32)}
+    arrays = {
+        f"{name}.values": values,
+        f"{name}.offsets": torch.from_numpy(offsets),
+        f"{name}.starts": torch.from_numpy(first.astype(np.int32)),
+    }
     return column, arrays
 
 
@@ -134,10 +150,6 @@ def encode(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[WireColumn, ...],
     return tuple(columns), arrays
 
 
-Reader = Callable[[str, int, int], torch.Tensor]
-"""``read(array_name, start, stop)``: elements ``[start, stop)`` (dim 0) of a stored array."""
-
-
 def runs(rows: np.ndarray) -> list[tuple[int, int]]:
     """Sorted unique ``rows`` as ``[(first, stop), ...]`` runs of consecutive rows."""
     if len(rows) == 0:
@@ -148,64 +160,25 @@ def runs(rows: np.ndarray) -> list[tuple[int, int]]:
     return [(int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(starts, stops, strict=True)]
 
 
-def select_rows(read: Reader, columns: Sequence[WireColumn], rows: np.ndarray) -> dict[str, torch.Tensor]:
-    """The compact arrays of ``rows`` (sorted, unique) of ``columns``, read run by run.
-
-    Returns, per jagged field, ``values`` of the rows, ``lengths [n] int32`` and ``starts [n]
-    int32``; per dense field, ``values [n, ...]``. Only these rows' bytes are read.
-    """
-    out: dict[str, torch.Tensor] = {}
-    spans = runs(rows)
-    for column in columns:
-        name = column.name
-        if not column.jagged:
-            out[f"{name}.values"] = _cat([read(f"{name}.values", a, b) for a, b in spans], column, read)
-            continue
-        values, lengths, starts = [], [], []
-        for a, b in spans:
-            offsets = read(f"{name}.offsets", a, b + 1)
-            values.append(read(f"{name}.values", int(offsets[0]), int(offsets[-1])))
-            lengths.append((offsets[1:] - offsets[:-1]).to(torch.int32))
-            starts.append(read(f"{name}.starts", a, b))
-        out[f"{name}.values"] = _cat(values, column, read)
-        out[f"{name}.lengths"] = torch.cat(lengths) if lengths else torch.zeros(0, dtype=torch.int32)
-        out[f"{name}.starts"] = torch.cat(starts) if starts else torch.zeros(0, dtype=torch.int32)
-    return out
+StoredArrays = Mapping[str, np.ndarray]
+"""A block's arrays by name, whole, as :func:`~tandem.dataplane.windows.numpy_dtype` reads them
+(e.g. views of a memory map): ``{field}.values``, and ``.offsets``/``.starts`` of a jagged field."""
 
 
-def _cat(parts: list[torch.Tensor], column: WireColumn, read: Reader) -> torch.Tensor:
-    if parts:
-        return torch.cat(parts)
-    return read(f"{column.name}.values", 0, 0)
-
-
-def decode(column: WireColumn, compact: Mapping[str, torch.Tensor], rows: int) -> torch.Tensor:
-    """The padded ``[rows, *column.shape]`` tensor of one field from :func:`select_rows` output."""
-    values = compact[f"{column.name}.values"].to(column.torch_dtype)
+def decode_field(column: WireColumn, arrays: StoredArrays, rows: np.ndarray, out: torch.Tensor) -> int:
+    """Write ``rows`` (sorted, unique) of one field into ``out [len(rows), *column.shape]``
+    (allocated, not initialised; see :func:`~tandem.dataplane.windows.empty_tensors`), read
+    straight from the block's ``arrays`` in one pass; returns the payload bytes it read (the rows'
+    values; their offsets and starts are the 8 bytes a row counted apart)."""
+    values = arrays[f"{column.name}.values"]
+    row_bytes = values.itemsize * int(np.prod(values.shape[1:]))  # one element of dim 0
     if not column.jagged:
-        return values.reshape(rows, *column.shape)
-    # filled through the integer view of the dtype, so a NaN fill keeps its exact bits
-    out = torch.full((rows, *column.shape), column.fill_bits, dtype=_BITS[values.element_size()])
-    out = out.view(column.torch_dtype)
-    lengths = compact[f"{column.name}.lengths"].long()
-    starts = compact[f"{column.name}.starts"].long()
-    positions = torch.arange(column.shape[0])
-    window = (positions >= starts[:, None]) & (positions < (starts + lengths)[:, None])  # [rows, W]
-    trailing = len(column.shape) - 1
-    out.masked_scatter_(window.reshape(*window.shape, *([1] * trailing)).expand(out.shape), values)
-    return out
-
-
-def payload_nbytes(compact: Mapping[str, torch.Tensor]) -> tuple[int, int]:
-    """``(payload, index)`` bytes of compact arrays: the fields' values, and lengths/starts."""
-    payload = index = 0
-    for name, array in compact.items():
-        nbytes = array.numel() * array.element_size()
-        if name.endswith(".values"):
-            payload += nbytes
-        else:
-            index += nbytes
-    return payload, index
+        rows_of_dense(values, rows, out)
+        return len(rows) * row_bytes
+    offsets = arrays[f"{column.name}.offsets"]
+    begins, ends = offsets[rows], offsets[rows + 1]
+    padded_from_windows(values, begins, ends, arrays[f"{column.name}.starts"][rows], out, column.fill_bits)
+    return int((ends - begins).sum()) * row_bytes
 
 
 def wire_nbytes(tensors: Mapping[str, torch.Tensor]) -> int:

@@ -3,10 +3,14 @@
 ``put`` stores each field's arrays (:mod:`tandem.dataplane.columns`) as one object of numpy
 arrays: Ray pickles numpy arrays with out-of-band buffers, so the payload is written once
 into the node's shared-memory object store and is never part of a pickle. ``get`` on the
-block's own node maps those objects (no transfer) and copies out the rows asked for. On
-another node it runs a small gather task *on the block's node* (node affinity) that cuts the
-rows out there, and fetches only that result through Ray's object transfer: the bytes that
-cross nodes are those of the asked fields of the asked rows. No transport of our own.
+block's own node maps those objects (``ray.get`` of a numpy array in the object store is a
+read-only view of it, no transfer, no copy) and decodes the asked rows straight from those views
+into the padded tensors it returns, one pass per field, as the shared-memory engine decodes from
+its file's map (:func:`~tandem.dataplane.store.decode_rows`). On another node it runs a small
+gather task *on the block's node* (node affinity) that cuts the rows out there, and fetches only
+that result through Ray's object transfer: the bytes that cross nodes are those of the asked
+fields of the asked rows (values, an int32 length and start a row). The result, mapped from the
+reader's node's object store, is decoded the same way. No transport of our own.
 
 Ray keeps an object while any reference to it lives; the store that put a block holds its
 references until :meth:`RayStore.release` (run in the putting process) drops them.
@@ -22,8 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.dataplane.columns import WireColumn, encode, select_rows
-from tandem.dataplane.store import check_fields, check_rows, count, decode_counted
+from tandem.dataplane.columns import StoredArrays, WireColumn, encode, runs
+from tandem.dataplane.store import check_fields, check_rows, count, decode_rows
+from tandem.dataplane.windows import numpy_dtype
 
 
 @dataclass(frozen=True)
@@ -61,36 +66,51 @@ def _to_numpy(arrays: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[
     }
 
 
-def _to_torch(entry: tuple[str, tuple[int, ...], np.ndarray], copy: bool) -> torch.Tensor:
-    dtype, shape, raw = entry
-    flat = (
-        torch.from_numpy(np.array(raw, copy=True) if copy else raw)
-        if raw.size
-        else torch.empty(0, dtype=torch.uint8)
-    )
-    return flat.view(getattr(torch, dtype)).reshape(shape)
-
-
-def _reader(objects: Sequence[Mapping[str, Any]]):
-    """``read(name, a, b)`` over mapped field objects: a copy of rows ``[a, b)``."""
-    arrays: dict[str, Any] = {}
+def stored_arrays(objects: Sequence[Mapping[str, tuple[str, tuple[int, ...], np.ndarray]]]) -> StoredArrays:
+    """The arrays of mapped field objects (``ray.get`` of :func:`_to_numpy` outputs) as
+    :func:`~tandem.dataplane.windows.numpy_dtype` reads them: views of the object store's memory."""
+    arrays: dict[str, np.ndarray] = {}
     for obj in objects:
-        arrays.update(obj)
-
-    def read(name: str, start: int, stop: int) -> torch.Tensor:
-        dtype, shape, raw = arrays[name]
-        torch_dtype = getattr(torch, dtype)
-        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * torch.empty(0, dtype=torch_dtype).element_size()
-        part = np.array(raw[start * row_bytes : stop * row_bytes], copy=True)
-        flat = torch.from_numpy(part) if part.size else torch.empty(0, dtype=torch.uint8)
-        return flat.view(torch_dtype).reshape(max(stop - start, 0), *shape[1:])
-
-    return read
+        for name, (dtype, shape, raw) in obj.items():
+            kind = numpy_dtype(getattr(torch, dtype))
+            arrays[name] = raw.view(kind).reshape(shape) if raw.size else np.empty(shape, dtype=kind)
+    return arrays
 
 
 def gather_rows(columns: tuple[WireColumn, ...], rows: np.ndarray, *objects: Mapping[str, Any]) -> dict:
-    """Run on the block's node: the compact arrays of ``rows`` of ``columns``, as numpy for Ray."""
-    return _to_numpy(select_rows(_reader(objects), columns, rows))
+    """Run on the block's node: the compact numpy arrays of ``rows`` (sorted, unique) of
+    ``columns``, cut from views of the mapped ``objects`` in one copy (a run of consecutive rows
+    is one slice): per jagged field ``values`` of the rows, ``lengths [n] int32`` and
+    ``starts [n] int32``; per dense field ``values [n, ...]``."""
+    arrays, spans, out = stored_arrays(objects), runs(rows), {}
+    for column in columns:
+        name = column.name
+        values = arrays[f"{name}.values"]
+        if not column.jagged:
+            out[f"{name}.values"] = _joined([values[a:b] for a, b in spans], values)
+            continue
+        offsets = arrays[f"{name}.offsets"]
+        out[f"{name}.values"] = _joined([values[offsets[a] : offsets[b]] for a, b in spans], values)
+        out[f"{name}.lengths"] = (offsets[rows + 1] - offsets[rows]).astype(np.int32)
+        out[f"{name}.starts"] = np.ascontiguousarray(arrays[f"{name}.starts"][rows])
+    return out
+
+
+def _joined(parts: list[np.ndarray], like: np.ndarray) -> np.ndarray:
+    return np.concatenate(parts) if parts else like[:0].copy()
+
+
+def gathered_arrays(columns: Sequence[WireColumn], gathered: Mapping[str, np.ndarray]) -> StoredArrays:
+    """A gather task's result (``ray.get`` of :func:`gather_rows`) as the arrays of a block of
+    its rows alone, in order: each jagged field's ``offsets [n + 1]`` rebuilt from its lengths."""
+    arrays = dict(gathered)
+    for column in columns:
+        if column.jagged:
+            lengths = arrays.pop(f"{column.name}.lengths")
+            offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            arrays[f"{column.name}.offsets"] = offsets
+    return arrays
 
 
 class RayStore:
@@ -126,15 +146,13 @@ class RayStore:
         by_name = dict(zip((c.name for c in block.columns), block.refs, strict=True))
         refs = [by_name[c.name] for c in columns]
         if block.node_id == self.node_id:
-            compact = select_rows(_reader(ray.get(refs)), columns, wanted)
-        else:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # deferred: Ray
+            return decode_rows(columns, stored_arrays(ray.get(refs)), wanted)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # deferred: Ray
 
-            task = self._gather.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(block.node_id, soft=False)
-            ).remote(columns, wanted, *refs)
-            compact = {name: _to_torch(entry, copy=True) for name, entry in ray.get(task).items()}
-        return decode_counted(columns, compact, len(wanted))
+        task = self._gather.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(block.node_id, soft=False)
+        ).remote(columns, wanted, *refs)
+        return decode_rows(columns, gathered_arrays(columns, ray.get(task)), np.arange(len(wanted)))
 
     def release(self, block: RayBlock) -> None:
         """Drop this store's references to the block (Ray frees it when no reference is left)."""

@@ -2,26 +2,32 @@
 
 The file holds the block's arrays (:mod:`tandem.dataplane.columns`) back to back, each
 starting on a 4 KiB page, and nothing else: the layout travels in the :class:`ShmBlock`
-reference. A reader on the same host opens the file by name and reads, with ``preadv``
-straight into the tensors it returns, only the byte ranges of the rows and fields it asked
-for (one range per run of consecutive rows), so it never touches the rest of the file.
+reference. A reader on the same host maps the file (read-only) and decodes the rows and fields
+it asked for straight from the mapping into the padded tensors it returns, in one pass per
+field (:func:`~tandem.dataplane.columns.decode_field`): it reads only those rows' bytes, and no
+intermediate copy is made. (Reading the rows first with ``preadv`` into compact tensors, then
+decoding those the same way, took ~1.3x as long at 128 rows x 4096 tokens: one more copy.)
 A process that does not see the directory (another host, a container with its own
 ``/dev/shm``) cannot read the block: across hosts use the Ray engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import mmap
 import os
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from tandem.dataplane.columns import WireColumn, encode, select_rows
-from tandem.dataplane.store import check_fields, check_rows, count, decode_counted
+from tandem.dataplane.columns import StoredArrays, WireColumn, encode
+from tandem.dataplane.store import check_fields, check_rows, count, decode_rows
+from tandem.dataplane.windows import numpy_dtype
 
 PREFIX = "tandem-block"
 PAGE = 4096
@@ -91,19 +97,8 @@ class ShmStore:
         """Padded ``[len(rows), ...]`` tensors of ``fields``; ``rows`` sorted and unique."""
         columns = check_fields(block, fields)
         wanted = check_rows(block, rows)
-        places = {p.name: p for p in block.places}
-        try:
-            fd = os.open(block.path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"block {block.path} is gone: released, or this process is not on its writer's host "
-                "(across hosts use dataplane.engine=ray)"
-            ) from None
-        try:
-            compact = select_rows(lambda name, a, b: _pread(fd, places[name], a, b), columns, wanted)
-        finally:
-            os.close(fd)
-        return decode_counted(columns, compact, len(wanted))
+        with _mapped(block) as arrays:
+            return decode_rows(columns, arrays, wanted)
 
     def release(self, block: ShmBlock) -> None:
         """Delete the block's file (readers with it open finish their reads)."""
@@ -149,14 +144,36 @@ def _bytes_of(array: torch.Tensor) -> memoryview:
     return memoryview(array.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def _pread(fd: int, place: ArrayPlace, start: int, stop: int) -> torch.Tensor:
-    """Elements ``[start, stop)`` (dim 0) of the array at ``place``, read into a fresh tensor."""
-    dtype = getattr(torch, place.dtype)
-    out = torch.empty((max(stop - start, 0), *place.shape[1:]), dtype=dtype)
-    if out.numel():
-        row_bytes = out[0].numel() * out.element_size()
-        target = _bytes_of(out)
-        got = os.preadv(fd, [target], place.offset + start * row_bytes)
-        if got != target.nbytes:
-            raise OSError(f"short read of {place.name}: {got} of {target.nbytes} bytes")
-    return out
+@contextlib.contextmanager
+def _mapped(block: ShmBlock) -> Iterator[StoredArrays]:
+    """The block's arrays as numpy views of a read-only map of its file, unmapped on exit."""
+    try:
+        fd = os.open(block.path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"block {block.path} is gone: released, or this process is not on its writer's host "
+            "(across hosts use dataplane.engine=ray)"
+        ) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < block.nbytes:  # reading a page past the end of a map is a SIGBUS, not an error
+            raise OSError(f"block {block.path} holds {size} bytes, its reference says {block.nbytes}")
+        mapping = mmap.mmap(fd, block.nbytes, prot=mmap.PROT_READ) if block.nbytes else None
+    finally:
+        os.close(fd)
+    arrays = {p.name: _view(mapping, p) for p in block.places}
+    try:
+        yield arrays
+    finally:
+        arrays.clear()
+        if mapping is not None:
+            with contextlib.suppress(BufferError):  # a view still held (by a traceback): unmapped with it
+                mapping.close()
+
+
+def _view(mapping: mmap.mmap | None, place: ArrayPlace) -> np.ndarray:
+    dtype = numpy_dtype(getattr(torch, place.dtype))
+    elements = int(np.prod(place.shape))
+    if elements == 0 or mapping is None:
+        return np.empty(place.shape, dtype=dtype)
+    return np.frombuffer(mapping, dtype=dtype, count=elements, offset=place.offset).reshape(place.shape)

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from tandem.dataplane.columns import WireColumn, decode, payload_nbytes
+from tandem.dataplane.columns import StoredArrays, WireColumn, decode_field
+from tandem.dataplane.windows import empty_tensors
 
 
 class Block(Protocol):
@@ -48,9 +49,10 @@ class Traffic:
     """Bytes this process put into stores and fetched from them, and how many blocks it put and
     released.
 
-    ``fetched_bytes`` counts the asked fields' values of the asked rows; ``fetched_index_bytes``
-    the int32 length and start delivered with each row of a jagged field (8 bytes a row; the shm
-    engine computes them from the int64 offsets it reads, one more than the rows of each run).
+    ``fetched_bytes`` counts the asked fields' values of the asked rows, and ``fetched_by_field``
+    the same bytes by field name (``{name: bytes}``, fields never fetched absent);
+    ``fetched_index_bytes`` the int32 length and start delivered with each row of a jagged field
+    (8 bytes a row; the engines compute them from the int64 offsets they read).
     """
 
     put_bytes: int = 0
@@ -58,11 +60,20 @@ class Traffic:
     fetched_index_bytes: int = 0
     blocks_put: int = 0
     blocks_released: int = 0
+    fetched_by_field: Mapping[str, int] = field(default_factory=dict)
 
     def __sub__(self, earlier: Traffic) -> Traffic:
-        return Traffic(*(a - b for a, b in zip(self.astuple(), earlier.astuple(), strict=True)))
+        """The counts of the window between ``earlier`` and this reading (fields whose count did
+        not change are left out of ``fetched_by_field``)."""
+        by_field = {
+            name: n - earlier.fetched_by_field.get(name, 0)
+            for name, n in self.fetched_by_field.items()
+            if n != earlier.fetched_by_field.get(name, 0)
+        }
+        return Traffic(*(a - b for a, b in zip(self.astuple(), earlier.astuple(), strict=True)), by_field)
 
     def astuple(self) -> tuple[int, ...]:
+        """The totals, in field order (``fetched_by_field`` aside)."""
         return (
             self.put_bytes,
             self.fetched_bytes,
@@ -74,19 +85,31 @@ class Traffic:
 
 _lock = threading.Lock()
 _counts = [0, 0, 0, 0, 0]
+_by_field: dict[str, int] = {}
 
 
 def count(put: int = 0, fetched: int = 0, index: int = 0, blocks_put: int = 0, released: int = 0) -> None:
-    """Add to this process's counters (the engines call this)."""
+    """Add to this process's counters (the engines call this; fetches go through
+    :func:`count_fetched`, which also counts them by field)."""
     with _lock:
         for i, value in enumerate((put, fetched, index, blocks_put, released)):
             _counts[i] += value
 
 
+def count_fetched(by_field: Mapping[str, int], index: int) -> None:
+    """Count one fetch: ``by_field`` the payload bytes read of each field, ``index`` its rows'
+    lengths and starts. A dict add per field."""
+    with _lock:
+        for name, nbytes in by_field.items():
+            _by_field[name] = _by_field.get(name, 0) + nbytes
+            _counts[1] += nbytes
+        _counts[2] += index
+
+
 def traffic() -> Traffic:
     """This process's counters since it started; subtract two readings for a window."""
     with _lock:
-        return Traffic(*_counts)
+        return Traffic(*_counts, dict(_by_field))
 
 
 def check_fields(block: Block, fields: Sequence[str]) -> tuple[WireColumn, ...]:
@@ -109,10 +132,13 @@ def check_rows(block: Block, rows: Sequence[int]) -> np.ndarray:
     return unique
 
 
-def decode_counted(
-    columns: Sequence[WireColumn], compact: Mapping[str, torch.Tensor], rows: int
+def decode_rows(
+    columns: Sequence[WireColumn], arrays: StoredArrays, rows: np.ndarray
 ) -> dict[str, torch.Tensor]:
-    """Count the fetched compact arrays, then decode them into padded tensors."""
-    payload, index = payload_nbytes(compact)
-    count(fetched=payload, index=index)
-    return {c.name: decode(c, compact, rows) for c in columns}
+    """The padded ``[len(rows), ...]`` tensors of ``columns`` decoded straight from a block's
+    ``arrays`` (``rows`` sorted, unique; see :func:`~tandem.dataplane.columns.decode_field`), one
+    pass per field into outputs carved from one buffer; the fetch is counted, by field."""
+    outs = empty_tensors([((len(rows), *c.shape), c.torch_dtype) for c in columns])
+    by_field = {c.name: decode_field(c, arrays, rows, out) for c, out in zip(columns, outs, strict=True)}
+    count_fetched(by_field, index=8 * len(rows) * sum(c.jagged for c in columns))
+    return {c.name: out for c, out in zip(columns, outs, strict=True)}

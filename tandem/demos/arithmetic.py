@@ -24,9 +24,11 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from transformers.utils import logging as hf_logging
 
+from tandem.config.validation import check_choice
 from tandem.data import write_parquet
 from tandem.demos.accuracy import ACCURACY_KEY as ACCURACY_KEY  # where tests/pipeline reads it
 from tandem.demos.accuracy import accuracy_curve, accuracy_table
+from tandem.demos.settings import DemoRunSettings, check_mini_batch, check_pipeline, check_share
 from tandem.engine import EngineConfig
 from tandem.models import TinyModelConfig, save_tiny_model
 from tandem.rl.config_loader import load_train_config
@@ -37,9 +39,9 @@ from tandem.sft.config import SFTTrainerConfig
 from tandem.sft.data import SFTDataConfig
 
 if TYPE_CHECKING:
-    from tandem.demos.tool_agent import ToolDemoSettings
     from tandem.demos.vlm import VLMDemoSettings
 
+PRESETS = ("grpo", "ppo", "online_dpo")  # the RL runs the demo's README measures after its warm-up
 TASK = ArithmeticTaskConfig(min_digits=1, max_digits=2, num_operands=2, operators="+")
 MODEL = TinyModelConfig(
     family="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -48,9 +50,12 @@ MODEL = TinyModelConfig(
 
 
 @dataclass(frozen=True)
-class DemoSettings:
-    """Sizes of the demo (the defaults are what the README's numbers were measured with).
+class DemoSettings(DemoRunSettings):
+    """Sizes of the demo (the defaults are what the README's numbers were measured with): the
+    shared warm-up and RL sizes (:class:`~tandem.demos.settings.DemoRunSettings`, whose defaults
+    are this demo's) and these.
 
+    ``mini_batch_prompts``: prompts per optimizer step; it divides ``prompts_per_step``.
     ``teacher_error_rate``: share of SFT demonstrations whose answer is one too high.
     ``pipeline``: GRPO's ``pipeline.mode``; the asynchronous ones run the rollout in a process
     of its own, and the trainer and the rollout get one CPU thread each.
@@ -62,23 +67,20 @@ class DemoSettings:
     ``overrides``: extra ``key=value`` settings for the RL run.
     """
 
-    output_dir: str = "outputs/demo"
-    sft_steps: int = 600
-    sft_batch_size: int = 128
-    sft_lr: float = 1e-3
-    rl_steps: int = 60
-    prompts_per_step: int = 64
-    responses_per_prompt: int = 8
     mini_batch_prompts: int = 64
-    rl_lr: float = 3e-4
-    val_prompts: int = 256
-    val_every: int = 10
     teacher_error_rate: float = 0.8
-    seed: int = 0
     pipeline: str = "sync"
     sft_model_dir: str = ""
     preset: str = "grpo"
     overrides: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = type(self).__name__
+        check_mini_batch(owner, self.mini_batch_prompts, self.prompts_per_step)
+        check_share(owner, "teacher_error_rate", self.teacher_error_rate)
+        check_pipeline(owner, self.pipeline)
+        check_choice(owner, "preset", self.preset, PRESETS)
 
 
 def write_demo_data(root: Path, settings: DemoSettings) -> dict[str, Path]:
@@ -118,7 +120,7 @@ def warm_up(settings: DemoSettings, base: Path, paths: dict[str, Path], root: Pa
 
 
 def sft_warm_up(
-    settings: DemoSettings | ToolDemoSettings | VLMDemoSettings,
+    settings: DemoRunSettings,
     base: Path,
     data: Path,
     max_length: int,

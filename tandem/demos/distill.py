@@ -22,6 +22,7 @@ from transformers.utils import logging as hf_logging
 
 from tandem.demos.accuracy import accuracy_curve
 from tandem.demos.arithmetic import MODEL, DemoSettings, rl_overrides, warm_up, write_demo_data
+from tandem.demos.settings import check_share
 from tandem.models import save_tiny_model
 from tandem.rl.config_loader import load_train_config
 from tandem.rl.trainer import RLResult, RLTrainer
@@ -40,6 +41,9 @@ class DistillDemoSettings:
 
     runs: DemoSettings = field(default_factory=lambda: DemoSettings(rl_steps=40, val_every=4))
     target: float = 0.9
+
+    def __post_init__(self) -> None:
+        check_share(type(self).__name__, "target", self.target)
 
 
 @dataclass

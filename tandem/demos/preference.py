@@ -20,7 +20,9 @@ from rich.table import Table
 from transformers.utils import logging as hf_logging
 
 from tandem.config.overrides import config_from_overrides
+from tandem.config.validation import check_positive, check_range
 from tandem.demos.arithmetic import MODEL, DemoSettings, warm_up, write_demo_data
+from tandem.demos.settings import check_count
 from tandem.dpo.config import DPOConfig
 from tandem.dpo.trainer import DPOResult, DPOTrainer
 from tandem.models import save_tiny_model
@@ -38,6 +40,8 @@ class DPODemoSettings:
 
     ``warm_up``: the main demo's settings for the shared warm-up (output directory included).
     ``sft_model_dir``: start from this finished warm-up instead of running it.
+    ``pairs``: right-vs-slip pairs written; ``steps`` of ``pairs_per_step`` pairs at ``lr``.
+    ``beta``, ``loss``, ``rpo_alpha``: the DPO run's ``preference.*`` (``loss`` is checked there).
     """
 
     warm_up: DemoSettings = DemoSettings()
@@ -49,6 +53,14 @@ class DPODemoSettings:
     beta: float = 0.1
     loss: str = "sigmoid"
     rpo_alpha: float = 1.0
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        for name in ("pairs", "steps", "pairs_per_step"):
+            check_count(owner, name, getattr(self, name))
+        check_positive(owner, "lr", self.lr)
+        check_positive(owner, "beta", self.beta)
+        check_range(owner, "rpo_alpha", self.rpo_alpha, low=0.0)
 
 
 def greedy_accuracy(model_dir: str | Path, rows: list[dict]) -> float:

@@ -23,6 +23,7 @@ from transformers.utils import logging as hf_logging
 from tandem.data import write_parquet
 from tandem.demos.accuracy import accuracy_curve, accuracy_table
 from tandem.demos.arithmetic import pipeline_overrides, sft_warm_up
+from tandem.demos.settings import DemoRunSettings, check_pipeline, check_share
 from tandem.models import TinyModelConfig, save_tiny_model
 from tandem.rl.config_loader import load_train_config
 from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows
@@ -43,26 +44,27 @@ def calculator_call(expression: str) -> str:
 
 
 @dataclass(frozen=True)
-class ToolDemoSettings:
-    """Sizes of the tool demo (the defaults are what the README's numbers were measured with).
+class ToolDemoSettings(DemoRunSettings):
+    """Sizes of the tool demo (the defaults are what the README's numbers were measured with): the
+    shared warm-up and RL sizes (:class:`~tandem.demos.settings.DemoRunSettings`) and these.
 
     ``tool_rate``: share of the teacher's demonstrations that use the calculator; ``pipeline``:
     GRPO's ``pipeline.mode`` (in the asynchronous ones the episodes run on a rollout process).
     """
 
-    output_dir: str = "outputs/demo"
     sft_steps: int = 300
     sft_batch_size: int = 64
-    sft_lr: float = 1e-3
     rl_steps: int = 10
     prompts_per_step: int = 32
-    responses_per_prompt: int = 8
-    rl_lr: float = 3e-4
     val_prompts: int = 128
     val_every: int = 5
     tool_rate: float = 0.3
-    seed: int = 0
     pipeline: str = "sync"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_share(type(self).__name__, "tool_rate", self.tool_rate)
+        check_pipeline(type(self).__name__, self.pipeline)
 
 
 def write_tool_data(root: Path, settings: ToolDemoSettings) -> dict[str, Path]:

@@ -31,6 +31,7 @@ from tandem.data.images import decode_image
 from tandem.data.rows import read_rows
 from tandem.demos.accuracy import accuracy_curve, accuracy_table
 from tandem.demos.arithmetic import rl_run_overrides, sft_warm_up
+from tandem.demos.settings import DemoRunSettings, check_count, check_mini_batch, check_share
 from tandem.models import load_tokenizer
 from tandem.models.chat import template_ids, with_image_parts
 from tandem.models.tiny_vlm import TinyVLMConfig, save_tiny_vlm
@@ -48,32 +49,40 @@ MODEL = TinyVLMConfig(family="qwen2_vl", hidden_size=128, num_layers=2, num_head
 
 
 @dataclass(frozen=True)
-class VLMDemoSettings:
-    """Sizes of the VLM demo (the defaults are what the README's numbers were measured with).
+class VLMDemoSettings(DemoRunSettings):
+    """Sizes of the VLM demo (the defaults are what the README's numbers were measured with): the
+    shared warm-up and RL sizes (:class:`~tandem.demos.settings.DemoRunSettings`) and these.
 
     ``sft_rows`` / ``train_rows``: pictures generated for the warm-up and for GRPO.
+    ``mini_batch_prompts``: prompts per optimizer step; it divides ``prompts_per_step``.
     ``teacher_error_rate``: share of SFT demonstrations whose answer is slipped (:func:`slip`).
     ``sft_model_dir``: start GRPO from this finished warm-up instead of running step 1.
     ``overrides``: extra ``key=value`` settings for the GRPO run.
     """
 
     output_dir: str = "outputs/demo-vlm"
-    sft_rows: int = 6000
-    train_rows: int = 4000
     sft_steps: int = 300
     sft_batch_size: int = 64
     sft_lr: float = 2e-3
     rl_steps: int = 30
     prompts_per_step: int = 32
-    responses_per_prompt: int = 8
-    mini_batch_prompts: int = 32
     rl_lr: float = 1e-3
     val_prompts: int = 128
     val_every: int = 5
+    sft_rows: int = 6000
+    train_rows: int = 4000
+    mini_batch_prompts: int = 32
     teacher_error_rate: float = 0.8
-    seed: int = 0
     sft_model_dir: str = ""
     overrides: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = type(self).__name__
+        check_count(owner, "sft_rows", self.sft_rows)
+        check_count(owner, "train_rows", self.train_rows)
+        check_mini_batch(owner, self.mini_batch_prompts, self.prompts_per_step)
+        check_share(owner, "teacher_error_rate", self.teacher_error_rate)
 
 
 def slip(question: str, truth: str) -> str:

@@ -8,6 +8,7 @@ from tandem.algos.preference import PreferenceLossConfig
 from tandem.config.paths import INPUT_PATH, OUTPUT_PATH, path_field
 from tandem.dpo.data import PreferenceDataConfig
 from tandem.engine.config import EngineConfig, check_trainer_tensor_parallel
+from tandem.run.dataplane import TrainerDataPlaneConfig, check_dataplane
 from tandem.sft.config import SFTTrainerConfig
 
 REFERENCES = ("precompute", "model")
@@ -39,6 +40,9 @@ class DPOConfig:
             (the adapter switched off), in both cases without a second copy.
         ref_model_path: the reference model when it is not the starting policy (empty: ``model_path``).
         trainer: the loop (:class:`DPOTrainerConfig`).
+        dataplane: whether each step's pairs reach the workers as references, the reference's
+            scores kept with them (docs/data-plane.md).
+        plugins: user files imported before the rest validates (:mod:`tandem.config.plugins`).
     """
 
     model_path: str = path_field(INPUT_PATH)
@@ -48,6 +52,8 @@ class DPOConfig:
     reference: str = "precompute"
     ref_model_path: str = path_field(INPUT_PATH)
     trainer: DPOTrainerConfig = field(default_factory=DPOTrainerConfig)
+    dataplane: TrainerDataPlaneConfig = field(default_factory=TrainerDataPlaneConfig)
+    plugins: tuple[str, ...] = path_field(INPUT_PATH, ())
 
     def __post_init__(self) -> None:
         if not (self.model_path or self.engine.model_path):
@@ -55,6 +61,7 @@ class DPOConfig:
         if not self.data.train_path:
             raise ValueError("data.train_path is required (a .parquet or .jsonl file of preference pairs)")
         check_trainer_tensor_parallel("engine", self.engine, self.trainer.world_size)
+        check_dataplane(self.dataplane, self.trainer.backend)
         if self.reference not in REFERENCES:
             raise ValueError(f"reference={self.reference!r} is not allowed; choose one of {list(REFERENCES)}")
         if self.ref_model_path and self.engine.lora.rank:

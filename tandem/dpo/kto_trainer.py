@@ -21,8 +21,8 @@ from tandem.algos.preference import KL_BASELINE, kto_kl_estimate
 from tandem.dpo.trainer import DPOTrainer
 from tandem.dpo.unpaired import UnpairedDataset
 from tandem.dpo.unpaired_loss import summed_unpaired_loss, unpaired_loss, unpaired_metrics
-from tandem.protocol import Batch
 from tandem.sft.engine_worker import merged_metrics
+from tandem.sft.step_rows import Rows, StepRows
 
 
 class KTOTrainer(DPOTrainer):
@@ -43,35 +43,37 @@ class KTOTrainer(DPOTrainer):
         val = UnpairedDataset.load(data.val_path, self.tokenizer, data) if data.val_path else None
         return UnpairedDataset.load(data.train_path, self.tokenizer, data), val
 
-    def _split(self, batch: Batch) -> tuple[Batch, Batch]:
+    def _split(self, rows: Rows) -> tuple[Rows, Rows]:
         """The rows with their own completions and the rows with the mismatched ones."""
-        own = batch["chosen"].bool()
-        return batch[own.nonzero().flatten()], batch[(~own).nonzero().flatten()]
+        own = rows["chosen"].bool()
+        return rows[own.nonzero().flatten()], rows[(~own).nonzero().flatten()]
 
-    def _kl(self, mismatched: Batch) -> torch.Tensor:
+    def _kl(self, step: StepRows, mismatched: Rows) -> torch.Tensor:
         """The reference point from the mismatched rows (scored by the policy only when the loss reads it)."""
         if self.config.preference.name not in KL_BASELINE:
             return torch.zeros(())
-        policy = self.group.sequence_scores(mismatched)["score"]
+        policy = step.output(self.group.sequence_scores(mismatched))["score"]
         return kto_kl_estimate(policy.float(), mismatched["ref_log_prob"].float())
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step on ``global_batch_size`` rows; returns its metrics."""
         started = time.perf_counter()
         indices = self.sampler.take(self.config.trainer.global_batch_size)
-        own, mismatched = self._split(
-            self._with_reference(self.train.collate(indices, self.tokenizer.pad_token_id), "train")
-        )
-        kl = self._kl(mismatched)
-        loss_fn = functools.partial(
-            unpaired_loss, config=self.config.preference, total_rows=len(indices), kl=kl
-        )
-        reports = self.group.train_step(own, loss_fn=loss_fn)
-        return {
-            **self._finish_step(reports, own, started),
-            **unpaired_metrics(merged_metrics(reports)),
-            "kl": float(kl),
-        }
+        with self.step_rows() as step:
+            batch, rows = self._with_reference(
+                step, self.train.collate(indices, self.tokenizer.pad_token_id), "train"
+            )
+            own, mismatched = self._split(rows)
+            kl = self._kl(step, mismatched)
+            loss_fn = functools.partial(
+                unpaired_loss, config=self.config.preference, total_rows=len(indices), kl=kl
+            )
+            reports = self.group.train_step(own, loss_fn=loss_fn)
+            return {
+                **self._finish_step(reports, self._split(batch)[0], started, own),
+                **unpaired_metrics(merged_metrics(reports)),
+                "kl": float(kl),
+            }
 
     def evaluate_pairs(self) -> dict[str, float]:
         """The validation rows' loss and metrics (``eval_*``) in batches of ``global_batch_size``
@@ -81,12 +83,16 @@ class KTOTrainer(DPOTrainer):
         loss, sums, kls = 0.0, {}, []
         for start in range(0, len(self.val), size):
             indices = list(range(start, min(start + size, len(self.val))))
-            batch = self._with_reference(self.val.collate(indices, self.tokenizer.pad_token_id), "val")
-            own, mismatched = self._split(batch)
-            kl = self._kl(mismatched)
-            part, metrics = summed_unpaired_loss(
-                own, self.group.sequence_scores(own)["score"], self.config.preference, len(self.val), kl
-            )
+            with self.step_rows() as step:
+                batch, rows = self._with_reference(
+                    step, self.val.collate(indices, self.tokenizer.pad_token_id), "val"
+                )
+                own, mismatched = self._split(rows)
+                kl = self._kl(step, mismatched)
+                scores = step.output(self.group.sequence_scores(own))["score"]
+                part, metrics = summed_unpaired_loss(
+                    self._split(batch)[0], scores, self.config.preference, len(self.val), kl
+                )
             loss += float(part)
             kls.append(float(kl) * len(indices))
             for name, value in metrics.items():

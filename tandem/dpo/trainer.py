@@ -13,6 +13,11 @@ checkpoints, exact resume, divergence checks and HF export are shared. It logs T
 ``rewards/{chosen,rejected,accuracies,margins}``, ``logps/{chosen,rejected}``, ``grad_norm``,
 ``learning_rate``, and ``eval_*`` for the validation pairs) to ``metrics.jsonl``, and keeps
 ``run.json``, ``status.json`` and ``report.html`` beside it (docs/report.md).
+
+With ``dataplane.enabled`` each step's pairs are put into a store once; the reference's pass
+and the update get a ``BatchRef``, their ranks fetch their own rows' fields
+(:mod:`tandem.dpo.worker` declares which), and the reference's per-row scores come back inline
+with the rows (:mod:`tandem.sft.step_rows`, docs/data-plane.md).
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ from rich.console import Console
 from tandem.dpo.config import DPOConfig
 from tandem.dpo.data import PreferenceDataset
 from tandem.dpo.loss import pair_metrics, preference_loss, row_summaries, summed_preference_loss
+from tandem.dpo.worker import PreferenceWorker
 from tandem.protocol import Batch
 from tandem.run.output_dir import OutputDirLock
 from tandem.sft.engine_worker import merged_metrics
+from tandem.sft.step_rows import Rows, StepRows, with_fields
 from tandem.sft.trainer import SFTTrainer
 
 REFERENCE_FILE = "reference_logps.pt"
@@ -53,6 +60,7 @@ class DPOTrainer(SFTTrainer):
     config: DPOConfig
     train: PreferenceDataset
     val: PreferenceDataset | None
+    worker_class = PreferenceWorker
 
     def __init__(self, config: DPOConfig, console: Console | None = None) -> None:
         super().__init__(config, console)  # type: ignore[arg-type]
@@ -96,21 +104,24 @@ class DPOTrainer(SFTTrainer):
         """One optimizer step on ``global_batch_size`` pairs; returns its metrics."""
         started = time.perf_counter()
         indices = self.sampler.take(self.config.trainer.global_batch_size)
-        batch = self._with_reference(self.train.collate(indices, self.tokenizer.pad_token_id), "train")
-        chosen_tokens = self._chosen_tokens(batch)
-        loss_fn = functools.partial(
-            preference_loss,
-            config=self.config.preference,
-            total_pairs=len(indices),
-            chosen_tokens=chosen_tokens,
-        )
-        reports = self.group.train_step(  # each rank: whole pairs
-            batch, loss_fn=loss_fn, with_sum_pi_squared=self.config.preference.use_weighting
-        )
-        return {
-            **self._finish_step(reports, batch, started),
-            **pair_metrics(merged_metrics(reports), chosen_tokens),
-        }
+        with self.step_rows() as step:
+            batch, rows = self._with_reference(
+                step, self.train.collate(indices, self.tokenizer.pad_token_id), "train"
+            )
+            chosen_tokens = self._chosen_tokens(batch)
+            loss_fn = functools.partial(
+                preference_loss,
+                config=self.config.preference,
+                total_pairs=len(indices),
+                chosen_tokens=chosen_tokens,
+            )
+            reports = self.group.train_step(  # each rank: whole pairs
+                rows, loss_fn=loss_fn, with_sum_pi_squared=self.config.preference.use_weighting
+            )
+            return {
+                **self._finish_step(reports, batch, started, rows),
+                **pair_metrics(merged_metrics(reports), chosen_tokens),
+            }
 
     def validate(self) -> dict[str, float]:
         return self.evaluate_pairs()
@@ -125,14 +136,17 @@ class DPOTrainer(SFTTrainer):
         loss, sums = 0.0, {}
         for start in range(0, len(self.val), size):
             indices = list(range(start, min(start + size, len(self.val))))
-            batch = self._with_reference(self.val.collate(indices, self.tokenizer.pad_token_id), "val")
-            part, metrics = summed_preference_loss(
-                batch,
-                self._policy_summaries(batch),
-                self.config.preference,
-                total_pairs=len(self.val),
-                chosen_tokens=chosen_total,
-            )
+            with self.step_rows() as step:
+                batch, rows = self._with_reference(
+                    step, self.val.collate(indices, self.tokenizer.pad_token_id), "val"
+                )
+                part, metrics = summed_preference_loss(
+                    batch,
+                    self._policy_summaries(step, rows),
+                    self.config.preference,
+                    total_pairs=len(self.val),
+                    chosen_tokens=chosen_total,
+                )
             loss += float(part)
             for name, value in metrics.items():
                 sums.setdefault(name, []).append(float(value))
@@ -144,32 +158,37 @@ class DPOTrainer(SFTTrainer):
         return max(float((batch["loss_mask"] * batch["chosen"][:, None]).sum()), 1.0)
 
     # ------------------------------------------------------------------ the reference
-    def _with_reference(self, batch: Batch, split: str) -> Batch:
-        """``batch`` with ``ref_log_prob [2P]``: from the precomputed table, or scored now."""
+    def _with_reference(self, step: StepRows, batch: Batch, split: str) -> tuple[Batch, Rows]:
+        """``batch`` and the workers' rows of it (``step.put``), each with ``ref_log_prob [2P]``:
+        from the precomputed table, or scored now on the workers' rows."""
+        rows = step.put(batch)
         if not self.config.preference.needs_reference:
-            return batch
+            return batch, rows
         if self.config.reference == "precompute":
             table = self.reference[split]
             values = table[batch["pair"], 1 - batch["chosen"]]
         else:
-            values = self._score_reference(batch)
-        return batch.assign(tensors={"ref_log_prob": values})
+            values = self._score_reference(step, rows)
+        return batch.assign(tensors={"ref_log_prob": values}), with_fields(rows, {"ref_log_prob": values})
 
-    def _policy_summaries(self, batch: Batch) -> Batch:
+    def _policy_summaries(self, step: StepRows, rows: Rows) -> Batch:
         """Each row's :func:`~tandem.dpo.loss.row_summaries` under the policy, without gradients."""
         loss = self.config.preference
         summarize = functools.partial(row_summaries, ld_alpha=loss.ld_alpha, with_weights=loss.use_weighting)
-        return self.group.sequence_scores(batch, summarize=summarize, with_sum_pi_squared=loss.use_weighting)
+        return step.output(
+            self.group.sequence_scores(rows, summarize=summarize, with_sum_pi_squared=loss.use_weighting)
+        )
 
-    def _score_reference(self, batch: Batch) -> torch.Tensor:
-        """Summed response log-probs ``[2P]`` of ``batch`` under the reference (LD-desensitised
+    def _score_reference(self, step: StepRows, rows: Rows) -> torch.Tensor:
+        """Summed response log-probs ``[2P]`` of ``rows`` under the reference (LD-desensitised
         like the policy's with ``ld_alpha``): the base model with LoRA's adapter off, the policy
         itself before its first update, else a frozen copy of ``ref_model_path`` (or
         ``model_path``) on each worker."""
         summarize = functools.partial(
             row_summaries, ld_alpha=self.config.preference.ld_alpha, with_weights=False
         )
-        return self.group.sequence_scores(batch, reference=True, summarize=summarize)["score"].float()
+        scores = self.group.sequence_scores(rows, reference=True, summarize=summarize)
+        return step.output(scores)["score"].float()
 
     def _precompute_reference(self) -> None:
         """Score every training and validation pair under the reference once (or load the scores
@@ -197,7 +216,8 @@ class DPOTrainer(SFTTrainer):
             for start in range(0, len(dataset), size):
                 indices = list(range(start, min(start + size, len(dataset))))
                 batch = dataset.collate(indices, self.tokenizer.pad_token_id)
-                table[batch["pair"], 1 - batch["chosen"]] = self._score_reference(batch)
+                with self.step_rows() as step:
+                    table[batch["pair"], 1 - batch["chosen"]] = self._score_reference(step, step.put(batch))
             self.reference[split] = table
         self.output_dir.mkdir(parents=True, exist_ok=True)
         torch.save({"tables": self.reference, "ld_alpha": ld_alpha}, path)

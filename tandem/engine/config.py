@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from tandem.config.paths import INPUT_PATH, path_field
 from tandem.config.validation import check_choice, check_positive, check_range
-from tandem.device import check_device_setting
+from tandem.device import check_bf16_compute, check_device_setting
 from tandem.models.loading import DTYPES
 from tandem.models.logprobs import HEAD_DTYPES
 
@@ -26,20 +27,23 @@ class LoraConfig:
         target_modules: comma-separated module names to adapt, or ``all-linear`` (every linear layer but the head).
     """
 
+    key_prefix: ClassVar[str] = "engine.lora"  # its messages' keys start so (tandem.config.build)
+
     rank: int = 0
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: str = "all-linear"
 
     def __post_init__(self) -> None:
-        check_range("engine.lora", "rank", self.rank, low=0)
-        check_positive("engine.lora", "alpha", self.alpha)
-        check_range("engine.lora", "dropout", self.dropout, 0.0, 1.0, high_inclusive=False)
+        check_range(self.key_prefix, "rank", self.rank, low=0)
+        check_positive(self.key_prefix, "alpha", self.alpha)
+        check_range(self.key_prefix, "dropout", self.dropout, 0.0, 1.0, high_inclusive=False)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The torch training engine (``actor.engine.*`` / ``sft.engine.*``).
+    """The torch training engine (``actor.engine.*``, ``critic.engine.*``, ``teacher.engine.*``; ``engine.*`` of
+    ``tandem sft``, ``dpo`` and ``rm``).
 
     Attributes:
         model_path: a local HF model directory (``save_pretrained`` layout).
@@ -55,6 +59,9 @@ class EngineConfig:
         mixed_precision: ``none``, or ``bf16``: the decoder computes in bf16 while parameters,
             gradients' reduction and the optimizer stay in ``param_dtype`` (FSDP2's mixed
             precision policy under ``fsdp2``, autocast otherwise). The output head is fp32 either way.
+            On the CPU it needs bf16 matrix instructions (AVX-512 BF16 or AMX): without them
+            it is an error (:func:`tandem.device.check_bf16_compute`), here for ``device=cpu``
+            and when the engine binds its device for ``auto``.
         use_packing: pack valid tokens into one row ("remove padding") instead of padded rows.
         max_tokens_per_micro_batch: token budget of a micro-batch (packing) — see ``micro_batch_size``.
         micro_batch_size: sequences per micro-batch when not packing (fixed-size, padded).
@@ -120,6 +127,8 @@ class EngineConfig:
         seed: parameter-init / dropout seed.
     """
 
+    key_prefix: ClassVar[str] = "engine"  # its messages' keys start so (tandem.config.build)
+
     model_path: str = path_field(INPUT_PATH)
     head: str = "lm"
     device: str = "auto"
@@ -156,11 +165,13 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        owner = "engine"
+        owner = self.key_prefix
         check_device_setting(owner, "device", self.device)
         check_choice(owner, "strategy", self.strategy, STRATEGIES)
         check_choice(owner, "head", self.head, HEADS)
         check_choice(owner, "mixed_precision", self.mixed_precision, MIXED_PRECISION)
+        if self.mixed_precision == "bf16" and self.device == "cpu":  # auto: when the engine binds it
+            check_bf16_compute(f"{owner}.mixed_precision", self.device)
         check_choice(owner, "param_dtype", self.param_dtype, [d for d in DTYPES if d != "float16"])
         check_choice(owner, "lr_schedule", self.lr_schedule, LR_SCHEDULES)
         check_choice(owner, "logprob_head_dtype", self.logprob_head_dtype, list(HEAD_DTYPES))

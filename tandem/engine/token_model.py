@@ -20,7 +20,7 @@ from tandem.engine.ulysses_attention import SEQUENCE_PARALLEL_KEYWORD
 from tandem.engine.varlen_attention import PLAN_KEYWORD, AttentionPlan
 from tandem.engine.vision_inputs import VisionInputs, decoder_inputs
 from tandem.engine.vocab_parallel import vocab_parallel_log_probs_from_hidden
-from tandem.models.logprobs import log_probs_from_hidden
+from tandem.models.logprobs import HeadOutputs, log_probs_from_hidden
 
 
 def decoder_hidden_states(
@@ -223,25 +223,7 @@ class TokenLogProbModel(nn.Module):
             self.decoder(), input_ids, position_ids, attention_mask, cu_seqlens, attention_plan,
             predictions, sequence_parallel, inputs,
         )  # fmt: skip
-        labels = input_ids.reshape(-1).index_select(0, picked.targets)
-        weight = self.head_weight()
-        settings = (self.temperature, self.chunk_size, with_sum_pi_squared, self.head_dtype)
-        if self.vocab_group is not None:  # a DTensor of this rank's vocabulary rows
-            if top_k or gather_ids is not None:
-                raise ValueError(
-                    "the teacher's top-k tokens (teacher.top_k, the jsd objective) are not computed under tensor "
-                    "parallelism yet: set teacher.top_k=0 or tp_size=1"
-                )
-            head = vocab_parallel_log_probs_from_hidden(
-                picked.states, weight.to_local(), labels, weight.shape[0], self.vocab_group, *settings
-            )
-        else:
-            named = None
-            if gather_ids is not None:  # [B, S, k] -> [N_r, k] at the predicted tokens, as the labels
-                named = gather_ids.reshape(-1, gather_ids.shape[-1]).index_select(0, picked.targets)
-            head = log_probs_from_hidden(
-                picked.states, weight, labels, *settings, top_k=top_k, gather_ids=named
-            )
+        head = self._head_outputs(picked, input_ids, with_sum_pi_squared, top_k, gather_ids)
         outputs = {
             "log_probs": head.log_probs,
             "entropy": head.entropy,
@@ -251,6 +233,34 @@ class TokenLogProbModel(nn.Module):
             "gathered_log_probs": head.gathered_log_probs,
         }
         return {name: picked.placed(values) for name, values in outputs.items() if values is not None}
+
+    def _head_outputs(
+        self,
+        picked: PredictingStates,
+        input_ids: torch.Tensor,
+        with_sum_pi_squared: bool,
+        top_k: int,
+        gather_ids: torch.Tensor | None,
+    ) -> HeadOutputs:
+        """The head's outputs ``[N_r]`` (``[N_r, k]`` for top-k and gathered tokens) at this rank's
+        predicting states ``picked`` for the tokens of ``input_ids [B, S]`` they predict: the
+        vocabulary-parallel head under ``vocab_group``, else the chunked fp32 (or bf16) one."""
+        labels = input_ids.reshape(-1).index_select(0, picked.targets)
+        weight = self.head_weight()
+        settings = (self.temperature, self.chunk_size, with_sum_pi_squared, self.head_dtype)
+        if self.vocab_group is not None:  # a DTensor of this rank's vocabulary rows
+            if top_k or gather_ids is not None:
+                raise ValueError(
+                    "the teacher's top-k tokens (teacher.top_k, the jsd objective) are not computed under tensor "
+                    "parallelism yet: set teacher.top_k=0 or tp_size=1"
+                )
+            return vocab_parallel_log_probs_from_hidden(
+                picked.states, weight.to_local(), labels, weight.shape[0], self.vocab_group, *settings
+            )
+        named = None
+        if gather_ids is not None:  # [B, S, k] -> [N_r, k] at the predicted tokens, as the labels
+            named = gather_ids.reshape(-1, gather_ids.shape[-1]).index_select(0, picked.targets)
+        return log_probs_from_hidden(picked.states, weight, labels, *settings, top_k=top_k, gather_ids=named)
 
     def vocab_size(self) -> int:
         return self.vocab_rows or self._output_weight().shape[0]

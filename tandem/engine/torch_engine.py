@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.algos.aggregation import LossNormalizer
-from tandem.device import bind_device
+from tandem.device import bind_device, check_bf16_compute
 from tandem.engine.base import GATHER_FIELD, LossFn, StepResult, TokenOutputs
 from tandem.engine.checkpoint import load_engine_state, save_engine_state
 from tandem.engine.config import EngineConfig
@@ -99,6 +99,8 @@ class TorchTrainEngine:
         if self.vision_language:
             check_vision_language_engine(config)
         self.device = bind_device(config.device)
+        if config.mixed_precision == "bf16":
+            check_bf16_compute("engine.mixed_precision", self.device)
         # a single-strategy engine alone, unless it splits rows (a frozen reference, forward only)
         splits = config.sp_size > 1 or config.tp_size > 1 or config.ep_size > 1
         distributed = config.strategy != "single" or splits

@@ -176,49 +176,74 @@ def log_probs_from_hidden(
         ``HeadOutputs(log_probs [N], entropy [N], sum_pi_squared [N] or None, top_log_probs,
         top_ids [N, k] or None, gathered_log_probs [N, k'] or None)``, floats in float32.
     """
-    if hidden.shape[0] != labels.shape[0]:
-        raise ValueError(f"hidden has {hidden.shape[0]} rows but labels has {labels.shape[0]}")
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if head_dtype not in HEAD_DTYPES:
-        raise ValueError(f"head_dtype={head_dtype!r} is not one of {list(HEAD_DTYPES)}")
-    weight_bf16 = None
-    if head_dtype == "bfloat16":  # rounded once, not per chunk
-        hidden, weight_bf16 = hidden.to(torch.bfloat16), head_weight.detach().to(torch.bfloat16)
-    else:  # cast once, not per chunk: with bf16 weights (FSDP2's) the chunks' gradients add up in fp32
-        head_weight = head_weight.float()
+    _check_head_arguments(hidden, labels, chunk_size, head_dtype)
+    hidden, head_weight, weight_bf16 = _head_operands(hidden, head_weight, head_dtype)
     chunks = []
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or head_weight.requires_grad)
     for start in range(0, hidden.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
         args = (
-            hidden[start : start + chunk_size],
-            head_weight,
-            labels[start : start + chunk_size],
-            temperature,
-            with_sum_pi_squared,
-            weight_bf16,
-            outputs_of_logits,
-            top_k,
-            None if gather_ids is None else gather_ids[start : start + chunk_size],
-        )
+            hidden[rows], head_weight, labels[rows], temperature, with_sum_pi_squared, weight_bf16,
+            outputs_of_logits, top_k, None if gather_ids is None else gather_ids[rows],
+        )  # fmt: skip
         chunks.append(
             checkpoint(_chunk_log_probs, *args, use_reentrant=False)
             if needs_grad
             else _chunk_log_probs(*args)
         )
     if not chunks:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        chunks = [
-            (empty, empty)
-            + ((empty,) if with_sum_pi_squared else ())
-            + ((hidden.new_zeros(0, top_k), hidden.new_zeros(0, top_k, dtype=torch.long)) if top_k else ())
-            + (() if gather_ids is None else (hidden.new_zeros(0, gather_ids.shape[1]),))
-        ]
+        chunks = [_empty_chunk(hidden, with_sum_pi_squared, top_k, gather_ids)]
+    return _joined_outputs(chunks, with_sum_pi_squared, top_k, gather_ids is not None)
+
+
+def _check_head_arguments(
+    hidden: torch.Tensor, labels: torch.Tensor, chunk_size: int, head_dtype: str
+) -> None:
+    """Refuse ``hidden [N, H]`` and ``labels [N']`` of different rows, a chunk size below 1 and an
+    unknown head precision."""
+    if hidden.shape[0] != labels.shape[0]:
+        raise ValueError(f"hidden has {hidden.shape[0]} rows but labels has {labels.shape[0]}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if head_dtype not in HEAD_DTYPES:
+        raise ValueError(f"head_dtype={head_dtype!r} is not one of {list(HEAD_DTYPES)}")
+
+
+def _head_operands(
+    hidden: torch.Tensor, head_weight: torch.Tensor, head_dtype: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(hidden [N, H], head_weight [V, H], weight_bf16 [V, H] or None)`` cast once for every chunk:
+    for the ``bfloat16`` head, hidden states and a detached weight copy rounded to bf16; for the
+    ``float32`` head, the weight in fp32 (with bf16 weights, FSDP2's, the chunks' gradients then add
+    up in fp32)."""
+    if head_dtype == "bfloat16":
+        return hidden.to(torch.bfloat16), head_weight, head_weight.detach().to(torch.bfloat16)
+    return hidden, head_weight.float(), None
+
+
+def _empty_chunk(
+    hidden: torch.Tensor, with_sum_pi_squared: bool, top_k: int, gather_ids: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
+    """The outputs of one chunk of no rows, in :func:`_chunk_log_probs`'s order: ``[0]`` float32
+    each, then ``[0, k]`` top-k log-probs and int64 ids, then ``[0, k']`` gathered log-probs."""
+    empty = hidden.new_zeros(0, dtype=torch.float32)
+    return (
+        (empty, empty)
+        + ((empty,) if with_sum_pi_squared else ())
+        + ((hidden.new_zeros(0, top_k), hidden.new_zeros(0, top_k, dtype=torch.long)) if top_k else ())
+        + (() if gather_ids is None else (hidden.new_zeros(0, gather_ids.shape[1]),))
+    )
+
+
+def _joined_outputs(
+    chunks: list[tuple[torch.Tensor, ...]], with_sum_pi_squared: bool, top_k: int, gathers: bool
+) -> HeadOutputs:
+    """The chunks' outputs (each in :func:`_chunk_log_probs`'s order) concatenated over rows, named."""
     parts = iter([torch.cat(part) for part in zip(*chunks, strict=True)])
     log_probs, entropy = next(parts), next(parts)
     sum_pi_squared = next(parts) if with_sum_pi_squared else None
     top_log_probs, top_ids = (next(parts), next(parts)) if top_k else (None, None)
-    gathered = next(parts) if gather_ids is not None else None
+    gathered = next(parts) if gathers else None
     return HeadOutputs(log_probs, entropy, sum_pi_squared, top_log_probs, top_ids, gathered)
 
 

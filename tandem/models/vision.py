@@ -14,7 +14,7 @@ rows, rollout requests and sample stores carry images per sequence.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -166,28 +166,72 @@ def process_images(processor, images: Sequence) -> ImageInputs:
 
 @dataclass(frozen=True)
 class ImagePrompter:
-    """Prompts with images for one VLM: its image processor, placeholder token and merge size.
+    """Images for one VLM, the one reader every caller shares: the model's image processor,
+    placeholder token and merge size.
 
+    :meth:`process` turns PIL images into :class:`ImageInputs`, each image under its own pixel
+    bounds where it has them (a data file's entry may set ``min_pixels`` / ``max_pixels``).
     :meth:`prompt` takes token ids rendered by the chat template (one placeholder per image)
     and the images, and returns the ids with each placeholder expanded and the processed
-    :class:`ImageInputs` that go with them.
+    :class:`ImageInputs` that go with them. Build one with :meth:`for_model`.
     """
 
     processor: Any
     placeholder: int
     merge: int
+    model_path: str = ""
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    _bounded: dict[tuple[int | None, int | None], Any] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @staticmethod
     def for_model(
         path: str | Path, min_pixels: int | None = None, max_pixels: int | None = None
     ) -> ImagePrompter | None:
-        """The prompter of the model directory ``path``; None when the model has no vision tower."""
+        """The prompter of the model directory ``path``; None when the model has no vision tower.
+        Its image processor is loaded here, so a missing ``preprocessor_config.json`` fails early."""
         config = AutoConfig.from_pretrained(str(path))
         if not is_vision_language(config):
             return None
+        processor = load_image_processor(path, min_pixels, max_pixels)
         return ImagePrompter(
-            load_image_processor(path, min_pixels, max_pixels), image_token_id(config), merge_size(config)
+            processor, image_token_id(config), merge_size(config), str(path), min_pixels, max_pixels
         )
+
+    def processor_for(self, bounds: tuple[int | None, int | None] = (None, None)) -> Any:
+        """The image processor for an image with its own ``(min_pixels, max_pixels)`` (None: the
+        prompter's); each distinct pair is loaded once."""
+        low = self.min_pixels if bounds[0] is None else bounds[0]
+        high = self.max_pixels if bounds[1] is None else bounds[1]
+        if (low, high) == (self.min_pixels, self.max_pixels):
+            return self.processor
+        if (low, high) not in self._bounded:
+            self._bounded[(low, high)] = load_image_processor(self.model_path, low, high)
+        return self._bounded[(low, high)]
+
+    def process(
+        self,
+        images: Sequence,
+        bounds: Sequence[tuple[int | None, int | None]] | None = None,
+        where: str = "images",
+    ) -> ImageInputs:
+        """PIL ``images`` as one :class:`ImageInputs` (``pixel_values [P, D]``, ``image_grid_thw
+        [I, 3]``), image ``i`` under ``bounds[i]`` (None: the prompter's bounds for all).
+
+        Each image is processed alone (the same pixels and grid as together), so the processor's
+        own refusals (Qwen2-VL's aspect ratio under 200) raise ``ValueError`` naming ``where``,
+        the image's number and its size.
+        """
+        bounds = [(None, None)] * len(images) if bounds is None else list(bounds)
+        parts = []
+        for number, (image, bound) in enumerate(zip(images, bounds, strict=True)):
+            try:
+                parts.append(process_images(self.processor_for(bound), [image]))
+            except ValueError as error:
+                raise ValueError(f"{where} image {number} ({image.width}x{image.height}): {error}") from None
+        return ImageInputs.concat(parts)
 
     def prompt(self, token_ids: Sequence[int], images: Sequence) -> tuple[list[int], ImageInputs | None]:
         """``(expanded ids, images)`` for PIL ``images`` (``(ids, None)`` when there are none, after

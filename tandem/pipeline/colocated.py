@@ -3,13 +3,20 @@
 A :class:`~tandem.pipeline.source.BatchSource` like the asynchronous pipelines' one: each draw
 takes the next prompts from the sampler and generates their groups on the trainer's workers,
 with the weights the last update left there.
+
+With ``keep_in_store`` (the RL trainer's ``dataplane.enabled``, where its step supports it) a draw
+stays in the data plane: each worker puts its rows' per-token fields into its own store and only
+a :class:`~tandem.dataplane.BatchRef` comes back, with the per-row scalars and response texts
+(:mod:`tandem.pipeline.stored_rollout`); the padding is trimmed by rewriting the reference.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from tandem.dataplane import BatchRef
 from tandem.pipeline.source import StepShape
+from tandem.pipeline.stored_rollout import trim_stored
 from tandem.protocol import Batch
 from tandem.protocol.sequences import trim_padding
 from tandem.rollout import SamplingParams
@@ -20,19 +27,29 @@ class ColocatedRollout:
     """Generation on the trainer's worker group (``generate_sequences``), weights copied in process.
 
     ``dataset`` holds the training prompts (``collate``), ``sampler`` their order, ``shape`` what
-    one draw holds."""
+    one draw holds; ``keep_in_store``: draws come back as ``BatchRef`` s (see the module docstring;
+    :meth:`generate`, for validation and baselines, still returns a ``Batch``)."""
 
-    def __init__(self, workers: Any, pad_id: int, dataset: Any, sampler: Any, shape: StepShape) -> None:
+    def __init__(
+        self,
+        workers: Any,
+        pad_id: int,
+        dataset: Any,
+        sampler: Any,
+        shape: StepShape,
+        keep_in_store: bool = False,
+    ) -> None:
         self.workers = workers
         self.pad_id = pad_id
         self.dataset = dataset
         self.sampler = sampler
         self.shape = shape
+        self.keep_in_store = keep_in_store
 
     def start(self, trainer_version: int) -> None:
         """Nothing to start: each worker loaded (or resumed) its rollout engine with the actor."""
 
-    def next_batch(self, step: int, draw: int) -> tuple[Batch, dict[str, float]]:
+    def next_batch(self, step: int, draw: int) -> tuple[Batch | BatchRef, dict[str, float]]:
         """The next ``shape.groups`` prompts, ``shape.responses`` responses each, generated now;
         group ``i`` of the draw is ``uid`` ``<step>-<draw>-<i>``, response ``j`` of the draw seeded
         from ``(seed, step, draw, j)``."""
@@ -41,7 +58,18 @@ class ColocatedRollout:
         prompts = prompts.assign(non_tensors={"uid": [f"{step}-{draw}-{i}" for i in range(len(prompts))]})
         samples = prompts.repeat(shape.responses, interleave=True)
         seeds = [derive_seed(shape.seed, step, draw, i) for i in range(len(samples))]
+        if self.keep_in_store:
+            return self._generate_to_store(samples, seeds, shape.sampling), {}
         return self.generate(samples, seeds, shape.sampling, None), {}
+
+    def _generate_to_store(self, prompts: Batch, seeds: list[int], sampling: SamplingParams) -> BatchRef:
+        """As :meth:`generate`, the outputs kept on the workers: a trimmed ``BatchRef``."""
+        ref = self.workers.generate_to_store(
+            prompts.assign(non_tensors={"seed": seeds}),
+            sampling=sampling,
+            prompt_width=max(len(p) for p in prompts["prompt_ids"]),
+        )
+        return trim_stored(ref)
 
     def generate(
         self, prompts: Batch, seeds: list[int], sampling: SamplingParams, version: int | None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.checkpoint_engine import CheckpointEngineConfig
+from tandem.config.paths import OUTPUT_PATH, path_field
 from tandem.config.validation import check_choice, check_positive, check_range
 
 MODES = ("sync", "one_step_off", "fully_async")
@@ -44,6 +45,15 @@ class PipelineConfig:
             through the process pipe or Ray's object store: for replicas on other hosts) or
             ``auto`` (shared memory for the replicas that see the controller's ``/dev/shm``,
             inline for the others).
+        max_inflight_bytes: the most bytes of finished prompt groups that may wait in the sample
+            store for the trainer (queued, not yet taken by a step), split evenly over the
+            replicas. A replica whose share is full stores nothing more and starts no new group:
+            its finished groups wait in its own memory (never dropped) until the trainer takes
+            queued ones (``pipeline/inflight_bytes_max``, ``pipeline/rollout_wait_s``). A group
+            larger than a replica's whole share is stored when that replica has nothing queued.
+            0 (default): half the free space of the sample directory (``/dev/shm``) when the
+            pipeline starts, leaving the rest to the weight buckets, the data plane's blocks and
+            the step being assembled.
         replica_timeout_s: a replica that does not answer a call for this long is reported as hung.
         replica_restarts: how many times in a run a rollout replica that died, hung or failed is
             replaced by a fresh process instead of ending the run: the new one (and every other
@@ -56,6 +66,10 @@ class PipelineConfig:
             rollout's log-probs) or ``rollout`` (the log-probs the rollout sampled with: the
             behaviour policy itself, one trainer forward fewer per step; needs rollout.top_p=1
             and rollout.top_k=0, since truncated sampling changes them).
+        record_schedule: ``one_step_off`` / ``fully_async``: a JSONL file (made absolute where the
+            run starts) to which every draw appends, before its step trains, which prompt groups it
+            holds and where each came from: replica and restart generation, seeds, request ids,
+            weight versions (:mod:`tandem.pipeline.schedule_record`). Empty (default): none.
     """
 
     mode: str = "sync"
@@ -67,9 +81,11 @@ class PipelineConfig:
     rollout_threads: int = 0
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=_shared_memory)
     sample_store: str = "auto"
+    max_inflight_bytes: int = 0
     replica_timeout_s: float = 30.0
     replica_restarts: int = 0
     old_log_probs: str = "recompute"
+    record_schedule: str = path_field(OUTPUT_PATH)
 
     def __post_init__(self) -> None:
         check_choice("pipeline", "mode", self.mode, MODES)
@@ -82,6 +98,18 @@ class PipelineConfig:
         check_range("pipeline", "replica_restarts", self.replica_restarts, low=0)
         check_choice("pipeline", "old_log_probs", self.old_log_probs, OLD_LOG_PROBS)
         check_choice("pipeline", "sample_store", self.sample_store, SAMPLE_STORES)
+        if not isinstance(self.max_inflight_bytes, int) or isinstance(self.max_inflight_bytes, bool):
+            raise ValueError(
+                f"pipeline.max_inflight_bytes must be a whole number of bytes (0: half the free "
+                f"space of /dev/shm), got {self.max_inflight_bytes!r}"
+            )
+        check_range("pipeline", "max_inflight_bytes", self.max_inflight_bytes, low=0)
+        if self.record_schedule and self.mode == "sync":
+            raise ValueError(
+                "pipeline.record_schedule records the asynchronous modes' schedule; pipeline.mode=sync "
+                "trains each step on the draw its seed decides (set pipeline.mode=one_step_off or "
+                "fully_async, or leave pipeline.record_schedule empty)"
+            )
         if self.mode != "sync" and self.checkpoint_engine.backend == "naive":
             raise ValueError(
                 f"pipeline.mode={self.mode} puts the rollout in other processes; pipeline.checkpoint_engine.backend "

@@ -2,7 +2,9 @@
 
 One driver thread per replica hands it the prompt groups assigned to it (``start_groups``,
 which returns at once: the replica's engine generates on its own thread) and polls it for
-finished groups (``collect``), whose metadata goes into the :class:`SampleQueue`. A replica
+finished groups (``collect``), whose metadata goes into the :class:`SampleQueue`. Each poll
+passes the room the queue's byte bound leaves the replica (:meth:`SampleQueue.room`); while it
+has none, the driver starts no new groups there. A replica
 that dies, raises or does not answer within ``timeout_s`` stops its driver; the error, naming
 the replica, is raised by the next :meth:`check` — the trainer's wait calls it every poll,
 so a dead replica surfaces within a second rather than as a hang. The fleet remembers which
@@ -17,6 +19,7 @@ which the drivers send nothing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -26,7 +29,7 @@ from typing import Any
 from tandem.errors import RolloutReplicaError
 from tandem.pipeline.groups import GroupRequest
 from tandem.pipeline.sample_queue import SampleQueue
-from tandem.protocol.generation import Completion
+from tandem.protocol.generation import Completion, raise_failed_requests
 from tandem.rollout import RolloutRequest
 
 COLLECT_WAIT_S = 0.02  # a replica's collect call waits this long for a group to finish (new work waits too)
@@ -44,6 +47,8 @@ class RolloutFleet:
         self._assigned: list[dict[str, GroupRequest]] = [{} for _ in range(self.size)]  # not yet reported
         self._idle = [0.0] * self.size
         self._idle_before = [0.0] * self.size  # idle seconds of a replica's earlier processes
+        self._waited = [0.0] * self.size  # seconds its finished groups waited for room in the queue
+        self._waited_before = [0.0] * self.size
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._holding = False
@@ -72,6 +77,11 @@ class RolloutFleet:
         with self._lock:
             return [before + now for before, now in zip(self._idle_before, self._idle, strict=True)]
 
+    def waited_seconds(self) -> list[float]:
+        """Each replica's seconds that finished groups waited for room (summed over its groups)."""
+        with self._lock:
+            return [before + now for before, now in zip(self._waited_before, self._waited, strict=True)]
+
     @property
     def error(self) -> RolloutReplicaError | None:
         """The first replica failure not yet revived, if any."""
@@ -94,6 +104,8 @@ class RolloutFleet:
             self._todo[rank] = deque(lost)
             self._idle_before[rank] += self._idle[rank]
             self._idle[rank] = 0.0
+            self._waited_before[rank] += self._waited[rank]
+            self._waited[rank] = 0.0
             self.failures.pop(rank, None)
         self._threads[rank] = self._start_driver(rank)
         return len(lost)
@@ -118,7 +130,8 @@ class RolloutFleet:
             raise error
 
     def generate(self, requests: list[RolloutRequest]) -> list[Completion]:
-        """Completions of ``requests`` in order, spread over the replicas (validation)."""
+        """Completions of ``requests`` in order, spread over the replicas (validation); a request
+        that failed raises, naming it (:func:`~tandem.protocol.generation.raise_failed_requests`)."""
         shares = [requests[rank :: self.size] for rank in range(self.size)]
         with self.hold():
             handles = [self._submit(rank, "generate", shares[rank]) for rank in range(self.size)]
@@ -126,6 +139,7 @@ class RolloutFleet:
         ordered: list[Completion] = [None] * len(requests)  # type: ignore[list-item]
         for rank, completions in enumerate(results):
             ordered[rank :: self.size] = completions
+        raise_failed_requests(ordered, "validation on the rollout replicas")
         return ordered
 
     def close(self) -> None:
@@ -149,16 +163,21 @@ class RolloutFleet:
         generation = self._generation[rank]
         try:
             while not self._stop.is_set():
-                with self._lock:
-                    todo = list(self._todo[rank])
-                    self._todo[rank].clear()
+                room, one_more = self.queue.room(rank)
+                todo: list[GroupRequest] = []
+                if room != 0 or one_more:  # a replica whose share of the queue is full starts nothing
+                    with self._lock:
+                        todo = list(self._todo[rank])
+                        self._todo[rank].clear()
                 if todo:
                     self._call(rank, generation, "start_groups", todo)
-                groups, idle = self._call(rank, generation, "collect", COLLECT_WAIT_S)
+                groups, idle, waited = self._call(rank, generation, "collect", COLLECT_WAIT_S, room, one_more)
+                groups = [dataclasses.replace(g, generation=generation) for g in groups]  # provenance
                 with self._lock:
                     for group in groups:
                         self._assigned[rank].pop(group.uid, None)
                     self._idle[rank] = idle
+                    self._waited[rank] = waited
                 self.queue.put(groups)
         except _Retired:
             return

@@ -6,6 +6,11 @@ packs every group whose responses have all finished into the sample store and re
 :class:`~tandem.pipeline.sample_queue.GroupMeta`. It also keeps the replica's idle time: the
 seconds with nothing to generate.
 
+Backpressure: ``collect`` may be given a byte ``room`` (what the controller's bound on samples
+in flight leaves, ``pipeline.max_inflight_bytes``). Finished groups are stored in the order they
+finished while they fit; the others wait, packed, in this process's memory (never dropped) for a
+later call with room, and the seconds they waited are counted (:meth:`GroupTracker.waited_seconds`).
+
 A group with an :class:`EpisodePrompt` runs agent episodes instead of single requests (through
 the replica's :class:`~tandem.agents.rollout.AgentRollout`); its stored tensors then also hold
 each episode's prompt (rendered with the tools' schemas) and ``token_mask`` (1 on the model's
@@ -25,9 +30,11 @@ import torch
 
 from tandem.agents.loops import AgentSample
 from tandem.agents.trajectory import Trajectory
+from tandem.pipeline.group_blocks import PROMPT_FIELD, GroupBlockWriter
+from tandem.pipeline.provenance import request_id
 from tandem.pipeline.sample_queue import EpisodeInfo, GroupMeta
 from tandem.pipeline.sample_store import InlineWriter, SampleWriter
-from tandem.protocol.generation import Completion
+from tandem.protocol.generation import Completion, raise_failed_requests
 from tandem.protocol.images import ImageInputs
 from tandem.rollout import RolloutRequest, SamplingParams
 
@@ -65,6 +72,10 @@ class _Pending:
     futures: list[Future] = field(default_factory=list)
     remaining: int = field(init=False)
     aborted: bool = False
+    packed: tuple[dict[str, torch.Tensor], list] | None = None  # finished: (tensors, responses)
+    size: int = 0  # the bytes storing ``packed`` takes (the writer's measure, taken once)
+    seconds: float = 0.0  # from submission to the last response finishing
+    waiting_since: float | None = None  # when it first found no room in the sample store
 
     def __post_init__(self) -> None:
         self.remaining = len(self.request.seeds)
@@ -74,7 +85,10 @@ class GroupTracker:
     """The replica side of the sample queue (see the module docstring)."""
 
     def __init__(
-        self, replica: int, writer: SampleWriter | InlineWriter, agents: AgentRollout | None = None
+        self,
+        replica: int,
+        writer: SampleWriter | InlineWriter | GroupBlockWriter,
+        agents: AgentRollout | None = None,
     ) -> None:
         self.replica = replica
         self.writer = writer
@@ -84,6 +98,8 @@ class GroupTracker:
         self._changed = threading.Condition()
         self._idle_since: float | None = time.monotonic()
         self._idle_total = 0.0
+        self._waiting: list[_Pending] = []  # finished and packed, not stored for want of room
+        self._waited_total = 0.0
 
     def start(self, engine, groups: list[GroupRequest]) -> None:
         """Submit every response of ``groups`` to ``engine`` (returns at once)."""
@@ -98,7 +114,7 @@ class GroupTracker:
             with self._changed:
                 self._pending[group.uid] = pending
             for i, seed in enumerate(group.seeds):
-                future = self._submit(engine, group, f"{group.uid}/{i}", int(seed))
+                future = self._submit(engine, group, request_id(group.uid, i), int(seed))
                 pending.futures.append(future)
                 future.add_done_callback(lambda _, p=pending: self._one_done(p))
 
@@ -142,16 +158,51 @@ class GroupTracker:
             running = 0.0 if self._idle_since is None else time.monotonic() - self._idle_since
             return self._idle_total + running
 
-    def collect(self, wait_s: float) -> list[GroupMeta]:
-        """Store every finished group and return its metadata, waiting up to ``wait_s`` for one.
+    def waited_seconds(self) -> float:
+        """Seconds finished groups waited for room in the sample store (summed over groups)."""
+        now = time.monotonic()
+        return self._waited_total + sum(now - p.waiting_since for p in self._waiting if p.waiting_since)
+
+    @property
+    def waiting(self) -> int:
+        """Finished groups waiting for room in the sample store."""
+        return len(self._waiting)
+
+    def collect(self, wait_s: float, room: int | None = None, at_least_one: bool = False) -> list[GroupMeta]:
+        """Store the finished groups that fit in ``room`` bytes (``None``: all; ``at_least_one``:
+        the first even if it alone does not fit) and return their metadata, waiting up to
+        ``wait_s`` for a group to finish. Groups that do not fit wait for a later call, in order.
 
         Aborted groups (shutdown) are left out; a response that failed raises, naming it.
         """
+
+        def fits(pending: _Pending, used: int, first: bool) -> bool:
+            return room is None or used + pending.size <= room or (at_least_one and first)
+
         with self._changed:
-            if not self._finished and wait_s > 0:
+            stuck = not self._waiting or not fits(self._waiting[0], 0, True)  # nothing to store now
+            if not self._finished and stuck and wait_s > 0:
                 self._changed.wait(timeout=wait_s)
             finished, self._finished = self._finished, []
-        metas = []
+        candidates = self._waiting + [p for p in self._packed(finished) if p.packed is not None]
+        self._waiting = []
+        metas: list[GroupMeta] = []
+        used = 0
+        for pending in candidates:
+            if self._waiting or not fits(pending, used, not metas):  # later groups keep their place
+                if pending.waiting_since is None:
+                    pending.waiting_since = time.monotonic()
+                self._waiting.append(pending)
+                continue
+            if pending.waiting_since is not None:
+                self._waited_total += time.monotonic() - pending.waiting_since
+            used += pending.size
+            metas.append(self._store(pending))
+        return metas
+
+    def _packed(self, finished: list[_Pending]) -> list[_Pending]:
+        """``finished`` with their responses packed (aborted groups, and groups with an aborted
+        response, are left unpacked: they are dropped)."""
         for pending in finished:
             if pending.aborted:
                 continue
@@ -163,30 +214,29 @@ class GroupTracker:
                     raise RuntimeError(
                         f"rollout replica {self.replica}: episode {pending.request.uid}/{i} failed: {error}"
                     ) from error
-            failed = [c for c in responses if c.finish_reason == "error"]
-            if failed:
-                raise RuntimeError(
-                    f"rollout replica {self.replica}: request {failed[0].request_id} failed: {failed[0].error}"
-                )
+            raise_failed_requests(responses, f"rollout replica {self.replica}")
             if any(c.finish_reason == "abort" for c in responses):
                 continue
-            metas.append(self._store(pending, responses))
-        return metas
+            tensors = self._pack(pending, responses)
+            pending.packed = (tensors, responses)
+            pending.size = self.writer.size_of(tensors)
+            pending.seconds = time.monotonic() - pending.started
+        return finished
 
-    def _store(self, pending: _Pending, responses: list[Completion | Trajectory]) -> GroupMeta:
-        """Pack the group's responses (completions, or an agent group's trajectories)."""
-        versions = [v for c in responses for v in c.weight_versions]
+    def _pack(self, pending: _Pending, responses: list[Completion | Trajectory]) -> dict[str, torch.Tensor]:
+        """The group's tensors, from its responses (completions, or an agent group's trajectories)."""
         tensors = {
             "token_ids": torch.tensor([t for c in responses for t in c.token_ids], dtype=torch.int64),
             "log_probs": torch.tensor([p for c in responses for p in c.log_probs], dtype=torch.float32),
-            "versions": torch.tensor(versions, dtype=torch.int64),
+            "versions": torch.tensor([v for c in responses for v in c.weight_versions], dtype=torch.int64),
             "lengths": torch.tensor([len(c.token_ids) for c in responses], dtype=torch.int64),
         }
         routed = [getattr(c, "routed_experts", None) for c in responses]
         if responses and all(r is not None for r in routed):  # MoE: [prompt + response, L, k] each
             tensors["routed_experts"] = torch.cat(routed)
             tensors["routed_lengths"] = torch.tensor([len(r) for r in routed], dtype=torch.int64)
-        episodes: tuple[EpisodeInfo, ...] = ()
+        if pending.request.episode is None and self.writer.needs_prompt:  # rows are built on the replica
+            tensors[PROMPT_FIELD] = torch.tensor(pending.request.prompt_ids, dtype=torch.int64)
         if pending.request.episode is not None:  # trajectories
             tensors["token_mask"] = torch.tensor(
                 [m for t in responses for m in t.loss_mask], dtype=torch.int64
@@ -197,6 +247,15 @@ class GroupTracker:
             tensors["prompt_lengths"] = torch.tensor(
                 [len(t.prompt_ids) for t in responses], dtype=torch.int64
             )
+        return tensors
+
+    def _store(self, pending: _Pending) -> GroupMeta:
+        """Store a packed group and make its metadata."""
+        tensors, responses = pending.packed  # type: ignore[misc]
+        pending.packed = None
+        versions = [v for c in responses for v in c.weight_versions]
+        episodes: tuple[EpisodeInfo, ...] = ()
+        if pending.request.episode is not None:
             episodes = tuple(
                 EpisodeInfo(t.messages, t.turns, t.tool_calls, t.tool_errors, t.reward) for t in responses
             )
@@ -210,8 +269,10 @@ class GroupTracker:
             min_version=min(sampled, default=0),
             max_version=max(sampled, default=0),
             finish_reasons=tuple(str(c.finish_reason) for c in responses),
-            seconds=time.monotonic() - pending.started,
+            seconds=pending.seconds,
             episodes=episodes,
+            seeds=tuple(int(seed) for seed in group.seeds),
+            request_ids=tuple(request_id(group.uid, i) for i in range(len(responses))),
         )
 
     def abort_all(self, engine) -> int:
@@ -221,11 +282,13 @@ class GroupTracker:
             groups = list(self._pending.values())
             for pending in groups:
                 pending.aborted = True
+        groups += self._waiting  # finished, never stored: dropped with the rest
+        self._waiting = []
         for pending in groups:
             for i in range(len(pending.futures)):
-                request_id = f"{pending.request.uid}/{i}"
+                name = request_id(pending.request.uid, i)
                 if pending.request.episode is None:
-                    engine.abort(request_id)
+                    engine.abort(name)
                 elif self.agents is not None:
-                    self.agents.abort_episode(request_id)
+                    self.agents.abort_episode(name)
         return len(groups)

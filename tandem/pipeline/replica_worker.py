@@ -7,7 +7,9 @@ pipelines (:mod:`tandem.pipeline`) a replica generates prompt groups on its engi
 thread while its calls return at once; finished groups go into the shared-memory sample store
 and only their metadata travels back (``start_groups`` / ``collect``); a replica that cannot
 share files with the controller (another host) sends the tensors with it
-(``write_samples_inline``).
+(``write_samples_inline``). With ``dataplane.enabled`` the groups go into the replica's
+data-plane store as training rows instead (``keep_samples_in_store``) and a ``BatchRef`` travels
+back.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from tandem.agents.rollout import AgentRollout
 from tandem.checkpoint_engine import CheckpointEngineConfig, SenderAddress, WeightReceiver
 from tandem.controller import Worker, register
 from tandem.controller.profiling import ProfilesCalls
+from tandem.dataplane import DataPlaneConfig
 from tandem.device import bind_device
 from tandem.models.loading import load_tokenizer
 from tandem.models.vision import ImagePrompter
+from tandem.pipeline.group_blocks import GroupBlockWriter
 from tandem.pipeline.groups import GroupRequest, GroupTracker
 from tandem.pipeline.sample_queue import GroupMeta
 from tandem.pipeline.sample_store import InlineWriter, SampleWriter
@@ -60,6 +64,7 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
         if threads and self.device.type == "cpu":
             torch.set_num_threads(threads)
         self.engine = build_rollout_engine(engine.on_device(str(self.device)), model_path)
+        self.model_path = model_path
         self.receiver: WeightReceiver | None = None
         self.agents = (
             AgentRollout(agent, load_tokenizer(model_path), self.engine, ImagePrompter.for_model(model_path))
@@ -105,16 +110,32 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
             self.groups.writer = InlineWriter()
 
     @register(dispatch="ONE_TO_ALL")
+    def keep_samples_in_store(
+        self, ranks: list[int], config: DataPlaneConfig, prompt_width: int, response_width: int, pad_id: int
+    ) -> None:
+        """The replicas ``ranks`` put finished groups into their data-plane store as training rows
+        (``prompt_width`` / ``response_width`` columns, ``pad_id`` padding) and report ``BatchRef`` s
+        (:mod:`tandem.pipeline.group_blocks`; ``dataplane.enabled``)."""
+        if self.rank in ranks:
+            self.groups.writer.discard_all()
+            tokenizer = load_tokenizer(self.model_path)
+            self.groups.writer = GroupBlockWriter(config, prompt_width, response_width, pad_id, tokenizer)
+
+    @register(dispatch="ONE_TO_ALL")
     def start_groups(self, groups: list[GroupRequest]) -> int:
         """Start generating ``groups`` on the engine's thread; returns the groups now in flight."""
         self.groups.start(self.engine, groups)
         return self.groups.in_flight
 
     @register(dispatch="ONE_TO_ALL")
-    def collect(self, wait_s: float = 0.0) -> tuple[list[GroupMeta], float]:
-        """The groups finished since the last call (their tensors stored), and this replica's idle
-        seconds so far; waits up to ``wait_s`` for a group to finish."""
-        return self.groups.collect(wait_s), self.groups.idle_seconds()
+    def collect(
+        self, wait_s: float = 0.0, room: int | None = None, at_least_one: bool = False
+    ) -> tuple[list[GroupMeta], float, float]:
+        """The finished groups that fit in ``room`` bytes (their tensors stored; see
+        :meth:`GroupTracker.collect`), this replica's idle seconds so far and the seconds its
+        finished groups waited for room; waits up to ``wait_s`` for a group to finish."""
+        groups = self.groups.collect(wait_s, room, at_least_one)
+        return groups, self.groups.idle_seconds(), self.groups.waited_seconds()
 
     @register(dispatch="ONE_TO_ALL")
     def abort_all(self) -> int:

@@ -27,7 +27,9 @@ the replicas stay as far ahead as the bound lets them; the bound itself holds fo
 
 Prompts come from the trainer's sampler in order; seeds from ``trainer.seed`` and the group's
 serial number. The controller only sees metadata: the tensors stay in the replicas'
-shared-memory files until :func:`assemble_batch` pulls them.
+shared-memory files until :func:`assemble_batch` pulls them; with ``keep_in_store``
+(``dataplane.enabled``) they stay in the replicas' data-plane blocks and never reach the
+controller (:func:`assemble_stored` returns a ``BatchRef``; the step's ranks fetch the rows).
 """
 
 from __future__ import annotations
@@ -46,15 +48,20 @@ from tandem.checkpoint_engine.roles import PendingSync, connect_weight_sync, sta
 from tandem.checkpoint_engine.transports import SLOT_PREFIX
 from tandem.controller import ResourcePool, create_worker_group
 from tandem.controller.errors import WorkerDiedError, WorkerError
+from tandem.dataplane import BatchRef, DataPlaneConfig
+from tandem.dataplane.shm import discard_blocks_of
 from tandem.device import cuda_device_count
 from tandem.errors import RolloutReplicaError
 from tandem.pipeline.config import PipelineConfig
 from tandem.pipeline.fleet import RolloutFleet
 from tandem.pipeline.groups import EpisodePrompt, GroupRequest
+from tandem.pipeline.provenance import provenance_columns
 from tandem.pipeline.replica_worker import RolloutReplicaWorker
 from tandem.pipeline.sample_queue import GroupMeta, SampleQueue, wait_until
-from tandem.pipeline.sample_store import discard_files_of, read_fields, release
+from tandem.pipeline.sample_store import discard_files_of, inflight_bound, read_fields, release
+from tandem.pipeline.schedule_record import ScheduleRecord
 from tandem.pipeline.source import StepShape
+from tandem.pipeline.stored_rollout import NEWEST_VERSION, OLDEST_VERSION, trim_stored, version_span
 from tandem.protocol import Batch
 from tandem.protocol.generation import Completion
 from tandem.protocol.sequences import sequence_tensors, trim_padding
@@ -100,8 +107,17 @@ class AsyncRollout:
 
     replica_class: type = RolloutReplicaWorker  # the worker each replica runs (tests substitute their own)
 
-    def __init__(self, plan: ReplicaPlan, trainer: Any, dataset: Any, sampler: Any, pad_id: int) -> None:
+    def __init__(
+        self,
+        plan: ReplicaPlan,
+        trainer: Any,
+        dataset: Any,
+        sampler: Any,
+        pad_id: int,
+        keep_in_store: DataPlaneConfig | None = None,
+    ) -> None:
         self.plan = plan
+        self.keep_in_store = keep_in_store  # the replicas put training rows there (dataplane.enabled)
         self.pipeline = plan.pipeline
         self.trainer = trainer
         self.dataset = dataset
@@ -109,12 +125,14 @@ class AsyncRollout:
         self.pad_id = pad_id
         self.groups_per_step = plan.shape.groups
         fully_async = self.pipeline.mode == "fully_async"
+        # unbounded until start() knows the sample directory (pipeline.max_inflight_bytes)
         self.queue = SampleQueue(self.pipeline.staleness_threshold if fully_async else None)
         self.rollout_version = 0
         self._start_version = 0  # the trainer's version when the pipeline started (a resumed run's step)
         self._serial = 0  # prompt groups handed out since start
         self._redrawn = 0  # prompt groups taken by a step's further draws (dynamic sampling)
         self._last_idle = 0.0
+        self._last_waited = 0.0
         self._last_dropped = 0
         self.replicas: Any = None
         self._sample_dir = self._weights_dir = "/dev/shm"
@@ -125,6 +143,8 @@ class AsyncRollout:
         self._last_restarts = 0
         self._dead_pids: list[int] = []  # this host's replica processes lost and replaced
         self._last_sync_gb_per_s = 0.0  # of the sync a restart made
+        record = self.pipeline.record_schedule
+        self.schedule = ScheduleRecord(record) if record else None  # pipeline.record_schedule
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, trainer_version: int) -> None:
@@ -144,7 +164,12 @@ class AsyncRollout:
         inline = self._replicas_sending_inline()
         if inline:
             self.replicas.write_samples_inline(inline)
+        self._keep_samples_in_store(list(range(self.replicas.world_size)))
         connect_weight_sync(self.trainer, self.replicas, pipeline.checkpoint_engine)
+        stored = self.keep_in_store.directory if self.keep_in_store is not None else self._sample_dir
+        bound = inflight_bound(pipeline.max_inflight_bytes, stored)
+        LOG.info("samples waiting for the trainer: at most %d bytes (pipeline.max_inflight_bytes)", bound)
+        self.queue = SampleQueue(self.queue.staleness_threshold, bound, self.replicas.world_size)
         self.fleet = RolloutFleet(self.replicas, self.queue, pipeline.replica_timeout_s)
         self._start_version = self._trainer_version = trainer_version
         if trainer_version > 0:
@@ -173,6 +198,8 @@ class AsyncRollout:
             self.replicas = None
             for pid in replica_pids:
                 discard_files_of(pid, self._sample_dir)
+                if self.keep_in_store is not None:  # blocks of groups never trained (a lost replica's too)
+                    discard_blocks_of(pid, self.keep_in_store.directory)
             if failed:
                 for pid in _local_pids(self.trainer):
                     discard_files_of(pid, self._weights_dir, SLOT_PREFIX)
@@ -190,9 +217,10 @@ class AsyncRollout:
         with self.fleet.hold():
             return self.replicas.stop_profile()
 
-    def next_batch(self, step: int, draw: int) -> tuple[Batch, dict[str, float]]:
+    def next_batch(self, step: int, draw: int) -> tuple[Batch | BatchRef, dict[str, float]]:
         """The prompt groups of step ``step``'s ``draw``-th draw (generation fields, as the sync
-        pipeline makes them, plus ``weight_version``), and the draw's ``pipeline/*`` metrics."""
+        pipeline makes them, plus ``weight_version``), and the draw's ``pipeline/*`` metrics; a
+        ``BatchRef`` to the replicas' blocks with ``keep_in_store`` (:func:`assemble_stored`)."""
         assert self.fleet is not None, "start() first"
         trainer_version = self._trainer_version = step - 1
         if draw > 1 and self.pipeline.mode == "fully_async":
@@ -201,14 +229,22 @@ class AsyncRollout:
         started = time.monotonic()
         groups = self.queue.take(self.groups_per_step, trainer_version, self._check)
         waited = time.monotonic() - started
+        if self.schedule is not None:
+            self.schedule.write(step, draw, trainer_version, groups)
         metrics = {"pipeline/trainer_idle_s": waited, "pipeline/queue_depth": float(len(self.queue))}
         if self.pipeline.mode == "one_step_off":
             if self.rollout_version < trainer_version:
                 wait_until(lambda: self.fleet.outstanding == 0, self._check)  # all handed out is done
                 metrics.update(self._send(trainer_version, "keep"))
             self._hand_out(self.groups_per_step)
-        batch = assemble_batch(groups, self.dataset, self.plan.shape.responses, self.pad_id)
-        metrics.update(self._step_metrics(batch, trainer_version))
+        n = self.plan.shape.responses
+        if self.keep_in_store is not None:
+            batch: Batch | BatchRef = assemble_stored(groups, self.dataset, n)
+            oldest, newest = batch[OLDEST_VERSION], batch[NEWEST_VERSION]
+        else:
+            batch = assemble_batch(groups, self.dataset, n, self.pad_id)
+            oldest, newest = version_span(batch["weight_version"], batch["response_mask"])
+        metrics.update(self._step_metrics(oldest, newest, trainer_version))
         return batch, metrics
 
     def after_update(self, version: int) -> dict[str, float]:
@@ -280,7 +316,24 @@ class AsyncRollout:
                 f"pipeline.sample_store=shared_memory, but rollout replica {blind[0]} cannot read files this "
                 f"process writes in {self._sample_dir} (another host or container); use auto or inline"
             )
+        if blind and self.keep_in_store is not None:
+            raise ValueError(
+                f"dataplane.enabled=true keeps the samples in the replicas' {self.keep_in_store.directory}, "
+                f"but rollout replica {blind[0]} cannot share files with this process (another host or "
+                "container); set pipeline.sample_store=inline, or dataplane.enabled=false"
+            )
         return blind
+
+    def _keep_samples_in_store(self, ranks: list[int]) -> None:
+        """The replicas ``ranks`` put their finished groups into the data plane (``keep_in_store``),
+        as training rows of the run's fixed widths."""
+        if self.keep_in_store is None or not ranks:
+            return
+        prompt_width = max(len(sample.prompt_ids) for sample in self.dataset.samples)
+        response_width = self.plan.shape.sampling.max_tokens
+        self.replicas.keep_samples_in_store(
+            ranks, self.keep_in_store, prompt_width, response_width, self.pad_id
+        )
 
     def _allowance(self) -> int:
         """Prompt groups that may have been handed out by now (see the module docstring)."""
@@ -384,6 +437,7 @@ class AsyncRollout:
         inline = [rank for rank in self._replicas_sending_inline() if rank in restarted]
         if inline:
             self.replicas.write_samples_inline(inline)
+        self._keep_samples_in_store(restarted)
         self.replicas.disconnect_weights()
         self.trainer.close_weight_sender()
         connect_weight_sync(self.trainer, self.replicas, self.pipeline.checkpoint_engine)
@@ -401,15 +455,19 @@ class AsyncRollout:
         if pending is not None:
             pending.finish()
 
-    def _step_metrics(self, batch: Batch, trainer_version: int) -> dict[str, float]:
+    def _step_metrics(
+        self, oldest: torch.Tensor, newest: torch.Tensor, trainer_version: int
+    ) -> dict[str, float]:
+        """The draw's ``pipeline/*`` metrics; ``oldest``/``newest [B]``: each row's trained tokens'
+        lowest and highest weight version (:func:`tandem.pipeline.stored_rollout.version_span`)."""
         assert self.fleet is not None
-        mask = batch["response_mask"].bool()
-        versions = batch["weight_version"]
-        oldest = torch.where(mask, versions, torch.iinfo(versions.dtype).max).min(-1).values
-        newest = torch.where(mask, versions, -1).max(-1).values
         staleness = (trainer_version - oldest).float()
         idle = sum(self.fleet.idle_seconds()) / self.fleet.size
+        waited = sum(self.fleet.waited_seconds())
         metrics = {
+            "pipeline/inflight_bytes": float(self.queue.held_bytes),
+            "pipeline/inflight_bytes_max": float(self.queue.read_peak()),
+            "pipeline/rollout_wait_s": waited - self._last_waited,
             "pipeline/staleness/mean": float(staleness.mean()),
             "pipeline/staleness/max": float(staleness.max()),
             "pipeline/partial_samples": float((newest > oldest).sum()),
@@ -418,7 +476,7 @@ class AsyncRollout:
             "pipeline/rollout_version": float(self.rollout_version),
             "pipeline/replica_restarts": float(self._restarts - self._last_restarts),
         }
-        self._last_idle, self._last_dropped = idle, self.queue.dropped_stale
+        self._last_idle, self._last_dropped, self._last_waited = idle, self.queue.dropped_stale, waited
         self._last_restarts = self._restarts
         return metrics
 
@@ -427,7 +485,8 @@ def assemble_batch(groups: list[GroupMeta], dataset: Any, n: int, pad_id: int) -
     """The training rows of ``groups`` (``n`` responses each): their prompts from ``dataset`` (an
     agent episode's own prompt, rendered with the tools' schemas) and their responses pulled from
     the sample store (whose files are released). Each response is a view of the mapped file until
-    it is copied once, into the padded batch."""
+    it is copied once, into the padded batch. Every row carries its provenance
+    (:mod:`tandem.pipeline.provenance`)."""
     prompts = dataset.collate([g.index for g in groups]).repeat(n, interleave=True)
     prompt_ids: list[Any] = list(prompts["prompt_ids"])
     completions: list[Completion] = []
@@ -459,6 +518,7 @@ def assemble_batch(groups: list[GroupMeta], dataset: Any, n: int, pad_id: int) -
     non_tensors: dict[str, list] = {
         "uid": [g.uid for g in groups for _ in range(n)],
         "finish_reason": [c.finish_reason for c in completions],
+        **provenance_columns(groups),
     }
     if groups and groups[0].episodes:
         episodes = [e for g in groups for e in g.episodes]
@@ -471,6 +531,27 @@ def assemble_batch(groups: list[GroupMeta], dataset: Any, n: int, pad_id: int) -
         )
     batch = prompts.assign(tensors=tensors, non_tensors=non_tensors)
     return trim_padding(batch, pad_id)
+
+
+def assemble_stored(groups: list[GroupMeta], dataset: Any, n: int) -> BatchRef:
+    """The training rows of ``groups`` (``n`` responses each, stored by their replicas:
+    :mod:`tandem.pipeline.group_blocks`) as one ``BatchRef``: the prompts' columns from ``dataset``
+    (without their ``prompt_ids``) and each row's ``uid``, ``finish_reason`` and provenance
+    (:mod:`tandem.pipeline.provenance`) inline, the groups'
+    references concatenated, and every stored field cropped to the batch's longest prompt and
+    response. It materialises to :func:`assemble_batch`'s batch of the same groups (less
+    ``prompt_ids``, plus the inline scalars of :func:`tandem.pipeline.stored_rollout.store_rollout`);
+    no block is read. The blocks are released by whoever ends the step."""
+    prompts = dataset.collate([g.index for g in groups]).repeat(n, interleave=True)
+    columns = prompts.select([k for k in prompts.keys() if k != "prompt_ids"]).assign(
+        non_tensors={
+            "uid": [g.uid for g in groups for _ in range(n)],
+            "finish_reason": [reason for g in groups for reason in g.finish_reasons],
+            **provenance_columns(groups),
+        }
+    )
+    rows = BatchRef.concat([g.ref for g in groups])  # type: ignore[misc]
+    return trim_stored(BatchRef(columns, (), {}).union(rows))
 
 
 def _spans(lengths: torch.Tensor) -> list[tuple[int, int]]:

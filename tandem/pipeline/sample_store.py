@@ -10,10 +10,15 @@ A producer on another host (or in a container with its own ``/dev/shm``) cannot 
 file; :class:`InlineWriter` keeps its tensors in the entry itself (:class:`InlineSample`), which
 then travels with the metadata — through the process pipe, or Ray's object store across
 hosts. Consumers read either kind with :func:`read_fields`.
+
+A file's pages are reserved (``posix_fallocate``) before it is mapped, so a full directory is a
+:class:`SampleStoreFullError` naming it, the bytes asked and the bytes free, never a SIGBUS
+when a page of the mapping is first written.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from dataclasses import dataclass
@@ -22,8 +27,14 @@ from pathlib import Path
 import torch
 
 from tandem.checkpoint_engine.buckets import ALIGN, BucketMeta, TensorSpec, layout, pack, unpack
+from tandem.dataplane import BatchRef
+from tandem.dataplane import release as release_block
 
 PREFIX = "tandem-samples"
+
+
+class SampleStoreFullError(OSError):
+    """The sample directory has no room for a prompt group's file (see :meth:`SampleWriter.write`)."""
 
 
 @dataclass(frozen=True)
@@ -49,12 +60,23 @@ class InlineSample:
     def names(self) -> tuple[str, ...]:
         return tuple(self.tensors)
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
 
 class InlineWriter:
     """A :class:`SampleWriter` for a producer on another host: entries carry their tensors."""
 
+    needs_prompt = False  # an entry holds the responses; the consumer has the prompts
+
     def write(self, key: str, tensors: dict[str, torch.Tensor]) -> InlineSample:
         return InlineSample({name: t.detach().contiguous() for name, t in tensors.items()})
+
+    def size_of(self, tensors: dict[str, torch.Tensor]) -> int:
+        """The bytes :meth:`write` would hold for ``tensors``."""
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def discard_all(self) -> None:
         """Nothing is stored outside the entries."""
@@ -63,6 +85,8 @@ class InlineWriter:
 class SampleWriter:
     """Writes entries as files named ``tandem-samples-<pid>-<random>-<key>`` under ``directory``."""
 
+    needs_prompt = False  # an entry holds the responses; the consumer has the prompts
+
     def __init__(self, directory: str = "/dev/shm") -> None:
         self.directory = Path(directory)
         if not self.directory.is_dir():
@@ -70,13 +94,42 @@ class SampleWriter:
         self.prefix = f"{PREFIX}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     def write(self, key: str, tensors: dict[str, torch.Tensor]) -> SampleRef:
-        """Pack ``tensors`` (CPU) into a new file for ``key``; returns its reference."""
+        """Pack ``tensors`` (CPU) into a new file for ``key``; returns its reference.
+
+        The file's pages are reserved first: a directory without room for them raises
+        :class:`SampleStoreFullError` (and leaves no file)."""
         group = [(name, t.detach().contiguous()) for name, t in tensors.items()]
         specs, nbytes = layout(group)
         path = self.directory / f"{self.prefix}-{key}"
+        self._reserve(path, max(nbytes, ALIGN))
         buffer = torch.from_file(str(path), shared=True, size=max(nbytes, ALIGN), dtype=torch.uint8)
         pack(buffer, group, specs)
         return SampleRef(str(path), nbytes, specs)
+
+    def size_of(self, tensors: dict[str, torch.Tensor]) -> int:
+        """The bytes :meth:`write` would store for ``tensors``."""
+        return max(layout([(name, t) for name, t in tensors.items()])[1], ALIGN)
+
+    def _reserve(self, path: Path, size: int) -> None:
+        """Create ``path`` with ``size`` bytes of pages allocated (a tmpfs maps them lazily and
+        kills the writer with SIGBUS when it has none left to give)."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as error:
+            path.unlink(missing_ok=True)
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            stats = os.statvfs(self.directory)
+            raise SampleStoreFullError(
+                error.errno,
+                f"sample store: {self.directory} is full: a prompt group's samples need {size:,} bytes "
+                f"and {stats.f_bavail * stats.f_frsize:,} bytes are free there. Free or enlarge "
+                f"{self.directory}, lower pipeline.max_inflight_bytes, or set pipeline.sample_store=inline "
+                "(the samples then travel with their metadata)",
+            ) from None
+        finally:
+            os.close(fd)
 
     def discard_all(self) -> None:
         """Delete every file this writer made that is still there (shutdown)."""
@@ -90,6 +143,24 @@ def discard_files_of(pid: int, directory: str = "/dev/shm", prefix: str = PREFIX
     for path in paths:
         path.unlink(missing_ok=True)
     return len(paths)
+
+
+def inflight_bound(max_inflight_bytes: int, directory: str) -> int:
+    """The byte bound on samples waiting for the trainer: ``pipeline.max_inflight_bytes``, or
+    with 0 half the free space of ``directory`` now (the rest stays for the weight buckets, the
+    data plane's blocks and the step being assembled)."""
+    if max_inflight_bytes:
+        return max_inflight_bytes
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize // 2
+
+
+def stored_nbytes(ref: SampleRef | InlineSample | BatchRef) -> int:
+    """The bytes an entry holds while it waits: its file's, its inline tensors', or its data-plane
+    blocks' (files in shared memory: :mod:`tandem.pipeline.group_blocks`)."""
+    if isinstance(ref, BatchRef):
+        return sum(block.nbytes for block in ref.blocks())  # type: ignore[attr-defined]
+    return max(ref.nbytes, ALIGN) if isinstance(ref, SampleRef) else ref.nbytes
 
 
 def read_fields(
@@ -112,8 +183,10 @@ def read_fields(
     return dict(unpack(buffer, BucketMeta(0, ref.nbytes, specs)))
 
 
-def release(ref: SampleRef | InlineSample) -> None:
-    """Delete the entry's file (mappings already made stay valid until dropped); nothing for an
-    inline entry."""
-    if isinstance(ref, SampleRef):
+def release(ref: SampleRef | InlineSample | BatchRef) -> None:
+    """Delete the entry's file (mappings already made stay valid until dropped) or its data-plane
+    blocks; nothing for an inline entry."""
+    if isinstance(ref, BatchRef):
+        ref.release(release_block)
+    elif isinstance(ref, SampleRef):
         Path(ref.path).unlink(missing_ok=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from tandem.dataplane import BatchRef
 from tandem.protocol import Batch
 from tandem.protocol.generation import SamplingParams
 
@@ -37,11 +38,12 @@ class BatchSource(Protocol):
     def start(self, trainer_version: int) -> None:
         """Get ready to serve a trainer whose weights are ``trainer_version`` (a resumed run's step)."""
 
-    def next_batch(self, step: int, draw: int) -> tuple[Batch, dict[str, float]]:
+    def next_batch(self, step: int, draw: int) -> tuple[Batch | BatchRef, dict[str, float]]:
         """Step ``step``'s ``draw``-th set of generated, unscored prompt groups (``draw`` counts from
         1; DAPO's dynamic sampling draws again while too few groups carry a signal), as rows of
         ``StepShape.responses`` responses per group, each group's rows consecutive and sharing its
-        ``uid``; and the draw's ``pipeline/*`` metrics."""
+        ``uid``; and the draw's ``pipeline/*`` metrics. A ``BatchRef`` when the rows' per-token
+        fields stay where they were generated (:mod:`tandem.pipeline.stored_rollout`)."""
         ...
 
     def generate(
@@ -81,18 +83,19 @@ SUMMED_DRAW_METRICS = (
     "pipeline/weight_sync_s",
     "pipeline/dropped_stale",
     "pipeline/partial_samples",
+    "pipeline/rollout_wait_s",
 )
+MAXIMUM_DRAW_METRICS = ("pipeline/staleness/max", "pipeline/inflight_bytes_max")
 
 
 def merge_draw_metrics(total: dict[str, float], draw: dict[str, float]) -> dict[str, float]:
     """One step's metrics from those of its draws: waits, syncs and counts add up, the largest
-    staleness is kept, and any other metric reads as in the last draw."""
+    staleness and the most bytes in flight are kept, and any other metric reads as in the last draw."""
     merged = {**total, **draw}
     for name in SUMMED_DRAW_METRICS:
         if name in total and name in draw:
             merged[name] = total[name] + draw[name]
-    if "pipeline/staleness/max" in total and "pipeline/staleness/max" in draw:
-        merged["pipeline/staleness/max"] = max(
-            total["pipeline/staleness/max"], draw["pipeline/staleness/max"]
-        )
+    for name in MAXIMUM_DRAW_METRICS:
+        if name in total and name in draw:
+            merged[name] = max(total[name], draw[name])
     return merged

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -115,6 +115,25 @@ class Completion:
     error: str | None = None
     token_mask: list[int] | None = None
     routed_experts: torch.Tensor | None = None
+
+
+def raise_failed_requests(completions: Sequence[Completion], where: str) -> None:
+    """Raise ``RuntimeError`` when a completion finished with ``error``, naming ``where``, how
+    many failed and the first one (its request and the engine's reason); return otherwise.
+
+    Every path that generates for training or validation runs this one check, so a failed
+    request stops each of them with the same message rather than passing on as an empty response.
+    """
+    failed = [c for c in completions if c.finish_reason == "error"]
+    if not failed:
+        return
+    first = failed[0]
+    reason = first.error or "no reason given"
+    if first.request_id not in reason:  # the native and HF engines already name the request
+        reason = f"request {first.request_id!r}: {reason}"
+    raise RuntimeError(
+        f"{where}: {len(failed)} of {len(completions)} rollout requests failed; first: {reason}"
+    )
 
 
 @dataclass

@@ -101,9 +101,28 @@ def response_part(per_token: torch.Tensor, prompt_width: int) -> torch.Tensor:
     return per_token[:, prompt_width:]
 
 
+PROMPT_LENGTH = "prompt_length"  # [B] int64: a row's prompt tokens, held inline where the tokens are stored
+RESPONSE_LENGTH = "response_length"  # [B] int64: its response tokens (attention span), likewise
+
+
 def response_lengths(batch: Batch) -> torch.Tensor:
-    """``[B]``: each response's tokens, sampled or not (its attention span)."""
+    """``[B]``: each response's tokens, sampled or not (its attention span); a batch whose token
+    fields stay in the data plane holds them as ``response_length``."""
+    if RESPONSE_LENGTH in batch:
+        return batch[RESPONSE_LENGTH]
     return batch["attention_mask"][:, batch["prompts"].shape[1] :].sum(-1)
+
+
+def prompt_lengths(batch: Batch) -> torch.Tensor:
+    """``[B]``: each row's prompt tokens (``prompt_length`` where the tokens are stored)."""
+    if PROMPT_LENGTH in batch:
+        return batch[PROMPT_LENGTH]
+    return batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1)
+
+
+def sequence_lengths(batch: Batch) -> torch.Tensor:
+    """``[B]``: each row's attended tokens, prompt and response (``attention_mask``'s row sums)."""
+    return prompt_lengths(batch) + response_lengths(batch)
 
 
 def last_sampled_token(response_mask: torch.Tensor) -> torch.Tensor:
@@ -157,7 +176,7 @@ def resize_columns(
 
 def trim_padding(batch: Batch, pad_id: int) -> Batch:
     """The batch with prompt columns cut to its longest prompt and response columns to its longest response."""
-    prompt_width = int(batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).max())
+    prompt_width = int(prompt_lengths(batch).max())
     response_width = max(1, int(response_lengths(batch).max()))
     tensors = resize_columns(dict(batch.tensors.items()), prompt_width, response_width, pad_id)
     return Batch(tensors, batch.non_tensors, batch.meta)

@@ -18,6 +18,14 @@ def advantage_reads(algorithm: Any) -> tuple[str, ...]:
     return ADVANTAGE_READS + (("ref_log_probs",) if algorithm.kl.use_kl_in_reward else ())
 
 
+def rollout_reads(stage_outputs: set[str]) -> tuple[str, ...]:
+    """The rollout's per-token fields :func:`step_advantages` reads, the stages having made
+    ``stage_outputs``: the response mask, and the rollout log-probs for the rollout correction
+    (with old log-probs) or as the student's log-probs (when distilling without them)."""
+    needs_log_probs = bool(stage_outputs & {"old_log_probs", "teacher_log_probs"})
+    return ("response_mask", *(("rollout_log_probs",) if needs_log_probs else ()))
+
+
 def step_advantages(batch: Batch, algorithm: Any, kl_controller: Any) -> tuple[Batch, dict[str, float]]:
     """``batch`` with ``token_level_rewards``, ``advantages [B, R]``, ``response_mask`` (after the
     rollout correction) and, with a critic, ``returns``; and the step's advantage metrics.

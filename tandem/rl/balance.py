@@ -21,7 +21,11 @@ def balanced_rank_order(attention_mask: torch.Tensor, group_size: int, world_siz
     slices carry nearly equal token counts; rows ``g * group_size .. (g + 1) * group_size - 1``
     form group ``g`` and stay together when ``B / group_size`` divides by ``world_size``.
     """
-    lengths = attention_mask.sum(-1).tolist()
+    return balanced_order(attention_mask.sum(-1).tolist(), group_size, world_size)
+
+
+def balanced_order(lengths: list[int], group_size: int, world_size: int) -> list[int]:
+    """:func:`balanced_rank_order` of rows of ``lengths`` tokens each."""
     rows = len(lengths)
     if rows % world_size:
         raise ValueError(f"{rows} rows do not divide into {world_size} equal rank slices")

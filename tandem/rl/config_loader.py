@@ -4,7 +4,9 @@ The typed :class:`TrainConfig` is registered in Hydra's ConfigStore as ``train_s
 preset in ``tandem/rl/presets/`` is a YAML file that starts from it (``defaults: [train_schema,
 _self_]``) and sets the algorithm's knobs. Overrides use Hydra's grammar and are checked against
 the schema (an unknown key or a wrong type names the key), every float is checked finite by its
-full key (:mod:`tandem.config.finite`); then every dataclass validates.
+full key (:mod:`tandem.config.finite`), the plugins are imported (:mod:`tandem.config.plugins`);
+then every dataclass validates, a reused one's errors naming the key as written
+(``actor.engine.lr``, not ``engine.lr``: :mod:`tandem.config.build`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from tandem.config.build import build_config
 from tandem.config.finite import check_finite_floats
 from tandem.config.keys import check_override_keys
-from tandem.config.overrides import make_writable
+from tandem.config.overrides import load_node_plugins, make_writable
 from tandem.rl.config import TrainConfig
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -39,8 +42,12 @@ def _writable_schema() -> DictConfig:
     return node
 
 
-def load_train_config(overrides: Sequence[str] = (), preset: str = "grpo") -> TrainConfig:
-    """Compose ``preset`` with ``overrides`` (a ``preset=<name>`` item among them selects the preset)."""
+def load_train_config(
+    overrides: Sequence[str] = (), preset: str = "grpo", plugins: Sequence[str] = ()
+) -> TrainConfig:
+    """Compose ``preset`` with ``overrides`` (a ``preset=<name>`` item among them selects the preset);
+    the plugin files of ``plugins`` (``--plugin``'s) and of the ``plugins`` key are imported before
+    the config validates (:func:`~tandem.config.overrides.load_node_plugins`)."""
     rest = []
     for item in overrides:
         if "=" not in item:
@@ -59,7 +66,8 @@ def load_train_config(overrides: Sequence[str] = (), preset: str = "grpo") -> Tr
         with initialize_config_dir(config_dir=str(PRESET_DIR), version_base=None):
             composed = compose(config_name=preset, overrides=rest)
         check_finite_floats(TrainConfig, composed)  # NaN/inf named by the key as written, before any load
-        return OmegaConf.to_object(composed)
+        load_node_plugins(composed, plugins)  # their names validate like built-in ones
+        return build_config(composed)  # a reused config's errors name the path it was given at
     except (HydraException, OmegaConfBaseException) as error:
         cause = f" ({error.__cause__})" if error.__cause__ else ""
         raise ValueError(f"bad configuration: {error}{cause}") from None

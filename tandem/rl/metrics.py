@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 
 from tandem.protocol import Batch
-from tandem.protocol.sequences import response_lengths
+from tandem.protocol.sequences import prompt_lengths, response_lengths
 
 
 @contextlib.contextmanager
@@ -38,7 +38,7 @@ def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
     ``response_length/*``, ...)."""
     response_mask = batch["response_mask"].bool()
     lengths = response_lengths(batch)  # an agent's tool turns included
-    prompt_lengths = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1)
+    prompts = prompt_lengths(batch)
     metrics = {
         **_stats("critic/score", batch["token_level_scores"].sum(-1)),
         **_stats("critic/rewards", batch["token_level_rewards"].sum(-1)),
@@ -47,7 +47,7 @@ def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
     }
     if "advantages" in batch:  # online DPO trains on pairs, not advantages
         metrics.update(_stats("critic/advantages", batch["advantages"][response_mask]))
-    metrics.update(_stats("prompt_length", prompt_lengths))
+    metrics.update(_stats("prompt_length", prompts))
     return metrics
 
 

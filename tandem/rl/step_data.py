@@ -18,6 +18,13 @@ in their own store (``outputs="ref"``). The controller fetches only the stage ou
 advantages read, and puts the fields that computation made or changed back as one block; the
 updates get a ``BatchRef`` joining the three. A fixed-seed run's metrics are the same either
 way (tests/rl/test_dataplane_step.py).
+
+When the draw itself came back as a ``BatchRef`` (the rollout ranks kept their outputs,
+:mod:`tandem.pipeline.stored_rollout`), :class:`RefStep` puts nothing at the start: that reference
+is the first block, released by the group that generated it. The controller's batch is then the
+per-row scalars plus only the rollout fields the advantages read (``response_mask``, and
+``rollout_log_probs`` when old or teacher log-probs are in: :func:`tandem.rl.advantages.rollout_reads`)
+and ``token_level_scores`` spread from the per-row score; no token id reaches it.
 """
 
 from __future__ import annotations
@@ -29,7 +36,10 @@ from tandem.controller import RoleView, WorkerGroup
 from tandem.dataplane import BatchRef, DataPlaneConfig, store_for
 from tandem.dataplane import get as get_block
 from tandem.dataplane import release as release_block
+from tandem.pipeline.stored_rollout import LAST_SAMPLED
 from tandem.protocol import Batch
+from tandem.rl.advantages import rollout_reads
+from tandem.rl.scoring import SEQUENCE_SCORE, token_level_scores
 
 Group = WorkerGroup | RoleView
 Stage = Callable[[Any], Any]  # a group's bound method: a Batch or BatchRef in, the same kind out
@@ -46,9 +56,48 @@ def _worker_group(group: Group | None) -> WorkerGroup | None:
     return group.group if isinstance(group, RoleView) else group
 
 
-def step_data(batch: Batch, config: DataPlaneConfig, enabled: bool) -> BatchStep | RefStep:
-    """The holder of the step's data: the store's when ``enabled``, else the ``Batch`` itself."""
+def step_data(
+    batch: Batch | BatchRef, config: DataPlaneConfig, enabled: bool, producer: Group | None = None
+) -> BatchStep | RefStep:
+    """The holder of the step's data: the store's when ``enabled`` or when ``batch`` is already a
+    ``BatchRef`` (put by ``producer``'s ranks, who release it), else the ``Batch`` itself."""
+    if isinstance(batch, BatchRef):
+        if producer is None:
+            raise ValueError("a stored draw needs the group that put it (producer), to release it")
+        return RefStep(batch, config, producer)
     return RefStep(batch, config) if enabled else BatchStep(batch)
+
+
+def rollout_stays_in_store(config: Any, has_images: bool) -> bool:
+    """Whether a run's draws stay where they were generated (``dataplane.enabled``; ``config`` is
+    the trainer's, ``has_images``: whether its training prompts hold images): on the trainer's
+    workers in ``sync``, in the rollout replicas' blocks in the asynchronous modes
+    (:mod:`tandem.pipeline.group_blocks`).
+
+    Not yet for the stages that still rebuild or extend the draw's padded batch on the controller:
+    DAPO's dynamic sampling, ReMax's greedy baselines, GKD's dataset responses, online DPO's pairs,
+    agent episodes and images; nor, in the asynchronous modes, for ``pipeline.old_log_probs=rollout``
+    (the step would rename a stored field), ``pipeline.sample_store=inline`` (replicas on other
+    hosts) or ``dataplane.engine=ray`` (the replicas' blocks are shared-memory files, released by
+    whoever ends the step). Those runs put the controller's batch once, as before."""
+    asynchronous = config.pipeline.disaggregated
+    return (
+        config.dataplane.enabled
+        and not (
+            asynchronous
+            and (
+                config.old_log_probs_from_rollout
+                or config.pipeline.sample_store == "inline"
+                or config.dataplane.engine != "shm"
+            )
+        )
+        and not config.prefers
+        and not config.algorithm.filter_groups.enable
+        and not config.algorithm.needs_greedy_baseline
+        and config.algorithm.distill.lmbda >= 1
+        and not config.agent.enabled
+        and not has_images
+    )
 
 
 class BatchStep:
@@ -74,12 +123,20 @@ class RefStep:
     """The stages on references: the controller puts the step's batch once and fetches only what
     the advantages read (see the module docstring)."""
 
-    def __init__(self, batch: Batch, config: DataPlaneConfig) -> None:
-        self.batch = batch
+    def __init__(
+        self, batch: Batch | BatchRef, config: DataPlaneConfig, producer: Group | None = None
+    ) -> None:
         self.store = store_for(config)
         self.kept: list[BatchRef] = []  # the stages' outputs, kept on their ranks, in stage order
         self._releases: list[Callable[[], None]] = []
-        self.first = self._put(batch)
+        self.fetched: dict[str, Any] = {}  # the first block's fields the controller read (view)
+        if isinstance(batch, BatchRef):  # the draw, kept by the ranks that generated it
+            self.batch = batch.scalars
+            self.first = batch
+            self._releases.append(lambda: _worker_group(producer).release_refs(batch))
+        else:
+            self.batch = batch
+            self.first = self._put(batch)
 
     def _put(self, batch: Batch) -> BatchRef:
         ref = BatchRef.put(batch, self.store)
@@ -92,21 +149,34 @@ class RefStep:
         self._releases.append(lambda: _worker_group(group).release_refs(output))
 
     def view(self, reads: tuple[str, ...]) -> Batch:
-        """The step's batch with ``reads`` of the kept outputs that hold them (padded tensors)."""
+        """The step's batch with ``reads`` of the kept outputs that hold them (padded tensors); for
+        a stored draw, also the rollout fields the advantages read and the per-token scores."""
         tensors: dict[str, Any] = {}
         for output in self.kept:
             wanted = [f for f in reads if f in output.schema]
             if wanted:
                 tensors.update(output.materialise(get_block, wanted).tensors.items())
+        if SEQUENCE_SCORE in self.batch:
+            from_rollout = rollout_reads({f for output in self.kept for f in output.schema})
+            self.fetched = dict(self.first.materialise(get_block, from_rollout).tensors.items())
+            scores = token_level_scores(
+                self.batch[SEQUENCE_SCORE], self.batch[LAST_SAMPLED], self.first.schema["responses"].shape[0]
+            )
+            tensors.update({**self.fetched, "token_level_scores": scores})
         return self.batch.assign(tensors=tensors)
 
     def for_updates(self, view: Batch) -> BatchRef:
         """The first block joined with the fields ``view`` made or changed (put as one block) and
         the kept outputs."""
         kept = {f for output in self.kept for f in output.schema}
-        batch = self.batch
+        batch, fetched = self.batch, self.fetched
         changed = [
-            k for k, t in view.tensors.items() if k not in kept and (k not in batch or batch[k] is not t)
+            k
+            for k, t in view.tensors.items()
+            if k not in kept
+            and k != "token_level_scores"  # the updates read the rewards made from it, not it
+            and (k not in batch or batch[k] is not t)
+            and fetched.get(k) is not t
         ]
         step = self.first.select([k for k in self.first.keys() if k not in changed])
         if changed:

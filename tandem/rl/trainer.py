@@ -10,6 +10,11 @@ each draw when it is asked for (colocated); the asynchronous modes generate on r
 while the trainer trains (:class:`tandem.pipeline.runner.AsyncRollout`). The stages over a
 step's groups (scoring, ReMax's greedy baselines, DAPO's dynamic sampling) run on the trainer
 whatever the source.
+
+Beside the loop, one module per concern: the worker groups it starts (:mod:`tandem.rl.worker_groups`),
+its batch source (:mod:`tandem.rl.batch_source`), validation (:mod:`tandem.rl.validation`), what a
+checkpoint holds (:mod:`tandem.rl.checkpoint_contents`) and the step's metrics
+(:mod:`tandem.rl.step_metrics`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,42 +31,35 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
-from tandem.agents.loops import episode_metrics
 from tandem.algos import build_kl_controller
-from tandem.config.paths import check_workers_share_output_dir, with_absolute_paths
-from tandem.controller import Role, check_placement, create_colocated_group, create_worker_group
-from tandem.data.images import decode_image
+from tandem.config.paths import with_absolute_paths
+from tandem.controller import check_placement
 from tandem.engine.divergence import check_health, check_skipped_in_a_row
 from tandem.models.gguf import with_gguf_resolved
 from tandem.models.loading import load_tokenizer
-from tandem.pipeline.colocated import ColocatedRollout
-from tandem.pipeline.runner import AsyncRollout
 from tandem.pipeline.source import BatchSource, merge_draw_metrics
 from tandem.protocol import Batch
-from tandem.protocol.sequences import (
-    concat_sequences,
-    response_lengths,
-    trim_padding,
-)
+from tandem.protocol.sequences import concat_sequences, sequence_lengths, trim_padding
 from tandem.report import RunInfo
-from tandem.report.samples import append_val_samples, thumbnail_url
+from tandem.report.samples import append_val_samples
 from tandem.report.tracker import ReportTracker
 from tandem.rl.advantages import advantage_reads, step_advantages
-from tandem.rl.balance import balanced_rank_order
-from tandem.rl.config import MODEL_SOURCE, TrainConfig
-from tandem.rl.critic_worker import CriticWorker
+from tandem.rl.balance import balanced_order
+from tandem.rl.batch_source import rl_batch_source
+from tandem.rl.checkpoint_contents import load_checkpoint, resume_path, save_engines, trainer_state
+from tandem.rl.config import TrainConfig
 from tandem.rl.data import RLDataset, image_reader
-from tandem.rl.dataset_responses import OFF_POLICY, DatasetResponseMix
-from tandem.rl.derived import replica_plan, step_shape
-from tandem.rl.metrics import data_metrics, timed, timing_metrics, value_metrics
+from tandem.rl.dataset_responses import OFF_POLICY
+from tandem.rl.metrics import timed, value_metrics
 from tandem.rl.plan import run_plan
 from tandem.rl.preference_pairs import best_worst_pairs, with_reference_sums
-from tandem.rl.rewards.model_worker import RewardModelWorker
 from tandem.rl.rewards.sources import RewardSources
 from tandem.rl.scoring import score_responses
-from tandem.rl.step_data import step_data, use_data_stores
-from tandem.rl.teacher_worker import TeacherWorker, check_same_tokenizer, shared_vocabulary
-from tandem.rl.worker import ActorRolloutRefWorker, reduce_metric
+from tandem.rl.step_data import step_data
+from tandem.rl.step_metrics import reduced_worker_metrics, step_end_metrics
+from tandem.rl.teacher_worker import check_same_tokenizer, shared_vocabulary
+from tandem.rl.validation import validation_metrics, validation_prompts, validation_samples
+from tandem.rl.worker_groups import start_worker_groups
 from tandem.rollout.factory import check_engine_installed
 from tandem.run.checkpoints import CheckpointManager
 from tandem.run.leftovers import record_processes, remove_leftovers
@@ -70,7 +67,6 @@ from tandem.run.loop import RunRecord, Schedule, recording, run_steps
 from tandem.run.output_dir import OutputDirLock, check_output_dir
 from tandem.run.sampler import EpochSampler
 from tandem.run.trackers import build_trackers
-from tandem.seeds import derive_seed
 
 
 @dataclass
@@ -82,10 +78,6 @@ class RLResult:
     output_dir: Path
     hf_model_dir: Path | None
     report: Path | None
-
-
-VALIDATION_SEED_TAG = 7_777_777  # derive_seed(run seed, this, row): validation sampling
-VAL_SAMPLES_LOGGED = 4  # validation prompts whose first response (and pictures) val_samples.jsonl keeps
 
 
 PLACEMENT_KEYS = (  # what shapes the pools of config.resource_pools(), named when they cannot be placed
@@ -194,7 +186,9 @@ class RLTrainer:
             failed = True  # until the loop ends normally: the pipeline then closes without ceremony
             try:
                 with recording(self.run_info, trackers, self.step, self.console) as self.record:
-                    self.rollout = self._batch_source(self.workers)
+                    self.rollout = rl_batch_source(
+                        self.config, self.workers, self.train_data, self.sampler, self.tokenizer
+                    )
                     self.rollout.start(self.step)
                     self._record_processes()
                     run_steps(self, self._schedule(), self.record, self._profiled)
@@ -213,83 +207,13 @@ class RLTrainer:
         return RLResult(record.history, record.validation, self.output_dir, hf_dir, report and report.path)
 
     def _start_workers(self, groups: contextlib.ExitStack) -> int:
-        """Start the actor's workers (with the critic in their processes when it is colocated), the
-        critic's and the reward model's groups when the run has them apart, all closed with
-        ``groups``; returns the policy's parameter count."""
-        config, backend = self.config, self.config.trainer.backend
-        pool = config.resource_pool()
-        colocated = config.uses_critic and config.critic.placement == "colocated"
-        teacher_colocated = config.distills and config.teacher.placement == "colocated"
-        roles = {"actor": Role(ActorRolloutRefWorker, (config,))}
-        if colocated:  # in the actor's processes: group.actor.<m>, group.critic.<m>, group.teacher.<m>
-            roles["critic"] = Role(CriticWorker, (config,))
-        if teacher_colocated:
-            roles["teacher"] = Role(TeacherWorker, (config,))
-        if len(roles) > 1:
-            fused = groups.enter_context(create_colocated_group(roles, pool, backend))
-            self.workers = fused.actor
-            self.critics = fused.critic if colocated else None
-            self.teachers = fused.teacher if teacher_colocated else None
-        else:
-            self.workers = groups.enter_context(
-                create_worker_group(ActorRolloutRefWorker, pool, backend, args=(config,))
-            )
-        check_workers_share_output_dir(self.workers, self.output_dir)
-        params = self.workers.init_model(
-            config.schedule_steps(self.total_steps, config.actor.ppo_epochs, config.mini_batch_prompts)
-        )[0]
-        if config.distills:
-            self._start_teacher(groups)
-        if config.uses_critic and not colocated:  # a group of its own, with the actor's worker count
-            self.critics = groups.enter_context(
-                create_worker_group(CriticWorker, config.critic_resource_pool(), backend, args=(config,))
-            )
-            check_workers_share_output_dir(self.critics, self.output_dir)  # its checkpoints go there too
-        if self.critics is not None:
-            critic_steps = config.schedule_steps(
-                self.total_steps, config.critic_epochs, config.critic_mini_batch_prompts
-            )
-            params_critic = self.critics.init_model(critic_steps)[0]
-            self.console.print(
-                f"critic: {params_critic / 1e6:.2f}M parameters, {config.world_size} worker(s), "
-                f"{config.critic.placement}"
-            )
-        if MODEL_SOURCE in config.reward.sources:  # a pool of its own
-            self._start_reward_model(groups)
-        if config.dataplane.enabled:
-            use_data_stores([self.workers, self.critics, self.teachers], config.dataplane)
-        return params
-
-    def _start_teacher(self, groups: contextlib.ExitStack) -> None:
-        """The teacher's ranks: the colocated role, or a worker group of its own
-        (``teacher.placement=separate``) with the actor's worker count."""
-        config = self.config
-        if self.teachers is None:
-            self.teachers = groups.enter_context(
-                create_worker_group(
-                    TeacherWorker, config.teacher_resource_pool(), config.trainer.backend, args=(config,)
-                )
-            )
-        params = self.teachers.init_model()[0]
-        self.console.print(
-            f"teacher: {params / 1e6:.2f}M parameters from {config.teacher.model_path}, "
-            f"{config.world_size} worker(s), {config.teacher.placement}"
+        """Start the run's worker groups (:func:`tandem.rl.worker_groups.start_worker_groups`), all
+        closed with ``groups``; returns the policy's parameter count."""
+        started = start_worker_groups(
+            self.config, self.total_steps, self.output_dir, self.rewards, groups, self.console
         )
-
-    def _start_reward_model(self, groups: contextlib.ExitStack) -> None:
-        """The reward model's worker group (``reward.model.*``), scoring for ``self.rewards``."""
-        config, model = self.config, self.config.reward.model
-        scorers = groups.enter_context(
-            create_worker_group(
-                RewardModelWorker, config.reward_model_resource_pool(), config.trainer.backend,
-                args=(model, config.trainer.device),
-            )
-        )  # fmt: skip
-        params = scorers.init_model()[0]
-        self.rewards.model_group = scorers
-        self.console.print(
-            f"reward model: {params / 1e6:.2f}M parameters from {model.path}, {model.n_workers} worker(s)"
-        )
+        self.workers, self.critics, self.teachers = started.workers, started.critics, started.teachers
+        return started.params
 
     def _trackers(self, resumed: bool) -> tuple[list, ReportTracker | None]:
         """The trackers ``trainer.loggers`` names, and the report (after the JSONL tracker, whose
@@ -315,20 +239,6 @@ class RLTrainer:
         directory = self.config.pipeline.checkpoint_engine.directory
         record_processes(self.output_dir, pids, ["/dev/shm", *([directory] if directory else [])])
 
-    def _batch_source(self, workers: Any) -> BatchSource:
-        """Where the steps' prompt groups come from: the workers' own engines (``sync``) or rollout
-        replicas beside them (the asynchronous modes)."""
-        pad_id, distill = self.tokenizer.pad_token_id, self.config.algorithm.distill
-        if self.config.pipeline.disaggregated:
-            return AsyncRollout(replica_plan(self.config), workers, self.train_data, self.sampler, pad_id)
-        source = ColocatedRollout(workers, pad_id, self.train_data, self.sampler, step_shape(self.config))
-        if distill.lmbda < 1:  # GKD: some steps train on the dataset's responses
-            return DatasetResponseMix(
-                source, self.train_data, self.sampler, step_shape(self.config), self.tokenizer,
-                distill.lmbda, distill.response_key, self.config.rollout.max_response_length,
-            )  # fmt: skip
-        return source
-
     def _schedule(self) -> Schedule:
         """Validate first (unless resumed) and every ``trainer.val_every`` steps, save every
         ``trainer.save_every`` steps, and both after the last step."""
@@ -353,18 +263,12 @@ class RLTrainer:
             metrics["actor/max_abs_weight"] = self.check_divergence(metrics)
             with timed(timings, "update_weights"):
                 metrics.update(self.rollout.after_update(self.step))
-        memory = self.workers.memory_metrics()  # per phase on GPUs (the largest rank); empty on the CPU
-        metrics.update({name: max(m[name] for m in memory) for name in memory[0]})
-        metrics.update(data_metrics(batch, self.config.rollout.max_response_length))
-        if "agent_turns" in batch:
-            metrics.update(
-                episode_metrics(
-                    batch["agent_turns"], batch["agent_tool_calls"], batch["agent_tool_errors"],
-                    batch["finish_reason"], self.rollout.agent_tool_totals(),
-                )
-            )  # fmt: skip
-        metrics.update(timing_metrics(timings, int(batch["attention_mask"].sum()), self.config.world_size))
-        metrics["training/epoch"] = float(self.sampler.epoch)
+        metrics.update(
+            step_end_metrics(
+                batch, self.workers.memory_metrics(), self.rollout.agent_tool_totals, timings,
+                self.config.rollout.max_response_length, self.config.world_size, self.sampler.epoch,
+            )
+        )  # fmt: skip
         return metrics
 
     def _policy_gradient_update(
@@ -372,15 +276,15 @@ class RLTrainer:
     ) -> tuple[Batch, dict[str, float]]:
         """Old and reference log-probs, advantages, then the actor's PPO-style update."""
         if self.config.trainer.balance_batch and self.config.actor_dp_size > 1:
-            order = balanced_rank_order(
-                batch["attention_mask"], self.config.rollout.n, self.config.actor_dp_size
+            order = balanced_order(
+                sequence_lengths(batch).tolist(), self.config.rollout.n, self.config.actor_dp_size
             )
             batch = batch.reorder(order)
         config = self.config
         off_policy = OFF_POLICY in batch and bool(batch[OFF_POLICY][0])  # the dataset's responses
         if config.old_log_probs_from_rollout and not off_policy:
             batch = batch.assign(tensors={"old_log_probs": batch["rollout_log_probs"]})
-        data = step_data(batch, config.dataplane, config.dataplane.enabled)
+        data = step_data(batch, config.dataplane, config.dataplane.enabled, self.workers)
         try:
             if off_policy or not (config.old_log_probs_from_rollout or config.old_log_probs_from_update):
                 with timed(timings, "old_log_prob"):
@@ -411,9 +315,7 @@ class RLTrainer:
         if self.critics is not None:
             with timed(timings, "update_critic"):
                 per_worker = self.critics.update_critic(step)
-            metrics.update(
-                {name: reduce_metric(name, [m[name] for m in per_worker]) for name in per_worker[0]}
-            )
+            metrics.update(reduced_worker_metrics(per_worker))
             metrics.update(value_metrics(view))
         if self.step > self.config.critic.warmup_steps or self.critics is None:
             with timed(timings, "update_actor"):
@@ -439,8 +341,7 @@ class RLTrainer:
         return batch, metrics
 
     def _update_actor(self, batch: Batch) -> dict[str, float]:
-        per_worker = self.workers.update_actor(batch, step=self.step)
-        return {name: reduce_metric(name, [m[name] for m in per_worker]) for name in per_worker[0]}
+        return reduced_worker_metrics(self.workers.update_actor(batch, step=self.step))
 
     # ------------------------------------------------------------------ stages
     def collect_batch(self, timings: dict[str, float]) -> tuple[Batch, dict[str, float]]:
@@ -529,92 +430,39 @@ class RLTrainer:
         return check_health(self.workers.actor_health(), self.step, self.checkpoints.latest)
 
     def validate(self) -> dict[str, float]:
-        """Accuracy on the validation prompts per data source: ``val-core/<source>/acc/mean@<n>``."""
+        """Accuracy on the validation prompts per data source: ``val-core/<source>/acc/mean@<n>``
+        (:mod:`tandem.rl.validation`); the first prompts' responses go to ``val_samples.jsonl``."""
         assert self.val_data is not None
         rollout = self.config.rollout
-        count = len(self.val_data)
-        if self.config.data.val_max_samples:
-            count = min(count, self.config.data.val_max_samples)
-        prompts = self.val_data.collate(list(range(count))).repeat(rollout.val_n, interleave=True)
-        seeds = [derive_seed(self.config.trainer.seed, VALIDATION_SEED_TAG, i) for i in range(len(prompts))]
+        prompts, seeds = validation_prompts(
+            self.val_data, self.config.data.val_max_samples, rollout.val_n, self.config.trainer.seed
+        )
         scored, _ = self.score(
             self.generate(prompts, seeds, rollout.val_temperature, validation=True), training=False
         )
         if self.config.agent.enabled:  # the validation episodes' tool calls are not the next step's
             self.rollout.agent_tool_totals()
-        metrics: dict[str, float] = {}
-        sources = scored["data_source"]
-        for source in sorted(set(sources)):
-            rows = torch.tensor([s == source for s in sources])
-            metrics[f"val-core/{source}/acc/mean@{rollout.val_n}"] = float(scored["acc"][rows].mean())
-            metrics[f"val-aux/{source}/score/mean@{rollout.val_n}"] = float(
-                scored["token_level_scores"][rows].sum(-1).mean()
-            )
-        metrics["val-aux/response_length/mean"] = float(response_lengths(scored).float().mean())
-        self._log_val_samples(scored, rollout.val_n)
-        return metrics
-
-    def _log_val_samples(self, scored: Batch, val_n: int) -> None:
-        """The first :data:`VAL_SAMPLES_LOGGED` validation prompts' first responses, with their
-        pictures as thumbnails, into the run's ``val_samples.jsonl`` (the report shows them)."""
-        assert self.val_data is not None
-        samples = []
-        for prompt in range(min(VAL_SAMPLES_LOGGED, len(scored) // val_n)):
-            row = prompt * val_n
-            mask = scored["response_mask"][row].bool()
-            pictures = self.val_data.samples[prompt].images
-            samples.append(
-                {
-                    "prompt": self.tokenizer.decode(scored["prompt_ids"][row], skip_special_tokens=True),
-                    "response": self.tokenizer.decode(
-                        scored["responses"][row][mask], skip_special_tokens=True
-                    ),
-                    "score": float(scored["token_level_scores"][row].sum()),
-                    "ground_truth": str(scored["ground_truth"][row]),
-                    "images": [thumbnail_url(decode_image(raw)) for raw in pictures.encoded]
-                    if pictures
-                    else [],
-                }
-            )
+        metrics = validation_metrics(scored, rollout.val_n)
+        samples = validation_samples(scored, self.val_data, self.tokenizer, rollout.val_n)
         append_val_samples(self.output_dir, self.step, samples)
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints and logging
     def save_checkpoint(self) -> Path:
-        state = {
-            "step": self.step,
-            "sampler": self.sampler.state(),
-            "kl_coef": self.kl_controller.value,
-            "python_random": repr(random.getstate()),
-        }
-        path = self.checkpoints.save(self.step, state, self._save_engines)
+        """Save the step's checkpoint (:mod:`tandem.rl.checkpoint_contents`); returns its directory."""
+        state = trainer_state(self.step, self.sampler, self.kl_controller)
+        path = self.checkpoints.save(
+            self.step, state, lambda directory: save_engines(directory, self.workers, self.critics)
+        )
         self.console.print(f"checkpoint: {path}")
         return path
 
-    def _save_engines(self, directory: Path) -> None:
-        self.workers.save_checkpoint(str(directory / "actor"))
-        if self.critics is not None:
-            self.critics.save_checkpoint(str(directory / "critic"))
-
     def _resume(self) -> bool:
-        mode = self.config.trainer.resume
-        if mode == "disable":
-            return False
-        path = (  # workers may run elsewhere: an absolute path
-            self.checkpoints.resume_point(self._warn)
-            if mode == "auto"
-            else CheckpointManager.check_intact(Path(mode).absolute())
-        )
+        """Load the checkpoint ``trainer.resume`` names, if any; returns whether the run resumed."""
+        path = resume_path(self.config.trainer.resume, self.checkpoints, self._warn)
         if path is None:
             return False
-        state = CheckpointManager.read_state(path)
-        self.workers.load_checkpoint(str(path / "actor"), state["step"])
-        if self.critics is not None:
-            if not (path / "critic").exists():
-                raise ValueError(f"{path} holds no critic state; it was saved by a run without a critic")
-            self.critics.load_checkpoint(str(path / "critic"))
-        self.step = state["step"]
-        self.sampler.load_state(state["sampler"])
-        self.kl_controller.value = state["kl_coef"]
+        self.step = load_checkpoint(path, self.workers, self.critics, self.sampler, self.kl_controller)
         self.console.print(f"resumed from {path} (step {self.step})")
         return True
 

@@ -25,6 +25,7 @@ from tandem.agents.rollout import AgentRollout
 from tandem.checkpoint_engine.roles import SendsWeights
 from tandem.controller import Worker, mesh_dispatch, register
 from tandem.controller.profiling import ProfilesCalls
+from tandem.dataplane import BatchRef
 from tandem.device import bind_device, max_memory_allocated_gb, release_cached_memory, reset_peak_memory
 from tandem.dpo.loss import pair_metrics, preference_loss
 from tandem.engine import TorchTrainEngine
@@ -35,7 +36,9 @@ from tandem.engine.offload import Residency
 from tandem.engine.parallel import rank_strategy
 from tandem.models.loading import check_vocab_compatible, load_tokenizer
 from tandem.models.vision import ImagePrompter
+from tandem.pipeline.stored_rollout import store_rollout
 from tandem.protocol import Batch
+from tandem.protocol.generation import raise_failed_requests
 from tandem.protocol.sequences import resize_columns, response_part, sequence_tensors
 from tandem.rl.actor_loss import make_actor_loss
 from tandem.rl.config import TrainConfig
@@ -171,6 +174,14 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
                 self.rollout.sleep()  # the update gets the KV-cache memory; the next generation wakes it
         return out
 
+    @register(dispatch="DP_COMPUTE")
+    def generate_to_store(self, prompts: Batch, *, sampling: SamplingParams, prompt_width: int) -> BatchRef:
+        """:meth:`generate_sequences` with its outputs kept in this rank's store: the per-token fields
+        as one block, and back only a ``BatchRef`` with the rows' scalars and decoded response texts
+        (:func:`tandem.pipeline.stored_rollout.store_rollout`)."""
+        out = self.generate_sequences(prompts, sampling=sampling, prompt_width=prompt_width)
+        return store_rollout(out, self._tandem_data_store(), self.tokenizer)
+
     def _single_turn(self, prompts: Batch, sampling: SamplingParams, prompt_width: int) -> Batch:
         images = prompts["images"] if "images" in prompts else [None] * len(prompts)
         requests = [
@@ -182,9 +193,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
             )
         ]
         completions = self.rollout.generate_batch(requests)
-        failed = [c for c in completions if c.finish_reason == "error"]
-        if failed:
-            raise RuntimeError(f"{len(failed)} rollout requests failed; first: {failed[0].error}")
+        raise_failed_requests(completions, f"rollout on rank {self.rank}")
         tensors = sequence_tensors(prompts["prompt_ids"], completions, self.tokenizer.pad_token_id)
         tensors = resize_columns(tensors, prompt_width, sampling.max_tokens, self.tokenizer.pad_token_id)
         return prompts.assign(

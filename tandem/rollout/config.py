@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from tandem.config.validation import check_choice
 from tandem.device import check_device_setting
@@ -29,12 +30,14 @@ class HFEngineConfig:
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
     """
 
+    key_prefix: ClassVar[str] = "rollout.engine.hf"  # its messages' keys start so (tandem.config.build)
+
     dtype: str = "float32"
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        check_choice("rollout.engine.hf", "dtype", self.dtype, ["float32", "bfloat16", "float16"])
-        check_device_setting("rollout.engine.hf", "device", self.device)
+        check_choice(self.key_prefix, "dtype", self.dtype, ["float32", "bfloat16", "float16"])
+        check_device_setting(self.key_prefix, "device", self.device)
 
 
 def _native_for_rl() -> NativeEngineConfig:

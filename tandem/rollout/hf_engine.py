@@ -15,6 +15,7 @@ from concurrent.futures import Future
 
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from tandem.device import bind_device
 from tandem.models.loading import load_model, load_tokenizer
@@ -22,9 +23,28 @@ from tandem.models.moe import RouterTap, is_moe
 from tandem.models.stop_ids import end_of_sequence_ids
 from tandem.models.vision import image_token_id, is_vision_language
 from tandem.models.weights import load_named_tensors
-from tandem.protocol.generation import Completion, EngineMetrics, RolloutRequest, TokenCallback
+from tandem.protocol.generation import (
+    Completion,
+    EngineMetrics,
+    RolloutRequest,
+    SamplingParams,
+    TokenCallback,
+)
 from tandem.rollout.images import has_images, image_request_problem
 from tandem.rollout.routing import completed_routing
+
+
+def sampling_warpers(params: SamplingParams) -> LogitsProcessorList:
+    """The logits warpers ``generate`` samples through: temperature, then top-k and top-p when they
+    restrict anything (none for greedy decoding)."""
+    warpers = LogitsProcessorList()
+    if not params.greedy:
+        warpers.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_k:
+            warpers.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1:
+            warpers.append(TopPLogitsWarper(params.top_p))
+    return warpers
 
 
 class HFRolloutEngine:
@@ -102,38 +122,8 @@ class HFRolloutEngine:
             return Completion(request.request_id, request.prompt_ids, finish_reason="error", error=message)
         eos = [] if params.ignore_eos else sorted(self.eos_ids)
         stop_ids = list(params.stop_token_ids) + eos
-        # The request's seed drives sampling without disturbing the process's RNGs (CPU and CUDA).
-        cuda = []
-        if self.device.type == "cuda":
-            cuda = [torch.cuda.current_device() if self.device.index is None else self.device.index]
         self._routed = []
-        with torch.random.fork_rng(devices=cuda):
-            if params.seed is not None:
-                torch.manual_seed(params.seed)
-            warpers = LogitsProcessorList()
-            if not params.greedy:
-                warpers.append(TemperatureLogitsWarper(params.temperature))
-                if params.top_k:
-                    warpers.append(TopKLogitsWarper(params.top_k))
-                if params.top_p < 1:
-                    warpers.append(TopPLogitsWarper(params.top_p))
-            input_ids = torch.tensor([request.prompt_ids], device=self.device)
-            output = self.model.generate(
-                input_ids,
-                attention_mask=torch.ones(1, len(request.prompt_ids), dtype=torch.long, device=self.device),
-                **self._image_inputs(request, input_ids),
-                do_sample=not params.greedy,
-                max_new_tokens=params.max_tokens,
-                eos_token_id=stop_ids or None,
-                pad_token_id=self.tokenizer.pad_token_id,
-                logits_processor=warpers,
-                output_scores=True,
-                output_logits=True,
-                return_dict_in_generate=True,
-                temperature=None,
-                top_k=None,
-                top_p=None,
-            )
+        output = self._seeded_generate(request, stop_ids)
         tokens = output.sequences[0, len(request.prompt_ids) :].tolist()
         scores = output.scores if params.logprobs_mode == "processed" else output.logits
         log_probs = [
@@ -157,6 +147,34 @@ class HFRolloutEngine:
             finish,
             routed_experts=routed,
         )
+
+    def _seeded_generate(self, request: RolloutRequest, stop_ids: list[int]) -> GenerateDecoderOnlyOutput:
+        """``model.generate``'s output (sequences, processed scores and raw logits per step) for one
+        request, sampled with the request's seed without disturbing the process's RNGs (CPU and CUDA)."""
+        params = request.params
+        cuda = []
+        if self.device.type == "cuda":
+            cuda = [torch.cuda.current_device() if self.device.index is None else self.device.index]
+        with torch.random.fork_rng(devices=cuda):
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            input_ids = torch.tensor([request.prompt_ids], device=self.device)
+            return self.model.generate(
+                input_ids,
+                attention_mask=torch.ones(1, len(request.prompt_ids), dtype=torch.long, device=self.device),
+                **self._image_inputs(request, input_ids),
+                do_sample=not params.greedy,
+                max_new_tokens=params.max_tokens,
+                eos_token_id=stop_ids or None,
+                pad_token_id=self.tokenizer.pad_token_id,
+                logits_processor=sampling_warpers(params),
+                output_scores=True,
+                output_logits=True,
+                return_dict_in_generate=True,
+                temperature=None,
+                top_k=None,
+                top_p=None,
+            )
 
     def _image_inputs(self, request: RolloutRequest, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """``generate``'s image arguments for a VLM's request (none for a text model)."""

@@ -28,7 +28,9 @@ Threading: one background thread runs steps; the public methods are thread-safe 
 async ones (:meth:`generate`) integrate with asyncio.
 
 The engine's config is :mod:`tandem.rollout.native_config`; the parts of a step (each request's
-state, the prefill plan, the stop rule) are :mod:`tandem.rollout.native_step`.
+state, the prefill plan, the stop rule) are :mod:`tandem.rollout.native_step`; the packed forward
+and the head are :mod:`tandem.rollout.native_forward`. This module schedules: it admits, steps,
+samples and retires requests, and owns the prefix cache and the engine's controls.
 """
 
 from __future__ import annotations
@@ -47,7 +49,6 @@ from tandem.config.validation import check_choice
 from tandem.device import bind_device, host_tensor, uses_cpu_kernels, uses_cuda_graphs
 from tandem.kernels.cpu import enable_cpu_kernels
 from tandem.kernels.cpu.linear import PackedLinears
-from tandem.kernels.cuda.head import half_head_logits
 from tandem.models.loading import load_model, load_tokenizer, resolve_dtype
 from tandem.models.moe import RouterTap, is_moe
 from tandem.models.stop_ids import end_of_sequence_ids
@@ -61,17 +62,20 @@ from tandem.protocol.generation import (
     prompt_problem,
 )
 from tandem.rollout.decode_graphs import DecodeGraphs
-from tandem.rollout.images import has_images, image_request_problem, packed_vision_inputs
+from tandem.rollout.images import image_request_problem
 from tandem.rollout.kv_budget import engine_kv_plan
-from tandem.rollout.kv_cache import KV_ATTENTION, SlotKVCache, StepPlan
+from tandem.rollout.kv_cache import KV_ATTENTION, SlotKVCache
 from tandem.rollout.lean import LeanDecoder, lean_unsupported_reason
 from tandem.rollout.native_config import PAUSE_MODES, NativeEngineConfig
+from tandem.rollout.native_forward import PackedForward, last_hidden_states
 from tandem.rollout.native_step import (
     PrefillPlan,
     PrefixCache,
-    PrefixEntry,
     SequenceState,
+    new_sequence,
     plan_prefill,
+    refused_completion,
+    remember_prefix,
     stop_reason,
 )
 from tandem.rollout.routing import completed_routing
@@ -134,6 +138,9 @@ class NativeRolloutEngine:
             and self._lean.rotary.cacheable
         )
         self.decode_graphs = DecodeGraphs(self._lean, self.cache) if graphs else None
+        self._packed_forward = PackedForward(
+            self.model, self.cache, self.device, self.vision, self._lean, self._packed, self._routing
+        )
         self.version = 0
         self.stats = EngineStats()
         self._waiting: collections.deque[SequenceState] = collections.deque()
@@ -183,14 +190,7 @@ class NativeRolloutEngine:
         if problem:
             with self._lock:
                 self.stats.finished["error"] += 1
-            future.set_result(
-                Completion(
-                    request.request_id,
-                    request.prompt_ids,
-                    finish_reason="error",
-                    error=f"request {request.request_id!r}: {problem}",
-                )
-            )
+            future.set_result(refused_completion(request, problem))
             return future
         params = request.params
         seed = (
@@ -198,18 +198,7 @@ class NativeRolloutEngine:
             if params.seed is not None
             else self.config.seed * 1_000_003 + next(self._seed_counter)
         )
-        sequence = SequenceState(
-            request,
-            future,
-            seed,
-            Completion(request.request_id, request.prompt_ids),
-            frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
-            min(params.max_tokens, self.config.max_model_len - len(request.prompt_ids)),
-            on_token,
-            image_key=request.images.digest
-            if has_images(request)
-            else None,  # hashed here, off the engine's thread
-        )
+        sequence = new_sequence(request, future, seed, self.eos_ids, self.config.max_model_len, on_token)
         with self._lock:
             if any(
                 s.request.request_id == request.request_id
@@ -411,8 +400,8 @@ class NativeRolloutEngine:
         hidden = self._forward(prefill, decoding, graphs_allowed=not admitted)
         for sequence in decoding:  # each wrote its decode token's keys and values
             sequence.cached_len += 1
-        self._copy_prompts(prefill)
-        last_hidden = self._last_hidden(prefill, admitted, decoding, hidden)
+        self._packed_forward.copy_prompts(prefill)
+        last_hidden = last_hidden_states(prefill, admitted, decoding, hidden)
         if last_hidden is not None:
             self._sample_and_append(admitted + decoding, last_hidden)
         self.stats.steps += 1
@@ -437,96 +426,16 @@ class NativeRolloutEngine:
             )
             self.stats.graph_steps += 1
             return hidden
-        plan = StepPlan(
-            self.cache,
-            tuple(segment for _, segment in prefill.segments),
-            prefill.length,
-            host_tensor(decode_pos, torch.long, self.device),
-            self._shared_prefixes(decoding) if decoding else None,
-        )
-        input_ids = host_tensor([prefill.token_ids + decode_ids], torch.long, self.device)
-        if self.vision:
-            hidden = self._vision_forward(input_ids, prefill, decoding, plan)
-        elif self._lean is not None:
-            position_ids = host_tensor([prefill.positions + decode_pos], torch.long, self.device)
-            hidden = self._lean(input_ids[0], position_ids[0], plan)
-        else:
-            position_ids = host_tensor([prefill.positions + decode_pos], torch.long, self.device)
-            hidden = self._decoder()(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False, tandem_plan=plan
-            ).last_hidden_state[0]
-        if self._routing is not None:
-            self._record_routing(prefill, decoding)
+        shared = self._shared_prefixes(decoding) if decoding else None
+        hidden = self._packed_forward.run(prefill, decoding, shared)
         for sequence, segment in prefill.segments:
             prefill.hidden_rows[id(sequence)] = hidden[segment.token_end - 1]
-            self._remember_prefix(sequence, hidden[segment.token_end - 1])
+            remember_prefix(
+                self._prefix, self.config.prefix_cache_entries, self.version, self.cache, sequence,
+                hidden[segment.token_end - 1],
+            )  # fmt: skip
         self.stats.prefilled_tokens += prefill.length
         return hidden
-
-    def _vision_forward(
-        self,
-        input_ids: torch.Tensor,
-        prefill: PrefillPlan,
-        decoding: list[SequenceState],
-        plan: StepPlan,
-    ) -> torch.Tensor:
-        """A VLM's hidden states ``[T, H]`` of the packed row ``input_ids [1, T]``: the computed
-        prompts' images through the vision tower, M-RoPE positions (a decode token at text
-        position p sits at p + its request's delta), HF's language model over the cache."""
-        prompts = [
-            (segment.token_start, segment.token_end, sequence.request.images)
-            for sequence, segment in prefill.segments
-        ]
-        rope = host_tensor([s.cached_len + s.rope_delta for s in decoding], torch.long, self.device)
-        embeds, position_ids, deltas = packed_vision_inputs(self.model, input_ids, prompts, rope)
-        for (sequence, _), delta in zip(prefill.segments, deltas, strict=True):
-            sequence.rope_delta = delta
-        return self._decoder()(
-            inputs_embeds=embeds, position_ids=position_ids, use_cache=False, tandem_plan=plan
-        ).last_hidden_state[0]
-
-    def _record_routing(self, prefill: PrefillPlan, decoding: list[SequenceState]) -> None:
-        """Each token's experts from this forward: a computed prompt's rows to its request, each
-        decode row to its request."""
-        routed = self._routing.recorded().cpu()  # [T, L, k] of the packed row
-        for sequence, segment in prefill.segments:
-            sequence.routing = [routed[segment.token_start : segment.token_end]]
-        for index, sequence in enumerate(decoding):
-            sequence.routing.append(routed[prefill.length + index : prefill.length + index + 1])
-
-    def _copy_prompts(self, prefill: PrefillPlan) -> None:
-        """Give each request whose prompt another one computed in this step that prompt's keys,
-        values and last hidden state."""
-        if prefill.copies:
-            self.cache.copy_slots(
-                [source.slot for _, source in prefill.copies],
-                [sequence.slot for sequence, _ in prefill.copies],
-                max(len(sequence.prompt) for sequence, _ in prefill.copies),
-            )
-        for sequence, source in prefill.copies:
-            prefill.hidden_rows[id(sequence)] = prefill.hidden_rows[id(source)]
-            sequence.routing = list(source.routing)
-            sequence.rope_delta = source.rope_delta
-
-    @staticmethod
-    def _last_hidden(
-        prefill: PrefillPlan,
-        admitted: list[SequenceState],
-        decoding: list[SequenceState],
-        hidden: torch.Tensor | None,
-    ) -> torch.Tensor | None:
-        """The batch's last hidden states ``[B, H]``: the admitted requests' prompt ends, then the
-        decode rows in order (None when the step has neither)."""
-        parts = [torch.stack([prefill.hidden_rows[id(s)] for s in admitted])] if admitted else []
-        if decoding:
-            assert hidden is not None  # decode rows always run the forward
-            parts.append(hidden[prefill.length :])
-        if not parts:
-            return None
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def _decoder(self) -> torch.nn.Module:
-        return self.model.get_decoder()
 
     def _shared_prefixes(self, decoding: list[SequenceState]) -> SharedPrefixes | None:
         """The decode tokens grouped by shared prompt (same prompt and images, same weight
@@ -559,25 +468,12 @@ class NativeRolloutEngine:
             self._batch_epoch += 1
         return admitted
 
-    def _remember_prefix(self, sequence: SequenceState, last_hidden: torch.Tensor) -> None:
-        if self.config.prefix_cache_entries <= 0:
-            return
-        keys, values = self.cache.read(sequence.slot, len(sequence.prompt))
-        routed = sequence.routing[0] if sequence.routing else None
-        self._prefix[(self.version, sequence.prefix_key)] = PrefixEntry(
-            keys, values, last_hidden.clone(), routed, sequence.rope_delta
-        )
-        while len(self._prefix) > self.config.prefix_cache_entries:
-            self._prefix.popitem(last=False)
-
     def _sample_and_append(self, batch: list[SequenceState], hidden: torch.Tensor) -> None:
-        # The fp32 head, as in the trainer (half-precision inputs: their products, summed in fp32).
-        head = self.model.get_output_embeddings()
-        logits = half_head_logits(hidden, head.weight) if head.bias is None else None
-        if logits is None:
-            logits = self._packed.forward(head, hidden.float())  # [B, V]
+        """Draw each request's next token from the fp32 head's logits of its last hidden state
+        (``hidden [B, H]``, in ``batch``'s order), append it with its log-prob and the weight
+        version, tell its listener, and retire the requests it ends."""
         draws = draw_step(
-            logits,
+            self._packed_forward.head_logits(hidden),
             [s.request.params for s in batch],
             [s.seed for s in batch],
             [len(s.completion.token_ids) for s in batch],

@@ -4,6 +4,7 @@ and the pause modes every engine accepts."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.device import check_device_setting
@@ -47,6 +48,8 @@ class NativeEngineConfig:
             lean forward. Such steps read each prompt once per request (no shared reads).
     """
 
+    key_prefix: ClassVar[str] = "rollout.engine.native"  # its messages' keys start so (tandem.config.build)
+
     max_num_seqs: int | None = None
     max_model_len: int = 2048
     kv_cache_memory_fraction: float = 0.5
@@ -64,14 +67,14 @@ class NativeEngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_prefill_tokens", "kv_cache_memory_bytes"):
             if getattr(self, name) is not None:
-                check_positive("rollout.engine.native", name, getattr(self, name))
+                check_positive(self.key_prefix, name, getattr(self, name))
         check_range(
-            "rollout.engine.native",
+            self.key_prefix,
             "kv_cache_memory_fraction",
             self.kv_cache_memory_fraction,
             0.0,
             1.0,
             low_inclusive=False,
         )
-        check_choice("rollout", "dtype", self.dtype, ["float32", "bfloat16", "float16"])
-        check_device_setting("rollout", "device", self.device)
+        check_choice(self.key_prefix, "dtype", self.dtype, ["float32", "bfloat16", "float16"])
+        check_device_setting(self.key_prefix, "device", self.device)

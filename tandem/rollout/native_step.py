@@ -1,5 +1,6 @@
-"""The parts of one native-engine step: each request's state, the prefix cache's entries, the
-plan of a step's prefill, and when a sampled token ends a request (:mod:`tandem.rollout.native`)."""
+"""The parts of one native-engine step: each request's state (and a refused request's completion),
+the prefix cache's entries, the plan of a step's prefill, and when a sampled token ends a request
+(:mod:`tandem.rollout.native`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.protocol.generation import Completion, RolloutRequest, TokenCallback
+from tandem.rollout.images import has_images
 from tandem.rollout.kv_cache import PrefillSegment, SlotKVCache
 from tandem.rollout.stats import EngineStats
 
@@ -128,6 +130,62 @@ def plan_prefill(
         sequence.cached_len = len(sequence.prompt)
         sequence.prefill_version = version
     return plan
+
+
+def new_sequence(
+    request: RolloutRequest,
+    future: Future,
+    seed: int,
+    eos_ids: frozenset[int],
+    max_model_len: int,
+    on_token: TokenCallback | None,
+) -> SequenceState:
+    """A valid request's state in the engine: its random stream ``seed``, what stops it (its stop
+    tokens, and ``eos_ids`` unless it ignores EOS; its ``max_tokens``, or what fits in
+    ``max_model_len``), and its images' digest (hashed here, off the engine's thread)."""
+    params = request.params
+    return SequenceState(
+        request,
+        future,
+        seed,
+        Completion(request.request_id, request.prompt_ids),
+        frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids),
+        min(params.max_tokens, max_model_len - len(request.prompt_ids)),
+        on_token,
+        image_key=request.images.digest if has_images(request) else None,
+    )
+
+
+def refused_completion(request: RolloutRequest, problem: str) -> Completion:
+    """``request`` finished at once with ``error``: ``problem`` says why (images the model cannot take)."""
+    return Completion(
+        request.request_id,
+        request.prompt_ids,
+        finish_reason="error",
+        error=f"request {request.request_id!r}: {problem}",
+    )
+
+
+def remember_prefix(
+    prefix: PrefixCache,
+    max_entries: int,
+    version: int,
+    cache: SlotKVCache,
+    sequence: SequenceState,
+    last_hidden: torch.Tensor,
+) -> None:
+    """Keep ``sequence``'s computed prompt in the prefix cache under weight ``version``: its keys and
+    values read from its slot, its last hidden state ``[H]``, its experts and M-RoPE delta; the
+    oldest entries go past ``max_entries`` (0: no prefix cache)."""
+    if max_entries <= 0:
+        return
+    keys, values = cache.read(sequence.slot, len(sequence.prompt))
+    routed = sequence.routing[0] if sequence.routing else None
+    prefix[(version, sequence.prefix_key)] = PrefixEntry(
+        keys, values, last_hidden.clone(), routed, sequence.rope_delta
+    )
+    while len(prefix) > max_entries:
+        prefix.popitem(last=False)
 
 
 def stop_reason(sequence: SequenceState, token: int, tokenizer) -> str | None:

@@ -44,6 +44,7 @@ import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -98,6 +99,8 @@ class VLLMEngineConfig:
             with ``actor.router_replay=rollout``.
     """
 
+    key_prefix: ClassVar[str] = "vllm"  # its messages' keys start so (tandem.config.build)
+
     max_num_seqs: int = 256
     max_model_len: int = 2048
     dtype: str = "float32"
@@ -113,7 +116,7 @@ class VLLMEngineConfig:
     record_routing: bool = False
 
     def __post_init__(self) -> None:
-        owner = "vllm"
+        owner = self.key_prefix
         check_device_setting(owner, "device", self.device)
         for name in ("max_num_seqs", "max_model_len", "weight_bucket_mb", "tensor_parallel_size"):
             check_positive(owner, name, getattr(self, name))

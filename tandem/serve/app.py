@@ -40,7 +40,7 @@ def create_app(
     http = HTTPCounters()
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None)
 
-    _add_error_handlers(app)
+    add_error_handlers(app)
     app.add_middleware(BodySizeLimit, limit=config.max_request_bytes)
     # outermost, so refused bodies (413) count too; labels are the schema's paths, never the client's
     served_paths: list[str] = []  # filled once every route is registered, below
@@ -68,7 +68,7 @@ def create_app(
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def add_error_handlers(app: FastAPI) -> None:
     """Every error in OpenAI's shape: ours (:class:`APIError`), a body that fails validation
     (400, naming the field), Starlette's HTTP errors, and a bug (500; its traceback goes to the log)."""
 

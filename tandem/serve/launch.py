@@ -42,7 +42,43 @@ def serve(
         engine.close()
 
 
-class ServerThread:
+class AppThread:
+    """An ASGI ``app`` served by uvicorn on a background thread of this process; a context manager.
+
+    :meth:`start` returns once the socket is bound; ``url`` is then ``http://<host>:<port>``
+    (``port=0`` binds any free port). :class:`ServerThread` is this over :func:`create_app`; the
+    agent-program endpoint (:mod:`tandem.agents.program.endpoint`) is this over its own app.
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, name: str = "tandem-server") -> None:
+        self.app, self.host, self.port = app, host, port
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name=name, daemon=True)
+        self.url = ""
+
+    def start(self):
+        self.thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start on {self.host}:{self.port}")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://{self.host}:{port}"
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class ServerThread(AppThread):
     """The server on a background thread of this process; a context manager.
 
     ``with ServerThread(engine, tokenizer, ServerConfig(port=0)) as server:`` then point a
@@ -54,30 +90,6 @@ class ServerThread:
         self, engine, tokenizer, config: ServerConfig | None = None, prompter: ImagePrompter | None = None
     ) -> None:
         self.config = config or ServerConfig(port=0)
-        self.app = create_app(engine, tokenizer, self.config, prompter)
-        self.server = uvicorn.Server(
-            uvicorn.Config(self.app, host=self.config.host, port=self.config.port, log_level="warning")
+        super().__init__(
+            create_app(engine, tokenizer, self.config, prompter), self.config.host, self.config.port
         )
-        self.thread = threading.Thread(target=self.server.run, name="tandem-server", daemon=True)
-        self.url = ""
-
-    def start(self) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start on {self.config.host}:{self.config.port}")
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://{self.config.host}:{port}"
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-    def __enter__(self) -> ServerThread:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -39,6 +39,12 @@ def check_request(body: SamplingFields, config: ServerConfig) -> None:
             f"model {body.model!r} is not served here; this server serves {config.model_name!r}",
             "model",
         )
+    check_body(body, config)
+
+
+def check_body(body: SamplingFields, config: ServerConfig) -> None:
+    """The request's text and sampling fields against what this server implements and allows
+    (:func:`check_request` without the model name; the agent-program endpoint takes any name)."""
     invalid = invalid_text(body)
     if invalid is not None:
         raise APIError(

@@ -9,6 +9,7 @@ from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.controller.factory import BACKENDS
 from tandem.controller.resource_pool import ResourcePool
 from tandem.engine.config import EngineConfig, check_trainer_tensor_parallel
+from tandem.run.dataplane import TrainerDataPlaneConfig, check_dataplane
 from tandem.sft.data import SFTDataConfig
 
 
@@ -91,16 +92,21 @@ class SFTTrainerConfig:
 
 @dataclass(frozen=True)
 class SFTConfig:
-    """Everything ``tandem sft`` reads; ``model_path`` fills ``engine.model_path`` when that is empty."""
+    """Everything ``tandem sft`` reads; ``model_path`` fills ``engine.model_path`` when that is empty.
+    ``dataplane``: whether each step's batch reaches the workers as references (docs/data-plane.md);
+    ``plugins``: user files imported before the rest validates (:mod:`tandem.config.plugins`)."""
 
     model_path: str = path_field(INPUT_PATH)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(lr=1e-4))
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
+    dataplane: TrainerDataPlaneConfig = field(default_factory=TrainerDataPlaneConfig)
+    plugins: tuple[str, ...] = path_field(INPUT_PATH, ())
 
     def __post_init__(self) -> None:
         if not (self.model_path or self.engine.model_path):
             raise ValueError("model_path is required (a local HF model directory)")
         check_trainer_tensor_parallel("engine", self.engine, self.trainer.world_size)
+        check_dataplane(self.dataplane, self.trainer.backend)
         if not self.data.train_path:
             raise ValueError("data.train_path is required (a .parquet or .jsonl file of conversations)")

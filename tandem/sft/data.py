@@ -25,7 +25,7 @@ from tandem.data.images import DEFAULT_MAX_IMAGE_PIXELS, ImageError, decode_imag
 from tandem.data.rows import read_rows
 from tandem.models.chat import check_message, template_ids, with_image_parts
 from tandem.models.chat_literal import SPECIAL_TOKENS_IN_TEXT
-from tandem.models.vision import ImagePrompter, expand_image_tokens, process_images
+from tandem.models.vision import ImagePrompter, expand_image_tokens
 from tandem.protocol import Batch
 from tandem.protocol.images import ImageInputs
 
@@ -127,12 +127,12 @@ def row_images(row: dict, config: SFTDataConfig, base_dir: Path, where: str) -> 
         )
     images = []
     for number, entry in enumerate(list(entries)):
+        entry_where = f"{where}: field {config.images_key!r} image {number}"
         try:
-            images.append(
-                decode_image(entry_bytes(entry, base_dir), config.max_image_pixels, "data.max_image_pixels")
-            )
+            raw = entry_bytes(entry, base_dir)
         except ImageError as error:
-            raise ValueError(f"{where}: field {config.images_key!r} image {number}: {error}") from error
+            raise ValueError(f"{entry_where}: {error}") from error
+        images.append(decode_image(raw, config.max_image_pixels, "data.max_image_pixels", entry_where))
     return images
 
 
@@ -140,16 +140,9 @@ def expand_images(
     ids: list[int], mask: list[int], images: list, prompter: ImagePrompter, where: str
 ) -> tuple[list[int], list[int], ImageInputs]:
     """``ids`` and ``mask`` with each image placeholder repeated once per image token (the copies
-    are prompt: mask 0), and the processed images. Each image is processed alone (the same
-    pixels and grid as together), so the processor's own refusals (Qwen2-VL's aspect ratio
-    under 200) name ``where`` and the image."""
-    parts = []
-    for number, image in enumerate(images):
-        try:
-            parts.append(process_images(prompter.processor, [image]))
-        except ValueError as error:
-            raise ValueError(f"{where}: image {number} ({image.width}x{image.height}): {error}") from None
-    inputs = ImageInputs.concat(parts)
+    are prompt: mask 0), and the processed images (:meth:`ImagePrompter.process`: the
+    processor's own refusals name ``where`` and the image)."""
+    inputs = prompter.process(images, where=where)
     expanded = expand_image_tokens(ids, inputs, prompter.placeholder, prompter.merge)
     counts = iter(inputs.token_counts(prompter.merge))
     expanded_mask = []

@@ -8,6 +8,12 @@ optimizer; the loss divides by the whole batch's counts, so the ranks' shares ad
 loss of the whole batch however it was split. Scoring calls return each row's summed log-prob
 over its ``loss_mask`` tokens (a reward model's score at the last one), from which the
 controller computes evaluation losses and the DPO reference.
+
+With ``dataplane.enabled`` the trainers pass a :class:`~tandem.dataplane.BatchRef` instead
+(:mod:`tandem.sft.step_rows`): each rank fetches only the fields its method declares
+(``@register(reads=...)``: ``SFT_READS``, the engine's forward fields and ``loss_mask``) of
+only its rows, and the scores come back as a ``BatchRef`` (``outputs="ref"``; a per-row score
+is held inline).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from tandem.device import bind_device
 from tandem.engine import EngineConfig, TorchTrainEngine
 from tandem.engine.base import LossFn, TokenOutputs
 from tandem.engine.divergence import ModelHealth
+from tandem.engine.forward_fields import FORWARD_FIELDS
 from tandem.engine.parallel import rank_strategy
 from tandem.models.loading import load_tokenizer
 from tandem.protocol import Batch
@@ -38,6 +45,7 @@ def summed_log_probs(batch: Batch, outputs: TokenOutputs) -> Batch:
 
 
 ENGINE_MESH = "engine"  # the engine's data-parallel ranks: sequence/tensor-parallel peers get the same rows
+SFT_READS = (*FORWARD_FIELDS, "loss_mask")  # what a rank fetches of a BatchRef (docs/data-plane.md)
 
 
 @dataclass
@@ -84,7 +92,7 @@ class EngineWorker(Worker):
         self.reference_engine: TorchTrainEngine | None = None
         return int(self.engine.causal_lm.get_input_embeddings().weight.shape[0])
 
-    @register(dispatch=mesh_dispatch(ENGINE_MESH))
+    @register(dispatch=mesh_dispatch(ENGINE_MESH), reads=SFT_READS)
     def train_step(self, batch: Batch, *, loss_fn: LossFn, with_sum_pi_squared: bool = False) -> StepReport:
         """Forward/backward of ``loss_fn`` on this rank's shard, then one optimizer step (skipped
         on every rank when any rank's loss or the gradient norm is not finite) and one
@@ -98,7 +106,7 @@ class EngineWorker(Worker):
             result.loss, result.metrics, grad_norm, learning_rate, self.engine.last_step_skipped
         )
 
-    @register(dispatch=mesh_dispatch(ENGINE_MESH))
+    @register(dispatch=mesh_dispatch(ENGINE_MESH), reads=SFT_READS, outputs="ref")
     def sequence_scores(
         self,
         batch: Batch,
@@ -149,7 +157,7 @@ class EngineWorker(Worker):
             self.reference_engine.causal_lm.requires_grad_(False)
         return self.reference_engine
 
-    @register(dispatch="ONE_TO_ALL")
+    @register(dispatch="ONE_TO_ALL", reads=FORWARD_FIELDS)
     def health(self, probe: Batch) -> ModelHealth:
         """This rank's weights and the log-probs of ``probe`` (a row or two): finite or not."""
         return self.engine.health(probe)

@@ -2,6 +2,8 @@
 
 The trainer is the controller; the engine runs in a worker group of ``trainer.n_workers``
 ranks (or one per GPU), each taking an equal share of every batch (:mod:`tandem.sft.engine_worker`).
+With ``dataplane.enabled`` the batch is put into a store once a step and the ranks fetch their
+rows' fields themselves (:mod:`tandem.sft.step_rows`, docs/data-plane.md).
 Every step's metrics (``loss``, ``grad_norm``, ``learning_rate``, ``eval_loss`` when it
 evaluates, throughput) go to ``metrics.jsonl``, with ``run.json``, ``status.json`` and
 ``report.html`` beside it (docs/report.md).
@@ -38,6 +40,7 @@ from tandem.sft.config import SFTConfig
 from tandem.sft.data import SFTDataset
 from tandem.sft.engine_worker import EngineWorker, StepReport, total_loss
 from tandem.sft.loss import sft_loss
+from tandem.sft.step_rows import Rows, StepRows, step_rows
 
 
 @dataclasses.dataclass
@@ -127,6 +130,8 @@ class SFTTrainer:
         with create_worker_group(self.worker_class, pool, trainer.backend, args=self.worker_args()) as group:
             check_workers_share_output_dir(group, self.output_dir)
             check_vocab_fits(group.init_engine()[0], self.tokenizer)
+            if self.config.dataplane.enabled:
+                group.use_data_store(self.config.dataplane)  # where the ranks keep their outputs
             self.workers = group
             try:
                 yield group
@@ -142,6 +147,11 @@ class SFTTrainer:
         if self.workers is None:
             raise RuntimeError("the trainer's workers are not running; call it inside trainer.started()")
         return self.workers
+
+    def step_rows(self) -> contextlib.AbstractContextManager[StepRows]:
+        """What one step's worker calls get: its ``Batch``, or with ``dataplane.enabled`` a
+        ``BatchRef`` put once, every block released when the step ends (:mod:`tandem.sft.step_rows`)."""
+        return step_rows(self.config.dataplane, self.group)
 
     def trackers(self) -> list:
         """``metrics.jsonl``, the report unless ``trainer.report`` is off, and a console line every
@@ -190,14 +200,19 @@ class SFTTrainer:
         )
         mask = batch["loss_mask"]
         normalizer = LossNormalizer(float(mask.sum()), float((mask.sum(-1) > 0).sum()))
-        reports = self.group.train_step(batch, loss_fn=functools.partial(sft_loss, normalizer=normalizer))
-        return self._finish_step(reports, batch, started)
+        with self.step_rows() as step:
+            rows = step.put(batch)
+            reports = self.group.train_step(rows, loss_fn=functools.partial(sft_loss, normalizer=normalizer))
+            return self._finish_step(reports, batch, started, rows)
 
-    def _finish_step(self, reports: list[StepReport], batch: Batch, started: float) -> dict[str, float]:
-        """Count the step, check it for divergence (probing ``batch``'s first pair of rows), and
-        return the metrics every step has: loss, gradient norm, learning rate, time, throughput."""
+    def _finish_step(
+        self, reports: list[StepReport], batch: Batch, started: float, rows: Rows | None = None
+    ) -> dict[str, float]:
+        """Count the step, check it for divergence (probing the first pair of ``rows``, the workers'
+        view of ``batch``, itself by default), and return the metrics every step has: loss,
+        gradient norm, learning rate, time, throughput."""
         self.step += 1
-        self._check_divergence(reports[0].skipped, batch[:2])
+        self._check_divergence(reports[0].skipped, (batch if rows is None else rows)[:2])
         seconds = time.perf_counter() - started
         return {
             "loss": total_loss(reports),
@@ -220,7 +235,7 @@ class SFTTrainer:
         )
         return line + (f"  eval_loss {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else "")
 
-    def _check_divergence(self, skipped: bool, probe: Batch) -> None:
+    def _check_divergence(self, skipped: bool, probe: Rows) -> None:
         """Count a skipped step; stop (naming the step) after too many in a row, or when the
         weights or ``probe``'s log-probs are no longer finite, before anything is saved."""
         self.skipped.record(skipped)
@@ -233,7 +248,8 @@ class SFTTrainer:
         """Mean assistant-token NLL over the whole validation set."""
         assert self.val is not None
         batch = self.val.collate(list(range(len(self.val))), self.tokenizer.pad_token_id)
-        summed = self.group.sequence_scores(batch)["score"]
+        with self.step_rows() as step:
+            summed = step.output(self.group.sequence_scores(step.put(batch)))["score"]
         return float(-summed.sum() / batch["loss_mask"].sum())
 
     def save_checkpoint(self) -> Path:

@@ -26,7 +26,14 @@ from tandem.verl.joint_algorithm import (
 )
 from tandem.verl.joint_rewards import OVERLONG_PLACES, rewards
 from tandem.verl.joint_rollout import rollout_engine, router_replay, validation_sampling
-from tandem.verl.joint_training import ACTOR_SP, REF_SP, engine_settings, optimizer, sequence_parallel
+from tandem.verl.joint_training import (
+    ACTOR_SP,
+    REF_SP,
+    data_plane,
+    engine_settings,
+    optimizer,
+    sequence_parallel,
+)
 from tandem.verl.keys import ACTOR, MODEL
 
 # Settings verl moved between releases: each tuple holds one setting's places (a key, or a group
@@ -152,5 +159,6 @@ TRANSLATORS: tuple[Callable[[Context], None], ...] = (
     validation_sampling,
     rewards,
     trainer_outputs,
+    data_plane,
     multi_turn.agent_loops,
 )

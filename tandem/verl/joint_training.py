@@ -247,3 +247,15 @@ def placement(ctx: Context) -> tuple[int, bool]:
     if nodes > 1:
         ctx.out["trainer.backend"] = "ray"
     return per_node * nodes, on_gpu
+
+
+def data_plane(ctx: Context) -> None:
+    """verl's transfer queue -> tandem's data plane (docs/data-plane.md): with
+    ``transfer_queue.enable`` per-token data stays where it was made (``dataplane.enabled``), in
+    shared-memory files on one node and in Ray's object store across several (``trainer.nnodes >
+    1``, which runs on ``trainer.backend=ray``: :func:`placement`)."""
+    if not ctx.get("transfer_queue.enable"):
+        return
+    ctx.out["dataplane.enabled"] = True
+    if int(ctx.get("trainer.nnodes")) > 1:
+        ctx.out["dataplane.engine"] = "ray"

@@ -168,7 +168,29 @@ RUN_RULES: tuple[Rule, ...] = (
         ("sync",),
         "verl v1's asynchronous trainer modes (tandem's are pipeline.mode)",
     ),
-    only("transfer_queue.enable", (False,), "verl's transfer queue"),
+    # ---- verl's data plane (its TransferQueue; docs/data-plane.md) ----
+    joint(
+        "transfer_queue.enable",
+        "dataplane.enabled (dataplane.engine=ray with trainer.nnodes > 1)",
+        False,
+        example=True,
+    ),
+    noted(
+        "transfer_queue.storage_backend",
+        "tandem's store is shared memory on one node and Ray's object store across nodes "
+        "(dataplane.engine, chosen by transfer_queue.enable from trainer.nnodes)",
+        example="AsyncSimpleStorageManager",
+    ),
+    noted(
+        "transfer_queue.num_data_storage_units",
+        "no storage-unit actors: each node's store holds the blocks its own processes put",
+        example=8,
+    ),
+    noted(
+        "transfer_queue.num_global_batch",
+        "the store holds what is in flight; pipeline.max_inflight_bytes bounds the asynchronous samples",
+        example=1,
+    ),
     only(
         "distillation.enabled",
         (False,),

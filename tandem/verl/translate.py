@@ -72,11 +72,12 @@ class Translation:
         """The ``tandem train`` arguments that give the same config (the preset first)."""
         return [f"preset={BASE_PRESET}", *self.overrides]
 
-    def config(self, extra: Sequence[str] = ()) -> TrainConfig:
-        """The typed config, with ``extra`` tandem overrides applied last; a tandem validation
-        error also names the verl key behind each tandem key it mentions."""
+    def config(self, extra: Sequence[str] = (), plugins: Sequence[str] = ()) -> TrainConfig:
+        """The typed config, with ``extra`` tandem overrides applied last (and ``--plugin``'s
+        ``plugins``); a tandem validation error also names the verl key behind each tandem key it
+        mentions."""
         try:
-            return load_train_config([*self.command_overrides(), *extra])
+            return load_train_config([*self.command_overrides(), *extra], plugins=plugins)
         except ValueError as error:
             raise ValueError(_with_verl_names(str(error))) from None
 

@@ -21,8 +21,8 @@ def test_ray_engine_needs_ray():
 
 
 def test_ray_round_trip_is_bit_exact_for_every_dtype_local_and_by_gather_task(ray_cluster):
-    from tandem.dataplane.columns import decode
-    from tandem.dataplane.ray_store import RayStore, _to_torch, gather_rows
+    from tandem.dataplane.ray_store import RayStore, gather_rows, gathered_arrays
+    from tandem.dataplane.store import decode_rows
 
     store = RayStore()
     gather = ray_cluster.remote(num_cpus=0)(gather_rows)
@@ -38,10 +38,7 @@ def test_ray_round_trip_is_bit_exact_for_every_dtype_local_and_by_gather_task(ra
         compact = ray_cluster.get(
             gather.remote(block.columns, rows, *block.refs)
         )  # what a remote reader gets
-        remote = {
-            c.name: decode(c, {k: _to_torch(v, copy=True) for k, v in compact.items()}, 3)
-            for c in block.columns
-        }
+        remote = decode_rows(block.columns, gathered_arrays(block.columns, compact), np.arange(3))
         for name, tensor in fields.items():
             assert torch.equal(bits(local[name]), bits(tensor[rows])), (dtype, name)
             assert torch.equal(bits(remote[name]), bits(tensor[rows])), (dtype, name)

@@ -19,13 +19,13 @@ class DelayedReplica(RolloutReplicaWorker):
         self.held: list = []
 
     @register(dispatch="ONE_TO_ALL")
-    def collect(self, wait_s: float = 0.0):
-        groups, idle = super().collect(wait_s)
+    def collect(self, wait_s: float = 0.0, room=None, at_least_one=False):
+        groups, idle, waited = super().collect(wait_s, room, at_least_one)
         time.sleep(self.random.uniform(0.0, 0.15))
         pool, self.held, ready = self.held + groups, [], []
         for group in pool:  # each poll reports a finished group with probability 1/2
             (ready if self.random.random() < 0.5 else self.held).append(group)
-        return ready, idle
+        return ready, idle, waited
 
 
 class DyingReplica(RolloutReplicaWorker):

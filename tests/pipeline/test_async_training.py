@@ -19,7 +19,7 @@ from tandem.protocol.shared import PROBE_PREFIX
 from tandem.rl import RLTrainer
 from tandem.rl.derived import replica_plan
 from tests.pipeline.replicas import DelayedReplica, DyingReplica
-from tests.rl.conftest import small_config
+from tests.rl.conftest import assert_same_histories, small_config
 
 TWO_CORES = ("pipeline.trainer_threads=1", "pipeline.rollout_threads=1")
 
@@ -182,6 +182,31 @@ def test_inline_samples_train_like_shared_memory(rl_files, tmp_path):
             assert a[name] == pytest.approx(b[name], rel=1e-6, abs=1e-7), name
 
 
+@pytest.mark.slow  # two pipeline runs (the fast siblings: test_sample_queue.py, test_groups.py)
+def test_a_byte_bound_on_waiting_samples_holds_and_changes_timing_not_data(rl_files, tmp_path):
+    """one_step_off is deterministic: with room for about one of a step's four groups (each
+    256..576 bytes) the queue never holds more than the bound, the replica's finished groups wait
+    while the trainer trains, and the run logs the same numbers as an unbounded one."""
+    bound = 600
+    runs = {}
+    for name, setting in (("unbounded", 0), ("bounded", bound)):
+        _, result = _train(
+            rl_files, tmp_path / name, "pipeline.mode=one_step_off", f"pipeline.max_inflight_bytes={setting}",
+            "trainer.total_steps=3", "data.val_path=",
+        )  # fmt: skip
+        runs[name] = result.history
+    bounded = runs["bounded"]
+    assert max(h["pipeline/inflight_bytes_max"] for h in bounded) <= bound
+    assert max(h["pipeline/inflight_bytes_max"] for h in runs["unbounded"]) > bound  # it did bind
+    assert sum(h["pipeline/rollout_wait_s"] for h in bounded) > 0  # the rollout waited, dropping nothing
+    without_bytes = [{k: v for k, v in h.items() if not k.startswith("pipeline/inflight")} for h in bounded]
+    assert_same_histories(
+        [{k: v for k, v in h.items() if not k.startswith("pipeline/inflight")} for h in runs["unbounded"]],
+        without_bytes,
+    )
+    assert not multiprocessing.active_children()
+
+
 def _shared_memory_files(pids):
     """The weight-slot and sample files of processes ``pids`` still in /dev/shm."""
     return [name for name in os.listdir("/dev/shm") if any(f"-{pid}-" in name for pid in pids)]
@@ -267,6 +292,8 @@ def test_an_async_run_resumes_from_its_checkpoint(rl_files, tmp_path):
             "staleness_threshold=1",
         ),
         (["pipeline.mode=sometimes"], "pipeline.mode"),
+        (["pipeline.max_inflight_bytes=-1"], r"pipeline.max_inflight_bytes=-1 is outside"),
+        (["pipeline.max_inflight_bytes=1.5"], "pipeline.max_inflight_bytes"),
         (["pipeline.old_log_probs=rollout", "rollout.top_p=0.9"], "rollout.top_p=1"),
     ],
 )

@@ -1,6 +1,7 @@
 """Prompt groups on a replica: what the tracker stores equals what the engine generates directly."""
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -148,3 +149,48 @@ def test_agent_groups_store_what_the_episodes_give_on_a_fresh_engine(model_dir, 
         assert 0 in fields["token_mask"].tolist()  # the user's turns are in the tokens, masked out
         assert meta.min_version == meta.max_version == 0  # tool/user tokens (version -1) do not count
     reference.close()
+
+
+def test_groups_that_find_no_room_wait_in_order_and_store_what_an_unbounded_collect_stores(
+    model_dir, tmp_path
+):
+    """Backpressure on the replica: with room for two groups, two are stored and the rest wait
+    (in finish order, counted as waiting time); later calls with room store them. The stored
+    groups equal an unbounded tracker's, field for field."""
+    groups = [
+        GroupRequest(f"u{g}", g, (5 + g, 9, 11), tuple(10 * g + i for i in range(2)), PARAMS)
+        for g in range(4)
+    ]
+
+    def finished_tracker(directory):
+        engine = _engine(model_dir)
+        tracker = GroupTracker(replica=0, writer=SampleWriter(str(directory)))
+        tracker.start(engine, groups)
+        while tracker.in_flight:
+            time.sleep(0.01)
+        engine.close()
+        return tracker
+
+    (tmp_path / "free").mkdir()
+    (tmp_path / "bounded").mkdir()
+    unbounded = {m.uid: read_fields(m.ref) for m in finished_tracker(tmp_path / "free").collect(0.0)}
+    tracker = finished_tracker(tmp_path / "bounded")
+    sizes = {uid: tracker.writer.size_of(fields) for uid, fields in unbounded.items()}
+    order = [p.request.uid for p in tracker._finished]  # the order they finished in
+    room = sizes[order[0]] + sizes[order[1]]
+    first = tracker.collect(0.0, room=room)
+    assert [m.uid for m in first] == order[:2] and tracker.waiting == 2
+    assert len(list((tmp_path / "bounded").iterdir())) == 2  # the waiting ones are not in the store
+    assert tracker.collect(0.0, room=0) == [] and tracker.waiting == 2
+    time.sleep(0.05)
+    oversized = tracker.collect(0.0, room=1, at_least_one=True)  # nothing queued: one gets through
+    assert [m.uid for m in oversized] == order[2:3]
+    last = tracker.collect(0.0, room=None)
+    assert [m.uid for m in last] == order[3:] and tracker.waiting == 0
+    assert tracker.waited_seconds() >= 2 * 0.05  # two groups waited at least the sleep
+    for meta in first + oversized + last:
+        stored = read_fields(meta.ref)
+        assert stored.keys() == unbounded[meta.uid].keys()
+        for name, tensor in stored.items():  # log-probs: the engines batched the groups differently
+            atol = 1e-5 if name == "log_probs" else 0
+            torch.testing.assert_close(tensor, unbounded[meta.uid][name], rtol=0, atol=atol)

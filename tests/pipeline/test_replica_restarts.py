@@ -11,8 +11,10 @@ import time
 
 import pytest
 
+from tandem.dataplane import BatchRef
 from tandem.errors import RolloutReplicaError
 from tandem.pipeline import runner
+from tandem.rl import RLTrainer
 from tests.pipeline.replicas import DyingOnceReplica, DyingReplica
 from tests.pipeline.test_async_training import (
     TWO_CORES,
@@ -32,6 +34,19 @@ def _config(rl_files, tmp_path, *overrides):
         "data.val_path=", "pipeline.rollout_replicas=1", *TWO_CORES, *overrides,
     )  # fmt: skip
 
+
+
+def _run_killing_the_first_replica(trainer):
+    """Run ``trainer``, SIGKILL its first replica's host process once two steps have trained, and
+    finish the run; returns the result and the killed pid."""
+    thread, outcome = _run_in_thread(trainer)
+    deadline = time.monotonic() + 120
+    while trainer.step < 2 and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.05)
+    assert trainer.step >= 2, outcome
+    killed = trainer.rollout.replicas.backend.host_pids[0]
+    os.kill(killed, signal.SIGKILL)
+    return _finish(thread, outcome, trainer), killed
 
 def _finish(thread, outcome, trainer, timeout_s=240):
     thread.join(timeout=timeout_s)
@@ -56,18 +71,13 @@ def test_a_killed_replica_is_restarted_and_the_run_finishes(rl_files, tmp_path, 
             "pipeline.replica_restarts=1", f"trainer.backend={backend}",
         )
     )  # fmt: skip
-    thread, outcome = _run_in_thread(trainer)
-    deadline = time.monotonic() + 120
-    while trainer.step < 2 and time.monotonic() < deadline and thread.is_alive():
-        time.sleep(0.05)
-    assert trainer.step >= 2, outcome
-    killed = trainer.rollout.replicas.backend.host_pids[0]
-    os.kill(killed, signal.SIGKILL)
-    result = _finish(thread, outcome, trainer)
+    result, killed = _run_killing_the_first_replica(trainer)
     assert _restarts(result) == 1
     lags = _token_staleness(trainer.trained)
     assert all(low >= 0 and high <= 1 for low, high in lags.values()), lags
     assert not _shared_memory_files([killed])  # the lost replica's stored samples are deleted
+    # provenance: the last step (>= 2 steps after the loss) trains only on the new process's rows
+    assert set(trainer.last_batch["replica_generation"]) == {1}, trainer.last_batch["replica_generation"]
 
 
 def test_a_replica_lost_during_a_weight_sync_is_restarted(rl_files, tmp_path, monkeypatch):
@@ -107,3 +117,33 @@ def test_a_replica_that_keeps_dying_ends_the_run_when_the_restarts_are_spent(
 def test_replica_restarts_must_not_be_negative(rl_files, tmp_path):
     with pytest.raises(ValueError, match="pipeline.replica_restarts"):
         _config(rl_files, tmp_path, "pipeline.mode=fully_async", "pipeline.replica_restarts=-1")
+
+
+class StoredDrawTrainer(RLTrainer):
+    """Records each trained step, whether its draw came as references, and the replicas' processes."""
+
+    def train_step(self):
+        self.replica_pids = getattr(self, "replica_pids", set()) | set(self.rollout.host_pids())
+        return super().train_step()
+
+    def _policy_gradient_update(self, batch, timings):
+        self.trained = [*getattr(self, "trained", []), (self.step, isinstance(batch, BatchRef), None)]
+        return super()._policy_gradient_update(batch, timings)
+
+
+@pytest.mark.slow  # the local sibling above is the fast tier's; this one keeps the samples in blocks
+def test_a_killed_replica_with_its_samples_in_the_data_plane_leaves_no_block(rl_files, tmp_path):
+    """``dataplane.enabled``: the lost replica's blocks (groups it had reported, trained or not) and
+    the new replica's are all gone when the run ends, and every step trained a stored draw."""
+    trainer = StoredDrawTrainer(
+        _config(
+            rl_files, tmp_path, "pipeline.mode=fully_async", "pipeline.staleness_threshold=1",
+            "pipeline.replica_restarts=1", "dataplane.enabled=true",
+        )
+    )  # fmt: skip
+    result, killed = _run_killing_the_first_replica(trainer)
+    assert _restarts(result) == 1
+    assert all(stored for _, stored, _ in trainer.trained)
+    assert max(h["pipeline/staleness/max"] for h in result.history) <= 1
+    assert killed in trainer.replica_pids and len(trainer.replica_pids) == 2  # the lost one and its successor
+    assert not _shared_memory_files([*trainer.replica_pids, os.getpid()])

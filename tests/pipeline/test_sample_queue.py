@@ -64,3 +64,30 @@ def test_drain_releases_everything(tmp_path):
     queue = SampleQueue(staleness_threshold=None)
     queue.put([_group(writer, f"g{i}", 0) for i in range(3)])
     assert queue.drain() == 3 and len(queue) == 0 and not list(tmp_path.iterdir())
+
+
+def _from(writer, uid: str, replica: int, tokens: int) -> GroupMeta:
+    ref = writer.write(uid, {"token_ids": torch.ones(tokens, dtype=torch.int64)})
+    return GroupMeta(uid, 0, replica, ref, 0, 0, ("stop",), 0.1)
+
+
+def test_each_replica_gets_an_equal_share_of_the_byte_bound_and_taking_frees_it(tmp_path):
+    writer = SampleWriter(str(tmp_path))
+    queue = SampleQueue(staleness_threshold=None, max_bytes=4096, producers=2)
+    assert queue.room(0) == (2048, True) and queue.room(1) == (2048, True)  # empty: one may exceed
+    queue.put([_from(writer, "a", 0, 128), _from(writer, "b", 0, 64)])  # 1024 + 512 bytes
+    queue.put([_from(writer, "c", 1, 256)])  # 2048 bytes: replica 1's share is full
+    assert queue.held_bytes == 1024 + 512 + 2048
+    assert queue.room(0) == (2048 - 1536, False) and queue.room(1) == (0, False)
+    assert [g.uid for g in queue.take(1, 0)] == ["a"]  # a taken group leaves the count
+    assert queue.held_bytes == 512 + 2048 and queue.room(0) == (2048 - 512, False)
+    assert queue.read_peak() == 1024 + 512 + 2048  # the most held at once, then from now on
+    assert queue.read_peak() == 512 + 2048
+    queue.drain()
+    assert queue.held_bytes == 0 and queue.room(1) == (2048, True)
+
+
+def test_without_a_bound_bytes_are_counted_and_room_is_unlimited(tmp_path):
+    queue = SampleQueue(staleness_threshold=None)
+    queue.put([_from(SampleWriter(str(tmp_path)), "a", 3, 8)])
+    assert queue.room(3) == (None, False) and queue.held_bytes == 64

@@ -1,11 +1,16 @@
 """The sample store: what a consumer reads is what the producer wrote, through the same pages."""
 
+import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from tandem.pipeline.sample_store import SampleWriter, read_fields, release
+from tests.conftest import ROOT
 
 
 @pytest.fixture
@@ -67,3 +72,45 @@ def test_discard_all_removes_only_this_writers_files(tmp_path):
 def test_a_missing_directory_is_an_error_naming_it(tmp_path):
     with pytest.raises(ValueError, match="nowhere"):
         SampleWriter(str(tmp_path / "nowhere"))
+
+
+FILL_A_SMALL_TMPFS = """
+import json, os, sys
+import torch
+from tandem.pipeline.sample_store import SampleStoreFullError, SampleWriter
+directory = sys.argv[1]
+writer = SampleWriter(directory)
+first = writer.write("g0", {"token_ids": torch.ones(600_000 // 8, dtype=torch.int64)})
+try:
+    writer.write("g1", {"token_ids": torch.ones(600_000 // 8, dtype=torch.int64)})
+    outcome = "written"
+except SampleStoreFullError as error:
+    outcome = str(error)
+print(json.dumps({"outcome": outcome, "files": sorted(os.listdir(directory)), "first": os.path.basename(first.path)}))
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch: about 5 s alone, 20 s on a loaded machine
+def test_a_full_directory_is_an_error_naming_it_the_bytes_and_the_settings(tmp_path):
+    """A 1 MiB tmpfs of its own (``unshare -m``, as tests/dataplane's second node): the second
+    600 kB group does not fit. Unreserved pages would kill the writer with SIGBUS on first touch."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs unshare -m and the right to mount a tmpfs (root)")
+    small = tmp_path / "small"
+    small.mkdir()
+    script = tmp_path / "fill.py"
+    script.write_text(FILL_A_SMALL_TMPFS)
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c",
+         f'mount -t tmpfs -o size=1m tmpfs "{small}" && exec "{sys.executable}" "{script}" "{small}"'],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7: SIGBUS
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    message = result["outcome"]
+    free = 1 << 20  # the tmpfs's pages less the first file's
+    free -= 600_000 + (-600_000) % 4096
+    assert f"{small} is full" in message and "need 600,000 bytes" in message
+    assert f"{free:,} bytes are free" in message
+    assert "pipeline.max_inflight_bytes" in message and "pipeline.sample_store=inline" in message
+    assert result["files"] == [result["first"]]  # the refused group left no file behind

@@ -122,7 +122,8 @@ def test_overrides_apply_and_bad_ones_name_the_key():
         ),
         (
             ["trainer.n_workers=2", "actor.engine.tp_size=2", "actor.engine.lora.rank=4"],
-            "engine.tp_size=2 with engine.lora.rank=4: LoRA adapters are not split over tensor-parallel ranks",
+            "actor.engine.tp_size=2 with actor.engine.lora.rank=4: LoRA adapters are not split over "
+            "tensor-parallel ranks",
         ),
         (
             [
@@ -163,7 +164,7 @@ def test_overrides_apply_and_bad_ones_name_the_key():
             ["rollout.engine.vllm.device=cuda:1", "trainer.device=cpu"],
             "rollout.engine.vllm.device='cuda:1' would be overwritten: it follows trainer.device",
         ),
-        (["rollout.engine.vllm.device=gpu"], "vllm.device='gpu' is not allowed"),
+        (["rollout.engine.vllm.device=gpu"], "rollout.engine.vllm.device='gpu' is not allowed"),
         (
             ["rollout.engine.name=vllm", "rollout.free_cache_between_generations=true"],
             "needs rollout.engine.vllm.enable_sleep_mode=true",

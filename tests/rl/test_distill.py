@@ -11,6 +11,7 @@ import torch
 
 from tandem.algos.distill import distill_metrics, reverse_kl_advantages, top_k_jsd
 from tandem.controller import create_worker_group
+from tandem.controller.errors import WorkerError
 from tandem.data import write_parquet
 from tandem.data.rows import read_rows
 from tandem.demos.accuracy import accuracy_curve
@@ -281,6 +282,34 @@ def test_a_relative_teacher_path_reaches_ray_teacher_workers_that_run_elsewhere(
             group.init_model()
             scored.append(group.compute_teacher_log_prob(batch)["teacher_log_probs"])
     assert torch.equal(scored[0], scored[1])
+
+
+def test_a_relative_teacher_path_reaches_teacher_processes_started_elsewhere(
+    rl_files, teacher_dir, tmp_path, monkeypatch
+):
+    """The trainer resolves a relative ``teacher.model_path`` against the caller's working
+    directory, so teacher processes (the process backend) started in another directory, as Ray's
+    workers are, score a batch as the teacher at its absolute path does; the path as written
+    finds no model there. (On a real Ray cluster: the slow test above.)"""
+    shutil.copytree(teacher_dir, tmp_path / "caller" / "teacher")
+    monkeypatch.chdir(tmp_path / "caller")
+    written = distill_config(rl_files, tmp_path / "run", "teacher")
+    resolved = RLTrainer(written).config
+    assert resolved.teacher.model_path == str(tmp_path / "caller" / "teacher")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # the workers start here
+    batch = _padded_batch(load_tokenizer(teacher_dir), [("12+7=", "19"), ("3+45=", "48 and")])
+    scored = []
+    for config, backend in ((resolved, "process"), (distill_config(rl_files, tmp_path, teacher_dir), "local")):
+        with create_worker_group(TeacherWorker, config.teacher_resource_pool(), backend, args=(config,)) as group:
+            group.init_model()
+            scored.append(group.compute_teacher_log_prob(batch)["teacher_log_probs"])
+    assert torch.equal(scored[0], scored[1])
+    with (
+        create_worker_group(TeacherWorker, written.teacher_resource_pool(), "local", args=(written,)) as group,
+        pytest.raises(WorkerError, match="no model at teacher: config.json is missing"),
+    ):
+        group.init_model()
 
 
 @pytest.mark.parametrize(

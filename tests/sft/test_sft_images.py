@@ -97,7 +97,7 @@ def test_images_expand_into_prompt_tokens_outside_the_loss(vlm_dir, tmp_path):
                 "messages": conversation("<image>?<image>", "a"),
                 "images": [{"bytes": png(56, 56, 5)}, {"bytes": png(2, 500, 6)}],
             },
-            "row 0: field 'images': image 1 (500x2): absolute aspect ratio must be smaller than 200",
+            "row 0: field 'images' image 1 (500x2): absolute aspect ratio must be smaller than 200",
         ),
     ],
 )

@@ -112,6 +112,7 @@ CONTEXT = {
 
 # What each joint key's example becomes (tandem key -> value), with CONTEXT beside it.
 JOINT = {
+    "transfer_queue.enable": {"dataplane.enabled": True},  # one node: the shm engine, tandem's default
     "data.train_files": {"data.train_path": "/data/train.parquet"},
     "actor_rollout_ref.actor.router_replay.mode": {"actor.router_replay": "rollout"},
     "actor_rollout_ref.rollout.enable_rollout_routing_replay": {"actor.router_replay": "rollout"},

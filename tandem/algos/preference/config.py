@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from tandem.algos.preference.base import F_DIVERGENCE_LOSSES, PREFERENCE_LOSSES, REFERENCE_FREE
 from tandem.algos.preference.kto import UNPAIRED_LOSSES
@@ -44,6 +45,8 @@ class PreferenceLossConfig:
             ``r = (1 - p^(-α)) / α`` in place of ``log p``.
         desirable_weight / undesirable_weight: KTO's weights of desirable and undesirable rows.
     """
+
+    key_prefix: ClassVar[str] = "preference"  # its messages' keys start so (tandem.config.build)
 
     name: str = "sigmoid"
     names: tuple[str, ...] = ()

@@ -2,8 +2,9 @@
 
 One module per concern, each with its fields and the checks that concern them: ``data``,
 ``actor`` (online DPO's checks too), ``rollout``, ``algorithm``, ``reward``, ``trainer``, the
-asynchronous pipelines' checks (``pipeline``), and ``train`` (the whole run: batch shapes,
-placement, the derived engine settings). See :mod:`tandem.rl.config.train` for the batch-size
+asynchronous pipelines' checks (``pipeline``), ``train`` (the whole run: its sections,
+placement) and ``rules`` (the rules that join sections: batch shapes, the parallel layout, the
+head's precision; it runs every cross-section check, the derived engine settings' too). See :mod:`tandem.rl.config.train` for the batch-size
 semantics.
 """
 

@@ -1,35 +1,11 @@
-"""``dataplane.*``: whether the policy-gradient step moves references instead of batches
-(docs/data-plane.md), and which store holds its per-token fields."""
+"""``dataplane.*`` of the RL trainer: the trainers' shared section
+(:class:`tandem.run.dataplane.TrainerDataPlaneConfig`, moved there so that SFT and DPO have it
+too), under its old names."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from tandem.run.dataplane import TrainerDataPlaneConfig, check_dataplane
 
-from tandem.config.paths import OUTPUT_PATH, path_field
-from tandem.dataplane.config import DataPlaneConfig
+RLDataPlaneConfig = TrainerDataPlaneConfig
 
-
-@dataclass(frozen=True)
-class RLDataPlaneConfig(DataPlaneConfig):
-    """:class:`~tandem.dataplane.DataPlaneConfig` (``engine``, ``directory``) plus the switch.
-
-    Attributes:
-        enabled: the step's batch is put into the store once; the stages (log-probs, reference,
-            teacher, critic values, updates) get a ``BatchRef``, fetch the fields they declare
-            on their ranks and keep their outputs there. Off (the default): ``Batch`` arguments,
-            as before.
-        directory: as :class:`DataPlaneConfig`'s, marked as a path the run writes (made absolute
-            where the run starts).
-    """
-
-    directory: str = path_field(OUTPUT_PATH, "/dev/shm")
-    enabled: bool = False
-
-
-def check_dataplane(dataplane: RLDataPlaneConfig, backend: str) -> None:
-    """The ``ray`` engine keeps blocks in Ray's object store, so it needs the Ray backend."""
-    if dataplane.enabled and dataplane.engine == "ray" and backend != "ray":
-        raise ValueError(
-            f"dataplane.engine=ray needs trainer.backend=ray (got trainer.backend={backend}); "
-            "on one machine use dataplane.engine=shm"
-        )
+__all__ = ["RLDataPlaneConfig", "check_dataplane"]

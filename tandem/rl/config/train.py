@@ -23,24 +23,23 @@ from dataclasses import dataclass, field
 from tandem.agents.config import AgentConfig
 from tandem.config.paths import INPUT_PATH, path_field
 from tandem.controller.resource_pool import ResourcePool
-from tandem.engine.config import check_trainer_tensor_parallel
 from tandem.pipeline.config import PipelineConfig
-from tandem.rl.config.actor import ActorConfig, check_preference, check_router_replay
+from tandem.rl.config.actor import ActorConfig
 from tandem.rl.config.algorithm import AlgorithmConfig
 from tandem.rl.config.data import RLDataConfig
-from tandem.rl.config.dataplane import RLDataPlaneConfig, check_dataplane
-from tandem.rl.config.pipeline import check_pipeline
-from tandem.rl.config.reward import INTERACTION_SOURCE, MODEL_SOURCE, RewardConfig
+from tandem.rl.config.dataplane import RLDataPlaneConfig
+from tandem.rl.config.reward import MODEL_SOURCE, RewardConfig
 from tandem.rl.config.rollout import RolloutConfig
-from tandem.rl.config.teacher import TeacherConfig, check_teacher
+from tandem.rl.config.rules import check_train_config
+from tandem.rl.config.teacher import TeacherConfig
 from tandem.rl.config.trainer import TrainerConfig
-from tandem.rl.critic_config import CriticConfig, check_critic
-from tandem.rl.derived import check_derived_fields
+from tandem.rl.critic_config import CriticConfig
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything ``tandem train`` reads; ``model_path`` is the policy (and reference) HF directory."""
+    """Everything ``tandem train`` reads; ``model_path`` is the policy (and reference) HF directory;
+    ``plugins``: user files imported before the rest validates (:mod:`tandem.config.plugins`)."""
 
     model_path: str = path_field(INPUT_PATH)
     data: RLDataConfig = field(default_factory=RLDataConfig)
@@ -54,69 +53,10 @@ class TrainConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     dataplane: RLDataPlaneConfig = field(default_factory=RLDataPlaneConfig)
+    plugins: tuple[str, ...] = path_field(INPUT_PATH, ())
 
     def __post_init__(self) -> None:
-        if not self.model_path:
-            raise ValueError("model_path is required (a local HF model directory)")
-        if not self.data.train_path:
-            raise ValueError("data.train_path is required (a parquet file of prompts in verl's schema)")
-        n, workers = self.rollout.n, self.world_size
-        sp = self.actor.engine.sp_size
-        if workers % sp:
-            raise ValueError(
-                f"actor.engine.sp_size={sp} must divide the {workers} workers (trainer.nnodes x "
-                "trainer.n_gpus_per_node or trainer.n_workers): each data-parallel rank is sp_size workers"
-            )
-        check_trainer_tensor_parallel("actor.engine", self.actor.engine, workers)
-        shared = self.world_size // self.actor_dp_size  # workers per data-parallel rank (sp or tp)
-        if self.algorithm.compares_groups and n < 2:
-            raise ValueError(
-                f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} compares the responses of a prompt, "
-                f"so rollout.n must be at least 2 (got {n})"
-            )
-        if self.algorithm.filter_groups.enable and n < 2:
-            raise ValueError("algorithm.filter_groups.enable needs rollout.n >= 2")
-        mini = self.mini_batch_prompts
-        if self.data.train_batch_size % mini:
-            raise ValueError(
-                f"actor.ppo_mini_batch_size={mini} must divide data.train_batch_size={self.data.train_batch_size}"
-            )
-        if (mini * n) % self.actor_dp_size:
-            ranks = f"{workers} workers" if shared == 1 else f"{self.actor_dp_size} data-parallel ranks"
-            over = "" if shared == 1 else f", over actor.engine.{'sp_size' if sp > 1 else 'tp_size'}"
-            raise ValueError(
-                f"a mini-batch of actor.ppo_mini_batch_size * rollout.n = {mini * n} sequences must divide "
-                f"evenly over the {ranks} (trainer.nnodes x trainer.n_gpus_per_node or trainer.n_workers{over})"
-            )
-        longest = self.data.max_prompt_length + self.rollout.max_response_length
-        engine = self.actor.engine
-        if engine.use_packing and engine.max_tokens_per_micro_batch < longest:
-            raise ValueError(
-                f"actor.engine.max_tokens_per_micro_batch={engine.max_tokens_per_micro_batch} is below the longest "
-                f"sequence, data.max_prompt_length + rollout.max_response_length = {longest}"
-            )
-        rollout = self.rollout.engine
-        if engine.logprob_head_dtype == "bfloat16" and rollout.selected.dtype != "bfloat16":
-            raise ValueError(
-                f"actor.engine.logprob_head_dtype=bfloat16 rounds the head's inputs to bf16, but the rollout's "
-                f"log-probs come from a {rollout.selected.dtype} model (rollout.engine.{rollout.name}.dtype): they "
-                f"would disagree by that rounding; set rollout.engine.{rollout.name}.dtype=bfloat16 or keep the "
-                "float32 head"
-            )
-        if self.algorithm.kl.use_kl_loss and self.algorithm.kl.kl_loss_coef == 0:
-            raise ValueError("algorithm.kl.use_kl_loss is on but algorithm.kl.kl_loss_coef is 0")
-        if INTERACTION_SOURCE in self.reward.sources and not self.agent.interaction_path:
-            raise ValueError(
-                f"reward.sources has {INTERACTION_SOURCE!r}: set agent.interaction_path (the user function whose "
-                "reward ends an episode) and agent.name=interaction"
-            )
-        check_pipeline(self)
-        check_preference(self)
-        check_router_replay(self)
-        check_critic(self)
-        check_teacher(self)
-        check_dataplane(self.dataplane, self.trainer.backend)
-        check_derived_fields(self)
+        check_train_config(self)  # the sections validated their own fields; these rules join them
 
     @property
     def uses_critic(self) -> bool:

@@ -9,7 +9,9 @@ At load time each image is decoded and processed once, to check it and to count 
 tokens (the prompt's ``<|image_pad|>`` placeholders are expanded, so ``data.max_prompt_length``
 applies to the length the model sees). A sample keeps only the encoded image
 (:class:`PromptImages`); :meth:`ImageReader.inputs` processes it again when a batch is built,
-since processed pixels take ~300x the memory of a PNG.
+since processed pixels take ~300x the memory of a PNG. Decoding is
+:func:`tandem.data.images.decode_image` and processing the model's
+:class:`~tandem.models.vision.ImagePrompter`, as for every other reader of images.
 """
 
 from __future__ import annotations
@@ -19,19 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig
 
-from tandem.data.images import ImageError, entry_bytes
-from tandem.data.images import decode_image as decode_bytes
+from tandem.data.images import ImageError, decode_image, entry_bytes
 from tandem.models.chat import IMAGE_PLACEHOLDER
-from tandem.models.vision import (
-    expand_image_tokens,
-    image_token_id,
-    is_vision_language,
-    load_image_processor,
-    merge_size,
-    process_images,
-)
+from tandem.models.vision import ImagePrompter, expand_image_tokens
 from tandem.protocol.images import ImageInputs
 from tandem.rl.config.data import RLDataConfig, RLImageConfig
 
@@ -59,9 +52,11 @@ class PromptImages:
 
 @dataclass
 class ImageReader:
-    """What a dataset needs to read its rows' images for one model (see the module docstring).
+    """Where a data file's rows hold their images (``data.image_key``, ``data.video_key``), the
+    limits they are read under (``data.image.*``) and the model's
+    :class:`~tandem.models.vision.ImagePrompter`, which processes them (see the module docstring).
 
-    ``placeholder_id`` is None for a model without a vision tower: its rows may not hold images.
+    ``prompter`` is None for a model without a vision tower: its rows may not hold images.
     Build one with :func:`image_reader`.
     """
 
@@ -69,49 +64,29 @@ class ImageReader:
     settings: RLImageConfig = field(default_factory=RLImageConfig)
     image_key: str = "images"
     video_key: str = "videos"
-    placeholder_id: int | None = None
-    merge: int = 2
-    _processors: dict[tuple[int | None, int | None], Any] = field(default_factory=dict, repr=False)
+    prompter: ImagePrompter | None = None
 
-    def processor(self, bounds: tuple[int | None, int | None] = (None, None)):
-        """The model's image processor with ``bounds`` (an entry's own pixel limits) over
-        ``data.image.*``; each distinct pair is loaded once."""
-        low = self.settings.min_pixels if bounds[0] is None else bounds[0]
-        high = self.settings.max_pixels if bounds[1] is None else bounds[1]
-        if (low, high) not in self._processors:
-            self._processors[(low, high)] = load_image_processor(self.model_path, low, high)
-        return self._processors[(low, high)]
+    def decode(self, data: bytes, where: str):
+        """An image file's bytes as an RGB image (:func:`tandem.data.images.decode_image`, under
+        ``data.image.max_image_pixels``); ``ValueError`` naming ``where``."""
+        return decode_image(data, self.settings.max_image_pixels, "data.image.max_image_pixels", where)
 
     def inputs(self, images: PromptImages | None) -> ImageInputs | None:
         """``images`` processed into the model's inputs (None stays None: a text-only prompt)."""
         if images is None:
             return None
-        parts = [
-            process_images(self.processor(bounds), [decode_image(data, "an image", self.settings)])
-            for data, bounds in zip(images.encoded, images.pixel_bounds, strict=True)
+        assert self.prompter is not None, "a row with images was read with the model's prompter"
+        pictures = [
+            self.decode(data, f"a prompt's image {number}") for number, data in enumerate(images.encoded)
         ]
-        return ImageInputs.concat(parts)
+        return self.prompter.process(pictures, images.pixel_bounds, "a prompt's")
 
 
 def image_reader(model_path: str, data: RLDataConfig) -> ImageReader:
     """The reader of ``data``'s images for the model in ``model_path``; a vision-language model's
     image processor is loaded here, once, so a missing ``preprocessor_config.json`` fails early."""
-    config = AutoConfig.from_pretrained(str(model_path))
-    reader = ImageReader(str(model_path), data.image, data.image_key, data.video_key)
-    if is_vision_language(config):
-        reader.placeholder_id = image_token_id(config)
-        reader.merge = merge_size(config)
-        reader.processor()
-    return reader
-
-
-def decode_image(data: bytes, where: str, settings: RLImageConfig):
-    """``data`` (an image file's bytes) decoded as an RGB image (:func:`tandem.data.images.decode_image`:
-    the pixel limit is checked on the header's size, before decoding); ``ValueError`` naming ``where``."""
-    try:
-        return decode_bytes(data, settings.max_image_pixels, "data.image.max_image_pixels")
-    except ImageError as error:
-        raise ValueError(f"{where}: {error}") from None
+    prompter = ImagePrompter.for_model(model_path, data.image.min_pixels, data.image.max_pixels)
+    return ImageReader(str(model_path), data.image, data.image_key, data.video_key, prompter)
 
 
 def count_placeholders(messages: list[dict]) -> int:
@@ -141,35 +116,32 @@ def row_images(row: dict, where: str, folder: Path, reader: ImageReader) -> Prom
         )
     if not entries:
         return None
-    if reader.placeholder_id is None:
+    if reader.prompter is None:
         raise ValueError(
             f"{field_where} holds {len(entries)} image{'s' * (len(entries) != 1)}, but the model "
             f"{reader.model_path or '(none given)'} has no vision tower: train a vision-language model "
             "(Qwen2-VL, Qwen2.5-VL) on images"
         )
-    encoded, bounds, grids = [], [], []
+    encoded, bounds, pictures = [], [], []
     for number, entry in enumerate(entries):
         entry_where = f"{field_where} image {number}"
         data, pixel_bounds = _read_entry(entry, entry_where, folder)
-        picture = decode_image(data, entry_where, reader.settings)
+        pictures.append(reader.decode(data, entry_where))
         try:
-            processor = reader.processor(pixel_bounds)
+            reader.prompter.processor_for(pixel_bounds)  # an entry's bounds the processor refuses
         except ValueError as error:
             raise ValueError(f"{entry_where}: {error}") from None
-        try:  # the processor's own limits (Qwen2-VL's aspect ratio under 200) name no image
-            grids.append(process_images(processor, [picture]).image_grid_thw)
-        except ValueError as error:
-            raise ValueError(f"{entry_where} ({picture.width}x{picture.height}): {error}") from None
         encoded.append(data)
         bounds.append(pixel_bounds)
-    return PromptImages(tuple(encoded), tuple(bounds), torch.cat(grids))
+    grids = reader.prompter.process(pictures, bounds, field_where).image_grid_thw
+    return PromptImages(tuple(encoded), tuple(bounds), grids)
 
 
 def expand_prompt(ids: list[int], images: PromptImages, reader: ImageReader, where: str) -> list[int]:
     """The template's ``ids`` with each image's one ``<|image_pad|>`` repeated once per image token."""
     grid_only = ImageInputs(torch.empty(0), images.image_grid_thw)
     try:
-        return expand_image_tokens(ids, grid_only, reader.placeholder_id, reader.merge)
+        return expand_image_tokens(ids, grid_only, reader.prompter.placeholder, reader.prompter.merge)
     except ValueError as error:
         raise ValueError(
             f"{where}: the chat template of {reader.model_path} rendered the prompt with a different "

@@ -1,0 +1,136 @@
+"""Running agent programs as episodes: :class:`ProgramRunner` is the ``program`` loop's
+``ctx.program`` (:mod:`tandem.agents.loops`).
+
+Each episode gets a key on the endpoint (started on first use, on a thread of its own) and the
+row ``{"messages", "extra_info", "seed"}``. A function program (``agent.program``) is called with
+a ready ``openai.AsyncOpenAI`` client with that key (no retries: a refused request is the
+program's to handle) on the episodes' event loop under ``agent.program_timeout_s``; it must not
+block that loop (its requests are awaited, not run on threads). A command
+(``agent.program_command``) runs as a subprocess per episode
+(:mod:`~tandem.agents.program.command`). When the program is done, the episode ends (its key
+then gets 409) and the recording becomes the trajectory: the **last segment** is the training
+row (the one holding the final answer the reward scores), the earlier segments of a split
+episode are counted (``Trajectory.splits``) but not trained yet.
+
+A program that raises (a command: exits non-zero, prints no result, writes past its output
+cap), times out, returns something that is not a reward, or made a request that was refused
+(malformed, over a limit) ends its episode with ``program_error`` and reward 0 (each distinct
+problem logged once). The trajectory's ``program_log`` keeps the reason and a command's output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from collections.abc import Sequence
+
+import openai
+
+from tandem.agents.loops import PROGRAM_ERROR, AgentContext, AgentSample
+from tandem.agents.program.command import run_command
+from tandem.agents.program.config import ProgramLimits, load_program, read_result
+from tandem.agents.program.endpoint import ProgramEndpoint
+from tandem.agents.program.recorder import EpisodeRecord
+from tandem.agents.tool_calls import ToolCallParser
+from tandem.agents.trajectory import Trajectory
+from tandem.models.chat import template_ids
+from tandem.serve.launch import AppThread
+from tandem.user_calls import describe_error
+
+LOG = logging.getLogger(__name__)
+MAX_REPORTED = 100  # distinct program failures logged; the metric counts them all
+
+
+class ProgramRunner:
+    """Episodes of the program ``spec`` (``agent.program``) or the command ``command``
+    (``agent.program_command``: given, ``spec`` is ignored) over ``engine`` (see the module
+    docstring)."""
+
+    def __init__(
+        self, spec: str, limits: ProgramLimits, engine, tokenizer, parser: ToolCallParser | None,
+        command: Sequence[str] = (),
+    ) -> None:  # fmt: skip
+        self.command = tuple(command)
+        self.function = None if self.command else load_program(spec)
+        self.spec = " ".join(self.command) if self.command else spec
+        self.limits, self.tokenizer = limits, tokenizer
+        self.endpoint = ProgramEndpoint(engine, tokenizer, parser)
+        self.server: AppThread | None = None
+        self.reported: set[str] = set()
+
+    @property
+    def base_url(self) -> str:
+        """The endpoint's ``/v1`` URL (the endpoint starts on first use)."""
+        if self.server is None:
+            self.server = AppThread(self.endpoint.app, name="tandem-agent-programs").start()
+        return self.server.url + "/v1"
+
+    async def run_episode(self, ctx: AgentContext, sample: AgentSample) -> Trajectory:
+        """Run the program on ``sample``'s row; its trajectory (see the module docstring)."""
+        prompt = tuple(template_ids(ctx.tokenizer, sample.messages, add_generation_prompt=True))
+        record = EpisodeRecord(
+            ctx.encoder, self.tokenizer.convert_tokens_to_ids(self.tokenizer.eos_token),
+            len(prompt), ctx.sampling.max_tokens,
+        )  # fmt: skip
+        episode = self.endpoint.open(sample.request_id, record, self.limits, ctx.sampling, sample.seed)
+        row = {"messages": copy.deepcopy(sample.messages), "extra_info": copy.deepcopy(sample.extra_info),
+               "seed": sample.seed}  # fmt: skip
+        result, output = None, {"stdout": "", "stderr": ""}
+        try:
+            if self.command:
+                run = await run_command(self.command, row, self.base_url, episode.key, self.limits)
+                value, problem, output = run.value, run.problem, {"stdout": run.stdout, "stderr": run.stderr}
+            else:
+                value, problem = await self._call_function(episode.key, row)
+        finally:
+            self.endpoint.close(episode)
+        if not problem:
+            try:
+                result = read_result(value)
+            except ValueError as error:
+                problem = str(error)
+        if episode.error and not problem:
+            problem = f"made a request that was refused ({episode.error})"
+        return self._trajectory(sample, prompt, record, result, problem, output)
+
+    async def _call_function(self, key: str, row: dict) -> tuple[object, str]:
+        """The function program's return value and its fault (empty: none)."""
+        client = openai.AsyncOpenAI(
+            base_url=self.base_url, api_key=key, max_retries=0, timeout=self.limits.timeout_s
+        )
+        try:
+            return await asyncio.wait_for(self.function(client, row), self.limits.timeout_s), ""
+        except asyncio.TimeoutError:
+            return None, f"did not return within {self.limits.timeout_s:g} s (agent.program_timeout_s)"
+        except (Exception, SystemExit) as error:  # user code may raise anything, SystemExit too
+            return None, f"raised {describe_error(error)}"
+        finally:
+            await client.close()
+
+    def _trajectory(
+        self, sample, prompt, record: EpisodeRecord, result, problem: str, output: dict[str, str]
+    ) -> Trajectory:
+        trajectory = record.segments[-1] if record.segments else Trajectory(prompt, finish_reason="stop")
+        trajectory.messages = record.conversation or list(sample.messages)
+        trajectory.splits = record.splits
+        trajectory.program_log = {"error": problem, **output}
+        if problem:
+            self._report(problem, sample.request_id)
+            trajectory.finish_reason, trajectory.reward = PROGRAM_ERROR, 0.0
+        else:
+            trajectory.reward, trajectory.metrics = result.reward, result.metrics
+        return trajectory
+
+    def _report(self, problem: str, episode: str) -> None:
+        if problem not in self.reported and len(self.reported) < MAX_REPORTED:
+            self.reported.add(problem)
+            LOG.warning(
+                "the agent program %s %s (episode %s; reward 0, counted in agent/program/errors; "
+                "this failure is not logged again)", self.spec, problem, episode,
+            )  # fmt: skip
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None

@@ -1,0 +1,36 @@
+"""``dataplane.*`` of every trainer (RL, SFT, DPO): whether its steps move references instead of
+batches (docs/data-plane.md), and which store holds their per-token fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.config.paths import OUTPUT_PATH, path_field
+from tandem.dataplane.config import DataPlaneConfig
+
+
+@dataclass(frozen=True)
+class TrainerDataPlaneConfig(DataPlaneConfig):
+    """:class:`~tandem.dataplane.DataPlaneConfig` (``engine``, ``directory``) plus the switch.
+
+    Attributes:
+        enabled: each step's batch is put into the store once; the workers' stages get a
+            ``BatchRef``, fetch the fields they declare on their ranks and keep their outputs
+            there (the RL step: log-probs, reference, teacher, critic values, updates; SFT and
+            DPO: the reference scores and the update). Off (the default): ``Batch`` arguments,
+            as before.
+        directory: as :class:`DataPlaneConfig`'s, marked as a path the run writes (made absolute
+            where the run starts).
+    """
+
+    directory: str = path_field(OUTPUT_PATH, "/dev/shm")
+    enabled: bool = False
+
+
+def check_dataplane(dataplane: TrainerDataPlaneConfig, backend: str) -> None:
+    """The ``ray`` engine keeps blocks in Ray's object store, so it needs the Ray backend."""
+    if dataplane.enabled and dataplane.engine == "ray" and backend != "ray":
+        raise ValueError(
+            f"dataplane.engine=ray needs trainer.backend=ray (got trainer.backend={backend}); "
+            "on one machine use dataplane.engine=shm"
+        )
