@@ -7,6 +7,8 @@ trainers therefore resolve their path keys against their own working directory b
 worker starts: every config field declared with :func:`path_field` (marked on the field, so a new
 path key cannot be forgotten in a list elsewhere). Inputs (models, data, user code) are resolved
 only when they exist there, since a ``model_path`` may also name a model on the Hugging Face Hub.
+A model's path is marked :data:`MODEL_PATH` (an input, and the one kind a GGUF file is converted
+for: :func:`model_path_keys` lists them).
 
 Every trainer rank writes its part of a checkpoint under ``trainer.output_dir``, so on several
 machines that directory must be one filesystem they all mount:
@@ -25,19 +27,22 @@ T = TypeVar("T")
 
 INPUT_PATH = "input"  # read by the run: resolved only when it exists here (else a Hub id, left alone)
 OUTPUT_PATH = "output"  # written by the run: always resolved
+MODEL_PATH = "model"  # a model the run loads: an input, and a GGUF file there is converted once
+PATH_KINDS = (INPUT_PATH, OUTPUT_PATH, MODEL_PATH)
 _PATH_KIND = "path"  # the key of a dataclass field's metadata that marks it
 
 
 def path_field(kind: str, default: str | tuple[str, ...] | None = "") -> Any:
     """A config dataclass field that holds a file-system path (or a tuple of them), marked so that
-    :func:`with_absolute_paths` finds it: ``kind`` is :data:`INPUT_PATH` or :data:`OUTPUT_PATH`."""
-    if kind not in (INPUT_PATH, OUTPUT_PATH):
-        raise ValueError(f"a path field is {INPUT_PATH!r} or {OUTPUT_PATH!r}, not {kind!r}")
+    :func:`with_absolute_paths` finds it: ``kind`` is :data:`INPUT_PATH`, :data:`OUTPUT_PATH` or
+    :data:`MODEL_PATH`."""
+    if kind not in PATH_KINDS:
+        raise ValueError(f"a path field is one of {list(PATH_KINDS)}, not {kind!r}")
     return dataclasses.field(default=default, metadata={_PATH_KIND: kind})
 
 
 def path_kind(field: dataclasses.Field) -> str | None:
-    """:data:`INPUT_PATH` or :data:`OUTPUT_PATH` for a field made by :func:`path_field`, else None."""
+    """The kind (one of :data:`PATH_KINDS`) of a field made by :func:`path_field`, else None."""
     return field.metadata.get(_PATH_KIND)
 
 
@@ -59,7 +64,7 @@ def _absolute_value(value: Any, must_exist: bool) -> Any:
 def with_absolute_paths(config: T) -> T:
     """``config`` with every relative path in a field marked by :func:`path_field`, at any depth of
     nested config dataclasses, made absolute against this process's working directory: outputs
-    always, inputs where they exist here. Each dataclass on the way is rebuilt once, with all its
+    always, inputs and models where they exist here. Each dataclass on the way is rebuilt once, with all its
     new values together, so its checks see them together (a key that must equal another stays
     equal when both resolve)."""
     changed: dict[str, Any] = {}
@@ -67,7 +72,7 @@ def with_absolute_paths(config: T) -> T:
         value = getattr(config, field.name)
         kind = path_kind(field)
         if kind is not None:
-            resolved = _absolute_value(value, must_exist=kind == INPUT_PATH)
+            resolved = _absolute_value(value, must_exist=kind != OUTPUT_PATH)
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
             resolved = with_absolute_paths(value)
         else:
@@ -75,6 +80,19 @@ def with_absolute_paths(config: T) -> T:
         if resolved is not value and resolved != value:
             changed[field.name] = resolved
     return dataclasses.replace(config, **changed) if changed else config  # type: ignore[type-var]
+
+
+def model_path_keys(config: Any, prefix: str = "") -> tuple[str, ...]:
+    """The dotted keys of every field marked :data:`MODEL_PATH` in ``config``, at any depth of
+    nested config dataclasses, in field order (``prefix`` starts each key)."""
+    keys: list[str] = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if path_kind(field) == MODEL_PATH:
+            keys.append(f"{prefix}{field.name}")
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            keys += model_path_keys(value, f"{prefix}{field.name}.")
+    return tuple(keys)
 
 
 def _value(config: Any, key: str) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.algos.preference import PreferenceLossConfig
-from tandem.config.paths import INPUT_PATH, OUTPUT_PATH, path_field
+from tandem.config.paths import INPUT_PATH, MODEL_PATH, OUTPUT_PATH, path_field
 from tandem.dpo.data import PreferenceDataConfig
 from tandem.engine.config import EngineConfig, check_trainer_tensor_parallel
 from tandem.run.dataplane import TrainerDataPlaneConfig, check_dataplane
@@ -45,12 +45,12 @@ class DPOConfig:
         plugins: user files imported before the rest validates (:mod:`tandem.config.plugins`).
     """
 
-    model_path: str = path_field(INPUT_PATH)
+    model_path: str = path_field(MODEL_PATH)
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(lr=1e-6))
     preference: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
     reference: str = "precompute"
-    ref_model_path: str = path_field(INPUT_PATH)
+    ref_model_path: str = path_field(MODEL_PATH)
     trainer: DPOTrainerConfig = field(default_factory=DPOTrainerConfig)
     dataplane: TrainerDataPlaneConfig = field(default_factory=TrainerDataPlaneConfig)
     plugins: tuple[str, ...] = path_field(INPUT_PATH, ())

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from tandem.config.paths import INPUT_PATH, path_field
+from tandem.config.paths import MODEL_PATH, path_field
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.device import check_bf16_compute, check_device_setting
 from tandem.models.loading import DTYPES
@@ -129,7 +129,7 @@ class EngineConfig:
 
     key_prefix: ClassVar[str] = "engine"  # its messages' keys start so (tandem.config.build)
 
-    model_path: str = path_field(INPUT_PATH)
+    model_path: str = path_field(MODEL_PATH)
     head: str = "lm"
     device: str = "auto"
     strategy: str = "single"

@@ -31,7 +31,7 @@ from typing import TypeVar
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tandem.config.paths import replace_keys
+from tandem.config.paths import model_path_keys, replace_keys
 from tandem.files import atomic_directory
 
 T = TypeVar("T")
@@ -189,15 +189,16 @@ def _locked(lock_file: Path) -> Iterator[None]:
 
 
 
-def with_gguf_resolved(config: T, keys: tuple[str, ...]) -> T:
-    """``config`` with each model path at a dotted key of ``keys`` (keys it lacks are skipped) that
-    names a GGUF file replaced by its converted directory. The trainers call it on the controller
-    before any worker starts, so every worker loads that one directory."""
+def with_gguf_resolved(config: T) -> T:
+    """``config`` with each model path that names a GGUF file (every field marked
+    :data:`~tandem.config.paths.MODEL_PATH`, :func:`~tandem.config.paths.model_path_keys`) replaced
+    by its converted directory. The trainers call it on the controller before any worker starts,
+    so every worker loads that one directory."""
     changed: dict[str, str] = {}
-    for key in keys:
+    for key in model_path_keys(config):
         value: object = config
         for name in key.split("."):
-            value = getattr(value, name, None)
+            value = getattr(value, name)
         resolved = resolve_model_path(value) if isinstance(value, str) and value else value
         if resolved != value:
             changed[key] = resolved

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tandem.algos import LOSS_AGG_MODES
-from tandem.config.paths import INPUT_PATH, path_field
+from tandem.config.paths import MODEL_PATH, path_field
 from tandem.config.validation import check_choice, check_positive, check_range
-from tandem.engine.config import EngineConfig, check_trainer_tensor_parallel
+from tandem.engine.config import EngineConfig
 from tandem.engine.offload import OffloadConfig
 
 PLACEMENTS = ("separate", "colocated")
-
-if TYPE_CHECKING:
-    from tandem.rl.config.train import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -44,7 +40,7 @@ class CriticConfig:
             for the results, it changes nothing.
     """
 
-    model_path: str = path_field(INPUT_PATH)
+    model_path: str = path_field(MODEL_PATH)
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(lr=1e-5))
     ppo_epochs: int = 0
     ppo_mini_batch_size: int = 0
@@ -67,26 +63,3 @@ class CriticConfig:
             raise ValueError(
                 "critic.engine.lora.rank: the critic trains all its weights (LoRA is for the actor)"
             )
-
-
-def check_critic(config: TrainConfig) -> None:
-    """The critic's batch sizes divide like the actor's, named by key."""
-    if not config.uses_critic:
-        return
-    mini = config.critic_mini_batch_prompts
-    if config.data.train_batch_size % mini:
-        raise ValueError(
-            f"critic.ppo_mini_batch_size={mini} must divide data.train_batch_size={config.data.train_batch_size}"
-        )
-    engine = config.critic.engine
-    sp = engine.sp_size
-    if config.world_size % sp:
-        raise ValueError(f"critic.engine.sp_size={sp} must divide the {config.world_size} workers")
-    check_trainer_tensor_parallel("critic.engine", engine, config.world_size)
-    ranks = config.world_size // (sp * engine.tp_size)  # sequence- and tensor-parallel peers share rows
-    if (mini * config.rollout.n) % ranks:
-        raise ValueError(
-            f"a critic mini-batch of critic.ppo_mini_batch_size * rollout.n = {mini * config.rollout.n} sequences "
-            f"must divide evenly over the {ranks} "
-            + ("workers" if ranks == config.world_size else "data-parallel ranks")
-        )

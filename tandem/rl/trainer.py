@@ -85,19 +85,12 @@ PLACEMENT_KEYS = (  # what shapes the pools of config.resource_pools(), named wh
     "and pipeline.rollout_replicas"
 )
 
-# the config's models: a GGUF file among them is converted once, here, before any worker starts
-MODEL_PATHS = (
-    "model_path", "actor.engine.model_path", "critic.model_path", "critic.engine.model_path",
-    "reward.model.path", "teacher.model_path",
-)
-
-
 class RLTrainer:
     """Runs :class:`TrainConfig` end to end (see the module docstring)."""
 
     def __init__(self, config: TrainConfig, console: Console | None = None) -> None:
         config = with_absolute_paths(config)  # its path fields: workers may run elsewhere (Ray)
-        config = with_gguf_resolved(config, MODEL_PATHS)
+        config = with_gguf_resolved(config)  # a GGUF model converted once, before the workers
         self.config = config
         self.console = console or Console()
         self.output_dir = check_output_dir(config.trainer.output_dir, "trainer.output_dir")

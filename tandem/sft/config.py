@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.config.paths import INPUT_PATH, OUTPUT_PATH, path_field
+from tandem.config.paths import INPUT_PATH, MODEL_PATH, OUTPUT_PATH, path_field
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.controller.factory import BACKENDS
 from tandem.controller.resource_pool import ResourcePool
@@ -96,7 +96,7 @@ class SFTConfig:
     ``dataplane``: whether each step's batch reaches the workers as references (docs/data-plane.md);
     ``plugins``: user files imported before the rest validates (:mod:`tandem.config.plugins`)."""
 
-    model_path: str = path_field(INPUT_PATH)
+    model_path: str = path_field(MODEL_PATH)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(lr=1e-4))
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)

@@ -52,9 +52,6 @@ class SFTResult:
     hf_model_dir: Path
 
 
-MODEL_PATHS = ("model_path", "engine.model_path", "ref_model_path")  # ref_model_path: DPO's
-
-
 class SFTTrainer:
     """Supervised fine-tuning of a causal LM on chat data with the torch engine.
 
@@ -65,7 +62,7 @@ class SFTTrainer:
 
     def __init__(self, config: SFTConfig, console: Console | None = None) -> None:
         config = with_absolute_paths(config)  # its path fields: workers may run in another directory (Ray)
-        config = with_gguf_resolved(config, MODEL_PATHS)  # a GGUF model converted once, before the workers
+        config = with_gguf_resolved(config)  # a GGUF model converted once, before the workers
         self.config = config
         self.console = console or Console()
         self.output_dir = check_output_dir(config.trainer.output_dir, "trainer.output_dir")

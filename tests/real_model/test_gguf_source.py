@@ -61,8 +61,7 @@ def test_the_converted_tokenizer_equals_transformers_direct_gguf_load(smollm2_gg
 def test_a_trainer_config_resolves_to_the_one_cached_directory(smollm2_gguf, smollm2_dir):
     from tandem.models.gguf import with_gguf_resolved
     from tandem.sft import SFTConfig, SFTDataConfig
-    from tandem.sft.trainer import MODEL_PATHS
 
     config = SFTConfig(model_path=str(smollm2_gguf), data=SFTDataConfig(train_path="unused.jsonl"))
-    resolved = with_gguf_resolved(config, MODEL_PATHS)
+    resolved = with_gguf_resolved(config)
     assert resolved.model_path == smollm2_dir and resolved.engine.model_path == ""  # the rest untouched

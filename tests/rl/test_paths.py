@@ -7,13 +7,15 @@ import typing
 
 import pytest
 
-from tandem.config.paths import path_kind, with_absolute_paths
+from tandem.config.paths import MODEL_PATH, model_path_keys, path_kind, with_absolute_paths
 from tandem.controller.group import WorkerGroup
+from tandem.dpo import PreferenceDataConfig
 from tandem.dpo.config import DPOConfig
 from tandem.rl import RLTrainer
 from tandem.rl.config import TrainConfig
 from tandem.rl.config_loader import load_train_config
 from tandem.rm.config import RewardModelConfig
+from tandem.sft import SFTDataConfig
 from tandem.sft.config import SFTConfig
 from tests.rl.conftest import small_config
 
@@ -103,3 +105,46 @@ def test_a_relative_teacher_path_resolves_with_the_others(tmp_path, monkeypatch)
     resolved = with_absolute_paths(config)
     assert resolved.teacher.model_path == str(tmp_path / "teacher")
     assert resolved.model_path == "m"  # not here: left as written (a Hub id)
+
+
+def _model_fields_without_the_mark(config_class: type, prefix: str = "") -> list[str]:
+    """Dotted keys below ``config_class`` that name a model (a field named ``*model_path``, or
+    ``reward.model.path``) but are not marked :data:`MODEL_PATH`."""
+    unmarked = []
+    hints = typing.get_type_hints(config_class)
+    for field in dataclasses.fields(config_class):
+        key = f"{prefix}{field.name}"
+        if dataclasses.is_dataclass(hints[field.name]):
+            unmarked += _model_fields_without_the_mark(hints[field.name], f"{key}.")
+        elif (field.name.endswith("model_path") or key == "reward.model.path") and path_kind(field) != MODEL_PATH:
+            unmarked.append(key)
+    return unmarked
+
+
+@pytest.mark.parametrize("command", sorted(CONFIGS))
+def test_every_model_path_is_marked_as_a_model(command):
+    """A GGUF file is converted for the fields marked :data:`MODEL_PATH` only: a model field
+    without the mark would reach the workers as a ``.gguf`` file."""
+    assert _model_fields_without_the_mark(CONFIGS[command]) == []
+
+
+# the lists the trainers kept by hand before the marks (tandem/rl/trainer.py, tandem/sft/trainer.py)
+RL_MODEL_PATHS = (
+    "model_path", "actor.engine.model_path", "critic.model_path", "critic.engine.model_path",
+    "reward.model.path", "teacher.model_path",
+)  # fmt: skip
+SFT_MODEL_PATHS = ("model_path", "engine.model_path", "ref_model_path")  # ref_model_path: DPO's
+
+
+def test_the_marked_model_keys_are_the_lists_the_trainers_kept():
+    """Walked from the marks, each trainer's model keys are its old hand-kept list (the SFT list's
+    keys that SFT lacks skipped, as before), plus ``teacher.engine.model_path``: it is an
+    :class:`~tandem.engine.config.EngineConfig` field like ``actor.engine.model_path``, which the
+    RL list already had."""
+    rl = load_train_config(["model_path=m", "data.train_path=t.parquet"])
+    assert sorted(model_path_keys(rl)) == sorted((*RL_MODEL_PATHS, "teacher.engine.model_path"))
+    sft = SFTConfig(model_path="m", data=SFTDataConfig(train_path="t.jsonl"))
+    assert model_path_keys(sft) == SFT_MODEL_PATHS[:2]
+    pairs = PreferenceDataConfig(train_path="t.jsonl")
+    assert model_path_keys(DPOConfig(model_path="m", data=pairs)) == SFT_MODEL_PATHS
+    assert model_path_keys(RewardModelConfig(model_path="m", data=pairs)) == SFT_MODEL_PATHS

@@ -1,10 +1,11 @@
 """``TrainConfig``: everything ``tandem train`` reads, as typed dataclasses validated up front.
 
-One module per concern, each with its fields and the checks that concern them: ``data``,
-``actor`` (online DPO's checks too), ``rollout``, ``algorithm``, ``reward``, ``trainer``, the
-asynchronous pipelines' checks (``pipeline``), ``train`` (the whole run: its sections,
-placement) and ``rules`` (the rules that join sections: batch shapes, the parallel layout, the
-head's precision; it runs every cross-section check, the derived engine settings' too). See :mod:`tandem.rl.config.train` for the batch-size
+One module per section, each with its fields and the checks of those fields alone: ``data``,
+``actor``, ``rollout``, ``algorithm``, ``reward``, ``teacher``, ``trainer``, ``dataplane``;
+``train`` (the whole run: its sections, placement) and ``rules`` (every rule that joins sections,
+in the order they run: the parallel layout, batch shapes, the head's precision, the
+asynchronous pipelines, online DPO, router replay, the critic, the teacher, then the data
+plane's and the derived engine settings'). See :mod:`tandem.rl.config.train` for the batch-size
 semantics.
 """
 

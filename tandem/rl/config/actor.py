@@ -1,21 +1,16 @@
-"""``actor.*``: the policy's objective, loss, engine and offloading; online DPO's cross-checks."""
+"""``actor.*``: the policy's objective, loss, engine and offloading."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tandem.algos import (
     PolicyLossConfig,
 )
-from tandem.algos.preference import UNPAIRED_LOSSES, PreferenceLossConfig
+from tandem.algos.preference import PreferenceLossConfig
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.engine.config import ROUTER_REPLAY, EngineConfig
 from tandem.engine.offload import OffloadConfig
-
-if TYPE_CHECKING:
-    from tandem.rl.config.train import TrainConfig
-
 
 OBJECTIVES = ("policy_gradient", "preference")
 
@@ -96,67 +91,3 @@ class ActorConfig:
         check_range("actor", "ppo_mini_batch_size", self.ppo_mini_batch_size, low=0)
         check_positive("actor", "ppo_epochs", self.ppo_epochs)
         check_range("actor", "entropy_coeff", self.entropy_coeff, low=0.0)
-
-
-ROUTING_RECORDERS = ("native", "hf", "vllm")  # the rollout engines that return each token's experts
-
-
-def check_router_replay(config: TrainConfig) -> None:
-    """Rollout routing replay needs a rollout engine that records the experts, and single-turn
-    episodes; errors name the keys."""
-    if config.actor.router_replay == "off":
-        return
-    engine = config.rollout.engine.name
-    if engine not in ROUTING_RECORDERS:
-        raise ValueError(
-            f"actor.router_replay={config.actor.router_replay} replays the experts the rollout recorded, and "
-            f"rollout.engine.name={engine} does not return them yet: use one of {list(ROUTING_RECORDERS)} "
-            "or actor.router_replay=off"
-        )
-    if config.agent.enabled:
-        raise ValueError(
-            f"actor.router_replay={config.actor.router_replay}: agent episodes (agent.name) do not carry "
-            "the rollout's experts through their tool turns yet; set actor.router_replay=off"
-        )
-
-
-def check_preference(config: TrainConfig) -> None:
-    """Online DPO's constraints, named by key."""
-    if not config.prefers:
-        return
-    objective = "actor.objective=preference"
-    if config.rollout.n < 2:
-        raise ValueError(f"{objective} ranks each prompt's responses, so rollout.n must be at least 2")
-    if config.mini_batch_prompts != config.data.train_batch_size:
-        raise ValueError(
-            f"{objective} takes one optimizer step per step; leave actor.ppo_mini_batch_size unset"
-        )
-    if config.algorithm.filter_groups.enable or config.algorithm.needs_greedy_baseline:
-        raise ValueError(
-            f"{objective} pairs responses itself: algorithm.filter_groups and the {config.algorithm.adv_estimator} "
-            "baseline do not apply"
-        )
-    if config.algorithm.kl.use_kl_loss or config.algorithm.kl.use_kl_in_reward:
-        raise ValueError(
-            f"{objective}: the preference loss already measures the policy against the reference; "
-            "turn algorithm.kl.use_kl_loss and use_kl_in_reward off"
-        )
-    check_online_preference_loss(config.actor.preference, objective)
-
-
-def check_online_preference_loss(preference: PreferenceLossConfig, objective: str) -> None:
-    """What online DPO's pairs cannot take: unpaired losses (they need labelled single responses),
-    and LD-DPO's and WPO's per-token weighting (its reference log-probs are plain sums)."""
-    names = preference.names or (preference.name,)
-    unpaired = [name for name in names if name in UNPAIRED_LOSSES]
-    if unpaired:
-        raise ValueError(
-            f"{objective} pairs each prompt's best and worst responses; actor.preference {unpaired[0]!r} is an "
-            "unpaired loss (tandem dpo trains it on labelled data)"
-        )
-    if preference.ld_alpha is not None or preference.use_weighting:
-        key = "ld_alpha" if preference.ld_alpha is not None else "use_weighting"
-        raise ValueError(
-            f"{objective}: actor.preference.{key} weighs tokens, and online DPO scores its reference as plain "
-            "sums; leave it unset (tandem dpo has it)"
-        )

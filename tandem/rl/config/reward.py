@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.config.paths import INPUT_PATH, path_field
+from tandem.config.paths import INPUT_PATH, MODEL_PATH, path_field
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.rl.judge_config import JudgeConfig
 
@@ -38,7 +38,7 @@ class RewardModelSourceConfig:
         param_dtype: ``float32`` or ``bfloat16``.
     """
 
-    path: str = path_field(INPUT_PATH)
+    path: str = path_field(MODEL_PATH)
     n_workers: int = 1
     max_length: int = 2048
     max_tokens_per_micro_batch: int = 16384

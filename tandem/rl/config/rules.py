@@ -3,23 +3,22 @@
 
 :func:`check_train_config` runs them all, in a fixed order (the first broken rule is the one
 reported): what is required, the parallel layout, the batch shapes, the head's precision
-against the rollout's, the KL loss, the agent's rewards, then the rules that live beside the
-section they mostly concern (pipeline, online DPO, router replay, critic, teacher, data plane,
-derived engine settings). A section's own fields validate in its own ``__post_init__``.
+against the rollout's, the KL loss, the agent's rewards, the asynchronous pipelines, online DPO,
+router replay, the critic, the teacher, then two kept beside what they check: the data plane's
+(:func:`tandem.run.dataplane.check_dataplane`, which SFT and DPO run too) and the derived engine
+settings' (:func:`tandem.rl.derived.check_derived_fields`, beside the derivation it checks). A
+section's own fields validate in its own ``__post_init__``.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tandem.algos.preference import UNPAIRED_LOSSES, PreferenceLossConfig
 from tandem.engine.config import check_trainer_tensor_parallel
-from tandem.rl.config.actor import check_preference, check_router_replay
-from tandem.rl.config.dataplane import check_dataplane
-from tandem.rl.config.pipeline import check_pipeline
 from tandem.rl.config.reward import INTERACTION_SOURCE
-from tandem.rl.config.teacher import check_teacher
-from tandem.rl.critic_config import check_critic
 from tandem.rl.derived import check_derived_fields
+from tandem.run.dataplane import check_dataplane
 
 if TYPE_CHECKING:
     from tandem.rl.config.train import TrainConfig
@@ -129,4 +128,184 @@ def check_agent_rewards(config: TrainConfig) -> None:
     if agent.uses_program and config.pipeline.mode != "sync":
         raise ValueError(
             f"agent.name=program runs in pipeline.mode=sync only for now, not {config.pipeline.mode!r}"
+        )
+
+
+def check_pipeline(config: TrainConfig) -> None:
+    """Settings that cannot work with rollout replicas apart from the trainer (or, in sync mode,
+    without them), named by key."""
+    pipeline = config.pipeline
+    if not pipeline.disaggregated:
+        tp = config.rollout.engine.gpus_per_engine
+        if tp > 1:
+            raise ValueError(
+                f"rollout.engine.vllm.tensor_parallel_size={tp} needs replicas of their own: pipeline.mode=sync "
+                "runs each engine in a trainer worker, on that worker's one GPU; use pipeline.mode=one_step_off "
+                "or fully_async"
+            )
+        return
+    mode = f"pipeline.mode={pipeline.mode}"
+    if config.rollout.free_cache_between_generations:
+        raise ValueError(f"{mode} generates continuously; rollout.free_cache_between_generations must be off")
+    offload = config.actor.offload
+    if offload.params or offload.optimizer:
+        key = "actor.offload.params" if offload.params else "actor.offload.optimizer"
+        raise ValueError(
+            f"{mode} generates on replicas of its own, so the trainer never waits on a generation; "
+            f"{key} frees memory for a colocated rollout and must be off (actor.offload.reference may stay on)"
+        )
+    if pipeline.old_log_probs == "rollout" and config.algorithm.needs_sum_pi_squared:
+        raise ValueError(
+            f"algorithm.adv_estimator={config.algorithm.adv_estimator} needs sum_pi_squared from a trainer forward, "
+            "which pipeline.old_log_probs=rollout skips; use pipeline.old_log_probs=recompute"
+        )
+    if pipeline.old_log_probs == "rollout" and (config.rollout.top_p < 1.0 or config.rollout.top_k):
+        raise ValueError(
+            f"pipeline.old_log_probs=rollout needs untruncated sampling (rollout.top_p=1, rollout.top_k=0; got "
+            f"{config.rollout.top_p}, {config.rollout.top_k}): truncation changes the rollout's log-probs"
+        )
+    lag = pipeline.trigger_parameter_sync_step - 1
+    if pipeline.mode == "fully_async" and pipeline.staleness_threshold < lag:
+        raise ValueError(
+            f"pipeline.staleness_threshold={pipeline.staleness_threshold} is below pipeline."
+            f"trigger_parameter_sync_step - 1 = {lag}: between syncs the trainer would wait for samples "
+            "that the threshold forbids the rollout to start"
+        )
+
+
+ROUTING_RECORDERS = ("native", "hf", "vllm")  # the rollout engines that return each token's experts
+
+
+def check_router_replay(config: TrainConfig) -> None:
+    """Rollout routing replay needs a rollout engine that records the experts, and single-turn
+    episodes; errors name the keys."""
+    if config.actor.router_replay == "off":
+        return
+    engine = config.rollout.engine.name
+    if engine not in ROUTING_RECORDERS:
+        raise ValueError(
+            f"actor.router_replay={config.actor.router_replay} replays the experts the rollout recorded, and "
+            f"rollout.engine.name={engine} does not return them yet: use one of {list(ROUTING_RECORDERS)} "
+            "or actor.router_replay=off"
+        )
+    if config.agent.enabled:
+        raise ValueError(
+            f"actor.router_replay={config.actor.router_replay}: agent episodes (agent.name) do not carry "
+            "the rollout's experts through their tool turns yet; set actor.router_replay=off"
+        )
+
+
+def check_preference(config: TrainConfig) -> None:
+    """Online DPO's constraints, named by key."""
+    if not config.prefers:
+        return
+    objective = "actor.objective=preference"
+    if config.rollout.n < 2:
+        raise ValueError(f"{objective} ranks each prompt's responses, so rollout.n must be at least 2")
+    if config.mini_batch_prompts != config.data.train_batch_size:
+        raise ValueError(
+            f"{objective} takes one optimizer step per step; leave actor.ppo_mini_batch_size unset"
+        )
+    if config.algorithm.filter_groups.enable or config.algorithm.needs_greedy_baseline:
+        raise ValueError(
+            f"{objective} pairs responses itself: algorithm.filter_groups and the {config.algorithm.adv_estimator} "
+            "baseline do not apply"
+        )
+    if config.algorithm.kl.use_kl_loss or config.algorithm.kl.use_kl_in_reward:
+        raise ValueError(
+            f"{objective}: the preference loss already measures the policy against the reference; "
+            "turn algorithm.kl.use_kl_loss and use_kl_in_reward off"
+        )
+    check_online_preference_loss(config.actor.preference, objective)
+
+
+def check_online_preference_loss(preference: PreferenceLossConfig, objective: str) -> None:
+    """What online DPO's pairs cannot take: unpaired losses (they need labelled single responses),
+    and LD-DPO's and WPO's per-token weighting (its reference log-probs are plain sums)."""
+    names = preference.names or (preference.name,)
+    unpaired = [name for name in names if name in UNPAIRED_LOSSES]
+    if unpaired:
+        raise ValueError(
+            f"{objective} pairs each prompt's best and worst responses; actor.preference {unpaired[0]!r} is an "
+            "unpaired loss (tandem dpo trains it on labelled data)"
+        )
+    if preference.ld_alpha is not None or preference.use_weighting:
+        key = "ld_alpha" if preference.ld_alpha is not None else "use_weighting"
+        raise ValueError(
+            f"{objective}: actor.preference.{key} weighs tokens, and online DPO scores its reference as plain "
+            "sums; leave it unset (tandem dpo has it)"
+        )
+
+
+def check_critic(config: TrainConfig) -> None:
+    """The critic's batch sizes divide like the actor's, named by key."""
+    if not config.uses_critic:
+        return
+    mini = config.critic_mini_batch_prompts
+    if config.data.train_batch_size % mini:
+        raise ValueError(
+            f"critic.ppo_mini_batch_size={mini} must divide data.train_batch_size={config.data.train_batch_size}"
+        )
+    engine = config.critic.engine
+    sp = engine.sp_size
+    if config.world_size % sp:
+        raise ValueError(f"critic.engine.sp_size={sp} must divide the {config.world_size} workers")
+    check_trainer_tensor_parallel("critic.engine", engine, config.world_size)
+    ranks = config.world_size // (sp * engine.tp_size)  # sequence- and tensor-parallel peers share rows
+    if (mini * config.rollout.n) % ranks:
+        raise ValueError(
+            f"a critic mini-batch of critic.ppo_mini_batch_size * rollout.n = {mini * config.rollout.n} sequences "
+            f"must divide evenly over the {ranks} "
+            + ("workers" if ranks == config.world_size else "data-parallel ranks")
+        )
+
+
+def check_teacher(config: TrainConfig) -> None:
+    """A distillation objective has a teacher and a teacher has an objective; online DPO takes
+    neither; the teacher's sequence-parallel size divides the workers, and neither the teacher nor
+    (with top-k tokens) the student runs tensor-parallel yet. Errors name the keys."""
+    distill, teacher = config.algorithm.distill, config.teacher
+    if distill.enabled and not teacher.model_path:
+        raise ValueError(
+            f"algorithm.distill.objective={distill.objective!r} needs a teacher: set teacher.model_path"
+        )
+    if teacher.model_path and not distill.enabled:
+        raise ValueError(
+            "teacher.model_path is set but algorithm.distill.objective=none: choose an objective "
+            "(reverse_kl) or leave teacher.model_path unset"
+        )
+    if distill.enabled and config.prefers:
+        raise ValueError(
+            "algorithm.distill.objective: online DPO (actor.objective=preference) trains on response pairs, "
+            "not per-token advantages; distil with actor.objective=policy_gradient"
+        )
+    if distill.adds_loss and not teacher.top_k:
+        raise ValueError(
+            f"algorithm.distill.objective={distill.objective!r} compares distributions over the teacher's top-k "
+            "tokens: set teacher.top_k (e.g. 16)"
+        )
+    if distill.lmbda < 1 and config.pipeline.mode != "sync":
+        raise ValueError(
+            f"algorithm.distill.lmbda={distill.lmbda} with pipeline.mode={config.pipeline.mode}: steps on the "
+            "dataset's responses are drawn step by step, which the asynchronous pipelines' rollout ahead of "
+            "the trainer does not do yet; use pipeline.mode=sync"
+        )
+    if distill.lmbda < 1 and config.algorithm.filter_groups.enable:
+        raise ValueError(
+            f"algorithm.distill.lmbda={distill.lmbda} with algorithm.filter_groups.enable: a step on the "
+            "dataset's responses has one response per group, so no group would ever be kept"
+        )
+    sp = teacher.engine.sp_size
+    if distill.enabled and config.world_size % sp:
+        raise ValueError(f"teacher.engine.sp_size={sp} must divide the {config.world_size} workers")
+    if distill.enabled and teacher.engine.tp_size > 1:
+        raise ValueError(
+            f"teacher.engine.tp_size={teacher.engine.tp_size}: the teacher's workers do not dispatch over a "
+            "tensor-parallel mesh yet; set teacher.engine.tp_size=1"
+        )
+    if distill.enabled and teacher.top_k and config.actor.engine.tp_size > 1:
+        raise ValueError(
+            f"teacher.top_k={teacher.top_k} with actor.engine.tp_size={config.actor.engine.tp_size}: the student's "
+            "log-probs of the teacher's top-k tokens are not computed under tensor parallelism yet; set "
+            "teacher.top_k=0 or actor.engine.tp_size=1"
         )

@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from tandem.agents.config import AgentConfig
-from tandem.config.paths import INPUT_PATH, path_field
+from tandem.config.paths import INPUT_PATH, MODEL_PATH, path_field
 from tandem.controller.resource_pool import ResourcePool
 from tandem.pipeline.config import PipelineConfig
 from tandem.rl.config.actor import ActorConfig
@@ -41,7 +41,7 @@ class TrainConfig:
     """Everything ``tandem train`` reads; ``model_path`` is the policy (and reference) HF directory;
     ``plugins``: user files imported before the rest validates (:mod:`tandem.config.plugins`)."""
 
-    model_path: str = path_field(INPUT_PATH)
+    model_path: str = path_field(MODEL_PATH)
     data: RLDataConfig = field(default_factory=RLDataConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
