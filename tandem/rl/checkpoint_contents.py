@@ -7,6 +7,7 @@ writes, checks and finds them."""
 
 from __future__ import annotations
 
+import ast
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -58,4 +59,13 @@ def load_checkpoint(
         critics.load_checkpoint(str(path / "critic"))
     sampler.load_state(state["sampler"])
     kl_controller.value = state["kl_coef"]
+    restore_python_random(state)
     return state["step"]
+
+
+def restore_python_random(state: dict[str, Any]) -> None:
+    """Python's random state as :func:`trainer_state` saved it (user code on the controller, such
+    as a reward function drawing from ``random``, then continues its stream as if uninterrupted);
+    a checkpoint without it leaves the state alone."""
+    if "python_random" in state:
+        random.setstate(ast.literal_eval(state["python_random"]))
