@@ -6,6 +6,7 @@ training row's model tokens, the trainer's log-probs against the rollout's, the 
 rendering of a rewritten history against a split row's prompt, and each episode's own marker
 against the text its row decodes to."""
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -86,17 +87,28 @@ async def run(client, row):
 """
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("program")
+@contextlib.contextmanager
+def engine_setup(root: Path, programs: dict[str, str]):
+    """``(root, tokenizer, engine, model_dir)``: a tiny model's native engine under ``root``, with
+    the ``programs`` (file name -> source) written beside it; the engine closes on exit."""
     model = str(save_tiny_model(root / "model"))
     engine = NativeRolloutEngine.from_pretrained(
         model, NativeEngineConfig(max_num_seqs=32, max_model_len=512)
     )
-    (root / "program.py").write_text(PROGRAM)
-    (root / "faults.py").write_text(FAULTS)
-    yield root, load_tokenizer(model), engine, model
-    engine.close()
+    for name, source in programs.items():
+        (root / name).write_text(source)
+    try:
+        yield root, load_tokenizer(model), engine, model
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    with engine_setup(
+        tmp_path_factory.mktemp("program"), {"program.py": PROGRAM, "faults.py": FAULTS}
+    ) as made:
+        yield made
 
 
 def rollout_of(setup, program: str, **limits) -> AgentRollout:

@@ -27,9 +27,7 @@ from tandem.agents.program.command import result_value  # noqa: E402
 from tandem.agents.program.config import ProgramLimits, read_result  # noqa: E402
 from tandem.agents.rollout import AgentRollout  # noqa: E402
 from tandem.config.overrides import config_from_overrides  # noqa: E402
-from tandem.models import load_tokenizer, save_tiny_model  # noqa: E402
-from tandem.rollout import NativeEngineConfig, NativeRolloutEngine  # noqa: E402
-from tests.agents.test_program_agent import prompts, row_tokens, sampling, trainer_log_probs  # noqa: E402
+from tests.agents.test_program_agent import engine_setup, prompts, row_tokens, sampling, trainer_log_probs  # noqa: E402
 
 OPENAI_AGENT = """
 import json, os, sys
@@ -113,14 +111,8 @@ elif fault == "refused":
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("command")
-    model = str(save_tiny_model(root / "model"))
-    engine = NativeRolloutEngine.from_pretrained(
-        model, NativeEngineConfig(max_num_seqs=32, max_model_len=512)
-    )
-    (root / "openai_agent.py").write_text(OPENAI_AGENT)
-    yield root, load_tokenizer(model), engine, model
-    engine.close()
+    with engine_setup(tmp_path_factory.mktemp("command"), {"openai_agent.py": OPENAI_AGENT}) as made:
+        yield made
 
 
 def rollout_of(setup, command: list[str], **limits) -> AgentRollout:
