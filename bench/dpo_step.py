@@ -1,10 +1,12 @@
 """Seconds per step of DPO, KTO and ORPO: tandem's trainer vs TRL's DPOTrainer, KTOTrainer and
 ORPOTrainer (``trl.experimental.orpo``) on the same model, data and settings, one comparison each.
 
-Both: the benchmark's ~3M-parameter Qwen2 (hidden 256, 4 layers) and character tokenizer,
-fp32 on CPU, 16 pairs per optimizer step, the sigmoid loss with beta 0.1, and a reference model
-scoring each step's pairs (TRL's default; tandem's ``reference=model``). TRL runs with its
-defaults otherwise (padded batches) and ``use_cpu=True, bf16=False, gradient_checkpointing=False``.
+Both: ``--model tiny`` (default; the benchmark's ~3M-parameter Qwen2, hidden 256, 4 layers, and
+character tokenizer) or ``--model smollm2`` (SmolLM2-135M-Instruct, bench/real_model.py), fp32
+on CPU, 16 pairs per optimizer step, at most 512 tokens per row, the sigmoid loss with beta 0.1,
+and a reference model scoring each step's pairs (TRL's default; tandem's ``reference=model``).
+TRL runs with its defaults otherwise (padded batches) and ``use_cpu=True, bf16=False,
+gradient_checkpointing=False``; ``--trl-python`` names the interpreter of a separate environment holding TRL.
 ``--lengths varied`` (default) draws prompt and response lengths as real data varies;
 ``uniform`` makes every prompt and response the same length, so padding costs TRL nothing and
 only tandem's shared prompt copy differs.
@@ -17,8 +19,8 @@ Each side runs in a fresh process of its own for ``--rounds`` rounds that altern
 goes first; ``--warmup`` untimed steps, then ``--steps`` timed ones; medians and their ratio
 are printed (bench/side_by_side.py). TRL is optional: without it only tandem's numbers print.
 
-    python bench/dpo_step.py [--steps 8] [--warmup 2] [--rounds 3] [--lengths varied|uniform]
-        [--objectives dpo,kto,orpo]
+    python bench/dpo_step.py [--model tiny|smollm2] [--steps 8] [--warmup 2] [--rounds 3]
+        [--lengths varied|uniform] [--objectives dpo,kto,orpo] [--trl-python /work/trl-venv/bin/python]
 """
 
 from __future__ import annotations
@@ -32,7 +34,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_step import BENCH_MODEL  # noqa: E402
 from machine import describe_machine  # noqa: E402
-from side_by_side import TRL_CPU_ARGS, compare, run_child, side_parser, step_timer  # noqa: E402
+from real_model import MODELS, link_model  # noqa: E402
+from side_by_side import (  # noqa: E402
+    TRL_CPU_ARGS,
+    baseline_versions,
+    compare,
+    run_child,
+    side_parser,
+    step_timer,
+)
 
 from tandem.config.overrides import config_from_overrides  # noqa: E402
 from tandem.dpo import DPOConfig, preference_trainer  # noqa: E402
@@ -159,6 +169,7 @@ def child(side: str, root: Path, steps: int, warmup: int) -> None:
 
 def main() -> None:
     parser = side_parser(__doc__)
+    parser.add_argument("--model", choices=MODELS, default="tiny")
     parser.add_argument(
         "--lengths",
         choices=["varied", "uniform"],
@@ -172,13 +183,14 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = save_tiny_model(root / "model", BENCH_MODEL)
+        model = link_model(root) if args.model == "smollm2" else save_tiny_model(root / "model", BENCH_MODEL)
         count = PAIRS * (args.steps + args.warmup)
         rows = pairs(count, varied=args.lengths == "varied")
         params = sum(p.numel() for p in load_model(model).parameters())
         print(describe_machine())
+        print(baseline_versions(args.trl_python))
         print(
-            f"model: {params / 1e6:.2f}M parameters, fp32; {PAIRS} pairs (rows) per step, {args.lengths} lengths"
+            f"model: {args.model}, {params / 1e6:.2f}M parameters, fp32; {PAIRS} pairs (rows) per step, {args.lengths} lengths"
         )
         for objective in args.objectives.split(","):
             if objective not in OBJECTIVES:
@@ -195,6 +207,7 @@ def main() -> None:
                 args.warmup,
                 TRL_NAMES[objective],
                 f"{objective.upper()} step",
+                args.trl_python,
             )
 
 

@@ -4,12 +4,15 @@ rounds that alternate which side goes first (the machine's speed drifts), median
 A benchmark script calls :func:`compare` from its ``main`` and, when started with
 ``--side NAME --root DIR --steps N --warmup N``, times that side and prints one JSON line
 ``{"step": [seconds, ...], <phase>: [...]}`` (or ``null`` when the side is not installed).
+``--trl-python`` runs the baseline's child with another environment's interpreter (TRL kept out
+of tandem's venv); the repository root is put on its ``PYTHONPATH`` so the script imports.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -38,6 +41,9 @@ def side_parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--trl-python", default=sys.executable, help="the interpreter of the baseline's environment"
+    )
     parser.add_argument("--side", choices=["tandem", "baseline"], help=argparse.SUPPRESS)  # a child run
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     return parser
@@ -77,10 +83,12 @@ def run_child(
     print(json.dumps(times))
 
 
-def run_side(script: str, side: str, root: Path, steps: int, warmup: int) -> dict[str, list[float]] | None:
-    """Time ``side`` in a fresh process running ``script``; ``None`` when it is not installed."""
+def run_side(
+    script: str, side: str, root: Path, steps: int, warmup: int, python: str = sys.executable
+) -> dict[str, list[float]] | None:
+    """Time ``side`` in a fresh process of ``python`` running ``script``; ``None`` when not installed."""
     command = [
-        sys.executable,
+        python,
         script,
         "--side",
         side,
@@ -91,10 +99,27 @@ def run_side(script: str, side: str, root: Path, steps: int, warmup: int) -> dic
         "--warmup",
         str(warmup),
     ]
-    done = subprocess.run(command, capture_output=True, text=True)
+    repository = str(Path(__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (repository, os.environ.get("PYTHONPATH")) if p)
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path})
     if done.returncode != 0:
         raise RuntimeError(f"the {side} run failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def baseline_versions(python: str) -> str:
+    """The versions of trl, transformers and torch in ``python``'s environment, as one line."""
+    code = (
+        "import importlib.metadata as m\n"
+        "def v(name):\n"
+        "    try:\n"
+        "        return m.version(name)\n"
+        "    except m.PackageNotFoundError:\n"
+        "        return 'not installed'\n"
+        "print(', '.join(f'{n} {v(n)}' for n in ('trl', 'transformers', 'torch')))"
+    )
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True)
+    return f"baseline environment ({python}): {done.stdout.strip()}"
 
 
 def round_line(round_: int, label: str, measured: dict[str, list[float]]) -> str:
@@ -103,16 +128,27 @@ def round_line(round_: int, label: str, measured: dict[str, list[float]]) -> str
     return f"round {round_ + 1} {label}: median {statistics.median(measured['step']):.3f} s/step{phases}"
 
 
-def compare(script: str, root: Path, rounds: int, steps: int, warmup: int, baseline: str, what: str) -> None:
-    """Alternate tandem and ``baseline`` (its label, e.g. ``TRL DPOTrainer``) over ``rounds`` and
-    print the medians and the ratio of seconds per ``what`` (e.g. ``DPO step``)."""
+def compare(
+    script: str,
+    root: Path,
+    rounds: int,
+    steps: int,
+    warmup: int,
+    baseline: str,
+    what: str,
+    baseline_python: str = sys.executable,
+) -> None:
+    """Alternate tandem and ``baseline`` (its label, e.g. ``TRL DPOTrainer``; its child runs on
+    ``baseline_python``) over ``rounds`` and print the medians and the ratio of seconds per
+    ``what`` (e.g. ``DPO step``)."""
     times: dict[str, list[float]] = {"tandem": [], "baseline": []}
     installed = True
     for round_ in range(rounds):
         for side in ("tandem", "baseline") if round_ % 2 == 0 else ("baseline", "tandem"):
             if side == "baseline" and not installed:
                 continue
-            measured = run_side(script, side, root, steps, warmup)
+            python = baseline_python if side == "baseline" else sys.executable
+            measured = run_side(script, side, root, steps, warmup, python)
             if measured is None:
                 installed = False
                 continue

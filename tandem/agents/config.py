@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from tandem.agents.loops import AGENT_LOOPS, load_interaction
 from tandem.agents.program.config import ProgramLimits, check_command, load_program
-from tandem.agents.sandbox import SandboxLimits
+from tandem.agents.sandbox import SandboxLimits, sandbox_available
 from tandem.agents.tool_calls import TOOL_CALL_PARSERS
 from tandem.agents.tools import duplicate_names, load_user_tools
 from tandem.config.paths import INPUT_PATH, path_field
@@ -59,6 +59,9 @@ class AgentConfig:
             past them a request is refused (400).
         program_output_bytes: bytes of stdout and of stderr (each) a command may write; they are
             kept on the row (``agent_program_log``); one byte more kills it (``program_error``).
+        program_sandbox: run ``agent.program_command`` in the OS sandbox (the ``python`` tool's,
+            under ``agent.python``'s memory, file-size and process limits), its network limited
+            to its endpoint (docs/agents.md).
     """
 
     name: str = "single_turn"
@@ -79,6 +82,7 @@ class AgentConfig:
     program_max_tokens: int = 8192
     program_command: tuple[str, ...] = ()
     program_output_bytes: int = 16384
+    program_sandbox: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -100,6 +104,7 @@ class AgentConfig:
             self.program_max_requests,
             self.program_max_tokens,
             self.program_output_bytes,
+            self.python if self.program_sandbox else None,
         )
 
     def __post_init__(self) -> None:
@@ -140,7 +145,19 @@ class AgentConfig:
                 raise ValueError(f"agent.{key} is set but agent.name={self.name!r}: set agent.name=program")
         if self.program_command:  # a list from the command line: kept as the tuple the field declares
             object.__setattr__(self, "program_command", check_command(self.program_command))
+        if self.program_sandbox:
+            self._check_program_sandbox()
         self._check_user_files()
+
+    def _check_program_sandbox(self) -> None:
+        if not self.program_command:
+            raise ValueError(
+                "agent.program_sandbox=true sandboxes agent.program_command, which is not set "
+                "(a function program, agent.program, runs inside the run's process)"
+            )
+        unavailable = sandbox_available()
+        if unavailable:
+            raise ValueError(f"agent.program_sandbox=true, but the OS sandbox cannot run here: {unavailable}")
 
     def _check_user_files(self) -> None:
         """Load the user's tools and interaction files now: a broken one (a failing import, a

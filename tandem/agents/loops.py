@@ -384,6 +384,7 @@ def batch_episode_metrics(
         batch["finish_reason"],
         tool_totals(),
         program_splits=batch.get("agent_program_splits", ()),
+        program_metrics=batch.get("agent_program_metrics", ()),
     )
 
 
@@ -394,11 +395,14 @@ def episode_metrics(
     finish_reasons: Sequence[str],
     tool_totals: list[dict[str, tuple[int, int, float]]],
     program_splits: Sequence[int] = (),
+    program_metrics: Sequence[dict[str, float]] = (),
 ) -> dict[str, float]:
     """``agent/turns/mean``, ``agent/tool_calls/mean``, ``agent/tool/errors`` (malformed calls
     included), ``agent/interaction/errors`` (episodes whose interaction failed),
     ``agent/program/errors`` (episodes whose agent program failed), ``agent/program/splits``
-    (given ``program_splits``: new segments, summed over the episodes), the share of
+    (given ``program_splits``: new segments, summed over the episodes), the mean of each metric
+    the programs returned over the episodes that returned it (``agent/program/metric/<name>``,
+    from ``program_metrics``: a failed episode returns none), the share of
     episodes per finish reason (``agent/finish/<reason>``), and per tool
     ``agent/tool/<name>/{calls,errors,latency_s}`` from the workers' :meth:`ToolStats.totals`."""
     metrics = {
@@ -409,8 +413,14 @@ def episode_metrics(
         "agent/interaction/errors": float(sum(reason == INTERACTION_ERROR for reason in finish_reasons)),
         "agent/program/errors": float(sum(reason == PROGRAM_ERROR for reason in finish_reasons)),
     }
-    if program_splits:
+    if len(program_splits):  # a column of the batch may be an array
         metrics["agent/program/splits"] = float(sum(program_splits))
+    reported: dict[str, list[float]] = {}
+    for returned in program_metrics:
+        for name, value in (returned or {}).items():
+            reported.setdefault(name, []).append(value)
+    for name, values in reported.items():
+        metrics[f"agent/program/metric/{name}"] = statistics.fmean(values)
     for reason, count in Counter(finish_reasons).items():
         metrics[f"agent/finish/{reason}"] = count / len(finish_reasons)
     return metrics

@@ -164,8 +164,11 @@ class AgentRollout:
         return self._episodes.submit(self.context(sampling), sample)
 
     def abort_episode(self, episode_id: str) -> None:
-        """End the model turn the episode ``episode_id`` is waiting for (or will start): the episode
-        then finishes with ``abort``."""
+        """End the model turn the episode ``episode_id`` is waiting for (or will start), or its agent
+        program's episode: the episode then finishes with ``abort``."""
+        if self.program is not None:
+            self.program.abort(episode_id)
+            return
         for turn in range(self.config.max_turns + 1):
             self.engine.abort(turn_request_id(episode_id, turn))
 

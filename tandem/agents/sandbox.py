@@ -114,24 +114,24 @@ def run_python(
     a path that does not exist, or ``/``.
     """
     limits = limits or SandboxLimits()
-    child_limits = _child_limits(limits)
-    mounts = _mount_paths(read_only)
+    own_limits = child_limits(limits)
+    mounts = mount_paths(read_only)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tandem-sandbox-") as base:
         workdir, root = os.path.join(base, "work"), os.path.join(base, "root")
         os.mkdir(workdir)
         os.mkdir(root)  # stays empty here: the child mounts its new root on it in its own namespace
-        setup = {"limits": child_limits, "workdir": workdir, "root": root, "mounts": mounts}
+        setup = {"limits": own_limits, "workdir": workdir, "root": root, "mounts": mounts}
         return _supervise(_start_child(setup), code, limits, started)
 
 
-def _child_limits(limits: SandboxLimits) -> dict:
+def child_limits(limits: SandboxLimits) -> dict:
     """The limits the child sets on itself; as a non-root user its process limit leaves room
     for the threads the user already runs (the kernel counts every thread of the uid)."""
-    child_limits = asdict(limits)
+    values = asdict(limits)
     if os.geteuid() != 0:
-        child_limits["processes"] = limits.processes + _threads_of(os.getuid())
-    return child_limits
+        values["processes"] = limits.processes + _threads_of(os.getuid())
+    return values
 
 
 def _start_child(setup: dict) -> subprocess.Popen:
@@ -144,7 +144,7 @@ def _start_child(setup: dict) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         start_new_session=True,  # its own process group: killed as one
         cwd=setup["workdir"],
-        env=_sandbox_environment(),
+        env=sandbox_environment(),
     )
 
 
@@ -189,13 +189,13 @@ def _supervise(process: subprocess.Popen, code: str, limits: SandboxLimits, star
     )
 
 
-def _sandbox_environment() -> dict[str, str]:
+def sandbox_environment() -> dict[str, str]:
     """The whole environment the sandbox starts with: never the host's (API keys, tokens). The
     child adds ``HOME`` and ``TMPDIR``, both its working directory."""
     return {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 
 
-def _mount_paths(paths: Sequence[str | os.PathLike]) -> list[str]:
+def mount_paths(paths: Sequence[str | os.PathLike]) -> list[str]:
     """Absolute host paths to mount read-only, checked here so a typo is an error, not a failed setup."""
     mounts = []
     for path in paths:
@@ -244,6 +244,21 @@ def _kill_group(process: subprocess.Popen) -> None:
     every process in the namespace)."""
     _kill_group_quietly(process.pid)
     process.wait()
+
+
+def cap_processes(pid: int, limit: int) -> Path | None:
+    """As root, put ``pid`` (before it runs any code) in a pids cgroup capped at ``limit`` and
+    return the group, for :func:`release_processes_cap` after the run (the kernel does not count
+    root's processes against the child's ``RLIMIT_NPROC``); otherwise None, the rlimit caps it.
+    Raises :class:`SandboxUnavailable` as root when no pids cgroup is writable (``pid``'s group is
+    killed then)."""
+    return _join_pids_cgroup(pid, limit) if os.geteuid() == 0 else None
+
+
+def release_processes_cap(group: Path | None) -> None:
+    """Remove a group :func:`cap_processes` made, once its processes have ended."""
+    if group is not None:
+        _remove_cgroup(group)
 
 
 PIDS_HIERARCHIES = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))

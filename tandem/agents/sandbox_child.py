@@ -6,7 +6,9 @@ library only, so nothing of tandem (or torch) is imported into the sandbox. The 
 with an environment of ``PATH`` and ``LANG`` only. Before any of the code runs:
 
 1. new user, mount, network, IPC and PID namespaces (``unshare``; the uid stays what it was): the
-   network namespace has only a loopback device that is down, so every connection fails;
+   network namespace has only a loopback device that is down, so every connection fails (a
+   command program's sandbox, :mod:`tandem.agents.program.sandboxed_child`, brings it up to
+   relay its endpoint in: it still reaches nothing outside the namespace);
 2. fork: the child is PID 1 of the new PID namespace and dies with its parent
    (``PR_SET_PDEATHSIG``); when it ends, the kernel kills every process left in the namespace
    (a fork bomb's included);
@@ -30,11 +32,14 @@ never runs unisolated.
 """
 
 import ctypes
+import fcntl
 import json
 import os
 import platform
 import resource
 import signal
+import socket
+import struct
 import sys
 import traceback
 
@@ -71,6 +76,7 @@ DEVICE_LINKS = (
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 LAST_CAPABILITY = 63
+SIOCSIFFLAGS, IFF_UP, IFF_LOOPBACK, IFF_RUNNING = 0x8914, 0x1, 0x8, 0x40
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -134,8 +140,10 @@ def drop_capabilities() -> None:
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
 
 
-def isolate(workdir: str, root: str, mounts: list[str]) -> None:
-    """Steps 1–4 of the module docstring; returns in PID 1 of the new namespaces, in ``/sandbox``."""
+def isolate(workdir: str, root: str, mounts: list[str], loopback: bool = False) -> None:
+    """Steps 1–4 of the module docstring; returns in PID 1 of the new namespaces, in ``/sandbox``.
+    ``loopback``: bring the new network namespace's own loopback device up (before the
+    capabilities go), for a caller that relays one endpoint into it; it reaches nothing outside."""
     uid, gid = os.getuid(), os.getgid()
     namespaces = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWPID
     check(libc.unshare(namespaces), "unshare namespaces")
@@ -152,9 +160,23 @@ def isolate(workdir: str, root: str, mounts: list[str]) -> None:
     enter_root(root)
     set_read_only("/", recursive=True, read_only=True)
     set_read_only(INSIDE, recursive=False, read_only=False)
+    if loopback:
+        loopback_up()
     drop_capabilities()
     os.chdir(INSIDE)
     os.environ.update({"HOME": INSIDE, "TMPDIR": INSIDE, "TMP": INSIDE, "TEMP": INSIDE})
+
+
+def loopback_up() -> None:
+    """Set the namespace's ``lo`` up (``SIOCSIFFLAGS``; needs the namespace's ``CAP_NET_ADMIN``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        request = struct.pack("16sH14x", b"lo", IFF_UP | IFF_LOOPBACK | IFF_RUNNING)
+        try:
+            fcntl.ioctl(probe.fileno(), SIOCSIFFLAGS, request)
+        except OSError as error:
+            sys.stderr.write(f"sandbox setup failed: set the loopback device up: {error.strerror}\n")
+            sys.stderr.flush()
+            os._exit(SETUP_FAILED)
 
 
 def build_root(root: str, workdir: str, mounts: list[str], uid: int, gid: int) -> None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from tandem.checkpoint_engine import CheckpointEngineConfig
-from tandem.config.paths import OUTPUT_PATH, path_field
+from tandem.config.paths import INPUT_PATH, OUTPUT_PATH, path_field
 from tandem.config.validation import check_choice, check_positive, check_range
 
 MODES = ("sync", "one_step_off", "fully_async")
@@ -69,7 +70,15 @@ class PipelineConfig:
         record_schedule: ``one_step_off`` / ``fully_async``: a JSONL file (made absolute where the
             run starts) to which every draw appends, before its step trains, which prompt groups it
             holds and where each came from: replica and restart generation, seeds, request ids,
-            weight versions (:mod:`tandem.pipeline.schedule_record`). Empty (default): none.
+            weight versions (:mod:`tandem.pipeline.schedule_record`); the replicas also keep each
+            group they report in a sample log beside it (:mod:`tandem.pipeline.sample_log`).
+            Empty (default): none.
+        replay: a schedule record written by ``pipeline.record_schedule`` (with its sample log
+            beside it): the run trains each step on the groups that step of the recorded run
+            trained on, read from the log in the recorded order (:mod:`tandem.pipeline.replay`);
+            no replica runs and no weights are synced. The run's ``pipeline.mode`` and the settings
+            the record holds (batch shape, seed, algorithm, model) must be the recorded run's.
+            Empty (default): generate.
     """
 
     mode: str = "sync"
@@ -86,6 +95,7 @@ class PipelineConfig:
     replica_restarts: int = 0
     old_log_probs: str = "recompute"
     record_schedule: str = path_field(OUTPUT_PATH)
+    replay: str = path_field(INPUT_PATH)
 
     def __post_init__(self) -> None:
         check_choice("pipeline", "mode", self.mode, MODES)
@@ -110,10 +120,30 @@ class PipelineConfig:
                 "trains each step on the draw its seed decides (set pipeline.mode=one_step_off or "
                 "fully_async, or leave pipeline.record_schedule empty)"
             )
+        if self.replay:
+            self._check_replay()
         if self.mode != "sync" and self.checkpoint_engine.backend == "naive":
             raise ValueError(
                 f"pipeline.mode={self.mode} puts the rollout in other processes; pipeline.checkpoint_engine.backend "
                 "must be broadcast, shared_memory or files (naive is an in-process copy)"
+            )
+
+    def _check_replay(self) -> None:
+        """``pipeline.replay`` names an existing record, of an asynchronous mode, and records nothing."""
+        if not os.path.isfile(self.replay):
+            raise ValueError(
+                f"pipeline.replay={self.replay}: no such file (a schedule record written by "
+                "pipeline.record_schedule=PATH)"
+            )
+        if self.mode == "sync":
+            raise ValueError(
+                "pipeline.replay replays an asynchronous run; set pipeline.mode to the recorded run's "
+                "(one_step_off or fully_async), not sync"
+            )
+        if self.record_schedule:
+            raise ValueError(
+                "pipeline.replay trains on a recorded schedule and pipeline.record_schedule would record a "
+                "new one: set only one of them"
             )
 
     @property

@@ -14,7 +14,13 @@ later call with room, and the seconds they waited are counted (:meth:`GroupTrack
 A group with an :class:`EpisodePrompt` runs agent episodes instead of single requests (through
 the replica's :class:`~tandem.agents.rollout.AgentRollout`); its stored tensors then also hold
 each episode's prompt (rendered with the tools' schemas) and ``token_mask`` (1 on the model's
-tokens, 0 on tool and user turns), and its metadata the conversations.
+tokens, 0 on tool and user turns), and its metadata the conversations (and, for an agent program's
+episodes, their splits, metrics and logs: :class:`~tandem.pipeline.sample_queue.EpisodeInfo`).
+Aborting an agent group (:meth:`GroupTracker.abort_all`) ends its episodes' current model turns,
+or its agent programs' episodes (:meth:`~tandem.agents.program.runner.ProgramRunner.abort`).
+
+With a :class:`~tandem.pipeline.sample_log.SampleLog` (``pipeline.record_schedule``) every group
+stored is also appended to the replica's sample log, on disk before its metadata is returned.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from tandem.agents.loops import AgentSample
 from tandem.agents.trajectory import Trajectory
 from tandem.pipeline.group_blocks import PROMPT_FIELD, GroupBlockWriter
 from tandem.pipeline.provenance import request_id
+from tandem.pipeline.sample_log import SampleLog
 from tandem.pipeline.sample_queue import EpisodeInfo, GroupMeta
 from tandem.pipeline.sample_store import InlineWriter, SampleWriter
 from tandem.protocol.generation import Completion, raise_failed_requests
@@ -100,6 +107,7 @@ class GroupTracker:
         self._idle_total = 0.0
         self._waiting: list[_Pending] = []  # finished and packed, not stored for want of room
         self._waited_total = 0.0
+        self.sample_log: SampleLog | None = None  # pipeline.record_schedule: each stored group, on disk
 
     def start(self, engine, groups: list[GroupRequest]) -> None:
         """Submit every response of ``groups`` to ``engine`` (returns at once)."""
@@ -256,11 +264,17 @@ class GroupTracker:
         versions = [v for c in responses for v in c.weight_versions]
         episodes: tuple[EpisodeInfo, ...] = ()
         if pending.request.episode is not None:
+            program = self.agents is not None and self.agents.program is not None
             episodes = tuple(
-                EpisodeInfo(t.messages, t.turns, t.tool_calls, t.tool_errors, t.reward) for t in responses
-            )
+                EpisodeInfo(
+                    t.messages, t.turns, t.tool_calls, t.tool_errors, t.reward,
+                    t.splits, dict(t.metrics), dict(t.program_log) if program else None,
+                )
+                for t in responses
+            )  # fmt: skip
         sampled = [v for v in versions if v >= 0]  # tool and user tokens carry -1
         group = pending.request
+        logged = self.sample_log.append(group.uid, tensors) if self.sample_log is not None else ""
         return GroupMeta(
             uid=group.uid,
             index=group.index,
@@ -273,6 +287,7 @@ class GroupTracker:
             episodes=episodes,
             seeds=tuple(int(seed) for seed in group.seeds),
             request_ids=tuple(request_id(group.uid, i) for i in range(len(responses))),
+            sample_log=logged,
         )
 
     def abort_all(self, engine) -> int:

@@ -28,6 +28,7 @@ from tandem.models.loading import load_tokenizer
 from tandem.models.vision import ImagePrompter
 from tandem.pipeline.group_blocks import GroupBlockWriter
 from tandem.pipeline.groups import GroupRequest, GroupTracker
+from tandem.pipeline.sample_log import SampleLog
 from tandem.pipeline.sample_queue import GroupMeta
 from tandem.pipeline.sample_store import InlineWriter, SampleWriter
 from tandem.protocol import Batch
@@ -120,6 +121,13 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
             self.groups.writer.discard_all()
             tokenizer = load_tokenizer(self.model_path)
             self.groups.writer = GroupBlockWriter(config, prompt_width, response_width, pad_id, tokenizer)
+
+    @register(dispatch="ONE_TO_ALL")
+    def log_samples(self, ranks: list[int], directory: str) -> None:
+        """The replicas ``ranks`` append every group they report to their sample log in
+        ``directory`` (``pipeline.record_schedule``; :mod:`tandem.pipeline.sample_log`)."""
+        if self.rank in ranks:
+            self.groups.sample_log = SampleLog(directory, self.rank)
 
     @register(dispatch="ONE_TO_ALL")
     def start_groups(self, groups: list[GroupRequest]) -> int:

@@ -165,6 +165,8 @@ class AsyncRollout:
         if inline:
             self.replicas.write_samples_inline(inline)
         self._keep_samples_in_store(list(range(self.replicas.world_size)))
+        if self.schedule is not None:  # the replicas keep what they report beside it, for a replay
+            self.replicas.log_samples(list(range(self.replicas.world_size)), self.schedule.log_directory)
         connect_weight_sync(self.trainer, self.replicas, pipeline.checkpoint_engine)
         stored = self.keep_in_store.directory if self.keep_in_store is not None else self._sample_dir
         bound = inflight_bound(pipeline.max_inflight_bytes, stored)
@@ -252,11 +254,12 @@ class AsyncRollout:
         the prompt groups that the staleness bound now allows. Returns the sync's metrics."""
         metrics: dict[str, float] = {}
         self._trainer_version = version
-        if self.pipeline.mode != "fully_async":
-            return metrics
-        if version % self.pipeline.trigger_parameter_sync_step == 0:
-            metrics = self._send(version, "keep" if self.pipeline.partial_rollout else "wait")
-        self._hand_out(self._allowance() - self._serial)
+        if self.pipeline.mode == "fully_async":
+            if version % self.pipeline.trigger_parameter_sync_step == 0:
+                metrics = self._send(version, "keep" if self.pipeline.partial_rollout else "wait")
+            self._hand_out(self._allowance() - self._serial)
+        if self.schedule is not None:  # the prompts drawn so far: what a replay's sampler resumes from
+            self.schedule.write_sampler(version, self.sampler.state())
         return metrics
 
     def generate(
@@ -438,6 +441,8 @@ class AsyncRollout:
         if inline:
             self.replicas.write_samples_inline(inline)
         self._keep_samples_in_store(restarted)
+        if self.schedule is not None:
+            self.replicas.log_samples(restarted, self.schedule.log_directory)
         self.replicas.disconnect_weights()
         self.trainer.close_weight_sender()
         connect_weight_sync(self.trainer, self.replicas, self.pipeline.checkpoint_engine)
@@ -529,6 +534,12 @@ def assemble_batch(groups: list[GroupMeta], dataset: Any, n: int, pad_id: int) -
             agent_tool_errors=[e.tool_errors for e in episodes],
             agent_reward=[e.reward for e in episodes],
         )
+        if episodes[0].program_log is not None:  # an agent program's episodes
+            non_tensors.update(
+                agent_program_splits=[e.program_splits for e in episodes],
+                agent_program_metrics=[e.program_metrics for e in episodes],
+                agent_program_log=[e.program_log for e in episodes],
+            )
     batch = prompts.assign(tensors=tensors, non_tensors=non_tensors)
     return trim_padding(batch, pad_id)
 

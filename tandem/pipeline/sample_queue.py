@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.dataplane import BatchRef
 from tandem.pipeline.sample_store import InlineSample, SampleRef, release, stored_nbytes
@@ -26,13 +26,18 @@ from tandem.pipeline.sample_store import InlineSample, SampleRef, release, store
 
 @dataclass(frozen=True)
 class EpisodeInfo:
-    """An agent episode's conversation and counts (what its tensors do not hold)."""
+    """An agent episode's conversation and counts (what its tensors do not hold); an agent
+    program's episode also has its splits, its own metrics and its log (``program_log`` is None
+    for the other loops)."""
 
     messages: list[dict]
     turns: int
     tool_calls: int
     tool_errors: int
-    reward: float | None = None  # an interaction's, when it ended the episode with one
+    reward: float | None = None  # an interaction's or a program's, when it ended the episode with one
+    program_splits: int = 0
+    program_metrics: dict[str, float] = field(default_factory=dict)
+    program_log: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,8 @@ class GroupMeta:
         request_ids: each response's request id on the replica's engine.
         generation: the replica's restart generation when it reported the group (0: its first
             process), stamped by the replica's driver (:class:`~tandem.pipeline.fleet.RolloutFleet`).
+        sample_log: with ``pipeline.record_schedule``, the group's entry in its replica's sample
+            log (``<file>@<offset>``, :mod:`tandem.pipeline.sample_log`); empty otherwise.
     """
 
     uid: str
@@ -69,6 +76,7 @@ class GroupMeta:
     seeds: tuple[int, ...] = ()
     request_ids: tuple[str, ...] = ()
     generation: int = 0
+    sample_log: str = ""
 
     def staleness(self, trainer_version: int) -> int:
         """How many versions the group's oldest token lags ``trainer_version``."""

@@ -1,8 +1,10 @@
 """Validation samples beside a run (``val_samples.jsonl``) and their section of the report.
 
 At each validation step the RL trainer appends a few rows: the prompt's text, the response,
-its score and ground truth, and a vision-language prompt's pictures as small PNG thumbnails
-(``data:`` URLs). The report shows each validation step's samples, the latest first.
+its score and ground truth, a vision-language prompt's pictures as small PNG thumbnails
+(``data:`` URLs), and an agent program's log (``program_log``: its fault, and a command's
+stdout and stderr as kept; only the non-empty ones). The report shows each validation step's
+samples, the latest first, a program's log under its response.
 
 The file is read as untrusted: every text is escaped, a thumbnail is kept only when it is a
 base64 PNG ``data:`` URL, and a line that is not a JSON object is skipped (a run still being
@@ -24,6 +26,7 @@ THUMBNAIL_SIDE = 160  # pixels: the longer side of a thumbnail
 PNG_DATA_URL = re.compile(r"data:image/png;base64,[A-Za-z0-9+/]+={0,2}")
 TEXT_FIELDS = ("prompt", "response", "ground_truth")
 MAX_TEXT = 2000  # characters of each text shown
+PROGRAM_LOG_FIELDS = ("error", "stdout", "stderr")  # an agent program's log, in the order shown
 
 
 def thumbnail_url(image) -> str:
@@ -37,7 +40,8 @@ def thumbnail_url(image) -> str:
 
 def append_val_samples(directory: str | Path, step: int, samples: Sequence[dict]) -> None:
     """Append ``samples`` (dicts with ``prompt``, ``response``, ``score``, ``ground_truth`` and
-    optional ``images``: thumbnail URLs) of validation at ``step`` to the run's file."""
+    optional ``images``: thumbnail URLs, and ``program_log``: ``{"error", "stdout", "stderr"}``)
+    of validation at ``step`` to the run's file."""
     path = Path(directory) / VAL_SAMPLES_FILE
     with path.open("a") as file:
         for sample in samples:
@@ -59,6 +63,7 @@ def read_val_samples(directory: str | Path) -> list[dict]:
             continue
         score = raw.get("score")
         images = raw.get("images") if isinstance(raw.get("images"), list) else []
+        log = raw.get("program_log") if isinstance(raw.get("program_log"), dict) else {}
         samples.append(
             {
                 "step": raw["step"],
@@ -67,14 +72,17 @@ def read_val_samples(directory: str | Path) -> list[dict]:
                 if isinstance(score, (int, float)) and not isinstance(score, bool)
                 else None,
                 "images": [url for url in images if isinstance(url, str) and PNG_DATA_URL.fullmatch(url)],
+                "program_log": {
+                    name: str(log[name])[:MAX_TEXT] for name in PROGRAM_LOG_FIELDS if log.get(name)
+                },
             }
         )
     return samples
 
 
 def samples_html(samples: list[dict]) -> str:
-    """Each validation step's samples as a table (prompt with its pictures, response, score,
-    ground truth), the latest step first and open."""
+    """Each validation step's samples as a table (prompt with its pictures, response with an agent
+    program's log, score, ground truth), the latest step first and open."""
     if not samples:
         return ""
     steps = sorted({sample["step"] for sample in samples}, reverse=True)
@@ -86,9 +94,13 @@ def samples_html(samples: list[dict]) -> str:
                 f"<img class='thumb' src='{url}' alt='prompt image'>" for url in sample["images"]
             )
             score = "" if sample["score"] is None else f"{sample['score']:.3g}"
+            log = "".join(
+                f"<div class='program-log'>agent program {name}:<pre>{html.escape(text)}</pre></div>"
+                for name, text in sample["program_log"].items()
+            )
             cells = [
                 pictures + f"<pre>{html.escape(sample['prompt'])}</pre>",
-                f"<pre>{html.escape(sample['response'])}</pre>",
+                f"<pre>{html.escape(sample['response'])}</pre>{log}",
                 html.escape(score),
                 html.escape(sample["ground_truth"]),
             ]

@@ -1,17 +1,25 @@
 """The run's plan as the trainer prints it before the first step: algorithm, model, workers,
-engine, pipeline, data and schedule."""
+engine, pipeline, data, schedule, and the step's stages (:class:`tandem.rl.step_plan.StepPlan`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from tandem.rl.config import TrainConfig
+from tandem.rl.step_plan import StepPlan
 
 
 def run_plan(
-    config: TrainConfig, params: int, train_data: Any, val_prompts: int, total_steps: int, step: int
+    config: TrainConfig,
+    step_plan: StepPlan,
+    params: int,
+    train_data: Any,
+    val_prompts: int,
+    total_steps: int,
+    step: int,
 ) -> str:
-    """Three lines: what trains where, on which prompts, for how many steps from ``step``."""
+    """Four lines: what trains where, on which prompts, for how many steps from ``step``, and the
+    stages of each step."""
     data, n = config.data, config.rollout.n
     return (
         f"[bold]RL[/] {config.algorithm.adv_estimator} + {config.actor.policy_loss.name} loss, "
@@ -22,7 +30,8 @@ def run_plan(
         f"filtered), {val_prompts} validation prompts\n"
         f"  {total_steps} steps of {data.train_batch_size} prompts x {n} responses; "
         f"{data.train_batch_size // config.mini_batch_prompts} optimizer step(s) x {config.actor.ppo_epochs} "
-        f"epoch(s) per step; starting at step {step}"
+        f"epoch(s) per step; starting at step {step}\n"
+        f"  {step_plan.describe()}"
     )
 
 

@@ -7,9 +7,13 @@ weights into the rollout engines -> log -> validate / checkpoint on schedule.
 Every pipeline mode hands the step its prompt groups through one interface,
 :class:`tandem.pipeline.source.BatchSource`: with ``pipeline.mode=sync`` the workers generate
 each draw when it is asked for (colocated); the asynchronous modes generate on rollout replicas
-while the trainer trains (:class:`tandem.pipeline.runner.AsyncRollout`). The stages over a
-step's groups (scoring, ReMax's greedy baselines, DAPO's dynamic sampling) run on the trainer
-whatever the source.
+while the trainer trains (:class:`tandem.pipeline.runner.AsyncRollout`).
+
+What a step runs beyond that is its :class:`tandem.rl.step_plan.StepPlan`, built once from the
+config: how the groups are collected (one draw, DAPO's dynamic sampling), what each draw is given
+(ReMax's greedy baselines), the worker passes (old, reference and teacher log-probs, values) and
+the update (policy gradient, online DPO's preference step). Those stages run on the trainer
+whatever the source, so every algorithm runs in every pipeline mode.
 
 Beside the loop, one module per concern: the worker groups it starts (:mod:`tandem.rl.worker_groups`),
 its batch source (:mod:`tandem.rl.batch_source`), validation (:mod:`tandem.rl.validation`), what a
@@ -27,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.markup import escape
 
@@ -37,27 +40,23 @@ from tandem.controller import check_placement
 from tandem.engine.divergence import check_health, check_skipped_in_a_row
 from tandem.models.gguf import with_gguf_resolved
 from tandem.models.loading import load_tokenizer
-from tandem.pipeline.source import BatchSource, merge_draw_metrics
+from tandem.pipeline.source import BatchSource
 from tandem.protocol import Batch
-from tandem.protocol.sequences import concat_sequences, sequence_lengths, trim_padding
 from tandem.report import RunInfo
 from tandem.report.samples import append_val_samples
 from tandem.report.tracker import ReportTracker
 from tandem.rl.advantages import advantage_reads, step_advantages
-from tandem.rl.balance import balanced_order
 from tandem.rl.batch_source import rl_batch_source
 from tandem.rl.checkpoint_contents import load_checkpoint, resume_path, save_engines, trainer_state
 from tandem.rl.config import TrainConfig
 from tandem.rl.data import RLDataset, image_reader
-from tandem.rl.dataset_responses import OFF_POLICY
 from tandem.rl.metrics import timed, value_metrics
 from tandem.rl.plan import run_plan
-from tandem.rl.preference_pairs import best_worst_pairs, with_reference_sums
 from tandem.rl.rewards.sources import RewardSources
 from tandem.rl.scoring import score_responses
 from tandem.rl.step_data import step_data
 from tandem.rl.step_metrics import reduced_worker_metrics, step_end_metrics
-from tandem.rl.teacher_worker import check_same_tokenizer, shared_vocabulary
+from tandem.rl.step_plan import build_step_plan
 from tandem.rl.validation import validation_metrics, validation_prompts, validation_samples
 from tandem.rl.worker_groups import start_worker_groups
 from tandem.rollout.factory import check_engine_installed
@@ -84,6 +83,7 @@ PLACEMENT_KEYS = (  # what shapes the pools of config.resource_pools(), named wh
     "trainer.nnodes, trainer.n_gpus_per_node (or trainer.n_workers), critic.placement, reward.model.n_workers "
     "and pipeline.rollout_replicas"
 )
+
 
 class RLTrainer:
     """Runs :class:`TrainConfig` end to end (see the module docstring)."""
@@ -139,12 +139,10 @@ class RLTrainer:
             data_files={"train": data.train_path, "val": data.val_path},
             total_steps=self.total_steps,
         )
-        if config.distills:
-            check_same_tokenizer(
-                load_tokenizer(config.teacher.model_path), config.teacher.model_path,
-                self.tokenizer, config.model_path,
-            )  # fmt: skip
-            shared_vocabulary(config)  # refuses a teacher.top_k past the vocabulary, before any model loads
+        self.plan = build_step_plan(config)  # the step's stages (tandem.rl.stages)
+        for stage in self.plan.stages():
+            if stage.check is not None:
+                stage.check(self)  # a stage's own settings, before any model loads
         self.rollout: BatchSource | None = None  # built with the workers
         self.critics = None  # the critic's worker group, when the estimator reads values
         self.teachers = None  # the teacher's ranks, when the run distils
@@ -245,13 +243,12 @@ class RLTrainer:
         )
 
     def train_step(self) -> dict[str, float]:
-        """One RL step; returns its metrics."""
+        """One RL step, the plan's stages; returns its metrics."""
         self.step += 1
         timings: dict[str, float] = {}
         with timed(timings, "step"):
             batch, metrics = self.collect_batch(timings)
-            update = self._preference_update if self.config.prefers else self._policy_gradient_update
-            batch, update_metrics = update(batch, timings)
+            batch, update_metrics = self.plan.update(self, batch, timings)
             metrics.update(update_metrics)
             metrics["actor/max_abs_weight"] = self.check_divergence(metrics)
             with timed(timings, "update_weights"):
@@ -267,33 +264,19 @@ class RLTrainer:
     def _policy_gradient_update(
         self, batch: Batch, timings: dict[str, float]
     ) -> tuple[Batch, dict[str, float]]:
-        """Old and reference log-probs, advantages, then the actor's PPO-style update."""
-        if self.config.trainer.balance_batch and self.config.actor_dp_size > 1:
-            order = balanced_order(
-                sequence_lengths(batch).tolist(), self.config.rollout.n, self.config.actor_dp_size
-            )
-            batch = batch.reorder(order)
-        config = self.config
-        off_policy = OFF_POLICY in batch and bool(batch[OFF_POLICY][0])  # the dataset's responses
-        if config.old_log_probs_from_rollout and not off_policy:
-            batch = batch.assign(tensors={"old_log_probs": batch["rollout_log_probs"]})
+        """The policy-gradient update (:mod:`tandem.rl.stages.policy_gradient`): the plan's prepare
+        stages, its passes over the step's data (a ``Batch`` or the data plane's references:
+        :mod:`tandem.rl.step_data`), its view stages, the advantages, then the updates."""
+        config, plan = self.config, self.plan
+        for stage in plan.prepares:
+            batch = stage(self, batch)
         data = step_data(batch, config.dataplane, config.dataplane.enabled, self.workers)
         try:
-            if off_policy or not (config.old_log_probs_from_rollout or config.old_log_probs_from_update):
-                with timed(timings, "old_log_prob"):
-                    data.stage(self.workers, self.workers.compute_log_prob)
-            if config.needs_reference:
-                with timed(timings, "ref"):
-                    data.stage(self.workers, self.workers.compute_ref_log_prob)
-            if self.teachers is not None:
-                with timed(timings, "teacher"):
-                    data.stage(self.teachers, self.teachers.compute_teacher_log_prob)
-            if self.critics is not None:
-                with timed(timings, "values"):
-                    data.stage(self.critics, self.critics.compute_values)
+            for stage in plan.passes:
+                stage(self, data, timings)
             view = data.view(advantage_reads(config.algorithm))
-            if off_policy:  # no rollout sampled them: their rollout log-probs are the policy's
-                view = view.assign(tensors={"rollout_log_probs": view["old_log_probs"]})
+            for stage in plan.views:
+                view = stage(self, view)
             with timed(timings, "adv"):
                 view, adv_metrics = self.compute_advantages(view)
             metrics = self._updates(data.for_updates(view), view, timings)
@@ -312,81 +295,32 @@ class RLTrainer:
             metrics.update(value_metrics(view))
         if self.step > self.config.critic.warmup_steps or self.critics is None:
             with timed(timings, "update_actor"):
-                metrics.update(self._update_actor(step))
+                metrics.update(self.update_actor(step))
         return metrics
 
-    def _preference_update(self, batch: Batch, timings: dict[str, float]) -> tuple[Batch, dict[str, float]]:
-        """Online DPO: each prompt's best and worst response form a pair; reference log-probs of
-        the pairs; one preference-loss step. Returns the whole scored batch (for its statistics)."""
-        batch = batch.assign(
-            tensors={"token_level_rewards": batch["token_level_scores"]}
-        )  # no KL in the reward
-        with timed(timings, "adv"):
-            pairs, metrics = best_worst_pairs(batch, self.config.rollout.n, self.config.actor_dp_size)
-        if pairs is None:  # no prompt scored its responses differently: nothing to prefer
-            self.console.print(f"[yellow]step {self.step}: no prompt group has a preference; update skipped")
-            return batch, metrics
-        if self.config.needs_reference:
-            with timed(timings, "ref"):
-                pairs = with_reference_sums(pairs.union(self.workers.compute_ref_log_prob(pairs)))
-        with timed(timings, "update_actor"):
-            metrics.update(self._update_actor(pairs))
-        return batch, metrics
-
-    def _update_actor(self, batch: Batch) -> dict[str, float]:
+    def update_actor(self, batch: Any) -> dict[str, float]:
+        """The actor's update on ``batch`` (a ``Batch`` or ``BatchRef``), its metrics reduced over the workers."""
         return reduced_worker_metrics(self.workers.update_actor(batch, step=self.step))
 
     # ------------------------------------------------------------------ stages
     def collect_batch(self, timings: dict[str, float]) -> tuple[Batch, dict[str, float]]:
-        """The step's ``train_batch_size`` scored prompt groups from the batch source.
+        """The step's ``train_batch_size`` scored prompt groups, as the plan's collect stage gathers
+        them from :meth:`scored_draw` (one draw, or DAPO's dynamic sampling)."""
+        return self.plan.collect(self, timings)
 
-        Each draw is scored and, when the estimator reads greedy baselines (ReMax), given them.
-        With DAPO's dynamic sampling the step draws again until enough groups carry a signal
-        (their rewards differ) or ``max_num_gen_batches`` draws are spent; it then tops up with
-        uninformative groups, which add no gradient. The ``gen`` time is the generation (sync) or
-        the wait for finished groups (asynchronous modes)."""
-        config = self.config
-        wanted, n = config.data.train_batch_size, config.rollout.n
-        dynamic = config.algorithm.filter_groups
-        kept: list[Batch] = []
-        spare: list[Batch] = []
-        metrics: dict[str, float] = {}
-        draw = 0
-        while True:
-            draw += 1
-            with timed(timings, "gen"):
-                generated, draw_metrics = self.rollout.next_batch(self.step, draw)
-            metrics = merge_draw_metrics(metrics, draw_metrics)
-            with timed(timings, "reward"):
-                scored, reward_metrics = self.score(generated)
-            if config.algorithm.needs_greedy_baseline:
-                with timed(timings, "gen_greedy"):
-                    scored = self.with_greedy_baselines(scored)
-            if not dynamic.enable:
-                return scored, {**metrics, **reward_metrics}
-            informative = _groups_with_spread(scored, n, dynamic.metric)
-            kept.append(scored[informative.repeat_interleave(n).nonzero().flatten()])
-            spare.append(scored[(~informative).repeat_interleave(n).nonzero().flatten()])
-            have = sum(len(b) for b in kept) // n
-            if have >= wanted or draw >= dynamic.max_num_gen_batches:
-                break
-        pool = concat_sequences([b for b in kept + spare if len(b)], self.tokenizer.pad_token_id)
-        batch = trim_padding(pool[: wanted * n], self.tokenizer.pad_token_id)
-        reward_metrics["dynamic_sampling/gen_rounds"] = float(draw)
-        reward_metrics["dynamic_sampling/informative_groups"] = float(have)
-        return batch, {**metrics, **reward_metrics}
-
-    def with_greedy_baselines(self, scored: Batch) -> Batch:
-        """``reward_baselines [B]``: the score of each group's greedy response (ReMax), repeated over
-        the group's ``n`` rows. The greedy responses come from the weights the engines hold: the
-        trainer's latest (sync), or the replicas' (asynchronous modes), which differ from the
-        sampled responses' by at most the staleness bound. A baseline only has to be independent
-        of the response it is subtracted from, which both are."""
-        n = self.config.rollout.n
-        prompts = self.train_data.collate([int(i) for i in scored["index"][::n]])
-        greedy = self.rollout.generate(prompts, [0] * len(prompts), self.config.rollout.sampling(0.0), None)
-        baselines = self.score(greedy, training=False)[0]["token_level_scores"].sum(-1)
-        return scored.assign(tensors={"reward_baselines": baselines.repeat_interleave(n)})
+    def scored_draw(
+        self, draw: int, timings: dict[str, float]
+    ) -> tuple[Batch, dict[str, float], dict[str, float]]:
+        """The step's ``draw``-th draw from the batch source, scored and given the plan's draw
+        stages (ReMax's greedy baselines); with the draw's and the scoring's metrics. The ``gen``
+        time is the generation (sync) or the wait for finished groups (asynchronous modes)."""
+        with timed(timings, "gen"):
+            generated, draw_metrics = self.rollout.next_batch(self.step, draw)
+        with timed(timings, "reward"):
+            scored, reward_metrics = self.score(generated)
+        for stage in self.plan.draws:
+            scored = stage(self, scored, timings)
+        return scored, draw_metrics, reward_metrics
 
     def generate(
         self, prompts: Batch, seeds: list[int], temperature: float, validation: bool = False
@@ -482,15 +416,10 @@ class RLTrainer:
     def _print_plan(self, params: int) -> None:
         val_prompts = len(self.val_data) if self.val_data else 0
         self.console.print(
-            run_plan(self.config, params, self.train_data, val_prompts, self.total_steps, self.step)
+            run_plan(
+                self.config, self.plan, params, self.train_data, val_prompts, self.total_steps, self.step
+            )
         )
-
-
-def _groups_with_spread(batch: Batch, n: int, metric: str) -> torch.Tensor:
-    """``[G]`` bool: groups of ``n`` consecutive rows whose ``metric`` (``score``, ``raw_score`` or
-    ``acc``) is not all equal."""
-    values = batch["token_level_scores"].sum(-1) if metric == "score" else batch[metric]
-    return values.view(-1, n).std(dim=1) > 0
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

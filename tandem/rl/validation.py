@@ -50,7 +50,8 @@ def validation_samples(
     scored: Batch, val_data: RLDataset, tokenizer: Any, val_n: int
 ) -> list[dict[str, Any]]:
     """The first :data:`VAL_SAMPLES_LOGGED` validation prompts' first responses, with their
-    pictures as thumbnails: the rows of the run's ``val_samples.jsonl`` (the report shows them)."""
+    pictures as thumbnails and an agent program's log (``agent_program_log``: its fault, a
+    command's output): the rows of the run's ``val_samples.jsonl`` (the report shows them)."""
     samples = []
     for prompt in range(min(VAL_SAMPLES_LOGGED, len(scored) // val_n)):
         row = prompt * val_n
@@ -63,6 +64,7 @@ def validation_samples(
                 "score": float(scored["token_level_scores"][row].sum()),
                 "ground_truth": str(scored["ground_truth"][row]),
                 "images": [thumbnail_url(decode_image(raw)) for raw in pictures.encoded] if pictures else [],
+                **({"program_log": scored["agent_program_log"][row]} if "agent_program_log" in scored else {}),
             }
         )
     return samples

@@ -3,9 +3,10 @@
 The "hybrid engine": each rank binds its device (:mod:`tandem.device`), trains its shard of
 the batch with the torch engine (DDP/FSDP2 across ranks), generates its shard with the
 configured rollout engine (``rollout.engine.name``), and syncs weights from the trainer into
-its own rollout engine by an in-process copy. ``actor.offload.*`` keeps the actor's parameters
-and optimizer state, and the reference, on the CPU while the phases at hand do not read them
-(:mod:`tandem.engine.offload`). The controller (:mod:`tandem.rl.trainer`) calls
+its own rollout engine in process: a native engine holds the actor's own parameter tensors
+(one copy of the weights; the sync only re-packs), another engine gets a copy.
+``actor.offload.*`` keeps the actor's parameters and optimizer state, and the reference, on
+the CPU while the phases at hand do not read them (:mod:`tandem.engine.offload`). The controller (:mod:`tandem.rl.trainer`) calls
 these methods; ``@register`` declares how batches are split over ranks and collected.
 """
 
@@ -45,6 +46,7 @@ from tandem.rl.config import TrainConfig
 from tandem.rl.derived import actor_engine_config, rollout_engine_config
 from tandem.rollout import RolloutRequest, SamplingParams
 from tandem.rollout.factory import build_rollout_engine
+from tandem.rollout.native import NativeRolloutEngine
 from tandem.seeds import derive_seed
 
 SUMMED_METRICS = (
@@ -135,7 +137,16 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         )
         if self.reference_residency is not None:
             self.reference_residency.offload()  # waits on the CPU between its log-prob passes
+        self._share_rollout_weights()
         return sum(p.numel() for p in self.engine.causal_lm.parameters())
+
+    def _share_rollout_weights(self) -> None:
+        """One copy of the policy's weights, not two: a native rollout engine in this process takes
+        the actor's parameter tensors as its own (the optimizer's in-place step updates both; the
+        weight sync only re-packs). Not when the actor's parameters move off the device between
+        phases (``actor.offload.params`` on an accelerator): the engine generates while they are away."""
+        if isinstance(self.rollout, NativeRolloutEngine) and not self.actor_residency.offloads_params:
+            self.rollout.share_weights(self.engine.iter_parameters())
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -172,6 +183,8 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
                 out = self._single_turn(prompts, sampling, prompt_width)
             if self.config.rollout.free_cache_between_generations:
                 self.rollout.sleep()  # the update gets the KV-cache memory; the next generation wakes it
+            elif isinstance(self.rollout, NativeRolloutEngine):
+                self.rollout.release_packed_weights()  # packed again at the weight sync, once, as before
         return out
 
     @register(dispatch="DP_COMPUTE")
@@ -271,7 +284,7 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         with self._phase("update_actor"):
             self.actor_residency.load(optimizer=True)
             for epoch in range(actor.ppo_epochs):
-                if config.prefers:
+                if "chosen" in batch:  # online DPO's pairs (tandem.rl.preference_pairs)
                     self._update_preference(batch, collected)
                 else:
                     self._update_epoch(batch, step, epoch, local_mini, collected)

@@ -53,7 +53,6 @@ from tandem.models.loading import load_model, load_tokenizer, resolve_dtype
 from tandem.models.moe import RouterTap, is_moe
 from tandem.models.stop_ids import end_of_sequence_ids
 from tandem.models.vision import is_vision_language
-from tandem.models.weights import load_named_tensors
 from tandem.protocol.generation import (
     Completion,
     EngineMetrics,
@@ -81,6 +80,7 @@ from tandem.rollout.native_step import (
 from tandem.rollout.routing import completed_routing
 from tandem.rollout.sampling import draw_step
 from tandem.rollout.shared_prefix import SharedPrefixes, group_by_prefix
+from tandem.rollout.shared_weights import load_unshared, share_named_tensors
 from tandem.rollout.stats import EngineStats
 
 
@@ -154,6 +154,7 @@ class NativeRolloutEngine:
         self._paused = False
         self._draining = False  # pause('wait'): finish running requests, admit none
         self._asleep = False
+        self._packs_stale = False  # the prepacked copies were released: rebuilt before the next step
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -161,6 +162,11 @@ class NativeRolloutEngine:
     def lean_decoder(self) -> LeanDecoder | None:
         """The lean forward the engine runs, or ``None`` when the model needs HF's."""
         return self._lean
+
+    @property
+    def prepacked_weights(self) -> int:
+        """How many prepacked weight copies the engine holds now (0 while they are released)."""
+        return len(self._packed)
 
     @staticmethod
     def from_pretrained(path: str, config: NativeEngineConfig | None = None) -> NativeRolloutEngine:
@@ -324,18 +330,54 @@ class NativeRolloutEngine:
                 raise RuntimeError("update_weights needs the engine paused (pause()) or idle")
             if version <= self.version:
                 raise ValueError(f"weight version must increase: got {version}, current {self.version}")
-            loaded = load_named_tensors(self.model, named_tensors)
-            self._packed.refresh()
+            loaded = load_unshared(self.model, named_tensors)  # a tensor it shares is in place already
+            self._repack()
             self.version = version
             self._prefix.clear()
             return loaded
+
+    def share_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Make the model's parameters the given tensors themselves where shape, dtype and device
+        match, copying the others in (:mod:`tandem.rollout.shared_weights`); returns how many are shared.
+
+        For colocated sync training: the trainer's optimizer then updates the engine's weights in
+        place, and :meth:`update_weights` only has to bump the version, empty the prefix cache and
+        re-pack. Only safe while nothing generates during the trainer's update (the sync pipeline's
+        order); needs the engine paused or idle.
+        """
+        with self._lock:
+            if self._running and not self._paused:
+                raise RuntimeError("share_weights needs the engine paused (pause()) or idle")
+            shared = share_named_tensors(self.model, named_tensors)
+            self._repack()
+            self._prefix.clear()
+            return shared
+
+    def release_packed_weights(self) -> None:
+        """Drop the prepacked inference copies of the weights (``prepack_weights``: one more copy of
+        the linear weights) until the engine needs them: the next step or weight update packs them
+        again, once. Colocated training calls it after each generation, so the update has that memory."""
+        with self._lock:
+            if self._packed.enabled and len(self._packed):
+                self._packed.release()
+                self._packs_stale = True
+
+    def _repack(self) -> None:
+        """Pack the weights now, or at the next step when the engine is asleep (the packs are
+        released while it sleeps)."""
+        if self._asleep:
+            self._packs_stale = self._packed.enabled
+            return
+        self._packed.refresh()
+        self._packs_stale = False
 
     def reset_prefix_cache(self) -> None:
         with self._lock:
             self._prefix.clear()
 
     def sleep(self) -> None:
-        """Free the KV cache and the prefix cache (colocated training needs the memory); needs no running request."""
+        """Free the KV cache, the prefix cache and the prepacked weights (colocated training needs the
+        memory); needs no running request."""
         with self._lock:
             if self._running:
                 raise RuntimeError(
@@ -346,6 +388,7 @@ class NativeRolloutEngine:
                 self.decode_graphs.clear()  # they write the freed cache
             self._prefix.clear()
             self._asleep = True
+        self.release_packed_weights()
 
     def wake(self) -> None:
         with self._lock:
@@ -394,6 +437,9 @@ class NativeRolloutEngine:
     @torch.inference_mode()
     def step(self) -> None:
         """Admit what fits, run one packed forward (prefill + decode), sample, retire finished requests."""
+        if self._packs_stale:  # released after the last generation (colocated training)
+            self._packed.refresh()
+            self._packs_stale = False
         decoding = list(self._running)
         admitted = [] if self._draining else self._admit()
         prefill = plan_prefill(admitted, self._prefix, self.version, self.cache, self.stats)

@@ -323,13 +323,14 @@ class RunConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
 
 
-def test_a_command_program_is_an_interaction_reward_source_in_sync_mode_only(rl_files, tmp_path):
+def test_a_command_program_is_an_interaction_reward_source_in_every_pipeline_mode(rl_files, tmp_path):
     from tests.rl.conftest import small_config
 
     command = f"agent.program_command=[{sys.executable},agent.py]"
-    config = small_config(
-        rl_files, tmp_path / "run", "agent.name=program", command, "reward.sources=[interaction]"
-    )
-    assert config.agent.uses_program and list(config.reward.sources) == ["interaction"]
-    with pytest.raises(ValueError, match="agent.name=program runs in pipeline.mode=sync only"):
-        small_config(rl_files, tmp_path / "run", "agent.name=program", command, "pipeline.mode=one_step_off")
+    for mode in ("sync", "one_step_off", "fully_async"):
+        config = small_config(
+            rl_files, tmp_path / "run", "agent.name=program", command, "reward.sources=[interaction]",
+            f"pipeline.mode={mode}",
+        )  # fmt: skip
+        assert config.agent.uses_program and list(config.reward.sources) == ["interaction"]
+        assert config.pipeline.mode == mode

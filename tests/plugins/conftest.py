@@ -12,6 +12,7 @@ from tandem.algos.distill import DISTILL_ADVANTAGES, DISTILL_LOSSES
 from tandem.algos.preference import F_DIVERGENCE_LOSSES, PREFERENCE_LOSSES, REFERENCE_FREE, UNPAIRED_LOSSES
 from tandem.config import plugins
 from tandem.rl.rewards import SCORERS
+from tandem.rl.stages import STEP_STAGES
 from tests.conftest import ROOT
 
 EXAMPLES = Path(ROOT) / "examples" / "plugins"
@@ -25,6 +26,7 @@ REGISTRIES = [
     DISTILL_LOSSES,
     SCORERS,
     AGENT_LOOPS,
+    STEP_STAGES,
 ]
 SIDE_TABLES = [
     advantage_base._REQUIREMENTS,

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.agents.program.config import ProgramLimits
+from tandem.agents.program.sandboxed import SandboxLaunch, sandboxed, setup_problem
 
 DRAIN_S = 1.0  # after the command exits: how long its pipes may stay open (a child escaped its group)
 READ_CHUNK = 65536
@@ -72,12 +73,25 @@ def result_value(stdout: str) -> object:
 async def run_command(
     argv: Sequence[str], row: dict, base_url: str, api_key: str, limits: ProgramLimits
 ) -> CommandRun:
-    """Run ``argv`` for one episode (see the module docstring)."""
-    environment = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
+    """Run ``argv`` for one episode (see the module docstring), in the OS sandbox when
+    ``limits.sandbox`` is set (:mod:`~tandem.agents.program.sandboxed`)."""
+    if limits.sandbox is None:
+        environment = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
+        return await _run(argv, environment, row, limits, None)
+    async with sandboxed(argv, base_url, api_key, limits.sandbox, limits.timeout_s) as launch:
+        return await _run(launch.argv, launch.environment, row, limits, launch)
+
+
+async def _run(
+    argv: Sequence[str], environment: dict[str, str], row: dict, limits: ProgramLimits,
+    launch: SandboxLaunch | None,
+) -> CommandRun:  # fmt: skip
+    """:func:`run_command`'s work: start, feed, watch and end the subprocess."""
     try:
         process = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env=environment, start_new_session=True,
+            pass_fds=(launch.go_read,) if launch else (),
         )  # fmt: skip
     except OSError as error:
         return CommandRun(None, f"could not start: {error}", "", "")
@@ -87,9 +101,10 @@ async def run_command(
         for name, pipe in (("stdout", process.stdout), ("stderr", process.stderr))
     ]
     feeder = asyncio.ensure_future(_feed(process, json.dumps(row).encode()))
-    problem = ""
+    problem = launch.started(process.pid) if launch else ""
     try:
-        problem = await asyncio.wait_for(_finish(process, readers), limits.timeout_s)
+        if not problem:
+            problem = await asyncio.wait_for(_finish(process, readers), limits.timeout_s)
     except asyncio.TimeoutError:
         problem = f"did not exit within {limits.timeout_s:g} s (agent.program_timeout_s); its process group was killed"
     finally:
@@ -100,6 +115,8 @@ async def run_command(
             task.cancel()
         await asyncio.gather(*readers, feeder, return_exceptions=True)
     stdout, stderr = (bytes(streams[name]).decode(errors="replace") for name in ("stdout", "stderr"))
+    if launch is not None:
+        problem = setup_problem(process.returncode, stderr) or problem
     value = None
     if not problem:
         try:

@@ -8,6 +8,7 @@ import shutil
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from tandem.agents.sandbox import SandboxLimits
 from tandem.config.user_code import load_user_function
 from tandem.config.user_values import describe, real_number
 
@@ -20,12 +21,14 @@ class ProgramLimits:
     """What one episode may do: seconds of wall clock (``agent.program_timeout_s``), requests
     (``agent.program_max_requests``), tokens sampled over all its requests
     (``agent.program_max_tokens``) and, for a command, bytes written to stdout and to stderr
-    each (``agent.program_output_bytes``)."""
+    each (``agent.program_output_bytes``) and the OS sandbox's limits it runs under
+    (``agent.program_sandbox=true``: ``agent.python``'s; None: not sandboxed)."""
 
     timeout_s: float = 600.0
     max_requests: int = 32
     max_tokens: int = 8192
     output_bytes: int = 16384
+    sandbox: SandboxLimits | None = None
 
 
 def check_command(argv: Sequence[object]) -> tuple[str, ...]:

@@ -3,7 +3,8 @@
 
 The key (``Authorization: Bearer <key>``, what ``openai.AsyncOpenAI(api_key=...)`` sends) names
 the episode, so concurrent episodes never mix; an unknown key is answered 401, the key of an
-episode that has ended 409. Requests are parsed, checked and rendered by ``tandem serve``'s own
+episode that has ended 409 (the last ``ENDED_KEPT`` ended keys are kept; an older one is then
+unknown). Requests are parsed, checked and rendered by ``tandem serve``'s own
 code (:mod:`tandem.serve.schemas`, :func:`~tandem.serve.prompts.chat_prompt`,
 :class:`~tandem.serve.generation.ChoiceRun`, :class:`~tandem.serve.responses.ResponseBuilder`),
 then recorded token by token (:mod:`~tandem.agents.program.recorder`). Any model name is accepted.
@@ -11,10 +12,21 @@ then recorded token by token (:mod:`~tandem.agents.program.recorder`). Any model
 What differs from ``tandem serve``: sampling is the run's (``rollout.temperature``, ``top_p``,
 ``top_k``, the episode's seed), whatever the request says, so the recorded log-probs are the
 ones the trainer computes; ``max_tokens`` / ``max_completion_tokens`` is cut to what the row and
-the episode have left; ``n`` must be 1; ``stream``, ``continue_final_message`` and
+the episode have left; ``n`` must be 1 (below); ``continue_final_message`` and
 ``add_generation_prompt=false`` are refused (400); with ``tools`` the model's calls come back
-as ``tool_calls``. A request answered 4xx or 5xx marks its episode failed (reward 0, counted in
-``agent/program/errors``), whatever the program does next.
+as ``tool_calls``. ``stream=true`` streams the reply as ``tandem serve`` does
+(:mod:`~tandem.agents.program.streaming`; with a tool-call parser the text comes whole in the
+last chunk) and records exactly what the same request unstreamed records. A request answered
+4xx or 5xx (or a stream that reports an error, or that its client abandons before the end)
+marks its episode failed (reward 0, counted in ``agent/program/errors``), whatever the program
+does next.
+
+Why ``n`` must be 1: an episode is one conversation, and its row continues only with a reply
+the program echoes back in its next request. With several choices the endpoint could keep the
+one echoed back, but after the program's last request nothing says which choice the reward it
+returns belongs to, so a row could pair a reward with a reply the program never used. A
+program that wants several samples of one turn sends several requests (each that does not
+extend the previous reply starts a new segment, counted as a split).
 """
 
 from __future__ import annotations
@@ -28,27 +40,30 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from tandem.agents.program.config import ProgramLimits
-from tandem.agents.program.recorder import EpisodeRecord
+from tandem.agents.program.recorder import EpisodeRecord, TurnPlan
 from tandem.agents.program.replies import assistant_reply
+from tandem.agents.program.streaming import DONE, drain, event, last_chunk
 from tandem.agents.tool_calls import ToolCallParser
-from tandem.protocol.generation import RolloutRequest, SamplingParams
+from tandem.protocol.generation import Completion, RolloutRequest, SamplingParams
 from tandem.serve.app import add_error_handlers
 from tandem.serve.config import ServerConfig
 from tandem.serve.errors import APIError
-from tandem.serve.generation import ChoiceRun
+from tandem.serve.generation import ChoiceRun, DoneEvent
 from tandem.serve.limits import BodySizeLimit
 from tandem.serve.openai_routes import check_body
 from tandem.serve.prompts import chat_prompt
 from tandem.serve.responses import ChoiceState, ResponseBuilder
 from tandem.serve.schemas import ChatCompletionRequest
+from tandem.serve.streams import StallGuardedStream
 from tandem.serve.text import IncrementalText
 
 REQUEST_SEED_STRIDE = 1_000_003  # request r of an episode samples with seed + r * stride
 MODEL_NAME = "policy"  # what /v1/models lists; requests may name any model
+ENDED_KEPT = 65536  # ended episodes whose keys still get 409 (a long run's keys must not pile up)
 
 
 class ProgramChatRequest(ChatCompletionRequest):
@@ -56,6 +71,19 @@ class ProgramChatRequest(ChatCompletionRequest):
     model's calls as text)."""
 
     tool_choice: str | dict | None = None
+
+
+@dataclass
+class Turn:
+    """One request between its start and its recording: its plan, its engine request, and the
+    response it builds (its one choice; the tool-call parser when the request offered tools)."""
+
+    plan: TurnPlan
+    request_id: str
+    run: ChoiceRun
+    builder: ResponseBuilder
+    choice: ChoiceState
+    parser: ToolCallParser | None
 
 
 @dataclass(eq=False)
@@ -91,7 +119,8 @@ class ProgramEndpoint:
         self.engine, self.tokenizer, self.parser = engine, tokenizer, parser
         self.config = config or ServerConfig(port=0, model_name=MODEL_NAME)
         self.episodes: dict[str, Episode] = {}
-        self.ended: set[str] = set()  # keys of ended episodes: 409, not 401
+        self.ended: dict[str, None] = {}  # the last ``ended_kept`` ended episodes' keys (409, not 401), oldest first
+        self.ended_kept = ENDED_KEPT
         self.lock = threading.Lock()
         self.app = self._build_app()
 
@@ -113,7 +142,9 @@ class ProgramEndpoint:
             running = list(episode.in_engine)
         with self.lock:
             self.episodes.pop(episode.key, None)
-            self.ended.add(episode.key)
+            self.ended[episode.key] = None
+            if len(self.ended) > self.ended_kept:  # an older key is then answered as unknown (401)
+                del self.ended[next(iter(self.ended))]
         for request_id in running:
             self.engine.abort(request_id)
 
@@ -130,56 +161,131 @@ class ProgramEndpoint:
         return episode
 
     # ------------------------------------------------------------------ one request
-    async def complete(self, episode: Episode, request: Request) -> JSONResponse:
-        """Answer one chat request of ``episode`` and record it (see the module docstring)."""
-        async with episode.turn_lock:
-            if episode.closed:
-                raise APIError(409, "this episode has ended: its API key takes no more requests")
-            record, limits = episode.record, episode.limits
-            if record.requests >= limits.max_requests:
-                raise APIError(
-                    400, f"this episode has made its {limits.max_requests} requests "
-                    "(agent.program_max_requests)",
+    async def complete(self, episode: Episode, request: Request) -> Response:
+        """Answer one chat request of ``episode`` and record it (see the module docstring); one
+        request of an episode at a time (a streamed one holds its turn until its stream ends)."""
+        await episode.turn_lock.acquire()
+        handed_over = False
+        try:
+            body, turn = await self._start(episode, request)
+            if body.stream:
+                queue: asyncio.Queue = asyncio.Queue()
+                task = asyncio.ensure_future(self._stream_turn(episode, body, turn, queue))
+                task.add_done_callback(lambda _: episode.turn_lock.release())
+                handed_over = True
+                return StallGuardedStream(
+                    drain(queue, task), send_timeout_s=self.config.stream_send_timeout_s,
+                    media_type="text/event-stream",
                 )  # fmt: skip
-            record.requests += 1
-            body = self._parse(await request.body())
-            messages = [m.as_template_message() for m in body.messages]
-            render_key = json.dumps([body.tools, body.chat_template_kwargs], sort_keys=True, default=str)
-            plan = await asyncio.to_thread(
-                record.plan, messages, render_key,
-                lambda: chat_prompt(body, self.tokenizer, None, self.config)[0],
-            )  # fmt: skip
-            params = self._sampling(episode, body, len(plan.context_ids), plan.room)
-            request_id = f"{episode.name}-request{record.requests - 1}"
-            with episode.mutex:
-                episode.in_engine.add(request_id)
             try:
-                run = ChoiceRun(
-                    self.engine, [RolloutRequest(request_id, plan.context_ids, params)],
-                    self.config.request_timeout_s, request.is_disconnected, stream=False,
-                )  # fmt: skip
-                done = [event async for event in (await run.start()).events()]
+                done = [event async for event in turn.run.events()]
             finally:
-                with episode.mutex:
-                    episode.in_engine.discard(request_id)
+                self._left_engine(episode, turn)
             if not done:
                 raise APIError(499, "the client disconnected")
             completion = done[0].completion
-            builder = ResponseBuilder("chat", body.model, self.tokenizer, bool(body.logprobs))
-            choice = ChoiceState(0, list(plan.context_ids), IncrementalText(self.tokenizer, params.stop))
-            choice.absorb(completion)
-            choice.finish(completion.finish_reason)
-            answer = builder.response([choice], [list(plan.context_ids)], self.engine.version)
-            parser = self.parser if body.tools and body.tool_choice != "none" else None
-            reply, called = assistant_reply(choice.text.text, parser)
+            turn.choice.absorb(completion)
+            turn.choice.finish(completion.finish_reason)
+            reply, called = self._commit(episode, turn, completion)
+            answer = turn.builder.response([turn.choice], [list(turn.plan.context_ids)], self.engine.version)
             answer["choices"][0]["message"] = reply
             if called:
                 answer["choices"][0]["finish_reason"] = "tool_calls"
-            with episode.mutex:
-                if episode.closed:
-                    raise APIError(409, "this episode ended while its request was generating")
-                record.commit(plan, completion, reply)
             return JSONResponse(answer)
+        finally:
+            if not handed_over:
+                episode.turn_lock.release()
+
+    async def _start(self, episode: Episode, request: Request) -> tuple[ProgramChatRequest, Turn]:
+        """Check and parse the request, plan its context and submit it to the engine."""
+        if episode.closed:
+            raise APIError(409, "this episode has ended: its API key takes no more requests")
+        record, limits = episode.record, episode.limits
+        if record.requests >= limits.max_requests:
+            raise APIError(
+                400, f"this episode has made its {limits.max_requests} requests (agent.program_max_requests)"
+            )
+        record.requests += 1
+        body = self._parse(await request.body())
+        messages = [m.as_template_message() for m in body.messages]
+        render_key = json.dumps([body.tools, body.chat_template_kwargs], sort_keys=True, default=str)
+        plan = await asyncio.to_thread(
+            record.plan, messages, render_key, lambda: chat_prompt(body, self.tokenizer, None, self.config)[0]
+        )
+        params = self._sampling(episode, body, len(plan.context_ids), plan.room)
+        request_id = f"{episode.name}-request{record.requests - 1}"
+        run = ChoiceRun(
+            self.engine, [RolloutRequest(request_id, plan.context_ids, params)],
+            self.config.request_timeout_s, request.is_disconnected, stream=body.stream,
+        )  # fmt: skip
+        turn = Turn(
+            plan, request_id, run, ResponseBuilder("chat", body.model, self.tokenizer, bool(body.logprobs)),
+            ChoiceState(0, list(plan.context_ids), IncrementalText(self.tokenizer, params.stop)),
+            self.parser if body.tools and body.tool_choice != "none" else None,
+        )  # fmt: skip
+        with episode.mutex:
+            episode.in_engine.add(request_id)
+        try:
+            await run.start()
+        except BaseException:
+            self._left_engine(episode, turn)
+            raise
+        return body, turn
+
+    async def _stream_turn(
+        self, episode: Episode, body: ProgramChatRequest, turn: Turn, queue: asyncio.Queue
+    ) -> None:
+        """Put the streamed events of ``turn`` on ``queue`` (:mod:`~tandem.agents.program.streaming`),
+        record the turn before its last chunk, then ``None``. An error once the stream has started
+        is reported in-band (as ``tandem serve`` does) and fails the episode, as a stream its
+        client abandons does (the turn is not recorded then)."""
+        choice, held, first = turn.choice, turn.parser is not None, True
+        try:
+            completion = None
+            async for item in turn.run.events():
+                if isinstance(item, DoneEvent):
+                    completion = item.completion
+                    continue
+                tokens = ([item.token_id], [item.log_prob], [item.version])
+                text = choice.add(*tokens)
+                shown = "" if held else text  # with a parser the text waits for the last chunk
+                queue.put_nowait(event(turn.builder.chunk(choice, shown, *tokens, None, first)))
+                first = False
+            self._left_engine(episode, turn)
+            if completion is None:
+                raise APIError(499, "the client disconnected")
+            text, *added = choice.absorb(completion)
+            text += choice.finish(completion.finish_reason)
+            reply, called = self._commit(episode, turn, completion)
+            reason = "tool_calls" if called else completion.finish_reason
+            queue.put_nowait(event(last_chunk(turn.builder, choice, text, added, reply, held, reason, first)))
+            if body.stream_options and body.stream_options.include_usage:
+                queue.put_nowait(event(turn.builder.usage_chunk([choice], [list(turn.plan.context_ids)])))
+            queue.put_nowait(DONE)
+        except APIError as error:
+            episode.fault(f"HTTP {error.status}: {error.message}")
+            queue.put_nowait(event(error.body()))
+        except asyncio.CancelledError:
+            episode.fault("HTTP 499: the client stopped reading its stream before the end")
+            raise
+        finally:
+            self._left_engine(episode, turn)
+            queue.put_nowait(None)
+
+    def _commit(self, episode: Episode, turn: Turn, completion: Completion) -> tuple[dict, bool]:
+        """Record the finished turn; the assistant message the program gets and whether it holds
+        tool calls. 409 when the episode ended meanwhile (the recording no longer changes)."""
+        reply, called = assistant_reply(turn.choice.text.text, turn.parser)
+        with episode.mutex:
+            if episode.closed:
+                raise APIError(409, "this episode ended while its request was generating")
+            episode.record.commit(turn.plan, completion, reply)
+        return reply, called
+
+    @staticmethod
+    def _left_engine(episode: Episode, turn: Turn) -> None:
+        with episode.mutex:
+            episode.in_engine.discard(turn.request_id)
 
     def _parse(self, raw: bytes) -> ProgramChatRequest:
         """The body as a chat request, checked like ``tandem serve`` checks it, and what this
@@ -190,8 +296,11 @@ class ProgramEndpoint:
             raise RequestValidationError(error.errors()) from error
         check_body(body, self.config)
         for refused, why in (
-            (body.n != 1, "n: an agent program's request takes n=1 (each episode is one trajectory)"),
-            (body.stream, "stream: streaming is not supported for agent programs yet; send stream=false"),
+            (
+                body.n != 1,
+                f"n: an agent program's request takes n=1, not n={body.n} (an episode's row continues "
+                "with the one reply its program echoes back); for several samples send several requests",
+            ),
             (body.continue_final_message, "continue_final_message is not supported for agent programs"),
             (
                 not body.add_generation_prompt,

@@ -199,6 +199,11 @@ class PackedLinears:
             if module in packable and module not in in_groups:
                 self._packed[module] = prepack(module.weight, self.batch_hint)
 
+    def release(self) -> None:
+        """Drop the packed copies (their memory goes back); until :meth:`refresh` every layer runs
+        on its plain weight, with the same results up to summation order."""
+        self._packed, self._fused = {}, {}
+
     def _pack_group(self, group: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         weight = torch.cat([module.weight.detach() for module in group])
         bias = None

@@ -117,17 +117,12 @@ def check_kl_loss(config: TrainConfig) -> None:
 
 
 def check_agent_rewards(config: TrainConfig) -> None:
-    """The interaction reward source has an agent that ends episodes with a reward, and a program
-    agent runs in the synchronous pipeline."""
+    """The interaction reward source has an agent that ends episodes with a reward."""
     agent = config.agent
     if INTERACTION_SOURCE in config.reward.sources and not (agent.interaction_path or agent.uses_program):
         raise ValueError(
             f"reward.sources has {INTERACTION_SOURCE!r}: set agent.interaction_path (the user function whose "
             "reward ends an episode) and agent.name=interaction, or agent.program and agent.name=program"
-        )
-    if agent.uses_program and config.pipeline.mode != "sync":
-        raise ValueError(
-            f"agent.name=program runs in pipeline.mode=sync only for now, not {config.pipeline.mode!r}"
         )
 
 

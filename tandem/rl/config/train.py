@@ -173,18 +173,25 @@ class TrainConfig:
         return self.actor.ppo_mini_batch_size or self.data.train_batch_size
 
     @property
-    def needs_old_log_probs(self) -> bool:
-        """PPO's old log-probs are used (not by online DPO, whose loss compares to the reference)."""
-        return not self.prefers
+    def old_log_probs_source(self) -> str:
+        """Where PPO's old log-probs come from — the one place that decides it (the step plan's
+        ``old_log_probs`` stages read it, :mod:`tandem.rl.stages.old_log_probs`):
 
-    @property
-    def old_log_probs_from_update(self) -> bool:
-        """True when the step is purely on-policy, so the update's forward gives the old log-probs
-        (never when the advantage estimator reads them, since it runs before the update)."""
+        * ``none``: online DPO (its loss compares to the reference, not to old log-probs);
+        * ``rollout``: an asynchronous pipeline's rollout log-probs (``pipeline.old_log_probs=rollout``);
+        * ``update``: the update's own forward, detached, when the step is purely on-policy (never
+          when the advantage estimator reads them, since it runs before the update);
+        * ``pass``: a forward pass of the actor before the advantages, otherwise.
+
+        GKD's dataset steps make them with a pass whatever this says (:mod:`tandem.rl.stages.dataset_steps`).
+        """
+        if self.prefers:
+            return "none"
+        if self.pipeline.disaggregated:  # replicas lag the trainer: the rollout's, or recomputed
+            return "rollout" if self.pipeline.old_log_probs == "rollout" else "pass"
         correction = self.algorithm.rollout_correction
-        return (
-            not self.pipeline.disaggregated  # replicas lag the trainer: old log-probs are recomputed
-            and not self.algorithm.advantages_need_old_log_probs
+        on_policy = (
+            not self.algorithm.advantages_need_old_log_probs
             and not self.actor.recompute_old_log_probs
             and self.actor.ppo_epochs == 1
             and self.mini_batch_prompts == self.data.train_batch_size
@@ -193,11 +200,17 @@ class TrainConfig:
             and correction.rejection == "none"
             and correction.veto_threshold is None
         )
+        return "update" if on_policy else "pass"
+
+    @property
+    def old_log_probs_from_update(self) -> bool:
+        """The update's forward gives the old log-probs (``old_log_probs_source == "update"``)."""
+        return self.old_log_probs_source == "update"
 
     @property
     def old_log_probs_from_rollout(self) -> bool:
-        """True when an asynchronous pipeline takes PPO's old log-probs from the rollout (``pipeline.old_log_probs``)."""
-        return self.pipeline.disaggregated and self.pipeline.old_log_probs == "rollout"
+        """The rollout gives the old log-probs (``old_log_probs_source == "rollout"``)."""
+        return self.old_log_probs_source == "rollout"
 
     @property
     def max_sequence_length(self) -> int:

@@ -1,0 +1,32 @@
+"""GKD's dataset steps (``algorithm.distill.lmbda < 1``): a step whose responses are the training
+rows' own (:class:`tandem.rl.dataset_responses.DatasetResponseMix`, the batch source) was sampled
+by no rollout, so the actor's log-probs stand for both its old and its rollout log-probs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.protocol import Batch
+from tandem.rl.metrics import timed
+from tandem.rl.stages.base import register_step_stage
+from tandem.rl.stages.old_log_probs import is_dataset_step
+
+
+def _mixes_dataset_steps(config: Any) -> bool:
+    return config.algorithm.distill.lmbda < 1
+
+
+@register_step_stage("dataset_old_log_probs", "pass", applies=_mixes_dataset_steps, order=11)
+def dataset_old_log_probs(trainer: Any, data: Any, timings: dict[str, float]) -> None:
+    """``old_log_probs`` of a dataset step, unless the plan's ``old_log_probs`` pass made them."""
+    if is_dataset_step(data.batch) and trainer.plan.old_log_probs != "pass":
+        with timed(timings, "old_log_prob"):
+            data.stage(trainer.workers, trainer.workers.compute_log_prob)
+
+
+@register_step_stage("dataset_rollout_log_probs", "view", applies=_mixes_dataset_steps, order=10)
+def dataset_rollout_log_probs(trainer: Any, view: Batch) -> Batch:
+    """A dataset step's ``rollout_log_probs``: its old log-probs (the policy's own)."""
+    if is_dataset_step(view):
+        return view.assign(tensors={"rollout_log_probs": view["old_log_probs"]})
+    return view
