@@ -7,7 +7,7 @@ import torch
 from tandem.protocol import Batch
 from tandem.protocol.generation import Completion
 from tandem.protocol.sequences import concat_sequences, sequence_tensors, trim_padding
-from tandem.rl.trainer import _groups_with_spread
+from tandem.rl.stages.dynamic_sampling import groups_with_spread
 
 PAD = 0
 
@@ -77,4 +77,4 @@ def test_groups_with_spread_matches_a_loop_on_score_or_accuracy():
     batch = Batch({"token_level_scores": torch.stack([torch.zeros(12), scores], dim=1), "acc": accuracy})
     for metric, values in (("score", scores), ("acc", accuracy)):
         expected = [len(set(values[g * 3 : g * 3 + 3].tolist())) > 1 for g in range(4)]
-        assert _groups_with_spread(batch, 3, metric).tolist() == expected
+        assert groups_with_spread(batch, 3, metric).tolist() == expected
