@@ -141,11 +141,17 @@ def cpu_bf16_instructions() -> str | None:
     return None
 
 
+def computes_bf16(device: torch.device | str) -> bool:
+    """Whether ``device`` multiplies bf16 natively: a CUDA GPU, or a CPU with
+    :func:`cpu_bf16_instructions`."""
+    return torch.device(device).type != "cpu" or cpu_bf16_instructions() is not None
+
+
 def check_bf16_compute(key: str, device: torch.device | str) -> None:
     """Raise ``ValueError`` naming ``key`` (a mixed-precision setting of ``bf16``) when ``device``
     is the CPU and :func:`cpu_bf16_instructions` finds no bf16 matrix instructions on it; a GPU
     passes (every CUDA GPU tandem runs on computes bf16)."""
-    if torch.device(device).type == "cpu" and cpu_bf16_instructions() is None:
+    if not computes_bf16(device):
         raise ValueError(
             f"{key}=bf16 computes in bf16 on the CPU, but this CPU has no bf16 matrix instructions "
             "(neither avx512_bf16 nor amx_bf16): bf16 products would be emulated, slower than fp32; "

@@ -24,6 +24,7 @@ from tandem.data import write_parquet
 from tandem.demos.accuracy import accuracy_curve, accuracy_table
 from tandem.demos.arithmetic import pipeline_overrides, rl_run_overrides
 from tandem.demos.settings import DemoRunSettings, check_count, check_mini_batch
+from tandem.device import computes_bf16, resolve_device
 from tandem.models.packaged import SMOLLM2_INSTALL_HINT, smollm2_gguf_path
 from tandem.rl.config_loader import load_train_config
 from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows
@@ -34,7 +35,7 @@ TASK = ArithmeticTaskConfig(min_digits=2, max_digits=2, num_operands=2, operator
 QUESTION = "What is {expression}? Answer with the number only."
 DATA_SOURCE = "gsm8k"  # its scorer: the last number of the response equals the ground truth
 ACCURACY_KEY = f"val-core/{DATA_SOURCE}/acc/mean@1"
-PRECISIONS = ("bf16", "fp32")
+PRECISIONS = ("auto", "bf16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,9 @@ class RealModelDemoSettings(DemoRunSettings):
     ``mini_batch_prompts``: prompts per optimizer step; it divides ``prompts_per_step``.
     ``response_length``: most new tokens per response (``rollout.max_response_length``).
     ``precision``: the actor update's ``bf16`` (``actor.engine.mixed_precision=bf16``: about
-        half the fp32 time on CPUs with AVX-512 BF16 or AMX) or ``fp32``; rollout and
-        validation stay fp32.
+        half the fp32 time on CPUs with AVX-512 BF16 or AMX), ``fp32``, or ``auto``: bf16 where
+        the run's device multiplies bf16 natively (:func:`tandem.device.computes_bf16`), fp32
+        elsewhere; rollout and validation stay fp32.
     ``overrides``: extra ``key=value`` settings for the RL run, applied last.
     """
 
@@ -63,7 +65,7 @@ class RealModelDemoSettings(DemoRunSettings):
     model: str = "smollm2"
     mini_batch_prompts: int = 8
     response_length: int = 16
-    precision: str = "bf16"
+    precision: str = "auto"
     overrides: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -114,6 +116,14 @@ def real_model_path(model: str) -> str:
     return str(path)
 
 
+def update_precision(settings: RealModelDemoSettings) -> str:
+    """``settings.precision``, with ``auto`` resolved on the device the run trains on (the demo
+    leaves ``trainer.device`` at ``auto``)."""
+    if settings.precision != "auto":
+        return settings.precision
+    return "bf16" if computes_bf16(resolve_device("auto")) else "fp32"
+
+
 def real_model_overrides(
     settings: RealModelDemoSettings, model_path: str, paths: dict[str, Path]
 ) -> list[str]:
@@ -125,7 +135,7 @@ def real_model_overrides(
             settings, "grpo", model_path, paths, root / "grpo", f"demo-grpo-{settings.model}-arithmetic",
             prompt_length=96, response_length=settings.response_length,
         ),
-        f"actor.engine.mixed_precision={'bf16' if settings.precision == 'bf16' else 'none'}",
+        f"actor.engine.mixed_precision={'bf16' if update_precision(settings) == 'bf16' else 'none'}",
         *settings.overrides,
     ]  # fmt: skip
 
@@ -146,7 +156,7 @@ def run_real_model_demo(
     console.print(f"model {model_path} (converted once into the GGUF cache); data in {paths['train'].parent}")
     console.rule(
         f"GRPO ({settings.rl_steps} steps of {settings.prompts_per_step} prompts x {settings.responses_per_prompt}, "
-        f"<= {settings.response_length} tokens, {settings.precision} update)"
+        f"<= {settings.response_length} tokens, {update_precision(settings)} update)"
     )
     result = RLTrainer(config, console).fit()
     title = f"held-out greedy accuracy ({settings.val_prompts} unseen problems)"

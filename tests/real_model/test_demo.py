@@ -8,7 +8,14 @@ import torch
 from tandem.cli import main
 from tandem.data import read_rows
 from tandem.demos.accuracy import accuracy_curve
-from tandem.demos.real_model import ACCURACY_KEY, RealModelDemoSettings, run_real_model_demo
+from tandem.demos.real_model import (
+    ACCURACY_KEY,
+    RealModelDemoSettings,
+    real_model_overrides,
+    run_real_model_demo,
+    update_precision,
+)
+from tandem.device import cpu_bf16_instructions
 from tandem.rl.rewards.scorers import gsm8k_score
 from tests.real_model.conftest import chat_prompt
 
@@ -26,6 +33,18 @@ from tests.real_model.conftest import chat_prompt
 def test_the_settings_refuse_a_bad_value_naming_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         RealModelDemoSettings(**{field: value})
+
+
+@pytest.mark.parametrize("precision", ["auto", "bf16", "fp32"])
+def test_the_update_precision_is_bf16_only_where_the_cpu_multiplies_it(precision, monkeypatch, tmp_path):
+    """``auto`` (the default) is bf16 on a CPU with AVX-512 BF16 or AMX and fp32 elsewhere, so the
+    demo runs on every CPU (bf16 would be refused on one without them); the explicit choices pass."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the demo's device: this CPU
+    settings = RealModelDemoSettings(precision=precision)
+    expected = {"auto": "bf16" if cpu_bf16_instructions() else "fp32"}.get(precision, precision)
+    assert update_precision(settings) == expected
+    overrides = real_model_overrides(settings, "model", {"train": tmp_path / "t", "val": tmp_path / "v"})
+    assert f"actor.engine.mixed_precision={'bf16' if expected == 'bf16' else 'none'}" in overrides
 
 
 def test_the_real_model_goes_with_grpo_only(tmp_path, capsys):
