@@ -21,11 +21,16 @@ the same run, alternating with the fetches (so both see the same load); medians,
 CPU time too (on a shared machine the clock also counts the time other jobs held the cores).
 
     python bench/data_plane.py [--rows 32] [--width 512] [--workers 2] [--repeats 21]
-                               [--fetch-rows 256] [--fetch-width 4096] [--no-ray-fetch]
+                               [--fetch-rows 256] [--fetch-width 4096] [--no-ray-fetch] [--two-nodes]
 
 The fetch measure runs for the shared-memory engine (the process group above), then for the Ray
 engine: the same ranks as Ray actors on a local one-node Ray cluster the bench starts, their
 blocks in Ray's object store, read by the same-node path (decoded from the object store's views).
+
+``--two-nodes`` measures across nodes instead (:func:`across_two_nodes`): two Ray nodes on this
+machine, each with a ``/dev/shm`` of its own (``tests/dataplane/two_nodes_cluster.py``; needs
+root), one rank on each, each fetching its own rows and then the other node's; and today's path,
+the padded batch sent with the call from the controller to the rank on the other node.
 """
 
 from __future__ import annotations
@@ -102,6 +107,16 @@ class BenchWorker(Worker):
     @register(dispatch="DP_COMPUTE", reads=READS, outputs="ref")
     def forward_kept(self, batch: Batch) -> Batch:
         return self._forward(batch)
+
+    @register(dispatch="ONE_TO_ALL")
+    def receive(self, wrapped: tuple | None) -> int:
+        """The bytes of the padded batch this rank holds once the call has run: a ``Batch`` given
+        (today's path: it came with the call), or a ``BatchRef`` fetched here; ``None``: nothing."""
+        if wrapped is None:
+            return 0
+        (item,) = wrapped
+        built = item.materialise(get, READS) if isinstance(item, BatchRef) else item
+        return sum(t.numel() * t.element_size() for t in built.tensors.values())
 
     @register(dispatch="ALL_TO_ALL")
     def time_fetch(self, wrapped: tuple, repeats: int) -> dict[str, float]:
@@ -201,6 +216,8 @@ def main() -> None:
     parser.add_argument("--fetch-width", type=int, default=4096, help="its prompt + response width")
     parser.add_argument("--no-ray-fetch", dest="ray_fetch", action="store_false",
                         help="skip the Ray engine's fetch measure (it starts a local Ray cluster)")  # fmt: skip
+    parser.add_argument("--two-nodes", action="store_true",
+                        help="only the fetches across two Ray nodes with private /dev/shm (root)")  # fmt: skip
     args = parser.parse_args()
     # One thread per process (the ranks inherit it): on a machine of few cores shared by the
     # controller and its ranks, OpenMP teams of several threads spin against each other and
@@ -208,6 +225,9 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     print(describe_machine())
+    if args.two_nodes:
+        across_two_nodes(args)
+        return
     group = create_worker_group(BenchWorker, ResourcePool((args.workers,), cpus_per_process=1), "process")
     try:
         print(
@@ -263,6 +283,80 @@ def fetch_on_ray(args) -> None:
     finally:
         group.shutdown()
         ray.shutdown()
+
+
+def across_two_nodes(args) -> None:
+    """``--two-nodes``: one rank on each of two Ray nodes with private ``/dev/shm``; the
+    ``--fetch-rows x --fetch-width`` batch generated half on each node. Each rank fetches its own
+    half (same node), then the other node's (across nodes), against a single-thread memcpy in that
+    rank; then today's path and the references end to end, timed by the controller on node A: a
+    call that hands the rank on node B the half generated on node A, as the padded ``Batch`` sent
+    with the call (Ray's object transfer, from the controller) or as a ``BatchRef`` it fetches
+    (from node A's rank), less an empty call's time. Printed side by side, with the wire bytes per
+    real response token of each."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tandem.dataplane import DataPlaneConfig
+    from tests.dataplane.two_nodes_cluster import missing, two_nodes
+
+    if missing():
+        print(f"two nodes: skipped ({missing()})")
+        return
+    start = time.perf_counter()
+    with two_nodes(object_store_bytes=400_000_000, shm_size="1g", env_vars={"OMP_NUM_THREADS": "1"}):
+        group = create_worker_group(BenchWorker, ResourcePool((1, 1), cpus_per_process=1), "ray")
+        try:
+            group.use_data_store(DataPlaneConfig(engine="ray"))
+            print(f"two nodes and a rank on each up in {time.perf_counter() - start:.1f} s")
+            _two_node_fetches(group, args)
+        finally:
+            group.shutdown()
+
+
+def _two_node_fetches(group, args) -> None:
+    rows, width = args.fetch_rows, args.fetch_width
+    widths = {"prompt_width": width // 4, "response_width": width - width // 4}
+    generated = group.generate_kept(
+        BatchRef(Batch(non_tensors={"seed": list(range(rows))}), (), {}), **widths
+    )
+    halves = generated.pad_to_divisor(2)[0].chunk(2)  # half h lies in a block on node h
+    same = group.time_fetch([(h,) for h in halves], repeats=[args.repeats] * 2)
+    cross = group.time_fetch([(h,) for h in reversed(halves)], repeats=[args.repeats] * 2)
+    real = [int(rollout_rows(list(part), **widths)["response_mask"].sum()) for part in (range(rows)[: rows // 2], range(rows)[rows // 2 :])]  # fmt: skip
+    print(f"ray engine across two nodes, fetch throughput per rank ({rows} x {width} split 2 ways; "
+          f"medians of {args.repeats}, fetches and copies alternating):")  # fmt: skip
+    for rank in range(2):
+        for where, t, half in (("own node  ", same[rank], rank), ("other node", cross[rank], 1 - rank)):
+            print(
+                f"  rank {rank}, rows on its {where}: built {t['built'] / 1e6:.1f} MB in {t['fetch_ms']:.1f} ms "
+                f"(CPU {t['fetch_cpu_ms']:.1f} ms) = {t['built_gbps']:.2f} GB/s; memcpy {t['memcpy_gbps']:.2f} GB/s; "
+                f"built / memcpy = {t['built_gbps'] / t['memcpy_gbps']:.0%} (by CPU time {t['cpu_ratio']:.0%}); "
+                f"wire {t['fetched'] / real[half]:.1f} B per real response token"
+            )
+    today_batch = generated.materialise(get, READS).chunk(2)[0]  # today: the controller holds the batch
+    today_wire = sum(t.numel() * t.element_size() for t in today_batch.tensors.values()) / real[0]
+    empty = _call_seconds(group, 1, None, args.repeats)
+    today = _call_seconds(group, 1, (today_batch,), args.repeats) - empty
+    refs = _call_seconds(group, 1, (halves[0],), args.repeats) - empty
+    built, memcpy = cross[1]["built"], cross[1]["memcpy_gbps"]
+    print(f"  node A's half to rank 1 on node B, end to end from the controller (less an empty call's "
+          f"{empty * 1e3:.1f} ms), {built / 1e6:.1f} MB padded:")  # fmt: skip
+    for name, seconds, wire in (("today (Batch with the call)", today, today_wire),
+                                ("refs (BatchRef, rank fetches)", refs, cross[1]["fetched"] / real[0])):  # fmt: skip
+        gbps = built / max(seconds, 1e-9) / 1e9
+        print(f"    {name:<30} {seconds * 1e3:7.1f} ms = {gbps:.2f} GB/s = {gbps / memcpy:.0%} of rank 1's memcpy; "
+              f"wire {wire:.1f} B per real response token")  # fmt: skip
+    print(f"    refs / today: {today / max(refs, 1e-9):.1f}x")
+    group.release_refs(generated)
+
+
+def _call_seconds(group, rank: int, argument, repeats: int) -> float:
+    """The median seconds of a ``receive(argument)`` call to ``rank`` alone, seen from here."""
+    timings = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        group.backend.result(rank, group.backend.submit(rank, "receive", (argument,), {}), None)
+        timings.append(time.perf_counter() - start)
+    return statistics.median(timings)
 
 
 def fetch_throughput(group, args, engine: str) -> None:

@@ -21,21 +21,26 @@ the actor's weights, its gradients and AdamW's two moments; the reference's weig
 rollout engine's weights (those it shares with the actor count as shared) and its prepacked
 oneDNN copies; its KV cache; the bytes autograd saved for backward in the update's largest
 micro-batch (activations, tracked with ``saved_tensors_hooks``); one chunk of the fp32 head's
-logits (``logprob_chunk_size x vocabulary x 4`` bytes, several alive at once in its backward);
+logits (``rows x vocabulary x 4`` bytes);
 and ``runtime``: the resident set after imports, before any model was loaded (Python, torch,
-transformers). The KV cache is capped for the bench (``rollout.engine.native.max_num_seqs=32``;
+transformers). The head chunk is the rows the head actually takes (``logprob_chunk_size``
+capped by :func:`tandem.models.logprobs.chunk_rows`). The KV cache is capped for the bench (``rollout.engine.native.max_num_seqs=32``;
 its length is the run's ``max_prompt_length + max_response_length``): unset, the native engine
 sizes it from half the free memory, which measures the machine, not the step.
 
-    python bench/real_model_memory.py [--steps 2] [--variants kl,no_kl] [--override KEY=VALUE ...]
+    python bench/real_model_memory.py [--steps 2] [--variants kl,no_kl] [--override KEY=VALUE ...] [--malloc-trim]
 
 ``--override`` passes more train-config overrides to every variant (e.g. to compare a setting).
+``--malloc-trim`` calls glibc's ``malloc_trim(0)`` at every phase boundary (the blocks
+``tandem.kernels.cpu.allocator`` lets the process keep go back to the kernel), to measure
+what the retained blocks add to each phase's peak.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import subprocess
@@ -80,15 +85,19 @@ def resident_bytes() -> int:
 
 
 class PeakMeter:
-    """The resident high-water mark of each phase: reset at every switch, read at the next."""
+    """The resident high-water mark of each phase: reset at every switch, read at the next;
+    ``malloc_trim``: glibc hands its free pages back to the kernel at every switch first."""
 
-    def __init__(self) -> None:
+    def __init__(self, malloc_trim: bool = False) -> None:
         self.label = "setup"
         self.peaks: dict[str, int] = defaultdict(int)
+        self.trim = ctypes.CDLL(None).malloc_trim if malloc_trim else None
         Path("/proc/self/clear_refs").write_text("5")  # fails loudly where the kernel refuses
 
     def switch(self, label: str) -> None:
         self.peaks[self.label] = max(self.peaks[self.label], _status_kb("VmHWM") * 1024)
+        if self.trim is not None:
+            self.trim(0)
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         self.label = label
 
@@ -210,11 +219,12 @@ def holders(worker) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------- one variant
-def child(root: Path, variant: str, steps: int, overrides: list[str]) -> None:
+def child(root: Path, variant: str, steps: int, overrides: list[str], malloc_trim: bool) -> None:
     runtime = resident_bytes()
-    meter = PeakMeter()
+    meter = PeakMeter(malloc_trim)
     seen: dict = {}
     instrument(meter, seen)
+    from tandem.models.logprobs import chunk_rows
     from tandem.rl import RLTrainer, load_train_config
 
     config = load_train_config(
@@ -253,7 +263,7 @@ def child(root: Path, variant: str, steps: int, overrides: list[str]) -> None:
             "runtime (after imports)": runtime,
             **seen["holders"],
             "update activations (largest micro-batch)": seen.get("activations", 0),
-            "one head chunk of logits": engine_config.logprob_chunk_size * vocab * 4,
+            "one head chunk of logits": chunk_rows(engine_config.logprob_chunk_size, vocab) * vocab * 4,
         },
         "tokens": [h.get("response_length/mean", 0.0) for h in history],
     }
@@ -306,11 +316,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--variants", default="kl,no_kl")
     parser.add_argument("--override", action="append", default=[], help="one more train-config override")
+    parser.add_argument(
+        "--malloc-trim", action="store_true", help="glibc's malloc_trim(0) at every phase boundary"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.root, args.child, args.steps, args.override)
+        child(args.root, args.child, args.steps, args.override, args.malloc_trim)
         return
     print(describe_machine())
     print(f"load: {os.getloadavg()[0]:.2f} (1-minute average)")
@@ -333,6 +346,7 @@ def main() -> None:
                 "--steps",
                 str(args.steps),
                 *extra,
+                *(["--malloc-trim"] if args.malloc_trim else []),
             ]
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

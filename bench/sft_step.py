@@ -17,14 +17,20 @@ goes first; ``--warmup`` untimed steps, then ``--steps`` timed ones; medians and
 are printed (bench/side_by_side.py). TRL is optional: without it only tandem's numbers print.
 
     python bench/sft_step.py [--model tiny|smollm2] [--steps 8] [--warmup 2] [--rounds 3]
-        [--lengths varied|uniform] [--trl-python /work/trl-venv/bin/python]
+        [--lengths varied|uniform] [--trl-python /work/trl-venv/bin/python] [--profile sft.txt]
+
+``--profile PATH`` then runs one more tandem child under ``py-spy record --native`` (py-spy
+must be on ``PATH``; 20 samples/s, wall clock), writes its collapsed stacks to ``PATH`` and
+prints the functions holding the most samples (self and inclusive).
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -108,8 +114,54 @@ def child(side: str, root: Path, steps: int, warmup: int) -> None:
     run_child(side, lambda: time_tandem(root, steps, warmup), lambda: time_trl(root, steps, warmup))
 
 
+def profile_tandem(root: Path, steps: int, warmup: int, out: Path, top: int = 15) -> None:
+    """One tandem child under py-spy: collapsed stacks to ``out``, the top functions printed."""
+    child_run = [
+        sys.executable,
+        __file__,
+        "--side",
+        "tandem",
+        "--root",
+        str(root),
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+    ]
+    command = [
+        "py-spy",
+        "record",
+        "--native",
+        "--rate",
+        "20",
+        "--format",
+        "raw",
+        "--output",
+        str(out),
+        "--",
+        *child_run,
+    ]
+    subprocess.run(command, check=True, capture_output=True)
+    own, inclusive, total = Counter(), Counter(), 0
+    for line in out.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = [f.split(" (")[0] for f in stack.split(";")]
+        total += int(count)
+        own[frames[-1]] += int(count)
+        for frame in set(frames):
+            inclusive[frame] += int(count)
+    print(f"py-spy of tandem's SFT child: {total} samples ({out})")
+    for label, counts in (("self", own), ("inclusive", inclusive)):
+        print(f"top {top} by {label} samples:")
+        for frame, count in counts.most_common(top):
+            print(f"  {count / total:6.1%}  {frame}")
+
+
 def main() -> None:
     parser = side_parser(__doc__)
+    parser.add_argument(
+        "--profile", type=Path, help="also profile one tandem child with py-spy into this file"
+    )
     parser.add_argument("--model", choices=MODELS, default="tiny")
     parser.add_argument("--lengths", choices=["varied", "uniform"], default="varied")
     args = parser.parse_args()
@@ -128,16 +180,19 @@ def main() -> None:
             f"model: {args.model}, {params / 1e6:.2f}M parameters, fp32; {ROWS} conversations per step, "
             f"{args.lengths} lengths, <= {MAX_LENGTH} tokens"
         )
-        compare(
-            __file__,
-            root,
-            args.rounds,
-            args.steps,
-            args.warmup,
-            "TRL SFTTrainer",
-            "SFT step",
-            args.trl_python,
-        )
+        if args.rounds:  # --rounds 0 --profile PATH: the profile only
+            compare(
+                __file__,
+                root,
+                args.rounds,
+                args.steps,
+                args.warmup,
+                "TRL SFTTrainer",
+                "SFT step",
+                args.trl_python,
+            )
+        if args.profile:
+            profile_tandem(root, args.steps, args.warmup, args.profile.resolve())
 
 
 if __name__ == "__main__":

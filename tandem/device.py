@@ -31,6 +31,8 @@ Everything else asks this module instead of probing ``torch.cuda`` itself:
 from __future__ import annotations
 
 import contextlib
+import math
+import mmap
 import os
 import threading
 import warnings
@@ -196,6 +198,25 @@ def host_buffer(nbytes: int, for_device: torch.device | str) -> torch.Tensor:
                 f"page-locked host memory refused ({error}); offload copies run pageable", stacklevel=2
             )
     return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def zeros_on_use(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor whose host memory is taken only as it is written (a large cache sized for
+    the worst case, most of it never touched). On the CPU it lives in an anonymous memory map:
+    the kernel hands out zeroed pages on first write, and a page only ever read is the shared zero
+    page, so the process's resident memory grows with what is written, not with ``shape``
+    (``torch.zeros`` writes every byte at once). Elsewhere it is ``torch.zeros``."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with warnings.catch_warnings():  # the map is writable: torch's "non-writable buffer" warning is moot
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)  # the tensor keeps the map alive
 
 
 def wait_for_copies(device: torch.device | str) -> None:

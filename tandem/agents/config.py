@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from tandem.agents.loops import AGENT_LOOPS, load_interaction
@@ -59,9 +60,12 @@ class AgentConfig:
             past them a request is refused (400).
         program_output_bytes: bytes of stdout and of stderr (each) a command may write; they are
             kept on the row (``agent_program_log``); one byte more kills it (``program_error``).
+            A function program's prints are kept up to the same cap (the rest counted, no fault).
         program_sandbox: run ``agent.program_command`` in the OS sandbox (the ``python`` tool's,
             under ``agent.python``'s memory, file-size and process limits), its network limited
             to its endpoint (docs/agents.md).
+        program_sandbox_mounts: more host files or directories a sandboxed command sees, read-only
+            at their absolute paths (its own modules, a data directory); it sees none by default.
     """
 
     name: str = "single_turn"
@@ -83,6 +87,7 @@ class AgentConfig:
     program_command: tuple[str, ...] = ()
     program_output_bytes: int = 16384
     program_sandbox: bool = False
+    program_sandbox_mounts: tuple[str, ...] = path_field(INPUT_PATH, ())
 
     @property
     def enabled(self) -> bool:
@@ -105,6 +110,7 @@ class AgentConfig:
             self.program_max_tokens,
             self.program_output_bytes,
             self.python if self.program_sandbox else None,
+            self.program_sandbox_mounts,
         )
 
     def __post_init__(self) -> None:
@@ -145,8 +151,15 @@ class AgentConfig:
                 raise ValueError(f"agent.{key} is set but agent.name={self.name!r}: set agent.name=program")
         if self.program_command:  # a list from the command line: kept as the tuple the field declares
             object.__setattr__(self, "program_command", check_command(self.program_command))
+        if self.program_sandbox_mounts:  # a list from the command line: kept as the declared tuple
+            object.__setattr__(self, "program_sandbox_mounts", tuple(self.program_sandbox_mounts))
         if self.program_sandbox:
             self._check_program_sandbox()
+        elif self.program_sandbox_mounts:
+            raise ValueError(
+                "agent.program_sandbox_mounts is set but agent.program_sandbox=false: the mounts are "
+                "what a sandboxed command sees (an unsandboxed one sees every file)"
+            )
         self._check_user_files()
 
     def _check_program_sandbox(self) -> None:
@@ -158,6 +171,12 @@ class AgentConfig:
         unavailable = sandbox_available()
         if unavailable:
             raise ValueError(f"agent.program_sandbox=true, but the OS sandbox cannot run here: {unavailable}")
+        for i, path in enumerate(self.program_sandbox_mounts):
+            if not isinstance(path, str) or not os.path.exists(path) or os.path.abspath(path) == "/":
+                raise ValueError(
+                    f"agent.program_sandbox_mounts[{i}]={path!r} must name an existing file or "
+                    "directory other than /"
+                )
 
     def _check_user_files(self) -> None:
         """Load the user's tools and interaction files now: a broken one (a failing import, a

@@ -167,14 +167,17 @@ def cut_text(text: str, limit: int) -> str:
 def append_turns(ctx: AgentContext, trajectory: Trajectory, messages: list[dict]) -> bool:
     """Append non-model ``messages`` as template tokens, each text first cut to
     ``ctx.max_message_chars`` (:func:`cut_text`); False (and ``length``) when they do not fit in
-    the budget with room for another model token."""
+    the budget with room for another model token. A model turn that stopped without the
+    end-of-turn token (on a stop string or another stop id) is closed with it first, as the chat
+    template renders the turn (and as the program endpoint does)."""
     messages = [
         {**message, "content": cut_text(message["content"], ctx.max_message_chars)}
         if isinstance(message.get("content"), str)
         else message
         for message in messages
     ]
-    tokens = ctx.encoder.encode(messages)
+    end = ctx.encoder.end_id
+    tokens = ([] if trajectory.token_ids[-1:] == [end] else [end]) + ctx.encoder.encode(messages)
     trajectory.messages += messages
     if len(trajectory.token_ids) + len(tokens) >= ctx.sampling.max_tokens:
         trajectory.finish_reason = "length"

@@ -85,10 +85,12 @@ class TurnEncoder:
         self.after_turn = self.anchor[at + len(end) :]  # e.g. ChatML's "\n" after <|im_end|>
         # the anchor's tokens through its EOS: a special token, so the tokens after it never merge with it
         self.anchor_ids = list(tokenizer.encode(self.anchor[: at + len(end)], add_special_tokens=False))
+        self.end_id = self.anchor_ids[-1]  # the end-of-turn token that closes a model turn
 
     def encode(self, messages: list[dict]) -> list[int]:
         """Tokens of ``messages`` (tool results, user replies) and the next generation prompt, as
-        they follow a model turn that ended with the EOS token.
+        they follow a model turn that ended with the EOS token (``end_id``: a turn that stopped
+        otherwise, on a stop string, is closed with it first: :func:`tandem.agents.loops.append_turns`).
 
         The messages' text is always tokenized as plain text: a special-token string inside a tool's
         output or a user reply (``<|im_end|>``) never becomes a control token, so a tool cannot

@@ -6,6 +6,7 @@
 * :mod:`~tandem.algos.aggregation` — split-invariant loss aggregation
 * :mod:`~tandem.algos.value` — clipped value loss and entropy term
 * :mod:`~tandem.algos.rollout_correction` — TIS / MIS and mismatch diagnostics
+* :mod:`~tandem.algos.reductions` — batch-wide statistics as named reductions (per row, or whole)
 """
 
 from tandem.algos.advantages import (
@@ -13,10 +14,16 @@ from tandem.algos.advantages import (
     AdvantageConfig,
     AdvantageInput,
     AdvantageOutput,
+    EstimatorSplit,
+    RowInput,
     compute_advantage,
     estimator_inputs,
     estimator_requirements,
+    estimator_split,
     register_advantage_estimator,
+    register_row_estimator,
+    register_token_estimator,
+    spread_row_advantages,
 )
 from tandem.algos.aggregation import LOSS_AGG_MODES, LossNormalizer, aggregate_loss
 from tandem.algos.kl import (
@@ -54,6 +61,7 @@ __all__ = [
     "AdvantageConfig",
     "AdvantageInput",
     "AdvantageOutput",
+    "EstimatorSplit",
     "FixedKLController",
     "KLConfig",
     "LossNormalizer",
@@ -62,12 +70,14 @@ __all__ = [
     "PolicyLossOutput",
     "RolloutCorrectionConfig",
     "RolloutCorrectionOutput",
+    "RowInput",
     "aggregate_loss",
     "apply_kl_penalty",
     "build_kl_controller",
     "compute_advantage",
     "estimator_inputs",
     "estimator_requirements",
+    "estimator_split",
     "compute_entropy_term",
     "compute_kl_loss",
     "compute_policy_loss",
@@ -77,4 +87,7 @@ __all__ = [
     "mismatch_metrics",
     "register_advantage_estimator",
     "register_policy_loss",
+    "register_row_estimator",
+    "register_token_estimator",
+    "spread_row_advantages",
 ]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.algos.masked import masked_mean
+from tandem.algos.reductions import Terms, reduce_whole
 from tandem.config.validation import check_range
 from tandem.registry import Registry
 
@@ -196,10 +196,28 @@ def distill_metrics(
     """``distill/reverse_kl`` (the per-token estimate ``log pi_s - log pi_t``, averaged over
     response tokens), ``distill/teacher_log_prob`` and ``distill/student_log_prob`` of the
     sampled tokens. All ``[B, R]`` inputs; scalar outputs."""
+    return distill_metrics_of(reduce_whole(distill_terms(student_log_probs, teacher_log_probs, mask)))
+
+
+def distill_terms(
+    student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, mask: torch.Tensor
+) -> Terms:
+    """The sums :func:`distill_metrics` is made of (:mod:`tandem.algos.reductions`; ``[B, R]`` inputs)."""
     weights = mask.float()
     student, teacher = student_log_probs.float(), teacher_log_probs.float()
     return {
-        "distill/reverse_kl": masked_mean(student - teacher, weights),
-        "distill/teacher_log_prob": masked_mean(teacher, weights),
-        "distill/student_log_prob": masked_mean(student, weights),
+        "tokens": ("sum", weights),
+        "reverse_kl": ("sum", (student - teacher) * weights),
+        "teacher": ("sum", teacher * weights),
+        "student": ("sum", student * weights),
+    }
+
+
+def distill_metrics_of(reduced: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``distill/*`` from the reduced terms of :func:`distill_terms`."""
+    tokens = reduced["tokens"].clamp(min=1)
+    return {
+        "distill/reverse_kl": reduced["reverse_kl"] / tokens,
+        "distill/teacher_log_prob": reduced["teacher"] / tokens,
+        "distill/student_log_prob": reduced["student"] / tokens,
     }

@@ -16,6 +16,7 @@ import torch
 
 from tandem.algos.aggregation import LossNormalizer, aggregate_loss
 from tandem.algos.masked import masked_mean
+from tandem.algos.reductions import Terms, reduce_whole
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.registry import Registry
 
@@ -98,7 +99,9 @@ class KLConfig:
     kl_loss_coef: float = 0.001
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "estimator", KL_ESTIMATORS.canonical(self.estimator, "algorithm.kl.estimator"))
+        object.__setattr__(
+            self, "estimator", KL_ESTIMATORS.canonical(self.estimator, "algorithm.kl.estimator")
+        )
         check_choice("algorithm.kl", "controller", self.controller, ["fixed", "adaptive"])
         check_range("algorithm.kl", "coef", self.coef, low=0.0)
         check_range("algorithm.kl", "kl_loss_coef", self.kl_loss_coef, low=0.0)
@@ -154,12 +157,33 @@ def apply_kl_penalty(
     Shapes: all ``[B, R]`` -> rewards ``[B, R]``. Metrics: ``kl`` (batch mean of each
     sequence's token-mean KL, the value an adaptive controller tracks) and ``kl_coef``.
     """
+    rewards, terms = kl_penalty(
+        token_level_scores, old_log_probs, ref_log_probs, response_mask, coef, estimator
+    )
+    return rewards, kl_penalty_metrics(reduce_whole(terms), coef, token_level_scores.dtype)
+
+
+def kl_penalty(
+    token_level_scores: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    coef: float,
+    estimator: str,
+) -> tuple[torch.Tensor, Terms]:
+    """:func:`apply_kl_penalty`'s rewards ``[B, R]`` (row by row) and the terms of its metrics
+    (:mod:`tandem.algos.reductions`: each sequence's token-mean KL ``[B]``)."""
     mask = response_mask.to(token_level_scores.dtype)
     kl = kl_estimate(old_log_probs, ref_log_probs, estimator) * mask
     rewards = token_level_scores - coef * kl
-    sequence_kl = masked_mean(kl, mask, dim=-1)
-    metrics = {"kl": sequence_kl.mean(), "kl_coef": torch.tensor(coef, dtype=token_level_scores.dtype)}
-    return rewards, metrics
+    return rewards, {"kl": ("mean", masked_mean(kl, mask, dim=-1))}
+
+
+def kl_penalty_metrics(
+    reduced: dict[str, torch.Tensor], coef: float, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """``kl`` and ``kl_coef`` from the reduced terms of :func:`kl_penalty`."""
+    return {"kl": reduced["kl"], "kl_coef": torch.tensor(coef, dtype=dtype)}
 
 
 def compute_kl_loss(

@@ -31,8 +31,37 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Normalise to zero mean and unit variance over the masked entries: ``(x - mean) / sqrt(var + eps)``."""
-    mean = masked_mean(values, mask)
-    return (values - mean) * torch.rsqrt(masked_var(values, mask) + eps)
+    return whiten_with(values, masked_mean(values, mask), masked_var(values, mask), eps)
+
+
+def whiten_with(
+    values: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, eps: float = 1e-8
+) -> torch.Tensor:
+    """``(values - mean) / sqrt(var + eps)`` with given 0-D statistics (:func:`masked_whiten`'s, or
+    :func:`whitening_stats` reduced where the rows live)."""
+    return (values - mean) * torch.rsqrt(var + eps)
+
+
+def whitening_terms(values: torch.Tensor, mask: torch.Tensor) -> dict[str, tuple[str, torch.Tensor]]:
+    """The sums :func:`whitening_stats` needs of the masked entries of ``values [B, ...]``, in float64
+    (:mod:`tandem.algos.reductions` terms): their count, their sum and their sum of squares."""
+    mask = mask.to(torch.float64)
+    values = values.to(torch.float64) * mask
+    return {"count": ("sum", mask), "total": ("sum", values), "squares": ("sum", values.square())}
+
+
+def whitening_stats(
+    reduced: dict[str, torch.Tensor], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean and unbiased variance (0 with fewer than 2 entries) of the entries whose
+    :func:`whitening_terms` were reduced to ``reduced``, as 0-D ``dtype`` tensors. One pass over
+    float64 sums (``(squares - total * mean) / (count - 1)``), where :func:`masked_var` takes two
+    passes in the values' dtype: the two agree to about the values' rounding."""
+    count, total = reduced["count"], reduced["total"]
+    mean = total / count.clamp(min=1)
+    squares = (reduced["squares"] - total * mean).clamp(min=0)
+    var = torch.where(count > 1, squares / (count - 1).clamp(min=1), torch.zeros_like(squares))
+    return mean.to(dtype), var.to(dtype)
 
 
 def compact_group_ids(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.algos.masked import masked_mean, masked_sum
+from tandem.algos.masked import masked_mean
+from tandem.algos.reductions import Terms, reduce_whole
 from tandem.config.finite import no_limit_at_inf
 from tandem.config.validation import check_choice, check_finite, check_positive
 
@@ -67,11 +68,14 @@ class RolloutCorrectionConfig:
 @dataclass(frozen=True)
 class RolloutCorrectionOutput:
     """``is_weights [B, R]`` (detached, None when ``is_level='none'``), the updated
-    ``response_mask [B, R]`` (rejected tokens zeroed) and ``metrics`` (``rollout_corr/*``)."""
+    ``response_mask [B, R]`` (rejected tokens zeroed), ``metrics`` (``rollout_corr/*``) and the
+    ``terms`` they are reduced from (:mod:`tandem.algos.reductions`; :func:`correction_metrics`
+    turns the reduced terms into the metrics, wherever the rows were reduced)."""
 
     is_weights: torch.Tensor | None
     response_mask: torch.Tensor
     metrics: dict[str, torch.Tensor]
+    terms: Terms
 
 
 def compute_rollout_correction(
@@ -82,7 +86,8 @@ def compute_rollout_correction(
 ) -> RolloutCorrectionOutput:
     """Importance weights, rejection mask and mismatch diagnostics.
 
-    Shapes: ``old_log_probs, rollout_log_probs, response_mask: [B, R]``.
+    Every output but the metrics is per row: the rows of a batch can be corrected anywhere, in any
+    split. Shapes: ``old_log_probs, rollout_log_probs, response_mask: [B, R]``.
     """
     old_log_probs = old_log_probs.detach()
     rollout_log_probs = rollout_log_probs.detach()
@@ -90,7 +95,7 @@ def compute_rollout_correction(
     log_rho = torch.clamp(old_log_probs - rollout_log_probs, -MAX_LOG_WEIGHT, MAX_LOG_WEIGHT) * mask
     seq_log_rho = log_rho.sum(-1)
     lengths = mask.sum(-1)
-    metrics = mismatch_metrics(old_log_probs, rollout_log_probs, mask)
+    terms = mismatch_terms(old_log_probs, rollout_log_probs, mask)
 
     keep = mask.clone()
     if config.rejection == "token":
@@ -104,22 +109,26 @@ def compute_rollout_correction(
     if config.veto_threshold is not None:
         vetoed = ((torch.exp(log_rho) < config.veto_threshold) & (mask > 0)).any(-1)
         keep = keep * (~vetoed).unsqueeze(-1).to(mask.dtype)
-        metrics["rollout_corr/veto_frac"] = masked_mean(vetoed.to(mask.dtype), (lengths > 0).to(mask.dtype))
-    metrics["rollout_corr/masked_frac"] = 1 - masked_sum(keep, mask) / mask.sum().clamp(min=1)
+        has_tokens = (lengths > 0).to(mask.dtype)
+        terms.update(veto_rows=("sum", vetoed.to(mask.dtype) * has_tokens), veto_of=("sum", has_tokens))
+    terms["kept"] = ("sum", keep * mask)
 
     weights = None
     if config.is_level == "token":
         raw = torch.exp(log_rho)
         weights = torch.clamp(raw, max=config.is_threshold) * keep
-        metrics.update(_weight_metrics(raw, weights, keep, config.is_threshold))
+        terms.update(_weight_terms(raw, weights, keep, config.is_threshold))
     elif config.is_level == "sequence":
         raw_seq = torch.exp(torch.clamp(seq_log_rho, -MAX_LOG_WEIGHT, MAX_LOG_WEIGHT))
         seq_keep = (keep.sum(-1) > 0).to(mask.dtype)
         seq_weights = torch.clamp(raw_seq, max=config.is_threshold)
         weights = seq_weights.unsqueeze(-1) * keep
-        metrics.update(_weight_metrics(raw_seq, seq_weights * seq_keep, seq_keep, config.is_threshold))
+        terms.update(_weight_terms(raw_seq, seq_weights * seq_keep, seq_keep, config.is_threshold))
     return RolloutCorrectionOutput(
-        is_weights=weights, response_mask=keep.to(response_mask.dtype), metrics=metrics
+        is_weights=weights,
+        response_mask=keep.to(response_mask.dtype),
+        metrics=correction_metrics(reduce_whole(terms)),
+        terms=terms,
     )
 
 
@@ -133,31 +142,66 @@ def mismatch_metrics(
     ``ratio_mean``: mean of ``pi_old / pi_rollout``; ``ppl_ratio``: mean over sequences
     of trainer perplexity / rollout perplexity (1 when they agree).
     """
+    return correction_metrics(reduce_whole(mismatch_terms(old_log_probs, rollout_log_probs, mask)))
+
+
+def mismatch_terms(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor) -> Terms:
+    """The reductions :func:`mismatch_metrics` is made of (``[B, R]`` inputs; per-token and per-row terms)."""
     diff = (old_log_probs - rollout_log_probs) * mask
     log_rho = torch.clamp(diff, -MAX_LOG_WEIGHT, MAX_LOG_WEIGHT)
     has_tokens = (mask.sum(-1) > 0).to(mask.dtype)
     seq_mean_diff = masked_mean(diff, mask, dim=-1)
     return {
-        "rollout_corr/kl": masked_mean(-diff, mask),
-        "rollout_corr/k3_kl": masked_mean(torch.exp(log_rho) - 1 - log_rho, mask),
-        "rollout_corr/max_abs_log_prob_diff": (diff.abs() * mask).max() if diff.numel() else diff.sum(),
-        "rollout_corr/ratio_mean": masked_mean(torch.exp(log_rho), mask),
-        "rollout_corr/ppl_ratio": masked_mean(torch.exp(-seq_mean_diff), has_tokens),
+        "tokens": ("sum", mask),
+        "neg_diff": ("sum", -diff * mask),
+        "k3": ("sum", (torch.exp(log_rho) - 1 - log_rho) * mask),
+        "max_abs_diff": ("max", diff.abs() * mask),
+        "ratio": ("sum", torch.exp(log_rho) * mask),
+        "ppl_ratio_rows": ("sum", torch.exp(-seq_mean_diff) * has_tokens),
+        "rows_with_tokens": ("sum", has_tokens),
     }
 
 
-def _weight_metrics(
-    raw: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor, threshold: float
-) -> dict[str, torch.Tensor]:
-    """Statistics of importance weights over kept entries (tokens or sequences, same shapes)."""
-    n = keep.sum().clamp(min=1)
-    total = masked_sum(weights, keep)
+def correction_metrics(reduced: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``rollout_corr/*`` from the reduced terms of :func:`mismatch_terms` (and, after a
+    correction, of :func:`compute_rollout_correction`'s others): 0-D tensors."""
+    tokens = reduced["tokens"].clamp(min=1)
+    metrics = {
+        "rollout_corr/kl": reduced["neg_diff"] / tokens,
+        "rollout_corr/k3_kl": reduced["k3"] / tokens,
+        "rollout_corr/max_abs_log_prob_diff": reduced["max_abs_diff"],
+        "rollout_corr/ratio_mean": reduced["ratio"] / tokens,
+        "rollout_corr/ppl_ratio": reduced["ppl_ratio_rows"] / reduced["rows_with_tokens"].clamp(min=1),
+    }
+    if "veto_rows" in reduced:
+        metrics["rollout_corr/veto_frac"] = reduced["veto_rows"] / reduced["veto_of"].clamp(min=1)
+    if "kept" in reduced:
+        metrics["rollout_corr/masked_frac"] = 1 - reduced["kept"] / tokens
+    if "weight_count" in reduced:
+        n = reduced["weight_count"].clamp(min=1)
+        total = reduced["weight_total"]
+        metrics.update(
+            {
+                "rollout_corr/is_weight_mean": total / n,
+                "rollout_corr/is_weight_max": reduced["weight_max"],
+                "rollout_corr/is_weight_min": reduced["weight_min"],
+                # Normalised effective sample size (Kish): 1 when all weights are equal.
+                "rollout_corr/is_ess": total.square() / (n * reduced["weight_squares"]).clamp(min=1e-12),
+                "rollout_corr/is_clipped_frac": reduced["weight_clipped"] / n,
+            }
+        )
+    return metrics
+
+
+def _weight_terms(raw: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor, threshold: float) -> Terms:
+    """The reductions of the importance weights' statistics over kept entries (tokens ``[B, R]``
+    or sequences ``[B]``, all of one shape)."""
     big = torch.tensor(float("inf"), dtype=weights.dtype, device=weights.device)
     return {
-        "rollout_corr/is_weight_mean": total / n,
-        "rollout_corr/is_weight_max": torch.where(keep > 0, weights, -big).max(),
-        "rollout_corr/is_weight_min": torch.where(keep > 0, weights, big).min(),
-        # Normalised effective sample size (Kish): 1 when all weights are equal.
-        "rollout_corr/is_ess": total.square() / (n * masked_sum(weights.square(), keep)).clamp(min=1e-12),
-        "rollout_corr/is_clipped_frac": masked_mean((raw > threshold).to(weights.dtype), keep),
+        "weight_count": ("sum", keep),
+        "weight_total": ("sum", weights * keep),
+        "weight_max": ("max", torch.where(keep > 0, weights, -big)),
+        "weight_min": ("min", torch.where(keep > 0, weights, big)),
+        "weight_squares": ("sum", weights.square() * keep),
+        "weight_clipped": ("sum", (raw > threshold).to(weights.dtype) * keep),
     }

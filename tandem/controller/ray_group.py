@@ -1,4 +1,5 @@
-"""The Ray backend: one actor per rank, placed with placement groups built from a ``ResourcePool``.
+"""The Ray backend: one actor per rank, placed with a placement group built from a ``ResourcePool``:
+one bundle per node of the pool, each on a node of its own (:func:`placement_bundles`).
 
 Ray is an optional dependency (``pip install tandem-rl[ray]``); ``ray.init()`` starts a
 local cluster when none is running. Handles are Ray ``ObjectRef`` s, which Ray resolves on
@@ -35,6 +36,16 @@ def connect_ray(ray_init_kwargs: dict | None = None) -> Any:
     return ray
 
 
+def placement_bundles(pool: ResourcePool) -> tuple[list[dict[str, float]], str]:
+    """The placement group that holds ``pool``: one bundle a node, reserving that node's share of
+    the pool in all (its processes' CPUs and GPUs; each rank's actor then takes its own from the
+    bundle), and the strategy that puts each bundle on a node of its own. ``STRICT_SPREAD`` for a
+    pool of several nodes: without it Ray may pack two nodes' shares onto one node that has room
+    for both, and "two nodes" would not be two nodes."""
+    bundles = [{kind: value for kind, value in share.items() if value} for share in pool.node_shares()]
+    return bundles, "STRICT_SPREAD" if len(bundles) > 1 else "STRICT_PACK"
+
+
 def _apply(fn: Callable[[list], Any], *values: Any) -> Any:
     return fn(list(values))
 
@@ -59,19 +70,16 @@ class RayBackend:
         self._remove_pg = remove_placement_group
         self._apply_task = ray.remote(num_cpus=0)(_apply)
         self.world_size = pool.world_size
-        bundle = {"CPU": pool.cpus_per_process}
-        if pool.gpus_per_process:
-            bundle["GPU"] = pool.gpus_per_process
-        self._placement_groups = [
-            placement_group([dict(bundle)] * n, strategy="STRICT_PACK") for n in pool.processes_per_node
-        ]
+        bundles, strategy = placement_bundles(pool)
+        self._placement_group = placement_group(bundles, strategy=strategy)
         try:
-            ray.get([pg.ready() for pg in self._placement_groups], timeout=PLACEMENT_TIMEOUT_S)
+            ray.get(self._placement_group.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             self.shutdown()
             raise RuntimeError(
                 f"Ray could not place pool {pool.name!r} ({pool.processes_per_node} processes per node, "
-                f"{bundle} each) within {PLACEMENT_TIMEOUT_S:.0f} s; cluster resources: {ray.cluster_resources()}"
+                f"each node's share on a node of its own: {bundles}) within {PLACEMENT_TIMEOUT_S:.0f} s; "
+                f"cluster resources: {ray.cluster_resources()}"
             ) from None
         self._actor_cls = ray.remote(worker_cls)
         self._pool, self._args = pool, (args, kwargs or {})
@@ -99,7 +107,7 @@ class RayBackend:
             num_cpus=pool.cpus_per_process,
             num_gpus=pool.gpus_per_process,
             scheduling_strategy=self._scheduling(
-                placement_group=self._placement_groups[node], placement_group_bundle_index=local_rank
+                placement_group=self._placement_group, placement_group_bundle_index=node
             ),
             runtime_env={"env_vars": env},
         ).remote(*args, **kwargs)
@@ -107,6 +115,11 @@ class RayBackend:
     def _place(self, rank: int) -> tuple[int, str | None]:
         """Rank ``rank``'s process id and node (its constructor's failure is raised here)."""
         return self.result(rank, self._actors[rank]._tandem_execute.remote("_tandem_process"), None)
+
+    @property
+    def nodes(self) -> list[str | None]:
+        """The Ray node id of each rank's actor, in rank order."""
+        return [node for _, node in self._places]
 
     @property
     def host_pids(self) -> list[int]:
@@ -157,6 +170,6 @@ class RayBackend:
         for actor in getattr(self, "_actors", []):
             self._ray.kill(actor, no_restart=True)
         self._actors = []
-        for pg in getattr(self, "_placement_groups", []):
-            self._remove_pg(pg)
-        self._placement_groups = []
+        if getattr(self, "_placement_group", None) is not None:
+            self._remove_pg(self._placement_group)
+        self._placement_group = None

@@ -35,6 +35,14 @@ class ResourcePool:
     def world_size(self) -> int:
         return sum(self.processes_per_node)
 
+    def node_shares(self) -> list[dict[str, float]]:
+        """What each node's share of the pool reserves in all, in node order: ``{"CPU": ...,
+        "GPU": ...}`` (one Ray placement bundle a node; the shares go on distinct nodes)."""
+        return [
+            {"CPU": self.cpus_per_process * count, "GPU": self.gpus_per_process * count}
+            for count in self.processes_per_node
+        ]
+
     def node_and_local_rank(self, rank: int) -> tuple[int, int]:
         """Which node a global rank lives on and its rank there."""
         for node, count in enumerate(self.processes_per_node):

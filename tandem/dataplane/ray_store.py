@@ -42,6 +42,7 @@ class RayBlock:
     columns: tuple[WireColumn, ...]
     refs: tuple[Any, ...]
     engine: str = "ray"
+    nbytes: int = 0  # the encoded arrays' bytes in the object store (what a byte bound counts)
 
 
 def _ray() -> Any:
@@ -133,9 +134,10 @@ class RayStore:
             raise ValueError(f"a block's fields need one row count, got {sorted(sizes)}")
         columns, arrays = encode(tensors)
         refs = tuple(ray.put(_to_numpy({n: arrays[n] for n in c.arrays()})) for c in columns)
-        block = RayBlock(self.node_id, self.key, sizes.pop(), columns, refs)
+        nbytes = sum(a.numel() * a.element_size() for a in arrays.values())
+        block = RayBlock(self.node_id, self.key, sizes.pop(), columns, refs, nbytes=nbytes)
         self._held[tuple(r.hex() for r in refs)] = refs
-        count(put=sum(a.numel() * a.element_size() for a in arrays.values()), blocks_put=1)
+        count(put=nbytes, blocks_put=1)
         return block
 
     def get(self, block: RayBlock, fields: Sequence[str], rows: Sequence[int]) -> dict[str, torch.Tensor]:

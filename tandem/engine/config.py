@@ -8,6 +8,7 @@ from typing import ClassVar
 from tandem.config.paths import MODEL_PATH, path_field
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.device import check_bf16_compute, check_device_setting
+from tandem.engine.parallel_dims import ParallelDims
 from tandem.models.loading import DTYPES
 from tandem.models.logprobs import HEAD_DTYPES
 
@@ -79,7 +80,8 @@ class EngineConfig:
             frozen either way (adapters go on
             the language model only). No effect on a text model. See
             :mod:`tandem.engine.vision_model`.
-        logprob_chunk_size: rows of the fp32 output head computed at once.
+        logprob_chunk_size: rows of the fp32 output head computed at once, at most (fewer
+            where one chunk's fp32 logits would pass 64 MiB: ``tandem.models.logprobs.chunk_rows``).
         logprob_head_dtype: the precision of the log-prob head's product: ``float32`` (hidden
             states and weight in fp32) or ``bfloat16`` (both rounded to bf16, products summed
             in fp32, logits and softmax in fp32; the logits' gradient rounded to bf16 in
@@ -103,10 +105,12 @@ class EngineConfig:
             embedding and the output head are split over this many ranks (Megatron-LM's split
             with DTensor; the log-softmax is vocabulary-parallel), which hold the same rows.
             The world size must divide by it, and the model's query and key/value heads too.
-            With ``strategy=fsdp2`` the mesh is ``(dp, tp)``: FSDP2 shards each rank's
-            tensor-parallel shards over ``dp``; ``single`` trains one tensor-parallel group
-            (the world is ``tp_size`` ranks; more ranks run forward passes only). Refused with
-            ``ddp``, ``sp_size > 1`` and LoRA. See docs/parallelism.md. 1: off.
+            With ``strategy=fsdp2`` FSDP2 shards each rank's tensor-parallel shards over
+            ``dp x sp``; ``single`` trains one tensor-parallel group
+            (the world is ``tp_size`` ranks; more ranks run forward passes only). Combines with
+            ``sp_size`` (the mesh is ``(dp, sp, tp)``; the heads must divide by
+            ``sp_size x tp_size``) and LoRA (each adapter split as its base layer is); refused
+            with ``ddp``. See docs/parallelism.md. 1: off.
         moe_aux_loss_coef: a mixture-of-experts model's load-balancing loss (HF's
             ``load_balancing_loss_func`` of the live router logits) is added to every training
             micro-batch's loss with this weight (0: off; a dense model refuses anything else);
@@ -222,8 +226,6 @@ def _check_tensor_parallel(config: EngineConfig, owner: str) -> None:
             config.strategy == "ddp",
             "the split weights are DTensors, which DDP does not reduce; use fsdp2 (or single)",
         ),
-        "sp_size": (config.sp_size > 1, "sequence and tensor parallelism do not combine yet"),
-        "lora.rank": (config.lora.rank > 0, "LoRA adapters are not split over tensor-parallel ranks"),
     }
     _refuse(config, owner, "tp_size", refused)
 
@@ -245,18 +247,15 @@ def _setting(config: object, dotted: str) -> object:
 
 
 def check_trainer_tensor_parallel(owner: str, engine: EngineConfig, workers: int) -> None:
-    """Raise ``ValueError`` naming ``<owner>.tp_size`` when a trainer's ``workers`` cannot run
-    ``engine``'s tensor parallelism: they must split into groups of ``tp_size`` (each group one
-    data-parallel rank, its workers handed the same rows), and ``strategy=single`` trains one
-    group only (several need ``fsdp2`` to reduce their gradients over ``dp``)."""
+    """Raise ``ValueError`` naming ``<owner>.tp_size`` (or ``sp_size`` with it) when a trainer's
+    ``workers`` cannot run ``engine``'s tensor parallelism: they must split into groups of
+    ``sp_size x tp_size`` (each group one data-parallel rank, its workers handed the same rows:
+    :class:`~tandem.engine.parallel_dims.ParallelDims`), and ``strategy=single`` trains one
+    tensor-parallel group only (several need ``fsdp2`` to reduce their gradients over ``dp x sp``)."""
     tp = engine.tp_size
     if tp == 1:
         return
-    if workers % tp:
-        raise ValueError(
-            f"{owner}.tp_size={tp} must divide the {workers} workers: each data-parallel rank is "
-            "tp_size workers holding the same rows"
-        )
+    ParallelDims(workers, engine.sp_size, tp).check(owner, world=f"the {workers} workers", unit="workers")
     if engine.strategy == "single" and workers > tp:
         raise ValueError(
             f"{owner}.tp_size={tp} with {owner}.strategy=single trains one tensor-parallel group, but the "

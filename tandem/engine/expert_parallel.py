@@ -19,14 +19,16 @@ weight's is. The gradient norm is reduced over the ``ep`` dimension
 
 With the other meshes:
 
-- **sequence parallelism** (``(dp, sp)``): the ranks of a sequence-parallel group hold different
+- **sequence parallelism** (``sp`` of the ``(dp, sp, tp)`` mesh): the ranks of a sequence-parallel group hold different
   tokens too (their shards of a row; the MoE layers run on the shards), so the expert-parallel
   groups are taken from the flattened ``dp x sp`` ranks as above: with ``ep == sp`` a group is
   a sequence-parallel group, a larger ``ep`` spans several;
-- **tensor parallelism** (``(dp, tp)``): the ``tp`` ranks of a data-parallel rank hold the same
+- **tensor parallelism** (``tp``): the ``tp`` ranks of a data-parallel rank hold the same
   tokens, and each MoE block runs whole on each of them (:mod:`tandem.engine.tensor_parallel`
   splits attention only), so the expert-parallel groups are data-parallel ranks with the same
-  tensor-parallel rank: the mesh is ``(edp, ep, tp)``, ``ep`` dividing ``W / tp``.
+  tensor-parallel rank: the mesh is ``(edp, ep, tp)``, ``ep`` dividing ``W / tp``. With both,
+  the ``dp x sp`` ranks of one tensor-parallel rank hold different tokens: ``edp x ep`` is
+  their flattened ``dp_sp`` order, so the same ``(edp, ep, tp)`` layout applies.
 
 The shards are DTensors of the whole tensors' shapes, so checkpoints (DCP) reshard between any
 ``ep_size`` and exports and weight syncs gather one whole tensor at a time with
@@ -45,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tandem.engine.config import EngineConfig
+from tandem.engine.parallel_dims import ParallelDims
 from tandem.models.sharded_experts import EXPERT_WEIGHTS, ShardedExperts
 
 EXPERT_BLOCKS = ("mlp",)  # where an HF MoE decoder layer keeps its sparse block (its ``experts``)
@@ -108,18 +111,9 @@ def build_expert_mesh(device_type: str, ep_size: int, tp_size: int = 1) -> Exper
 
 def check_world_fits(ep_size: int, world: int, tp_size: int = 1) -> None:
     """Raise ``ValueError`` naming ``engine.ep_size`` unless the data-parallel ranks (the world,
-    or ``world / tp_size`` under tensor parallelism) divide into groups of ``ep_size``."""
-    if tp_size > 1 and (world // tp_size) % ep_size:
-        raise ValueError(
-            f"engine.ep_size={ep_size} must divide the {world // tp_size} data-parallel ranks (the world "
-            f"size {world} over engine.tp_size={tp_size}): the expert-parallel groups are data-parallel "
-            "ranks, each with rows of its own"
-        )
-    if world % ep_size:
-        raise ValueError(
-            f"engine.ep_size={ep_size} must divide the world size {world} (the data-parallel ranks "
-            "split into expert-parallel groups of ep_size ranks)"
-        )
+    or ``world / tp_size`` under tensor parallelism) divide into groups of ``ep_size``
+    (:meth:`~tandem.engine.parallel_dims.ParallelDims.check_experts`)."""
+    ParallelDims(world, tp=tp_size, ep=ep_size).check_experts()
 
 
 def sparse_blocks(model: nn.Module) -> list[nn.Module]:

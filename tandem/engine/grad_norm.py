@@ -1,7 +1,7 @@
 """The global gradient norm and clipping over parameters that are DTensors on different meshes.
 
 Under tensor parallelism with FSDP2 the parameters live on two meshes: the tensor-parallel
-ones on ``(dp, tp)``, the replicated ones (norms) on ``dp`` alone, and without FSDP2 the
+ones on ``(dp_sp, tp)``, the replicated ones (norms) on ``dp_sp`` alone, and without FSDP2 the
 latter are plain tensors. ``torch.nn.utils.clip_grad_norm_`` stacks every tensor's norm into
 one tensor, which DTensor refuses across meshes; here each gradient's squared local norm is
 summed with those of its kind, and each sum is reduced over the mesh dimensions its tensors

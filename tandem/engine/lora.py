@@ -54,8 +54,21 @@ def iter_merged_lora_parameters(peft_model: nn.Module) -> Iterator[tuple[str, to
         if name in adapted:
             layer = adapted[name]
             for adapter in layer.active_adapters:
-                tensor = tensor + _whole(layer.get_delta_weight(adapter)).to(tensor.dtype)
+                tensor = tensor + _delta_weight(layer, adapter).to(tensor.dtype)
         yield name.replace(".base_layer.", "."), tensor
+
+
+def _delta_weight(layer: nn.Module, adapter: str) -> torch.Tensor:
+    """A LoRA linear layer's ``B @ A * scaling`` (transposed for a ``fan_in_fan_out`` layer), as
+    PEFT's ``get_delta_weight`` computes it, of the whole adapter matrices: under tensor
+    parallelism one of them is split and the other not, which a DTensor product refuses to mix."""
+    weight_a = _whole(layer.lora_A[adapter].weight.detach())
+    weight_b = _whole(layer.lora_B[adapter].weight.detach())
+    dtype = weight_b.dtype
+    if weight_b.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):  # as PEFT: fp32 on the CPU
+        weight_a, weight_b = weight_a.float(), weight_b.float()
+    delta = weight_b @ weight_a
+    return ((delta.T if layer.fan_in_fan_out else delta) * layer.scaling[adapter]).to(dtype)
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:

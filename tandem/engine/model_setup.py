@@ -3,9 +3,10 @@
 :func:`prepare_model` applies, in this order: the device and parameter dtype, gradient
 checkpointing, a vision-language model's frozen vision tower, the attention implementation
 (Ulysses between all-to-alls, or varlen attention within packed sequences), LoRA, the
-tensor-parallel split (before FSDP2, which shards each rank's tensor-parallel shards over
-``dp``) and the expert-parallel shards. :func:`head_module` puts the head on top that turns
-hidden states into what a step trains on (log-probs, values or scores).
+tensor-parallel split (its adapters split as their base layers; before FSDP2, which shards
+each rank's tensor-parallel shards over ``dp x sp``) and the expert-parallel shards.
+:func:`head_module` puts the head on top that turns hidden states into what a step trains on
+(log-probs, values or scores).
 """
 
 from __future__ import annotations
@@ -43,9 +44,12 @@ def prepare_model(
     model.config.use_cache = False
     if vision_language and config.freeze_vision_tower:
         freeze_vision_tower(model)
+    if config.tp_size > 1:  # whole heads on each tensor-parallel rank, before sp splits its share
+        check_tensor_parallel_fits(model, config.tp_size)
     if config.sp_size > 1:
         heads = model.config.num_attention_heads
-        check_heads(heads, getattr(model.config, "num_key_value_heads", None) or heads, config.sp_size)
+        kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
+        check_heads(heads, kv_heads, config.sp_size, config.tp_size)
         model.set_attn_implementation(ULYSSES_ATTENTION)  # the varlen attention between all-to-alls
     elif config.use_packing:  # attention within each packed sequence only (cost sum(len^2), not T^2)
         # a VLM's vision tower keeps its own (bidirectional, per image) attention
@@ -54,8 +58,7 @@ def prepare_model(
         )
     if config.lora.rank:
         model = apply_lora(model, config.lora)
-    if config.tp_size > 1:  # before FSDP2, which shards each rank's tensor-parallel shards over dp
-        check_tensor_parallel_fits(model, config.tp_size)
+    if config.tp_size > 1:  # before FSDP2, which shards each rank's tensor-parallel shards over dp x sp
         apply_tensor_parallel(model, mesh.tp_mesh)
     expert_shards: set[nn.Parameter] = set()
     if config.ep_size > 1:

@@ -1,7 +1,8 @@
 """Data parallelism for the engine: DDP or FSDP2 ``fully_shard`` over the default process group
-(or, under tensor parallelism, over the mesh's ``dp`` dimension).
+(or, under tensor parallelism, over the mesh's flattened ``dp_sp`` dimension).
 
-The default group is the whole ``(dp, sp)`` mesh (:mod:`tandem.engine.mesh`): with sequence
+Without tensor parallelism the default group is the whole ``(dp, sp)`` mesh
+(:mod:`tandem.engine.mesh`): with sequence
 parallelism each rank's gradient covers its shard of the tokens only, so gradients are
 reduced over the sequence-parallel ranks as well as the data-parallel ones, and FSDP2 shards
 parameters over all of them (as verl does).
@@ -57,7 +58,7 @@ def wrap_data_parallel(
 
     ``module`` is on ``device`` for DDP (told its GPU) and may still be on the CPU for FSDP2,
     which moves each unit to ``device`` as it shards it, with its mixed-precision policy.
-    FSDP2 shards over ``dp_mesh`` (the ``dp`` dimension under tensor parallelism, whose
+    FSDP2 shards over ``dp_mesh`` (the ``dp_sp`` dimension under tensor parallelism, whose
     DTensor shards it shards again), by default over every rank. ``ignored_params`` (expert
     shards, reduced by their own group: :mod:`tandem.engine.expert_parallel`) are neither
     broadcast, reduced nor sharded.

@@ -22,8 +22,11 @@ replicated: every rank holds the whole hidden state between layers, and the repl
 parameters' gradients come out the same on every rank. Qwen3's per-head query and key norms
 run on a rank's heads; their weights' gradients are summed over the group.
 
+LoRA adapters follow their base layer's split (:func:`module_plan`), so LoRA trains under tensor
+parallelism exactly as it does whole.
+
 Applied before FSDP2 (torchtitan's order): FSDP2 then shards each rank's tensor-parallel
-shards over the ``dp`` dimension.
+shards over the flattened ``dp x sp`` dimension (:mod:`tandem.engine.mesh`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from tandem.engine.expert_parallel import sparse_blocks
 from tandem.engine.parallel import decoder_layers
@@ -100,14 +108,38 @@ def _submodule(module: nn.Module, name: str) -> nn.Module | None:
         return None
 
 
+def module_plan(module: nn.Module, name: str, style: str) -> dict[str, ParallelStyle]:
+    """The DTensor styles of the linear layer ``name`` of a decoder layer, split ``style``-wise.
+
+    A LoRA layer (PEFT's, around its ``base_layer``) adds ``x A^T B^T * scaling`` to the base
+    layer's output; its adapters follow the base layer so that the sum is split as the output is:
+
+    * column-wise base (``W [out, in]`` split on ``out``): ``B [out, r]`` split on ``out`` too
+      (column-wise), ``A [r, in]`` replicated. ``x A^T`` is whole on every rank; the gradient
+      arriving at it is summed over the group (the column-wise input's backward), so ``A``'s
+      gradient is the whole one on every rank, like a norm's;
+    * row-wise base (``W`` split on ``in``, its input split on the features): ``A`` split on
+      ``in`` (row-wise: the partial ``x_r A_r^T`` summed over the group), ``B`` replicated (it
+      reads the whole ``[.., r]`` sum; its gradient is the same on every rank).
+    """
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    if not hasattr(module, "base_layer"):
+        return {name: styles[style]()}
+    split = "lora_B" if style == "colwise" else "lora_A"
+    plan = {f"{name}.base_layer": styles[style]()}
+    plan |= {f"{name}.{split}.{adapter}": styles[style]() for adapter in getattr(module, split)}
+    return plan
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split ``model`` (an HF causal LM or token/sequence classifier, checked by
-    :func:`check_tensor_parallel_fits`) over the one-dimensional ``tp_mesh``, in place."""
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    :func:`check_tensor_parallel_fits`; with LoRA, PEFT's model) over the one-dimensional
+    ``tp_mesh``, in place."""
     for layer in decoder_layers(model):
-        parallelize_module(
-            layer, tp_mesh, {name: styles[style]() for name, style in layer_plan(layer).items()}
-        )
+        plan = {}
+        for name, style in layer_plan(layer).items():
+            plan |= module_plan(layer.get_submodule(name), name, style)
+        parallelize_module(layer, tp_mesh, plan)
         for name in HEAD_NORMS:
             if _submodule(layer, name) is not None:
                 _split_over_heads(layer.get_submodule(name), tp_mesh)

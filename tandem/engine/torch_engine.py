@@ -19,7 +19,6 @@ from tandem.engine.base import GATHER_FIELD, LossFn, StepResult, TokenOutputs
 from tandem.engine.checkpoint import load_engine_state, save_engine_state
 from tandem.engine.config import EngineConfig
 from tandem.engine.divergence import ModelHealth
-from tandem.engine.expert_parallel import check_expert_training
 from tandem.engine.grad_norm import clip_grad_norm_
 from tandem.engine.lora import iter_merged_lora_parameters
 from tandem.engine.lr_schedule import build_scheduler
@@ -40,14 +39,14 @@ from tandem.engine.packing import (
 from tandem.engine.parallel import reshard, wrap_data_parallel
 from tandem.engine.reward_model import TokenScoreModel
 from tandem.engine.shared_prompts import pack_shared_prompts
+from tandem.engine.step_checks import check_step
 from tandem.engine.step_outputs import read_back, reassemble
 from tandem.engine.token_model import TokenLogProbModel
-from tandem.engine.ulysses import SequenceParallel, check_same_rows
+from tandem.engine.ulysses import SequenceParallel
 from tandem.engine.value_model import TokenValueModel
 from tandem.engine.vision_inputs import (
     IMAGES_FIELD,
     VisionInputs,
-    check_images_field,
     packed_vision_inputs,
     padded_vision_inputs,
     text_vision_inputs,
@@ -197,7 +196,7 @@ class TorchTrainEngine:
         reads each row's images from the non-tensor ``images`` field (an ``ImageInputs`` or None
         per row, its placeholders expanded in the row's prompt: :mod:`tandem.engine.vision_inputs`).
         """
-        self._check_step(batch, loss_fn, forward_only)
+        check_step(self, batch, loss_fn, forward_only)
         parts = self.micro_batches(batch)
         result = StepResult(num_micro_batches=len(parts))
         collected: list[tuple[list[int], TokenOutputs]] = []
@@ -221,16 +220,9 @@ class TorchTrainEngine:
                     collected.append((rows, outputs.detach()))
                     if loss_fn is None:
                         continue
-                loss, metrics = loss_fn(micro, outputs)
-                if moe is not None:
-                    metrics = {**metrics, **moe.metrics()}
-                trained = loss
-                if aux_tokens and not forward_only:  # this rank's share of the step's real tokens weighs it
-                    aux = moe.aux_loss()
-                    trained = loss + self.config.moe_aux_loss_coef * aux * (moe.real_tokens / aux_tokens)
-                    metrics["moe/aux_loss"] = aux.detach()
-                if not forward_only:  # DDP and FSDP2 average gradients over the ranks: make it a sum
-                    (trained * self.mesh.gradient_ranks).backward()
+                loss, metrics = self._loss_and_backward(
+                    micro, outputs, loss_fn, moe, aux_tokens, forward_only
+                )
                 losses.append(loss.detach())
                 for name, value in metrics.items():
                     metrics_seen.setdefault(name, []).append(value)
@@ -242,52 +234,36 @@ class TorchTrainEngine:
             reshard(self.wrapped)
         return result
 
+    def _loss_and_backward(
+        self,
+        micro: Batch,
+        outputs: TokenOutputs,
+        loss_fn: LossFn,
+        moe: MicroBatchRouting | None,
+        aux_tokens: float,
+        forward_only: bool,
+    ) -> tuple[torch.Tensor, dict]:
+        """``loss_fn``'s loss and metrics of one micro-batch (an MoE model's router metrics added),
+        and unless ``forward_only`` its backward, with the load-balancing loss weighted by this
+        rank's share of the step's ``aux_tokens`` real tokens when that loss is on."""
+        loss, metrics = loss_fn(micro, outputs)
+        if moe is not None:
+            metrics = {**metrics, **moe.metrics()}
+        trained = loss
+        if aux_tokens and not forward_only:
+            aux = moe.aux_loss()
+            trained = loss + self.config.moe_aux_loss_coef * aux * (moe.real_tokens / aux_tokens)
+            metrics["moe/aux_loss"] = aux.detach()
+        if not forward_only:  # DDP and FSDP2 average gradients over dp x sp: make it a sum
+            (trained * self.mesh.gradient_ranks).backward()
+        return loss, metrics
+
     def _aux_loss_tokens(self, batch: Batch, forward_only: bool) -> float:
         """The real tokens of the step over all data-parallel ranks, which the load-balancing loss
         of each micro-batch is weighted against; 0 when there is no such loss to train."""
         if forward_only or not self.config.moe_aux_loss_coef:
             return 0.0
         return self.global_normalizer(batch["attention_mask"]).num_tokens
-
-    def _check_step(self, batch: Batch, loss_fn: LossFn | None, forward_only: bool) -> None:
-        """Refuse a step the engine cannot run, naming what is wrong (see :meth:`forward_backward`)."""
-        self._require_module()
-        self.routing.check_batch(set(batch.keys()))
-        if "input_ids" not in batch or "attention_mask" not in batch:
-            raise ValueError(
-                f"forward_backward needs input_ids and attention_mask; the batch has {sorted(batch.keys())}"
-            )
-        if not forward_only and loss_fn is None:
-            raise ValueError("forward_backward needs a loss_fn unless forward_only=True")
-        check_images_field(batch.get(IMAGES_FIELD), self.vision_language)
-        if not forward_only and self.sequence_parallel is not None and self.config.strategy == "single":
-            raise ValueError(
-                f"engine.sp_size={self.config.sp_size} trains with engine.strategy ddp or fsdp2 only (single: "
-                "forward passes only): the ranks of a sequence-parallel group hold partial gradients, "
-                "summed over the mesh"
-            )
-        if not forward_only:
-            check_expert_training(self.config, self.mesh.world_size)
-        single_trains_groups = self.config.strategy == "single" and self.mesh.tp_size > 1 and self.dp_size > 1
-        if not forward_only and single_trains_groups:
-            raise ValueError(
-                f"engine.tp_size={self.config.tp_size} with engine.strategy=single trains one tensor-parallel "
-                f"group, but the world holds {self.dp_size} (forward passes only: their gradients would not "
-                "be reduced); use engine.strategy=fsdp2"
-            )
-        vocab = self.module.vocab_size()
-        largest = int(batch["input_ids"].max()) if batch["input_ids"].numel() else 0
-        if largest >= vocab:
-            raise ValueError(
-                f"input_ids hold token id {largest}, but the model's vocabulary has {vocab} entries"
-            )
-        if self.sequence_parallel is not None:
-            self.sequence_parallel.check_same_rows(batch["input_ids"])
-        elif self.mesh.tp_size > 1:  # a rank handed other rows would mix them into its peers' sums
-            check_same_rows(
-                batch["input_ids"], self.mesh.tp_group, self.mesh.tp_size, "tensor-parallel",
-                "compute each layer of the rows they share together",
-            )  # fmt: skip
 
     def _forward(
         self,

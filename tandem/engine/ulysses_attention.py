@@ -12,6 +12,11 @@ with every head, for the layer's output projection.
 Grouped-query models with fewer key/value heads than ranks repeat each key/value head
 ``P / H_kv`` times first, so that every rank receives one whole head (the query heads it
 holds all read that one).
+
+Under tensor parallelism as well (``engine.tp_size = K``) the projections handed here are a
+tensor-parallel rank's heads, ``H / K`` and ``H_kv / K``, and the all-to-alls run over that
+rank's sequence-parallel group (the ranks with the same tensor-parallel rank): each rank
+attends over the whole row with ``H / (K * P)`` query heads.
 """
 
 from __future__ import annotations
@@ -26,9 +31,14 @@ ULYSSES_ATTENTION = "tandem_ulysses"
 SEQUENCE_PARALLEL_KEYWORD = "tandem_sequence_parallel"
 
 
-def check_heads(heads: int, kv_heads: int, sp_size: int) -> None:
+def check_heads(heads: int, kv_heads: int, sp_size: int, tp_size: int = 1) -> None:
     """Raise ``ValueError`` unless ``heads`` query and ``kv_heads`` key/value heads split over
-    ``sp_size`` ranks into whole heads (key/value heads repeated when fewer than the ranks)."""
+    ``sp_size`` ranks into whole heads (key/value heads repeated when fewer than the ranks).
+    Under tensor parallelism (``tp_size > 1``, whose own split of the heads is checked first)
+    each tensor-parallel rank's share, ``heads / tp_size`` and ``kv_heads / tp_size``, is split."""
+    if tp_size > 1:
+        _check_heads_of_tensor_parallel_rank(heads, kv_heads, sp_size, tp_size)
+        return
     if heads % sp_size:
         raise ValueError(
             f"engine.sp_size={sp_size} must divide the model's num_attention_heads={heads}: "
@@ -38,6 +48,23 @@ def check_heads(heads: int, kv_heads: int, sp_size: int) -> None:
         raise ValueError(
             f"engine.sp_size={sp_size} and the model's num_key_value_heads={kv_heads}: one must divide "
             "the other (key/value heads are split over the ranks, or repeated until each rank has one)"
+        )
+
+
+def _check_heads_of_tensor_parallel_rank(heads: int, kv_heads: int, sp_size: int, tp_size: int) -> None:
+    both = f"engine.sp_size={sp_size} x engine.tp_size={tp_size}"
+    if heads % (sp_size * tp_size):
+        raise ValueError(
+            f"{both} = {sp_size * tp_size} must divide the model's num_attention_heads={heads}: each "
+            "tensor-parallel rank projects heads / tp_size heads, which its sequence-parallel group "
+            "splits into whole heads"
+        )
+    local = kv_heads // tp_size
+    if local % sp_size and sp_size % local:
+        raise ValueError(
+            f"{both} and the model's num_key_value_heads={kv_heads}: each tensor-parallel rank holds "
+            f"{local}, and engine.sp_size must divide that or be divisible by it (key/value heads are "
+            "split over the sequence-parallel ranks, or repeated until each has one)"
         )
 
 

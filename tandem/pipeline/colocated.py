@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.dataplane import BatchRef
+from tandem.pipeline.requests import PromptRows
 from tandem.pipeline.source import StepShape
 from tandem.pipeline.stored_rollout import trim_stored
 from tandem.protocol import Batch
@@ -26,25 +27,29 @@ from tandem.seeds import derive_seed
 class ColocatedRollout:
     """Generation on the trainer's worker group (``generate_sequences``), weights copied in process.
 
-    ``dataset`` holds the training prompts (``collate``), ``sampler`` their order, ``shape`` what
-    one draw holds; ``keep_in_store``: draws come back as ``BatchRef`` s (see the module docstring;
-    :meth:`generate`, for validation and baselines, still returns a ``Batch``)."""
+    ``dataset`` holds the training prompts (:class:`~tandem.pipeline.requests.PromptRows`),
+    ``sampler`` their order, ``shape`` what one draw holds; ``keep_in_store``: draws come back as
+    ``BatchRef`` s, their prompts ``prompt_width`` (the training set's widest) tokens wide (see the
+    module docstring; :meth:`generate`, for validation and baselines, still returns a ``Batch``)."""
 
     def __init__(
         self,
         workers: Any,
         pad_id: int,
-        dataset: Any,
+        dataset: PromptRows,
         sampler: Any,
         shape: StepShape,
         keep_in_store: bool = False,
+        prompt_width: int = 0,
     ) -> None:
+        assert not keep_in_store or prompt_width > 0, "stored draws need the widest prompt's width"
         self.workers = workers
         self.pad_id = pad_id
         self.dataset = dataset
         self.sampler = sampler
         self.shape = shape
         self.keep_in_store = keep_in_store
+        self.prompt_width = prompt_width
 
     def start(self, trainer_version: int) -> None:
         """Nothing to start: each worker loaded (or resumed) its rollout engine with the actor."""
@@ -59,15 +64,18 @@ class ColocatedRollout:
         samples = prompts.repeat(shape.responses, interleave=True)
         seeds = [derive_seed(shape.seed, step, draw, i) for i in range(len(samples))]
         if self.keep_in_store:
-            return self._generate_to_store(samples, seeds, shape.sampling), {}
+            return self.generate_to_store(samples, seeds, shape.sampling), {}
         return self.generate(samples, seeds, shape.sampling, None), {}
 
-    def _generate_to_store(self, prompts: Batch, seeds: list[int], sampling: SamplingParams) -> BatchRef:
-        """As :meth:`generate`, the outputs kept on the workers: a trimmed ``BatchRef``."""
+    def generate_to_store(self, prompts: Batch, seeds: list[int], sampling: SamplingParams) -> BatchRef:
+        """As :meth:`generate`, the outputs kept on the workers: a trimmed ``BatchRef`` (for draws,
+        and ReMax's greedy baselines of stored draws, whose caller releases it). Every draw
+        is stored at the training set's longest prompt (padding costs no stored byte), so that
+        draws join (:func:`tandem.pipeline.stored_rollout.concat_stored`: DAPO's)."""
         ref = self.workers.generate_to_store(
             prompts.assign(non_tensors={"seed": seeds}),
             sampling=sampling,
-            prompt_width=max(len(p) for p in prompts["prompt_ids"]),
+            prompt_width=self.prompt_width,
         )
         return trim_stored(ref)
 

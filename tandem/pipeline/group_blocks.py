@@ -24,7 +24,7 @@ import torch
 
 from tandem.dataplane import BatchRef, DataPlaneConfig, store_for
 from tandem.dataplane.columns import encode
-from tandem.dataplane.shm import PAGE
+from tandem.dataplane.shm import PAGE, ShmStore
 from tandem.pipeline.stored_rollout import NEWEST_VERSION, OLDEST_VERSION, store_rollout, version_span
 from tandem.protocol import Batch
 from tandem.protocol.generation import Completion
@@ -35,19 +35,20 @@ PROMPT_FIELD = "prompt_ids"  # the group's prompt [P] int64, packed with its res
 
 class GroupBlockWriter:
     """Stores packed groups (:meth:`GroupTracker._pack` with the prompt) as data-plane blocks of
-    ``[n, ...]`` training rows; ``config.engine`` must be ``shm`` (the blocks are released by the
-    trainer's ranks or the controller, on this host)."""
+    ``[n, ...]`` training rows. ``shm``: files the trainer's ranks or the controller delete, on
+    this host. ``ray``: objects in this node's part of Ray's object store, for trainers on any
+    node; the writer's store lets go of each block as soon as it is put, so a block lives exactly
+    as long as a reference to it does (the group's metadata here until reported, then the
+    controller's queue and step and the ranks that read it), and Ray frees it after the step
+    that trained on it, or when a stale group is dropped."""
 
     needs_prompt = True  # the tracker packs the group's prompt ids too
 
     def __init__(
         self, config: DataPlaneConfig, prompt_width: int, response_width: int, pad_id: int, tokenizer: Any
     ) -> None:
-        if config.engine != "shm":
-            raise ValueError(
-                f"rollout replicas store samples with dataplane.engine=shm, not {config.engine!r}"
-            )
         self.store = store_for(config)
+        self.hands_over = config.engine == "ray"  # the references own a Ray block, not the store
         self.prompt_width = prompt_width
         self.response_width = response_width
         self.pad_id = pad_id
@@ -84,7 +85,10 @@ class GroupBlockWriter:
 
     def write(self, key: str, tensors: dict[str, torch.Tensor]) -> BatchRef:
         """Put the group's rows as one block; returns its reference (``key`` names nothing here)."""
-        return store_rollout(self.rows(tensors), self.store, self.tokenizer)
+        ref = store_rollout(self.rows(tensors), self.store, self.tokenizer)
+        if self.hands_over:
+            ref.release(self.store.release)
+        return ref
 
     def size_of(self, tensors: dict[str, torch.Tensor]) -> int:
         """The bytes of the block :meth:`write` would put (the shm engine's file: each encoded
@@ -94,5 +98,7 @@ class GroupBlockWriter:
         return sum(-(-a.numel() * a.element_size() // PAGE) * PAGE for a in arrays.values())
 
     def discard_all(self) -> None:
-        """Delete the blocks this process's store put that are still there (shutdown)."""
-        self.store.discard_all()
+        """Delete the blocks this process's store put that are still there (shutdown; a Ray block
+        goes with its last reference)."""
+        if isinstance(self.store, ShmStore):
+            self.store.discard_all()

@@ -7,7 +7,7 @@ token was sampled under); its trainer is deterministic given them. With
 a sample log beside the record (:mod:`tandem.pipeline.sample_log`). A :class:`ReplaySource` over
 that record is the trainer's :class:`~tandem.pipeline.source.BatchSource`: at step ``s``, draw
 ``d`` it reads the groups the record's line for ``(s, d)`` names from the log, in the recorded
-order, and builds the batch with :func:`~tandem.pipeline.runner.assemble_batch`, the function the
+order, and builds the batch with :func:`~tandem.pipeline.assemble.assemble_batch`, the function the
 recorded run built it with (or, with ``dataplane.enabled``, whose materialised batch its
 ``assemble_stored`` equals bit for bit). No replica runs and no weights are synced. After each
 update it sets the trainer's prompt sampler to the state recorded after that update, so the
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tandem.pipeline.runner import assemble_batch
+from tandem.pipeline.assemble import assemble_batch
 from tandem.pipeline.sample_log import log_directory, read_entry
 from tandem.pipeline.sample_queue import GroupMeta
 from tandem.pipeline.sample_store import InlineSample

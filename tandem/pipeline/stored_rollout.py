@@ -17,16 +17,19 @@ responses right-padded to ``sampling.max_tokens``) into
 
 On the controller, :func:`trim_stored` cuts every stored field to the longest prompt and response
 of all ranks' rows, as :func:`tandem.protocol.sequences.trim_padding` cuts a ``Batch``, by cropping
-the reference (no payload is read).
+the reference (no payload is read). Draws stored at one width (the training set's longest prompt,
+``sampling.max_tokens``) join with :func:`concat_stored` (DAPO's draws), and :func:`rows_outside`
+names the rows whose blocks a selection no longer needs (to release them).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
-from tandem.dataplane import BatchRef, Store
+from tandem.dataplane import BatchRef, FieldSchema, Store
 from tandem.protocol import Batch
 from tandem.protocol.sequences import (
     PROMPT_LENGTH,
@@ -89,3 +92,32 @@ def trim_stored(ref: BatchRef) -> BatchRef:
         elif len(schema.shape) == 1 and schema.shape[0] == response_width:  # [B, R] response fields
             windows[name] = (0, 0, keep_response)
     return ref.crop(windows)
+
+
+def concat_stored(refs: list[BatchRef]) -> BatchRef:
+    """The rows of ``refs`` (draws trimmed by :func:`trim_stored`, each to its own widths) in order,
+    uncropped to the widths they were stored at; crop the result with :func:`trim_stored`, as
+    :func:`tandem.protocol.sequences.concat_sequences` widens and ``trim_padding`` cuts ``Batch`` es.
+    ``ValueError`` when the draws were stored at different widths (no crop can join them)."""
+    schema: dict[str, FieldSchema] = {}  # each stored field as its blocks hold it (no crop)
+    for ref in refs:
+        for part in ref.parts:
+            for column in (c for block in part.blocks for c in block.columns if c.name in part.fields):
+                stored = FieldSchema(column.dtype, tuple(column.shape))
+                if schema.setdefault(column.name, stored) != stored:
+                    raise ValueError(
+                        f"stored draws of different widths cannot be joined: {column.name!r} is "
+                        f"{schema[column.name].shape} in one block and {stored.shape} in another"
+                    )
+    return BatchRef.concat([BatchRef(ref.scalars, ref.parts, schema) for ref in refs])
+
+
+def rows_outside(ref: BatchRef, kept: BatchRef) -> BatchRef:
+    """The rows of ``ref`` none of whose blocks hold a row of ``kept``: releasing their blocks
+    (``release_refs``) frees what ``kept`` no longer needs, and nothing it does."""
+    used = {id(block) for block in kept.blocks()}
+    outside = np.ones(len(ref), dtype=bool)
+    for part in ref.parts:
+        in_used = np.array([id(block) in used for block in part.blocks], dtype=bool)
+        outside &= ~in_used[part.block_of_row]
+    return ref[torch.from_numpy(np.flatnonzero(outside))]

@@ -2,7 +2,7 @@
 
 At each validation step the RL trainer appends a few rows: the prompt's text, the response,
 its score and ground truth, a vision-language prompt's pictures as small PNG thumbnails
-(``data:`` URLs), and an agent program's log (``program_log``: its fault, and a command's
+(``data:`` URLs), and an agent program's log (``program_log``: its fault, and the program's
 stdout and stderr as kept; only the non-empty ones). The report shows each validation step's
 samples, the latest first, a program's log under its response.
 

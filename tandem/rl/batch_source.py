@@ -30,8 +30,10 @@ def rl_batch_source(
     in ``sampler``'s order; a draw stays in the data plane's store when
     :func:`tandem.rl.step_data.rollout_stays_in_store` says so."""
     pad_id, distill = tokenizer.pad_token_id, config.algorithm.distill
-    in_store = rollout_stays_in_store(config, any(s.images for s in train_data.samples))
-    in_store = in_store and build_step_plan(config).takes_stored_draws  # a plugin's draw stage reads tensors
+    width = max(len(sample.prompt_ids) for sample in train_data.samples)  # a stored draw's prompt width
+    in_store = rollout_stays_in_store(
+        config, any(s.images for s in train_data.samples), build_step_plan(config)
+    )
     if config.pipeline.replay:
         check_replayable(config)
         return ReplaySource(
@@ -42,9 +44,9 @@ def rl_batch_source(
     if config.pipeline.disaggregated:
         kept = DataPlaneConfig(config.dataplane.engine, config.dataplane.directory)
         return AsyncRollout(
-            replica_plan(config), workers, train_data, sampler, pad_id, kept if in_store else None
+            replica_plan(config), workers, train_data, sampler, pad_id, kept if in_store else None, width
         )
-    source = ColocatedRollout(workers, pad_id, train_data, sampler, step_shape(config), in_store)
+    source = ColocatedRollout(workers, pad_id, train_data, sampler, step_shape(config), in_store, width)
     if distill.lmbda < 1:  # GKD: some steps train on the dataset's responses
         return DatasetResponseMix(
             source, train_data, sampler, step_shape(config), tokenizer,

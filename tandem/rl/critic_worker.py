@@ -15,18 +15,14 @@ import math
 from collections import defaultdict
 
 import torch
-from transformers.utils import logging as hf_logging
 
 from tandem.algos import LossNormalizer, compute_value_loss
 from tandem.algos.masked import masked_mean
 from tandem.controller import Worker, mesh_dispatch, register
-from tandem.device import bind_device
-from tandem.engine import TorchTrainEngine
 from tandem.engine.base import TokenOutputs
 from tandem.engine.divergence import ModelHealth, SkippedUpdates
 from tandem.engine.forward_fields import FORWARD_FIELDS
-from tandem.engine.offload import Residency
-from tandem.engine.parallel import rank_strategy
+from tandem.engine.on_rank import EngineCheckpoints, bind_rank, parameter_count, parked, start_engine
 from tandem.protocol import Batch
 from tandem.protocol.sequences import response_part
 from tandem.rl.config import TrainConfig
@@ -54,8 +50,9 @@ def value_loss(
     }
 
 
-class CriticWorker(Worker):
-    """One rank of the critic group (see the module docstring)."""
+class CriticWorker(EngineCheckpoints, Worker):
+    """One rank of the critic group (see the module docstring); its checkpoints are the engine's
+    (:class:`~tandem.engine.on_rank.EngineCheckpoints`), its state on the device while they are written."""
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
@@ -65,25 +62,18 @@ class CriticWorker(Worker):
         """Bind this rank's device and load the value model; returns its parameter count.
         ``schedule_steps`` is its learning-rate schedule's length over the run."""
         config = self.config
-        hf_logging.disable_progress_bar()
-        self.device = bind_device(config.trainer.device, self.local_rank)
-        if self.world_size > 1:
-            self.init_process_group(device=self.device)
-        strategy = rank_strategy(config.critic.engine.strategy, self.world_size, config.critic.engine.tp_size)
-        self.engine = TorchTrainEngine(
-            critic_engine_config(config, str(self.device), strategy, schedule_steps)
-        )
-        self.engine.initialize()
-        mesh = self.engine.mesh  # the ranks of a sequence- or tensor-parallel group share rows; one reports
-        self.set_mesh_rank(CRITIC_MESH, mesh.dp_rank, mesh.dp_size, is_collect=mesh.collects)
+        self.device = device = bind_rank(self, config.trainer.device)
+        strategy = config.critic.engine.strategy  # as configured: start_engine makes it the group's
+        engine_config = critic_engine_config(config, str(device), strategy, schedule_steps)
+        self.engine = start_engine(self, engine_config, mesh=CRITIC_MESH)
         self.skipped = SkippedUpdates(
             config.trainer.max_skipped_updates_in_a_row, "trainer.max_skipped_updates_in_a_row"
         )
         self._probe: Batch | None = None
         offload = config.critic.offload
-        self.residency = Residency(self.engine, self.device, offload.params, offload.optimizer)
-        self.residency.offload()  # waits on the CPU between its passes (when asked, on a GPU)
-        return sum(p.numel() for p in self.engine.causal_lm.parameters())
+        # waits on the CPU between its passes (when asked, on a GPU)
+        self.residency = parked(self.engine, offload.params, offload.optimizer)
+        return parameter_count(self.engine)
 
     @register(dispatch=mesh_dispatch(CRITIC_MESH), reads=FORWARD_FIELDS, outputs="ref")
     def compute_values(self, batch: Batch) -> Batch:
@@ -137,14 +127,3 @@ class CriticWorker(Worker):
         sequence: finite or not (:mod:`tandem.engine.divergence`)."""
         with self.residency.computing():
             return self.engine.health(self._probe)
-
-    @register(dispatch="ONE_TO_ALL")
-    def save_checkpoint(self, path: str) -> None:
-        """The critic's model, optimizer, scheduler and RNG states under ``path``."""
-        with self.residency.computing(optimizer=True):
-            self.engine.save(path)
-
-    @register(dispatch="ONE_TO_ALL")
-    def load_checkpoint(self, path: str) -> None:
-        with self.residency.computing(optimizer=True):
-            self.engine.load(path)

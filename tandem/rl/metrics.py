@@ -10,6 +10,7 @@ import torch
 
 from tandem.protocol import Batch
 from tandem.protocol.sequences import prompt_lengths, response_lengths
+from tandem.rl.row_fields import SEQUENCE_REWARD, SEQUENCE_SCORE
 
 
 @contextlib.contextmanager
@@ -35,18 +36,23 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 
 def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
     """Scores, rewards, advantages (when computed) and lengths of a trained batch (``critic/*``,
-    ``response_length/*``, ...)."""
-    response_mask = batch["response_mask"].bool()
+    ``response_length/*``, ...). A batch whose tokens stayed in the data plane holds each row's
+    score and reward (``sequence_score``, ``sequence_reward``) and no ``advantages``: the advantages
+    on the ranks measured those (:mod:`tandem.rl.ref_advantages`)."""
     lengths = response_lengths(batch)  # an agent's tool turns included
     prompts = prompt_lengths(batch)
+    scores = batch["token_level_scores"].sum(-1) if "token_level_scores" in batch else batch[SEQUENCE_SCORE]
+    rewards = (
+        batch["token_level_rewards"].sum(-1) if "token_level_rewards" in batch else batch[SEQUENCE_REWARD]
+    )
     metrics = {
-        **_stats("critic/score", batch["token_level_scores"].sum(-1)),
-        **_stats("critic/rewards", batch["token_level_rewards"].sum(-1)),
+        **_stats("critic/score", scores),
+        **_stats("critic/rewards", rewards),
         **_stats("response_length", lengths),
         "response_length/clip_ratio": float((lengths >= max_response_length).float().mean()),
     }
     if "advantages" in batch:  # online DPO trains on pairs, not advantages
-        metrics.update(_stats("critic/advantages", batch["advantages"][response_mask]))
+        metrics.update(_stats("critic/advantages", batch["advantages"][batch["response_mask"].bool()]))
     metrics.update(_stats("prompt_length", prompts))
     return metrics
 

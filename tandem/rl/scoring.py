@@ -21,8 +21,9 @@ from tandem.pipeline.stored_rollout import RESPONSE_TEXT
 from tandem.protocol import Batch
 from tandem.protocol.sequences import decode_responses, last_sampled_token, response_lengths
 from tandem.rl.rewards.sources import RewardSources
+from tandem.rl.row_fields import SEQUENCE_SCORE
 
-SEQUENCE_SCORE = "sequence_score"  # [B] float32: a stored draw's score per row (token_level_scores' sum)
+__all__ = ["SEQUENCE_SCORE", "score_responses", "token_level_scores"]
 
 
 def token_level_scores(scores: torch.Tensor, last_sampled: torch.Tensor, width: int) -> torch.Tensor:

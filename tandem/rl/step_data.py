@@ -5,26 +5,36 @@
 
 * ``stage(group, method)``: a stage (old log-probs, reference, teacher, critic values) runs on
   the step's rows and its outputs join the step;
-* ``view(reads)``: the controller's ``Batch`` for the advantage computation, holding at least
-  ``reads`` of the stages' outputs;
-* ``for_updates(view)``: what the updates (critic, actor) get, once the advantages are in ``view``;
+* then the advantages, on the ranks (:mod:`tandem.rl.ref_advantages`, with a ``RefStep``:
+  ``joined()`` the step's references, ``keep(group, output)`` each part's outputs,
+  ``for_updates_with(outputs)`` what the updates get) or on the controller: ``view(reads)`` the
+  controller's ``Batch`` holding at least ``reads`` of the stages' outputs, and
+  ``for_updates(view)`` what the updates (critic, actor) get once the advantages are in ``view``;
 * ``release()``: the step's stored blocks are freed (however the step ends).
 
 :class:`BatchStep` holds everything in one ``Batch``, unioned stage by stage. :class:`RefStep`
 puts the step's padded batch into the store once (``BatchRef.put``: the per-token fields as one
 block, the per-row scalars inline); each stage gets that ``BatchRef``, its ranks fetch only the
 fields the method declares (``@register(reads=...)``) of only their rows and keep their outputs
-in their own store (``outputs="ref"``). The controller fetches only the stage outputs the
-advantages read, and puts the fields that computation made or changed back as one block; the
-updates get a ``BatchRef`` joining the three. A fixed-seed run's metrics are the same either
-way (tests/rl/test_dataplane_step.py).
+in their own store (``outputs="ref"``). So do the advantages' two parts, run by the actor's ranks;
+the controller holds, of the step, only its per-row scalars (uid, scores, lengths, and what the
+parts send back inline: ``[B]`` sequence rewards, valid-token counts, partial sums) and the
+references. The updates get a ``BatchRef`` joining the first block, the stage outputs and the
+advantages' outputs. A fixed-seed run's metrics are the same either way, but for a few means over
+tokens reduced from per-row partial sums (tests/rl/test_dataplane_step.py,
+tests/rl/test_dataplane_advantages.py).
 
 When the draw itself came back as a ``BatchRef`` (the rollout ranks kept their outputs,
 :mod:`tandem.pipeline.stored_rollout`), :class:`RefStep` puts nothing at the start: that reference
-is the first block, released by the group that generated it. The controller's batch is then the
-per-row scalars plus only the rollout fields the advantages read (``response_mask``, and
-``rollout_log_probs`` when old or teacher log-probs are in: :func:`tandem.rl.advantages.rollout_reads`)
-and ``token_level_scores`` spread from the per-row score; no token id reaches it.
+is the first block, released by the group that generated it; no token id reaches the controller,
+nor any other per-token field.
+
+Where the advantages stay on the controller (an estimator that reads other rows' tokens, an
+overridden ``compute_advantages``, a plan with ``view`` stages), ``view`` fetches the stage outputs
+the advantages read and, for a stored draw, the rollout fields they read (``response_mask``, and
+``rollout_log_probs`` when old or teacher log-probs are in:
+:func:`tandem.rl.advantages.rollout_reads`), and spreads ``token_level_scores`` from the per-row
+score; ``for_updates`` puts the fields that computation made or changed back as one block.
 """
 
 from __future__ import annotations
@@ -68,33 +78,23 @@ def step_data(
     return RefStep(batch, config) if enabled else BatchStep(batch)
 
 
-def rollout_stays_in_store(config: Any, has_images: bool) -> bool:
+def rollout_stays_in_store(config: Any, has_images: bool, plan: Any) -> bool:
     """Whether a run's draws stay where they were generated (``dataplane.enabled``; ``config`` is
-    the trainer's, ``has_images``: whether its training prompts hold images): on the trainer's
-    workers in ``sync``, in the rollout replicas' blocks in the asynchronous modes
-    (:mod:`tandem.pipeline.group_blocks`).
+    the trainer's, ``has_images``: whether its training prompts hold images, ``plan`` its
+    :class:`tandem.rl.step_plan.StepPlan`): on the trainer's workers in ``sync``, in the rollout
+    replicas' blocks in the asynchronous modes (:mod:`tandem.pipeline.group_blocks`).
 
-    Not yet for the stages that still rebuild or extend the draw's padded batch on the controller:
-    DAPO's dynamic sampling, ReMax's greedy baselines, GKD's dataset responses, online DPO's pairs,
-    agent episodes and images; nor, in the asynchronous modes, for ``pipeline.old_log_probs=rollout``
-    (the step would rename a stored field), ``pipeline.sample_store=inline`` (replicas on other
-    hosts) or ``dataplane.engine=ray`` (the replicas' blocks are shared-memory files, released by
-    whoever ends the step). Those runs put the controller's batch once, as before."""
+    Not for a plan with a stage that still rebuilds or extends the draw's padded batch on the
+    controller (``StepPlan.takes_stored_draws``: each stage declares it; GKD's dataset responses,
+    online DPO's pairs, ``pipeline.old_log_probs=rollout``, which renames a stored field), agent
+    episodes and images; nor, in the asynchronous modes, for ``pipeline.sample_store=inline``
+    (which sends the samples to the controller; ``dataplane.engine=ray`` keeps replicas on other
+    hosts' groups in Ray's object store instead). Those runs put the controller's batch once."""
     asynchronous = config.pipeline.disaggregated
     return (
         config.dataplane.enabled
-        and not (
-            asynchronous
-            and (
-                config.old_log_probs_from_rollout
-                or config.pipeline.sample_store == "inline"
-                or config.dataplane.engine != "shm"
-            )
-        )
-        and not config.prefers
-        and not config.algorithm.filter_groups.enable
-        and not config.algorithm.needs_greedy_baseline
-        and config.algorithm.distill.lmbda >= 1
+        and plan.takes_stored_draws
+        and not (asynchronous and config.pipeline.sample_store == "inline")
         and not config.agent.enabled
         and not has_images
     )
@@ -120,8 +120,9 @@ class BatchStep:
 
 
 class RefStep:
-    """The stages on references: the controller puts the step's batch once and fetches only what
-    the advantages read (see the module docstring)."""
+    """The stages on references: the controller puts the step's batch once (unless the draw is
+    already stored) and fetches no per-token field when the advantages run on the ranks (see the
+    module docstring)."""
 
     def __init__(
         self, batch: Batch | BatchRef, config: DataPlaneConfig, producer: Group | None = None
@@ -182,6 +183,28 @@ class RefStep:
         if changed:
             step = step.union(self._put(view.select(changed)))
         for output in self.kept:
+            step = step.union(output)
+        return step
+
+    def joined(self) -> BatchRef:
+        """The step's rows as references: the first block joined with the kept stage outputs."""
+        step = self.first
+        for output in self.kept:
+            step = step.union(output)
+        return step
+
+    def keep(self, group: Group, output: BatchRef) -> BatchRef:
+        """``output`` (kept on ``group``'s ranks) is the step's: released with it."""
+        self._releases.append(lambda: _worker_group(group).release_refs(output))
+        return output
+
+    def for_updates_with(self, outputs: list[BatchRef]) -> BatchRef:
+        """What the updates get when the advantages ran on the ranks: the first block and the kept
+        stage outputs joined with ``outputs`` (the advantages' stored fields), whose fields win
+        over the first block's (the corrected ``response_mask``)."""
+        made = {f for output in outputs for f in output.stored_fields()}
+        step = self.first.select([k for k in self.first.keys() if k not in made])
+        for output in [*self.kept, *outputs]:
             step = step.union(output)
         return step
 

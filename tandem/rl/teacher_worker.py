@@ -3,7 +3,9 @@
 Each rank holds a frozen :class:`~tandem.engine.TorchTrainEngine` on ``teacher.model_path`` and
 returns the teacher's log-probs of the student's sampled response tokens for its shard
 (``teacher_log_probs [B, R]``), over the token ids the two models share (:func:`shared_vocabulary`:
-a teacher's head padded past the student's scores without its padding rows). It lives in the
+a teacher's head padded past the student's scores without its padding rows). With
+``teacher.engine.sp_size`` / ``tp_size`` the ranks of a sequence- or tensor-parallel group score
+the same rows and the first of them reports them (:mod:`tandem.engine.on_rank`). It lives in the
 actor's processes (``teacher.placement=colocated``, a role of the colocated group) or in a group
 of its own (``separate``); either way the numbers are the same. The controller
 (:mod:`tandem.rl.trainer`) calls it after the old log-probs.
@@ -14,21 +16,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from transformers import AutoConfig, PreTrainedTokenizerBase
-from transformers.utils import logging as hf_logging
 
 from tandem.controller import Worker, mesh_dispatch, register
-from tandem.device import bind_device
-from tandem.engine import TorchTrainEngine
 from tandem.engine.forward_fields import FORWARD_FIELDS
-from tandem.engine.offload import Residency
-from tandem.engine.parallel import rank_strategy
+from tandem.engine.on_rank import bind_rank, parameter_count, parked, start_engine
 from tandem.models.loading import check_vocab_compatible, load_tokenizer
 from tandem.protocol import Batch
 from tandem.protocol.sequences import response_part
 from tandem.rl.config import TrainConfig
 from tandem.rl.derived import teacher_engine_config
 
-TEACHER_MESH = "teacher"  # the engine's data-parallel ranks: sequence-parallel peers get the same rows
+TEACHER_MESH = "teacher"  # the engine's data-parallel ranks: sequence/tensor-parallel peers get the same rows
 
 
 def check_same_tokenizer(
@@ -74,6 +72,18 @@ def shared_vocabulary(config: TrainConfig) -> int:
     return shared
 
 
+def check_restrictable(config: TrainConfig, shared: int) -> None:
+    """Refuse a teacher split over tensor-parallel ranks whose head is padded past the ``shared``
+    token ids: a vocabulary split over the ranks cannot be cut to its first rows. Names the keys."""
+    tp, teacher_rows = config.teacher.engine.tp_size, vocabulary_rows(config.teacher.model_path)
+    if tp > 1 and teacher_rows > shared:
+        raise ValueError(
+            f"teacher.engine.tp_size={tp} with teacher.model_path={config.teacher.model_path}, whose head is padded "
+            f"to {teacher_rows} rows past the {shared} token ids it shares with model_path={config.model_path}: "
+            "a head split over tensor-parallel ranks cannot be cut to its first rows; set teacher.engine.tp_size=1"
+        )
+
+
 class TeacherWorker(Worker):
     """One rank of the teacher group (see the module docstring)."""
 
@@ -84,23 +94,17 @@ class TeacherWorker(Worker):
     def init_model(self) -> int:
         """Bind this rank's device and load the frozen teacher; returns its parameter count."""
         config = self.config
-        hf_logging.disable_progress_bar()
-        self.device = bind_device(config.trainer.device, self.local_rank)
-        if self.world_size > 1:
-            self.init_process_group(device=self.device)
-        strategy = rank_strategy(config.teacher.engine.strategy, self.world_size)
-        if strategy == "ddp":  # nothing to reduce: each rank scores its own rows with a whole copy
-            strategy = "single"
-        self.engine = TorchTrainEngine(teacher_engine_config(config, str(self.device), strategy))
-        self.engine.initialize()
-        self.engine.causal_lm.requires_grad_(False)
+        self.device = device = bind_rank(self, config.trainer.device)
+        self.engine = start_engine(
+            self, teacher_engine_config(config, str(device), config.teacher.engine.strategy),
+            mesh=TEACHER_MESH, frozen=True,
+        )  # fmt: skip
         check_vocab_compatible(self.engine.causal_lm, load_tokenizer(Path(config.model_path)))
-        self.engine.module.restrict_vocabulary(shared_vocabulary(config))  # a head padded past the student's
-        mesh = self.engine.mesh  # the ranks of a sequence-parallel group share rows; one reports
-        self.set_mesh_rank(TEACHER_MESH, mesh.dp_rank, mesh.dp_size, is_collect=mesh.sp_rank == 0)
-        self.residency = Residency(self.engine, self.device, config.teacher.offload, optimizer=False)
-        self.residency.offload()  # waits on the CPU between its passes (when asked, on a GPU)
-        return sum(p.numel() for p in self.engine.causal_lm.parameters())
+        shared = shared_vocabulary(config)
+        check_restrictable(config, shared)
+        self.engine.module.restrict_vocabulary(shared)  # a head padded past the student's
+        self.residency = parked(self.engine, config.teacher.offload)
+        return parameter_count(self.engine)
 
     @register(dispatch=mesh_dispatch(TEACHER_MESH), reads=FORWARD_FIELDS, outputs="ref")
     def compute_teacher_log_prob(self, batch: Batch) -> Batch:

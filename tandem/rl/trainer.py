@@ -1,8 +1,9 @@
 """``RLTrainer``: the RL loop — it reads like the algorithm.
 
 Each step: sample prompts -> generate ``n`` responses -> score them -> old (and reference)
-log-probs -> advantages on the controller -> actor update in mini-batches -> sync the new
-weights into the rollout engines -> log -> validate / checkpoint on schedule.
+log-probs -> advantages (on the controller; with the data plane, on the ranks from per-row
+scalars) -> actor update in mini-batches -> sync the new weights into the rollout engines -> log
+-> validate / checkpoint on schedule.
 
 Every pipeline mode hands the step its prompt groups through one interface,
 :class:`tandem.pipeline.source.BatchSource`: with ``pipeline.mode=sync`` the workers generate
@@ -52,6 +53,7 @@ from tandem.rl.config import TrainConfig
 from tandem.rl.data import RLDataset, image_reader
 from tandem.rl.metrics import timed, value_metrics
 from tandem.rl.plan import run_plan
+from tandem.rl.ref_advantages import advantages_stay_on_ranks, rank_advantages
 from tandem.rl.rewards.sources import RewardSources
 from tandem.rl.scoring import score_responses
 from tandem.rl.step_data import step_data
@@ -274,12 +276,20 @@ class RLTrainer:
         try:
             for stage in plan.passes:
                 stage(self, data, timings)
-            view = data.view(advantage_reads(config.algorithm))
-            for stage in plan.views:
-                view = stage(self, view)
-            with timed(timings, "adv"):
-                view, adv_metrics = self.compute_advantages(view)
-            metrics = self._updates(data.for_updates(view), view, timings)
+            hooked = type(self).compute_advantages is not RLTrainer.compute_advantages
+            if advantages_stay_on_ranks(data, plan, config.algorithm, hooked):  # per-row scalars here
+                with timed(timings, "adv"):
+                    view, adv_metrics, step = rank_advantages(
+                        data, self.workers, config.algorithm, self.kl_controller
+                    )
+            else:
+                view = data.view(advantage_reads(config.algorithm))
+                for stage in plan.views:
+                    view = stage(self, view)
+                with timed(timings, "adv"):
+                    view, adv_metrics = self.compute_advantages(view)
+                step = data.for_updates(view)
+            metrics = self._updates(step, view, timings)
         finally:
             data.release()
         return view, {**metrics, **adv_metrics}  # the controller's measures win over the workers' ones
@@ -292,7 +302,8 @@ class RLTrainer:
             with timed(timings, "update_critic"):
                 per_worker = self.critics.update_critic(step)
             metrics.update(reduced_worker_metrics(per_worker))
-            metrics.update(value_metrics(view))
+            if "values" in view:  # else the advantages on the ranks measured them (tandem.rl.ref_advantages)
+                metrics.update(value_metrics(view))
         if self.step > self.config.critic.warmup_steps or self.critics is None:
             with timed(timings, "update_actor"):
                 metrics.update(self.update_actor(step))

@@ -20,31 +20,33 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 import torch
-from transformers.utils import logging as hf_logging
 
 from tandem.agents.rollout import AgentRollout
 from tandem.checkpoint_engine.roles import SendsWeights
 from tandem.controller import Worker, mesh_dispatch, register
 from tandem.controller.profiling import ProfilesCalls
 from tandem.dataplane import BatchRef
-from tandem.device import bind_device, max_memory_allocated_gb, release_cached_memory, reset_peak_memory
+from tandem.device import max_memory_allocated_gb, release_cached_memory, reset_peak_memory
 from tandem.dpo.loss import pair_metrics, preference_loss
 from tandem.engine import TorchTrainEngine
 from tandem.engine.base import GATHER_FIELD
 from tandem.engine.divergence import ModelHealth, SkippedUpdates
 from tandem.engine.forward_fields import FORWARD_FIELDS
 from tandem.engine.offload import Residency
-from tandem.engine.parallel import rank_strategy
+from tandem.engine.on_rank import bind_rank, frozen_copy, parameter_count, parked, start_engine
 from tandem.models.loading import check_vocab_compatible, load_tokenizer
 from tandem.models.vision import ImagePrompter
+from tandem.pipeline.requests import rollout_requests, with_completions
 from tandem.pipeline.stored_rollout import store_rollout
 from tandem.protocol import Batch
 from tandem.protocol.generation import raise_failed_requests
-from tandem.protocol.sequences import resize_columns, response_part, sequence_tensors
+from tandem.protocol.sequences import response_part
 from tandem.rl.actor_loss import make_actor_loss
 from tandem.rl.config import TrainConfig
 from tandem.rl.derived import actor_engine_config, rollout_engine_config
-from tandem.rollout import RolloutRequest, SamplingParams
+from tandem.rl.rank_advantages import PART_READS as ADVANTAGE_PART_READS
+from tandem.rl.rank_advantages import advantage_part
+from tandem.rollout import SamplingParams
 from tandem.rollout.factory import build_rollout_engine
 from tandem.rollout.native import NativeRolloutEngine
 from tandem.seeds import derive_seed
@@ -92,20 +94,16 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         the reference); returns the parameter count. ``schedule_steps`` is the learning-rate
         schedule's length over the run (unless ``actor.engine.total_steps`` is set)."""
         config = self.config
-        hf_logging.disable_progress_bar()
-        self.device = bind_device(config.trainer.device, self.local_rank)
+        self.device = bind_rank(self, config.trainer.device)
         if config.pipeline.trainer_threads and self.device.type == "cpu":
             torch.set_num_threads(config.pipeline.trainer_threads)
         self._peaks: dict[str, float] = {}
-        if self.world_size > 1:
-            self.init_process_group(device=self.device)
         self.tokenizer = load_tokenizer(config.model_path)
-        strategy = rank_strategy(config.actor.engine.strategy, self.world_size, config.actor.engine.tp_size)
-        engine_config = actor_engine_config(config, str(self.device), strategy, schedule_steps)
-        self.engine = TorchTrainEngine(engine_config)
-        self.engine.initialize()
-        mesh = self.engine.mesh  # the ranks of a sequence- or tensor-parallel group share rows; one reports
-        self.set_mesh_rank(ACTOR_MESH, mesh.dp_rank, mesh.dp_size, is_collect=mesh.collects)
+        self.engine = start_engine(
+            self,
+            actor_engine_config(config, str(self.device), config.actor.engine.strategy, schedule_steps),
+            mesh=ACTOR_MESH,
+        )
         check_vocab_compatible(self.engine.causal_lm, self.tokenizer)
         self.skipped = SkippedUpdates(
             config.trainer.max_skipped_updates_in_a_row, "trainer.max_skipped_updates_in_a_row"
@@ -124,21 +122,16 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         if config.needs_reference and not config.actor.engine.lora.rank:
             # A frozen copy computing log-probs only: sharded like the actor under FSDP2; a whole copy
             # per rank otherwise (each rank scores its own rows, so DDP would add nothing).
-            reference_strategy = "fsdp2" if strategy == "fsdp2" else "single"
-            self.reference = TorchTrainEngine(dataclasses.replace(engine_config, strategy=reference_strategy))
-            self.reference.initialize()
-            self.reference.causal_lm.requires_grad_(False)
+            engine_config = self.engine.config
+            reference_strategy = "fsdp2" if engine_config.strategy == "fsdp2" else "single"
+            self.reference = frozen_copy(dataclasses.replace(engine_config, strategy=reference_strategy))
         offload = config.actor.offload
         self.actor_residency = Residency(self.engine, self.device, offload.params, offload.optimizer)
-        self.reference_residency = (
-            Residency(self.reference, self.device, offload.reference, optimizer=False)
-            if self.reference is not None
-            else None
+        self.reference_residency = (  # waits on the CPU between its log-prob passes
+            parked(self.reference, offload.reference) if self.reference is not None else None
         )
-        if self.reference_residency is not None:
-            self.reference_residency.offload()  # waits on the CPU between its log-prob passes
         self._share_rollout_weights()
-        return sum(p.numel() for p in self.engine.causal_lm.parameters())
+        return parameter_count(self.engine)
 
     def _share_rollout_weights(self) -> None:
         """One copy of the policy's weights, not two: a native rollout engine in this process takes
@@ -196,22 +189,12 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         return store_rollout(out, self._tandem_data_store(), self.tokenizer)
 
     def _single_turn(self, prompts: Batch, sampling: SamplingParams, prompt_width: int) -> Batch:
-        images = prompts["images"] if "images" in prompts else [None] * len(prompts)
-        requests = [
-            RolloutRequest(
-                f"{self.rank}-{i}", tuple(ids), dataclasses.replace(sampling, seed=int(seed)), pictures
-            )
-            for i, (ids, seed, pictures) in enumerate(
-                zip(prompts["prompt_ids"], prompts["seed"], images, strict=True)
-            )
-        ]
-        completions = self.rollout.generate_batch(requests)
-        raise_failed_requests(completions, f"rollout on rank {self.rank}")
-        tensors = sequence_tensors(prompts["prompt_ids"], completions, self.tokenizer.pad_token_id)
-        tensors = resize_columns(tensors, prompt_width, sampling.max_tokens, self.tokenizer.pad_token_id)
-        return prompts.assign(
-            tensors=tensors, non_tensors={"finish_reason": [c.finish_reason for c in completions]}
+        completions = self.rollout.generate_batch(
+            rollout_requests(prompts, prompts["seed"], sampling, str(self.rank))
         )
+        raise_failed_requests(completions, f"rollout on rank {self.rank}")
+        widths = (prompt_width, sampling.max_tokens)
+        return with_completions(prompts, completions, self.tokenizer.pad_token_id, widths)
 
     @register(dispatch="ONE_TO_ALL")
     def agent_tool_totals(self) -> dict[str, tuple[int, int, float]]:
@@ -266,6 +249,16 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
                 with self.engine.adapter_disabled():
                     outputs = self.engine.forward_backward(batch, None, forward_only=True).outputs
         return Batch({"ref_log_probs": response_part(outputs.log_probs, batch["prompts"].shape[1])})
+
+    # ------------------------------------------------------------------ advantages
+    @register(dispatch=mesh_dispatch(ACTOR_MESH), reads=ADVANTAGE_PART_READS, outputs="ref")
+    def compute_advantage_part(
+        self, batch: Batch, *, part: str, kl_coef: float, whitening: tuple[float, float] | None
+    ) -> Batch:
+        """Part ``part`` of the step's advantages on this rank's rows of the stored step (the
+        per-token work: :mod:`tandem.rl.rank_advantages`); per-token outputs stay in this rank's
+        store, per-row scalars go back inline (:mod:`tandem.rl.ref_advantages` calls it)."""
+        return advantage_part(batch, part, self.config.algorithm, kl_coef, whitening)
 
     # ------------------------------------------------------------------ update
     @register(dispatch=mesh_dispatch(ACTOR_MESH), reads=ACTOR_UPDATE_FIELDS)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from tandem.device import zeros_on_use
 from tandem.rollout.shared_prefix import SharedPrefixes, cascade_attention, visibility_bias
 
 KV_ATTENTION = "tandem_kv"
@@ -122,12 +123,11 @@ class SlotKVCache:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     def allocate(self) -> None:
-        self.keys = [
-            torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
-        ]
-        self.values = [
-            torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
-        ]
+        """Zeroed storage for every slot; on the CPU only the pages written become resident
+        (:func:`tandem.device.zeros_on_use`), so a cache sized for the worst case costs the
+        memory of the tokens the engine actually caches."""
+        self.keys = [zeros_on_use(self.shape, self.dtype, self.device) for _ in range(self.num_layers)]
+        self.values = [zeros_on_use(self.shape, self.dtype, self.device) for _ in range(self.num_layers)]
 
     def free(self) -> None:
         """Release the memory (sleep); :meth:`allocate` brings it back."""

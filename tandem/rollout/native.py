@@ -491,7 +491,9 @@ class NativeRolloutEngine:
         built_for, shared = self._sharing
         if built_for != (self._batch_epoch, len(decoding)):
             keys = [(s.prefill_version, s.prefix_key) for s in decoding]
-            shared = group_by_prefix(keys, [len(s.prompt) for s in decoding])
+            # each sequence's own tokens over the rest of its decode: from what it has to its limit
+            own = sum(len(s.completion.token_ids) + s.token_limit for s in decoding) / (2 * len(decoding))
+            shared = group_by_prefix(keys, [len(s.prompt) for s in decoding], own)
             if shared is not None and self.device.type != "cpu":
                 shared = shared.to(self.device)
             self._sharing = ((self._batch_epoch, len(decoding)), shared)

@@ -41,8 +41,11 @@ class NativeEngineConfig:
             blocked layout (CPU): decode matmuls 1.3-1.8x faster for one more copy of those
             weights. Used by the lean forward and the output head.
         share_prefix_reads: when running requests share long prompts (the n samples of a
-            GRPO prompt), decode attention reads each prompt's keys/values once per step
-            instead of once per request (:mod:`tandem.rollout.shared_prefix`).
+            GRPO prompt), decode attention may read each prompt's keys/values once per step
+            instead of once per request (:mod:`tandem.rollout.shared_prefix`); the engine does
+            so only where its measured rule says it pays (``worth_sharing``: >= 16 samples per
+            prompt on average, prompts >= 48 tokens, and the prompt copies at least half of
+            the decode's key/value reads), else it reads plainly.
         cuda_graphs: on CUDA, decode-only steps replay CUDA graphs, one per (batch, length)
             bucket, captured on first use (:mod:`tandem.rollout.decode_graphs`); needs the
             lean forward. Such steps read each prompt once per request (no shared reads).

@@ -9,7 +9,13 @@ softmax over both parts' scores gives exactly the attention over the whole seque
 scores are concatenated, not merged approximately): only the summation order of the final
 weighted sum differs from the plain path.
 
-It pays for long shared prefixes; :func:`worth_sharing` is the engine's rule for when.
+It pays only when many sequences share a prompt that is a large part of what they attend
+over; :func:`worth_sharing` is the engine's rule for when, measured with
+``bench/cascade_attention.py`` (docs/benchmarks.md, "Shared-prefix cascade attention"): on a
+loaded 2-core AVX-512 CPU, with 4 or 8 samples per prompt the cascade took 1.05-1.55x the
+plain attention's time at prompts of 52-500 tokens (one exception: 4 x 500 tokens, 256 new,
+0.75x), and with 16 it took 0.40-0.75x unless the sequences' own tokens outweigh the prompt
+(52 prompt tokens, 256 new: 1.24x).
 """
 
 from __future__ import annotations
@@ -20,31 +26,39 @@ from dataclasses import dataclass
 import torch
 
 MIN_MEAN_PREFIX = 48  # shorter prompts: the extra gathers cost about what the skipped reads save
-MIN_SAVED_SHARE = 0.5  # at least half the prefix positions must be copies
+MIN_GROUP_SIZE = 16  # fewer samples per prompt on average: the extra passes cost more than they save
+MIN_SAVED_SHARE = 0.5  # at least half of the decode's key/value reads must be prefix copies
 
 
-def worth_sharing(prefix_lengths: list[int], group_sizes: list[int]) -> bool:
+def worth_sharing(prefix_lengths: list[int], group_sizes: list[int], own_tokens: float = 0.0) -> bool:
     """Whether reading each group's prefix once saves enough: ``prefix_lengths[g]`` tokens read by
-    ``group_sizes[g]`` sequences."""
+    ``group_sizes[g]`` sequences, each also reading ``own_tokens`` tokens of its own on average
+    over the decode (its generated tokens' keys/values, which the cascade does not share)."""
     total = sum(p * n for p, n in zip(prefix_lengths, group_sizes, strict=True))
     tokens = sum(group_sizes)
-    if not tokens or total < MIN_MEAN_PREFIX * tokens:
+    if not tokens or total < MIN_MEAN_PREFIX * tokens or tokens < MIN_GROUP_SIZE * len(group_sizes):
         return False
-    return total - sum(prefix_lengths) >= MIN_SAVED_SHARE * total
+    return total - sum(prefix_lengths) >= MIN_SAVED_SHARE * (total + own_tokens * tokens)
 
 
-def group_by_prefix(keys: list, lengths: list[int]) -> SharedPrefixes | None:
-    """Decode tokens ``0..D-1`` (token ``i`` in slot ``i``) grouped by equal ``keys[i]`` (a prefix
-    of ``lengths[i]`` tokens whose keys/values the token's slot holds), or ``None`` when
-    :func:`worth_sharing` says reading each prefix once would not pay."""
-    if sum(lengths) < MIN_MEAN_PREFIX * len(lengths):  # cheap early exit: short prompts
-        return None
+def prefix_groups(keys: list) -> list[list[int]]:
+    """Decode tokens ``0..D-1`` grouped by equal ``keys[i]``, groups in first-appearance order."""
     by_key: dict = {}
     for token, key in enumerate(keys):
         by_key.setdefault(key, []).append(token)
-    groups = list(by_key.values())
+    return list(by_key.values())
+
+
+def group_by_prefix(keys: list, lengths: list[int], own_tokens: float = 0.0) -> SharedPrefixes | None:
+    """Decode tokens ``0..D-1`` (token ``i`` in slot ``i``) grouped by equal ``keys[i]`` (a prefix
+    of ``lengths[i]`` tokens whose keys/values the token's slot holds), or ``None`` when
+    :func:`worth_sharing` says reading each prefix once would not pay (``own_tokens``: the mean
+    number of its own tokens a sequence attends over during the rest of the decode)."""
+    if sum(lengths) < MIN_MEAN_PREFIX * len(lengths):  # cheap early exit: short prompts
+        return None
+    groups = prefix_groups(keys)
     prefix_lengths = [lengths[g[0]] for g in groups]
-    if not worth_sharing(prefix_lengths, [len(g) for g in groups]):
+    if not worth_sharing(prefix_lengths, [len(g) for g in groups], own_tokens):
         return None
     return SharedPrefixes.from_groups(groups, [g[0] for g in groups], prefix_lengths)
 

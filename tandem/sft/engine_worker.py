@@ -23,15 +23,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from transformers.utils import logging as hf_logging
-
 from tandem.controller import Worker, mesh_dispatch, register
-from tandem.device import bind_device
 from tandem.engine import EngineConfig, TorchTrainEngine
 from tandem.engine.base import LossFn, TokenOutputs
 from tandem.engine.divergence import ModelHealth
 from tandem.engine.forward_fields import FORWARD_FIELDS
-from tandem.engine.parallel import rank_strategy
+from tandem.engine.on_rank import EngineCheckpoints, bind_rank, frozen_copy, start_engine
 from tandem.models.loading import load_tokenizer
 from tandem.protocol import Batch
 
@@ -61,8 +58,9 @@ class StepReport:
     skipped: bool
 
 
-class EngineWorker(Worker):
-    """One rank of the engine group (see the module docstring).
+class EngineWorker(EngineCheckpoints, Worker):
+    """One rank of the engine group (see the module docstring); its checkpoints are the engine's
+    (:class:`~tandem.engine.on_rank.EngineCheckpoints`).
 
     Args:
         engine: the policy's engine settings; ``strategy=single`` becomes DDP on several ranks.
@@ -78,17 +76,9 @@ class EngineWorker(Worker):
     def init_engine(self) -> int:
         """Bind this rank's device, join the group's process group, load the model; returns the
         embedding table's row count (the vocabulary the tokenizer must fit in)."""
-        hf_logging.disable_progress_bar()
-        device = bind_device(self.engine_config.device, self.local_rank)
-        if self.world_size > 1:
-            self.init_process_group(device=device)
-        strategy = rank_strategy(self.engine_config.strategy, self.world_size, self.engine_config.tp_size)
-        self.engine = TorchTrainEngine(
-            dataclasses.replace(self.engine_config, device=str(device), strategy=strategy)
-        )
-        self.engine.initialize()
-        mesh = self.engine.mesh  # the ranks of a sequence- or tensor-parallel group share rows; one reports
-        self.set_mesh_rank(ENGINE_MESH, mesh.dp_rank, mesh.dp_size, is_collect=mesh.collects)
+        device = bind_rank(self, self.engine_config.device)
+        engine_config = dataclasses.replace(self.engine_config, device=str(device))
+        self.engine = start_engine(self, engine_config, mesh=ENGINE_MESH)
         self.reference_engine: TorchTrainEngine | None = None
         return int(self.engine.causal_lm.get_input_embeddings().weight.shape[0])
 
@@ -144,7 +134,7 @@ class EngineWorker(Worker):
     def _reference_engine(self) -> TorchTrainEngine:
         if self.reference_engine is None:  # a full frozen copy per rank: forward only, no collectives
             config = self.engine_config
-            self.reference_engine = TorchTrainEngine(
+            self.reference_engine = frozen_copy(
                 dataclasses.replace(
                     config,
                     model_path=self.reference_path or config.model_path,
@@ -153,23 +143,12 @@ class EngineWorker(Worker):
                     lr_schedule="constant",
                 )
             )
-            self.reference_engine.initialize()
-            self.reference_engine.causal_lm.requires_grad_(False)
         return self.reference_engine
 
     @register(dispatch="ONE_TO_ALL", reads=FORWARD_FIELDS)
     def health(self, probe: Batch) -> ModelHealth:
         """This rank's weights and the log-probs of ``probe`` (a row or two): finite or not."""
         return self.engine.health(probe)
-
-    @register(dispatch="ONE_TO_ALL")
-    def save_checkpoint(self, path: str) -> None:
-        """Model, optimizer, scheduler, step and RNG states under ``path`` (every rank writes its part)."""
-        self.engine.save(path)
-
-    @register(dispatch="ONE_TO_ALL")
-    def load_checkpoint(self, path: str) -> None:
-        self.engine.load(path)
 
     @register(dispatch="ONE_TO_ALL")
     def export_hf(self, path: str) -> None:

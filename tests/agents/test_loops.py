@@ -77,6 +77,38 @@ def test_a_tool_turn_is_appended_as_template_tokens_and_masked(model_dir):
     assert trajectory.finish_reason == "stop" and trajectory.messages == conversation
 
 
+class StopStringModel(ScriptedModel):
+    """A model whose turns stop on a stop string or stop id: no end-of-turn token is sampled."""
+
+    async def generate(self, prompt_ids, params, request_id):
+        self.prompts.append(tuple(prompt_ids))
+        ids = self.tokenizer.encode(self.turns.pop(0), add_special_tokens=False)
+        return Completion(request_id, prompt_ids, ids, [-0.5] * len(ids), [3] * len(ids), "stop")
+
+
+def test_a_turn_that_stopped_without_its_end_token_is_closed_as_the_template_renders_it(model_dir):
+    tokenizer = load_tokenizer(model_dir)
+    for model_class in (ScriptedModel, StopStringModel):  # ends with EOS (the reference) / without
+        model = model_class(tokenizer, ["7", "8", "9"])
+        sampling = SamplingParams(max_tokens=400)
+        ctx = AgentContext(model, tokenizer, sampling, "interaction", 5, interaction=replies)
+        sample = AgentSample([{"role": "user", "content": "1+1="}], 0, "e0", extra_info={"bonus": 0})
+        (trajectory,) = run_episodes(ctx, [sample])
+        rendered = tokenizer.apply_chat_template(trajectory.messages, tokenize=True)
+        rendered = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+        closing = [tokenizer.eos_token_id] if model_class is StopStringModel else []
+        # every turn but the last is closed in the context; the last is as sampled
+        assert (
+            list(trajectory.context_ids) + closing == rendered[: len(trajectory.context_ids) + len(closing)]
+        )
+        stopped = model_class is StopStringModel
+        model_ids = [t for t, m in zip(trajectory.token_ids, trajectory.loss_mask, strict=True) if m]
+        other_ids = [t for t, m in zip(trajectory.token_ids, trajectory.loss_mask, strict=True) if not m]
+        assert model_ids.count(tokenizer.eos_token_id) == (0 if stopped else 3)  # sampled, trained
+        # the two user turns' own end tokens, and (stopped) the two model turns' closing ones, masked
+        assert other_ids.count(tokenizer.eos_token_id) == 2 + (2 if stopped else 0)
+
+
 def test_errors_go_back_to_the_model_and_the_episode_ends_at_its_limits(model_dir):
     tokenizer = load_tokenizer(model_dir)
     turns = [

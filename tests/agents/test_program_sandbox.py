@@ -191,3 +191,44 @@ def test_a_sandboxed_command_that_hangs_is_killed_at_its_timeout_with_all_it_sta
 def test_program_sandbox_needs_a_command():
     with pytest.raises(ValueError, match="agent.program_sandbox=true sandboxes agent.program_command"):
         AgentConfig(name="program", program=os.devnull, program_sandbox=True)
+
+
+def test_a_sandboxed_command_sees_its_own_modules_only_when_mounted(setup, tmp_path):
+    """A command whose script imports a module beside it: the sandbox shows only the script (the
+    import fails, a counted fault) until ``agent.program_sandbox_mounts`` names its directory,
+    read-only (a write there is refused)."""
+    root, tokenizer, engine, _ = setup
+    project = tmp_path / "agent_project"
+    project.mkdir()
+    (project / "helper.py").write_text("REWARD = 0.75\n")
+    (project / "main.py").write_text(
+        "import json, sys\nimport helper\n"
+        "try:\n    open(__file__ + '.w', 'w').close(); wrote = 1.0\nexcept OSError:\n    wrote = 0.0\n"
+        "print(json.dumps({'reward': helper.REWARD, 'metrics': {'wrote': wrote}}))\n"
+    )
+    batch, width = prompts([{"marker": "[m]"}], tokenizer)
+    results = []
+    for mounts in ((), (str(project),)):
+        config = AgentConfig(
+            name="program", program_command=(sys.executable, str(project / "main.py")),
+            program_sandbox=True, program_sandbox_mounts=mounts, program_timeout_s=60.0,
+        )  # fmt: skip
+        agents = AgentRollout(config, tokenizer, engine)
+        try:
+            results.append(agents.generate(batch, sampling(tokenizer), width, 0))
+        finally:
+            agents.close()
+    unmounted, mounted = results
+    assert unmounted["finish_reason"][0] == PROGRAM_ERROR
+    assert "No module named 'helper'" in unmounted["agent_program_log"][0]["stderr"]
+    assert mounted["finish_reason"][0] != PROGRAM_ERROR, mounted["agent_program_log"][0]
+    assert mounted["agent_reward"][0] == 0.75 and mounted["agent_program_metrics"][0] == {"wrote": 0.0}
+    assert not (project / "main.py.w").exists()
+
+
+def test_sandbox_mounts_are_checked_and_need_the_sandbox(tmp_path):
+    command = (sys.executable, "-c", "print(1)")
+    with pytest.raises(ValueError, match=r"agent.program_sandbox_mounts\[0\]='/nowhere' must name an existing"):
+        AgentConfig(name="program", program_command=command, program_sandbox=True, program_sandbox_mounts=["/nowhere"])
+    with pytest.raises(ValueError, match="agent.program_sandbox_mounts is set but agent.program_sandbox=false"):
+        AgentConfig(name="program", program_command=command, program_sandbox_mounts=[str(tmp_path)])

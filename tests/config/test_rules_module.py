@@ -46,7 +46,7 @@ def test_the_rules_module_runs_each_of_its_rules():
     called = [line.strip().split("(")[0] for line in source.splitlines()[2:] if line.strip()]
     assert called == [
         "check_required_inputs", "check_parallel_layout", "check_group_sizes", "check_batch_shapes",
-        "check_head_precision", "check_kl_loss", "check_agent_rewards", "check_pipeline", "check_preference",
+        "check_head_precision", "check_kl_loss", "check_agent_rewards", "check_pipeline", "check_step_stages",
         "check_router_replay", "check_critic", "check_teacher", "check_dataplane", "check_derived_fields",
     ]  # fmt: skip
     assert sorted(set(defined)) == sorted(set(called) - {"check_dataplane", "check_derived_fields"})

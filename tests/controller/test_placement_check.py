@@ -27,10 +27,17 @@ def node_shares(pools):
     ]
 
 
+def share_owners(pools):
+    return [i for i, p in enumerate(pools) for _ in p.processes_per_node]
+
+
 def assignments_exist(pools, nodes):
-    """The reference: try every assignment of every pool's node-shares to nodes."""
-    shares = node_shares(pools)
+    """The reference: try every assignment of every pool's node-shares to nodes (a pool's shares
+    on distinct nodes)."""
+    shares, owners = node_shares(pools), share_owners(pools)
     for targets in itertools.product(range(len(nodes)), repeat=len(shares)):
+        if len(set(zip(owners, targets, strict=True))) < len(shares):
+            continue  # two shares of one pool on one node
         room = [dict(node) for node in nodes]
         for share, target in zip(shares, targets, strict=True):
             for kind, value in share.items():
@@ -110,7 +117,10 @@ def test_the_packing_search_agrees_with_trying_every_assignment():
         ]
         expected = assignments_exist(pools, nodes)
         verdicts.add(expected)
-        assert ray_capacity.shares_pack(node_shares(pools), nodes) == expected, (pools, nodes)
+        assert ray_capacity.shares_pack(node_shares(pools), nodes, share_owners(pools)) == expected, (
+            pools,
+            nodes,
+        )
         try:
             check_cluster_holds(pools, nodes)
             held = True

@@ -1,27 +1,17 @@
 """Run by test_two_nodes.py in a fresh interpreter: a Ray cluster of two nodes on this machine
-whose second raylet has a ``/dev/shm`` of its own (``unshare -m`` and a fresh tmpfs mounted on
-``/dev/shm`` for that raylet and everything it starts), at 127.0.0.2 (node A, with the driver)
-and 127.0.0.3 (node B), as two hosts would be. A worker group of one rank per node puts its
-stage outputs into Ray's object store; the next stage hands each rank the other rank's rows,
-so each fetches a block from the other node through Ray; a block's shared-memory file is not
-visible on the other node. Prints one JSON line.
+whose second raylet has a ``/dev/shm`` of its own, at 127.0.0.2 (node A, with the driver) and
+127.0.0.3 (node B), as two hosts would be (:mod:`tests.dataplane.two_nodes_cluster`). A worker
+group of one rank per node puts its stage outputs into Ray's object store; the next stage hands
+each rank the other rank's rows, so each fetches a block from the other node through Ray; a
+block's shared-memory file is not visible on the other node. Prints one JSON line.
 
 Usage: python -m tests.dataplane.two_nodes_run
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import ray
@@ -31,10 +21,8 @@ from tandem.controller import ResourcePool, Worker, create_worker_group, registe
 from tandem.dataplane import BatchRef, DataPlaneConfig, ShmStore, get, traffic
 from tandem.protocol import Batch
 from tandem.protocol.traffic import batch_traffic
+from tests.dataplane.two_nodes_cluster import two_nodes
 
-ROOT = str(Path(__file__).resolve().parents[2])
-RAY = str(Path(sys.executable).with_name("ray"))
-HEAD, OTHER = "127.0.0.2", "127.0.0.3"
 ROWS, WIDTH = 6, 40
 
 
@@ -75,74 +63,6 @@ class NodeWorker(Worker):
     def remove(self, paths: list[str]) -> None:
         for p in paths:
             Path(p).unlink(missing_ok=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HEAD, 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def two_nodes() -> Iterator[str]:
-    """Start the head (node A) and node B, B in its own mount namespace with a private /dev/shm.
-
-    Each node gets a temporary directory of its own: ``ray start`` records the cluster's address
-    in its temporary directory, and in the default one (``/tmp/ray``) every later ``ray.init()``
-    on this machine would connect to this cluster instead of starting its own.
-    """
-    port = free_port()
-    temp = tempfile.mkdtemp(prefix="tdp-", dir="/tmp")  # short: Ray's socket paths live below it
-    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_DEDUP_LOGS": "0", "RAY_AUTH_MODE": "disabled"}
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # the driver, too
-    common = ["--num-cpus=1", "--object-store-memory=80000000", "--block", "--disable-usage-stats"]
-    head = subprocess.Popen(
-        [RAY, "start", "--head", f"--node-ip-address={HEAD}", f"--port={port}", "--include-dashboard=false",
-         f"--temp-dir={temp}/a", *common],
-        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    other = None
-    try:
-        address = f"{HEAD}:{port}"
-        _wait_for(lambda: os.path.exists(f"{temp}/a/ray_current_cluster"))
-        start_b = " ".join(
-            [
-                RAY,
-                "start",
-                f"--address={address}",
-                f"--node-ip-address={OTHER}",
-                f"--temp-dir={temp}/b",
-                *common,
-            ]
-        )
-        other = subprocess.Popen(
-            ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=256m tmpfs /dev/shm && exec {start_b}"],
-            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        ray.init(address=address, _node_ip_address=HEAD, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": ROOT}})  # fmt: skip
-        _wait_for(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2)
-        yield address
-    finally:
-        ray.shutdown()
-        for process in (other, head):
-            if process is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGTERM)
-                try:
-                    process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait(timeout=20)
-        shutil.rmtree(temp, ignore_errors=True)
-
-
-def _wait_for(condition, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the two-node Ray cluster did not come up")
-        time.sleep(0.5)
 
 
 def main() -> None:

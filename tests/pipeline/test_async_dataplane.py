@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tandem.dataplane.shm import PREFIX as BLOCK_PREFIX
-from tandem.pipeline import runner
+from tandem.pipeline import assemble
 from tandem.pipeline.sample_store import PREFIX as SAMPLE_PREFIX
 from tests.rl.conftest import assert_same_histories, small_config
 from tests.rl.test_dataplane_step import CountingTrainer, assert_draws_stay_stored
@@ -38,14 +38,14 @@ class ReplicaRecordingTrainer(CountingTrainer):
 def _run(rl_files, out, monkeypatch, *overrides):
     """A 3-step run, and the sample-file bytes the controller mapped (``read_fields``) in it."""
     mapped = []
-    read_fields = runner.read_fields
+    read_fields = assemble.read_fields
 
     def counted(ref, names=None):
         fields = read_fields(ref, names)
         mapped.append(sum(t.nbytes for t in fields.values()))
         return fields
 
-    monkeypatch.setattr(runner, "read_fields", counted)
+    monkeypatch.setattr(assemble, "read_fields", counted)
     trainer = ReplicaRecordingTrainer(
         small_config(rl_files, out, "data.val_path=", "trainer.total_steps=3", *TWO_CORES, *overrides)
     )

@@ -140,19 +140,22 @@ def test_the_setting_names_an_existing_record_of_an_asynchronous_run(rl_files, t
 TWO_CORES = ("pipeline.trainer_threads=1", "pipeline.rollout_threads=1")
 
 
-@pytest.mark.slow  # a 3-step fully-async run with a replica process, then its replay (fast siblings above)
-@pytest.mark.parametrize("dataplane", ["false", "true"])
-def test_a_fully_async_run_replayed_from_its_record_has_its_metrics_bit_for_bit(
-    rl_files, tmp_path, dataplane
+@pytest.mark.slow  # a 3-step asynchronous run with a replica process, then its replay (fast siblings above)
+@pytest.mark.parametrize(
+    "mode, dataplane", [("fully_async", "false"), ("fully_async", "true"), ("one_step_off", "false")]
+)
+def test_an_asynchronous_run_replayed_from_its_record_has_its_metrics_bit_for_bit(
+    rl_files, tmp_path, mode, dataplane
 ):
-    """A fully-async run (staleness 1, partial rollouts, so its batches hold stale rows) with
+    """A fully-async run (staleness 1, partial rollouts, so its batches hold stale rows), or a
+    one-step-off one (each step trains the draw made during the step before), with
     ``pipeline.record_schedule``, then ``pipeline.replay`` of its record in a fresh output directory:
     every step's metrics equal the run's exactly, the ``pipeline/*`` metrics of replicas and queue
     aside (a replay has none; its staleness metrics are the run's), and so do the last checkpoint's
     weights and trainer state (the sampler's position included). With ``dataplane.enabled=true``
     the run's batches were the replicas' blocks (``assemble_stored``), the replay's the log's."""
     record = tmp_path / "recorded" / "schedule.jsonl"
-    common = ("pipeline.mode=fully_async", "trainer.total_steps=3", "data.val_path=", *TWO_CORES,
+    common = (f"pipeline.mode={mode}", "trainer.total_steps=3", "data.val_path=", *TWO_CORES,
               f"dataplane.enabled={dataplane}")  # fmt: skip
     run = RLTrainer(small_config(rl_files, tmp_path / "run", *common, f"pipeline.record_schedule={record}"))
     original = run.fit().history

@@ -24,6 +24,7 @@ from tandem.pipeline.stored_rollout import (
 from tandem.protocol.sequences import PROMPT_LENGTH, RESPONSE_LENGTH
 from tandem.rl.data import RLDataset
 from tandem.rl.step_data import rollout_stays_in_store
+from tandem.rl.step_plan import build_step_plan
 from tandem.rollout import SamplingParams
 from tandem.rollout.native import NativeEngineConfig, NativeRolloutEngine
 from tests.rl.conftest import small_config
@@ -150,11 +151,11 @@ def test_a_tracker_with_the_block_writer_stores_rows_within_its_room(rl_files, p
         (("pipeline.mode=fully_async", "dataplane.enabled=false"), False),
         (("pipeline.mode=fully_async", "pipeline.old_log_probs=rollout"), False),  # renames a stored field
         (("pipeline.mode=one_step_off", "pipeline.sample_store=inline"), False),  # replicas elsewhere
-        (("pipeline.mode=one_step_off", "trainer.backend=ray", "dataplane.engine=ray"), False),
+        (("pipeline.mode=one_step_off", "trainer.backend=ray", "dataplane.engine=ray"), True),  # any node
     ],
 )
 def test_which_asynchronous_runs_keep_their_draws_in_the_replicas_blocks(
     rl_files, tmp_path, overrides, stays
 ):
     config = small_config(rl_files, tmp_path, "dataplane.enabled=true", *overrides)
-    assert rollout_stays_in_store(config, has_images=False) is stays
+    assert rollout_stays_in_store(config, False, build_step_plan(config)) is stays

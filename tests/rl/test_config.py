@@ -121,18 +121,23 @@ def test_overrides_apply_and_bad_ones_name_the_key():
             "critic.engine.tp_size=4 must divide the 2 workers",
         ),
         (
-            ["trainer.n_workers=2", "actor.engine.tp_size=2", "actor.engine.lora.rank=4"],
-            "actor.engine.tp_size=2 with actor.engine.lora.rank=4: LoRA adapters are not split over "
-            "tensor-parallel ranks",
+            [
+                "trainer.n_workers=6",
+                "actor.engine.sp_size=2",
+                "actor.engine.tp_size=2",
+                "actor.engine.strategy=fsdp2",
+            ],
+            "actor.engine.sp_size=2 x actor.engine.tp_size=2 = 4 must divide the 6 workers",
         ),
         (
             [
                 "algorithm.distill.objective=reverse_kl",
                 "teacher.model_path=/t",
                 "teacher.engine.tp_size=2",
+                "teacher.top_k=4",
                 "trainer.n_workers=2",
             ],
-            "teacher.engine.tp_size=2: the teacher's workers do not dispatch over a tensor-parallel mesh yet",
+            "teacher.top_k=4 with teacher.engine.tp_size=2: the teacher's top-k tokens are not computed",
         ),  # fmt: skip
         (
             [

@@ -7,7 +7,9 @@ The controller's bytes are counted by :func:`tandem.protocol.traffic.batch_traff
 step's ``_policy_gradient_update`` and around its generation. In ``sync`` mode the draw itself stays
 on the workers that generated it (:mod:`tandem.pipeline.stored_rollout`): a ``BatchRef`` reaches
 the controller, which scores the decoded texts and reads, of the stored fields, only what the
-advantages need (:data:`CONTROLLER_READS`), counted with :func:`tandem.dataplane.traffic`.
+advantages need, counted with :func:`tandem.dataplane.traffic`: none, since the advantages run on
+the actor's ranks from per-row scalars (:mod:`tandem.rl.ref_advantages`; their own comparisons
+are in tests/rl/test_dataplane_advantages.py).
 """
 
 import os
@@ -16,19 +18,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from tandem.dataplane import BatchRef, traffic
 from tandem.dataplane import get as get_block
-from tandem.dataplane.columns import wire_nbytes
 from tandem.dataplane.shm import PREFIX
 from tandem.engine.forward_fields import FORWARD_FIELDS
 from tandem.protocol.traffic import batch_traffic
 from tandem.rl import RLTrainer
+from tandem.rl.rank_advantages import PART_READS
 from tandem.rl.step_data import RefStep
 from tandem.rl.worker import ACTOR_UPDATE_FIELDS
 from tests.dataplane.conftest import stored_nbytes
 from tests.rl.conftest import small_config
+from tests.rl.test_dataplane_advantages import assert_equal_but_reduced
 
 
 class CountingTrainer(RLTrainer):
@@ -49,6 +51,11 @@ class CountingTrainer(RLTrainer):
         self.update_expected: list[Counter] = []  # their declared reads of their rows, on the wire
         self.probed = Counter()  # bytes the probes (reads_on_wire) fetched, to leave out
         self.left: list[list[str]] = []
+        self.part_by_field: list[Counter] = []  # what each advantage part's call fetched, by field
+        self.part_expected: list[Counter] = []  # its declared reads of its rows, on the wire
+        self.part_inline: list[dict[str, tuple]] = []  # the per-row tensors it sent back inline: shape, bytes
+        self._fetched_in_parts = 0
+        self.own_put: list[int] = []  # store bytes put in the step (by this process)
 
     def collect_batch(self, timings):
         before = batch_traffic()
@@ -57,17 +64,25 @@ class CountingTrainer(RLTrainer):
         return result
 
     def train_step(self):
-        self._fetched_in_updates = 0
+        self._fetched_in_updates = self._fetched_in_parts = 0
         self.probed = Counter()
+        parts_before = len(self.part_by_field)
         before, start = traffic().fetched_bytes, traffic()
         metrics = super().train_step()
         self.own_fetched.append(
-            traffic().fetched_bytes - before - self._fetched_in_updates - self.probed.total()
+            traffic().fetched_bytes
+            - before
+            - self._fetched_in_updates
+            - self._fetched_in_parts
+            - self.probed.total()
         )
+        self.own_put.append((traffic() - start).put_bytes)  # the ranks' too when they run in this process
         own = Counter((traffic() - start).fetched_by_field)
         own.subtract(self.probed)
         for updates in self.update_by_field[len(self.own_by_field) :]:
             own.subtract(updates)
+        for part in self.part_by_field[parts_before:]:
+            own.subtract(part)
         self.own_by_field.append(Counter({k: v for k, v in own.items() if v}))
         return metrics
 
@@ -80,7 +95,27 @@ class CountingTrainer(RLTrainer):
         self.update_by_field.append(Counter((traffic() - start).fetched_by_field))
         return metrics
 
+    def _count_advantage_parts(self) -> None:
+        """Wrap the actor group's ``compute_advantage_part`` (once) to count what each call fetched,
+        what it declared of its rows, and what it sent back inline."""
+        call = self.workers.compute_advantage_part
+        if getattr(call, "counted", False):
+            return
+
+        def counted(ref, **kwargs):
+            before, start = traffic().fetched_bytes, traffic()
+            out = call(ref, **kwargs)
+            self._fetched_in_parts += traffic().fetched_bytes - before
+            self.part_by_field.append(Counter((traffic() - start).fetched_by_field))
+            self.part_expected.append(reads_on_wire(ref, PART_READS, self.probed))
+            self.part_inline.append({k: (tuple(t.shape), t.nbytes) for k, t in out.scalars.tensors.items()})
+            return out
+
+        counted.counted = True
+        self.workers.compute_advantage_part = counted
+
     def _policy_gradient_update(self, batch, timings):
+        self._count_advantage_parts()
         self.draws.append(batch)
         if not isinstance(batch, BatchRef):
             self.batch_bytes.append(sum(t.nbytes for t in batch.tensors.values()))
@@ -96,7 +131,6 @@ class CountingTrainer(RLTrainer):
 
 
 TOKEN_COLUMNS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids")
-CONTROLLER_READS = ("response_mask",)  # GRPO on-policy: the advantages' only stored input
 
 
 def assert_draws_stay_stored(trainer) -> None:
@@ -138,27 +172,30 @@ def run(rl_files, out, *overrides):
     return trainer.fit().history, trainer
 
 
-def assert_equal_metrics(one: list[dict], two: list[dict]) -> None:
-    """Every metric but the wall-clock ones equal, bit for bit."""
-
-    def measured(history):
-        return [
-            {
-                k: v
-                for k, v in step.items()
-                if not k.startswith(("timing_s", "perf/")) and not k.endswith(("_s", "_gbps"))
-            }
-            for step in history
-        ]
-
-    assert measured(one) == measured(two)
+def controller_fetches(steps) -> list[tuple[int, dict[str, int]]]:
+    """Per step, the store bytes the controller itself fetched (in total, and by field): the
+    step's own bytes (outside the updates' and advantage parts' calls) less the stages' calls and
+    the probes of them; ``steps`` zips those per step."""
+    out = []
+    for own, own_by_field, stage_bytes, stage_fields, probe in steps:
+        fields = Counter(own_by_field)
+        fields.subtract(stage_fields)
+        fields.subtract(probe)
+        out.append((own - stage_bytes - probe.total(), {k: v for k, v in fields.items() if v}))
+    return out
 
 
-def response_mask_bytes(view, width: int) -> int:
-    """The wire bytes of the step's ``response_mask`` as its rows were stored (padded to the
-    rollout's ``width`` columns): what the controller reads of a GRPO step's stored fields."""
-    mask = view["response_mask"]
-    return wire_nbytes({"response_mask": torch.nn.functional.pad(mask, (0, width - mask.shape[1]))})
+def inline_bytes_per_step(trainer) -> list[int]:
+    """The bytes of the per-row tensors the advantage parts sent back inline, per step (two parts a step)."""
+    sizes = [sum(nbytes for _, nbytes in part.values()) for part in trainer.part_inline]
+    return [sum(sizes[i : i + 2]) for i in range(0, len(sizes), 2)]
+
+
+def assert_equal_metrics(one: list[dict], two: list[dict], whitened: bool = False) -> None:
+    """Every metric but the wall-clock ones equal, bit for bit, but the means over tokens the
+    advantages on the ranks reduce from per-row partial sums (``REDUCED_FROM_PARTIALS``); after a
+    ``whitened`` estimator's advantages, to float32 rounding (``assert_equal_but_reduced``)."""
+    assert_equal_but_reduced(one, two, whitened)
 
 
 def test_in_process_grpo_with_the_draw_stored_matches_the_batch_path_and_reads_no_token(
@@ -168,9 +205,11 @@ def test_in_process_grpo_with_the_draw_stored_matches_the_batch_path_and_reads_n
     the reference's log-probs for the KL loss). The metrics equal today's step for step; the draws
     stay in the store; every block put is released, no file left. Counted by field, each fetch is
     exactly the wire bytes of what it declares, of its rows: the reference stage its forward
-    fields (``FORWARD_FIELDS``), the update ``ACTOR_UPDATE_FIELDS`` (those the step holds), and
-    the controller, outside those calls (they run in this process here), only the response mask:
-    no token column."""
+    fields (``FORWARD_FIELDS``), the advantage parts the response mask (``PART_READS``, of which
+    the controller sends each part only what it needs), the update ``ACTOR_UPDATE_FIELDS`` (those
+    the step holds); the controller, outside those calls (they run in this process here), fetches
+    nothing. What the advantage parts send back inline is ``[B]`` scalars, the same bytes with
+    responses twice as long."""
     in_stages: list[int] = []
     stage_by_field: list[Counter] = []
     stage_expected: list[Counter] = []
@@ -196,18 +235,27 @@ def test_in_process_grpo_with_the_draw_stored_matches_the_batch_path_and_reads_n
     assert stage_by_field == stage_expected and {"input_ids", "position_ids"} <= set(stage_expected[0])
     assert refs.update_by_field == refs.update_expected and len(refs.update_expected) == 2
     assert {"advantages", "ref_log_probs", "rollout_log_probs"} <= set(refs.update_expected[0])
-    masks = [response_mask_bytes(view, 6) for view in refs.views]
     steps = zip(refs.own_fetched, refs.own_by_field, in_stages, stage_by_field, stage_probes, strict=True)
-    controller, controller_by_field = [], []
-    for own, own_by_field, stage_bytes, stage_fields, probe in steps:
-        controller.append(own - stage_bytes - probe.total())
-        fields = Counter(own_by_field)
-        fields.subtract(stage_fields)
-        fields.subtract(probe)
-        controller_by_field.append({k: v for k, v in fields.items() if v})
-    assert controller == masks
-    # a field whose rows are all fill (step 1's mask: every response ran to the 6 tokens) costs 0 bytes
-    assert controller_by_field == [{"response_mask": mask} if mask else {} for mask in masks] and any(masks)
+    assert controller_fetches(steps) == [(0, {}), (0, {})]  # no field of the stored step, no token, no mask
+    assert refs.part_by_field == refs.part_expected and len(refs.part_expected) == 4  # two parts a step
+    assert set().union(*refs.part_expected) == {"response_mask"}  # GRPO: the score and its column come inline
+    inline = inline_bytes_per_step(refs)
+    assert all(shape == (16,) for part in refs.part_inline for shape, _ in part.values())  # [B] each
+    # twice the response length: the controller still fetches nothing and gets the same [B] scalars
+    longer_on, longer = run(
+        rl_files, tmp_path / "longer", "dataplane.enabled=true", "rollout.max_response_length=12"
+    )
+    steps = zip(
+        longer.own_fetched,
+        longer.own_by_field,
+        in_stages[2:],
+        stage_by_field[2:],
+        stage_probes[2:],
+        strict=True,
+    )
+    assert controller_fetches(steps) == [(0, {}), (0, {})]
+    assert inline_bytes_per_step(longer) == inline == [16 * 6 * 4] * 2  # 6 float32 scalars a row
+    assert longer.part_by_field == longer.part_expected
     assert used.blocks_released == used.blocks_put > 0  # the draws' blocks too
     assert refs.left == [[], []]
 
@@ -217,22 +265,24 @@ def test_in_process_grpo_with_the_draw_stored_matches_the_batch_path_and_reads_n
     [
         (("algorithm.adv_estimator=gae",), True),
         (("teacher.model_path=MODEL", "algorithm.distill.objective=reverse_kl", "teacher.top_k=2"), True),
-        (("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=2"), False),
+        (("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=2"), True),
+        pytest.param(("algorithm.adv_estimator=optimal_token_baseline",), True, marks=pytest.mark.slow),
     ],
-    ids=["ppo-critic", "distill-top-k", "dynamic-sampling"],
+    ids=["ppo-critic", "distill-top-k", "dynamic-sampling", "otb-on-the-controller"],
 )
 def test_in_process_the_step_on_references_matches_the_batch_path_and_releases_its_blocks(
     rl_files, tmp_path, overrides, stored
 ):
     """One in-process worker, one step; the teacher (the policy's own model: only the path of its
-    outputs matters here) keeps its top-k too. DAPO's dynamic sampling still rebuilds the draws'
-    batch on the controller: its step puts that batch once (``stored`` False)."""
+    outputs matters here) keeps its top-k too. DAPO's dynamic sampling keeps its draws stored too
+    (its groups are concatenated as references). The optimal token baseline reads other rows'
+    tokens: its advantages keep the controller's path, on the fields the step fetches."""
     overrides = [o.replace("MODEL", rl_files["model"]) for o in overrides]
     off, _ = run(rl_files, tmp_path / "off", "trainer.total_steps=1", *overrides)
     counters = traffic()
     on, refs = run(rl_files, tmp_path / "on", "trainer.total_steps=1", "dataplane.enabled=true", *overrides)
     used = traffic() - counters
-    assert_equal_metrics(off, on)
+    assert_equal_metrics(off, on, whitened="algorithm.adv_estimator=gae" in overrides)
     if stored:
         assert_draws_stay_stored(refs)
     else:
@@ -251,7 +301,7 @@ def test_in_process_the_step_on_references_matches_the_batch_path_and_releases_i
 def test_the_step_on_references_matches_the_batch_path_and_moves_no_payload(rl_files, tmp_path, overrides):
     off, today = run(rl_files, tmp_path / "off", "trainer.n_workers=2", *overrides)
     on, refs = run(rl_files, tmp_path / "on", "trainer.n_workers=2", "dataplane.enabled=true", *overrides)
-    assert_equal_metrics(off, on)
+    assert_equal_metrics(off, on, whitened=bool(overrides))  # PPO's GAE advantages are whitened
     assert refs.left == [[], []]  # every block of each step released when the step returned
     assert_draws_stay_stored(refs)
     print(
@@ -261,8 +311,8 @@ def test_the_step_on_references_matches_the_batch_path_and_moves_no_payload(rl_f
     )
     for gen_today, gen_refs, batch in zip(today.gen_bytes, refs.gen_bytes, today.batch_bytes, strict=True):
         assert gen_refs + batch <= gen_today  # the generated batch no longer comes back; the request goes
-    if not overrides:  # GRPO: the controller reads only the response mask of the stored fields
-        assert refs.own_fetched == [response_mask_bytes(view, 6) for view in refs.views]
+    assert refs.own_fetched == [0, 0]  # the advantages ran on the ranks: the controller fetched no field
+    assert refs.own_put == [0, 0]  # nor put one (today's advantages went back as a block)
     stages = 4 if overrides else 2  # old log-probs (and values), the update(s)
     for step, (bytes_today, bytes_refs) in enumerate(zip(today.step_bytes, refs.step_bytes, strict=True)):
         batch = today.batch_bytes[step]

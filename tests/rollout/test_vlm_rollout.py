@@ -152,7 +152,8 @@ def test_same_text_different_images_never_share_and_a_group_shares_its_prompt(qw
     try:
         completions = engine.generate_batch(requests, timeout=120)
         assert engine.stats.prefilled_tokens - sum(len(c.token_ids) for c in completions) <= 2 * len(prompt)
-        assert engine.stats.shared_prefix_steps > 0
+        # 4 copies: below the cascade's measured rule (>= 16 per prompt, shared_prefix.worth_sharing)
+        assert engine.stats.shared_prefix_steps == 0
         assert len(engine._prefix) == 2 and len({key for _, key in engine._prefix}) == 2
         assert "digest" in vars(pictures_a) and "digest" in vars(pictures_b)  # each object hashed once, kept
         greedy_a, greedy_b = engine.generate_batch(

@@ -78,7 +78,7 @@ async def run_command(
     if limits.sandbox is None:
         environment = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
         return await _run(argv, environment, row, limits, None)
-    async with sandboxed(argv, base_url, api_key, limits.sandbox, limits.timeout_s) as launch:
+    async with sandboxed(argv, base_url, api_key, limits.sandbox, limits.timeout_s, limits.mounts) as launch:
         return await _run(launch.argv, launch.environment, row, limits, launch)
 
 

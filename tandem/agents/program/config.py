@@ -22,13 +22,15 @@ class ProgramLimits:
     (``agent.program_max_requests``), tokens sampled over all its requests
     (``agent.program_max_tokens``) and, for a command, bytes written to stdout and to stderr
     each (``agent.program_output_bytes``) and the OS sandbox's limits it runs under
-    (``agent.program_sandbox=true``: ``agent.python``'s; None: not sandboxed)."""
+    (``agent.program_sandbox=true``: ``agent.python``'s; None: not sandboxed) with the host paths
+    it also sees, read-only (``agent.program_sandbox_mounts``)."""
 
     timeout_s: float = 600.0
     max_requests: int = 32
     max_tokens: int = 8192
     output_bytes: int = 16384
     sandbox: SandboxLimits | None = None
+    mounts: tuple[str, ...] = ()
 
 
 def check_command(argv: Sequence[object]) -> tuple[str, ...]:

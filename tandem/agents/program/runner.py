@@ -19,7 +19,9 @@ episode are counted (``Trajectory.splits``) but not trained yet.
 A program that raises (a command: exits non-zero, prints no result, writes past its output
 cap), times out, returns something that is not a reward, or made a request that was refused
 (malformed, over a limit) ends its episode with ``program_error`` and reward 0 (each distinct
-problem logged once). The trajectory's ``program_log`` keeps the reason and a command's output.
+problem logged once). The trajectory's ``program_log`` keeps the reason and the program's output: a
+command's stdout/stderr, or what a function printed while its episode ran
+(:mod:`~tandem.agents.program.captured_output`), each capped at ``agent.program_output_bytes``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from collections.abc import Sequence
 import openai
 
 from tandem.agents.loops import PROGRAM_ERROR, AgentContext, AgentSample
+from tandem.agents.program.captured_output import captured_output
 from tandem.agents.program.command import run_command
 from tandem.agents.program.config import ProgramLimits, load_program, read_result
 from tandem.agents.program.endpoint import Episode, ProgramEndpoint
@@ -96,7 +99,9 @@ class ProgramRunner:
                 run = await run_command(self.command, row, self.base_url, episode.key, self.limits)
                 value, problem, output = run.value, run.problem, {"stdout": run.stdout, "stderr": run.stderr}
             else:
-                value, problem = await self._call_function(episode.key, row)
+                with captured_output(self.limits.output_bytes) as printed:
+                    value, problem = await self._call_function(episode.key, row)
+                output = printed.texts()
         finally:
             self.endpoint.close(episode)
             with self.lock:

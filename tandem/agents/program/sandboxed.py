@@ -13,7 +13,8 @@ port, so ``OPENAI_BASE_URL`` is the same URL as outside. Its environment is the 
 (``PATH``, ``LANG``, ``HOME``/``TMPDIR``) plus ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``:
 none of the run's own variables. Of the host's files it sees only those its arguments name
 (each argument naming an existing file is mounted read-only at its absolute path, and passed as
-that path); a bare program name is looked up on the sandbox's ``PATH`` (the run's Python's
+that path) and those ``agent.program_sandbox_mounts`` lists (read-only, at their absolute
+paths); a bare program name is looked up on the sandbox's ``PATH`` (the run's Python's
 directory, ``/usr/local/bin``, ``/usr/bin``, ``/bin``).
 """
 
@@ -103,10 +104,12 @@ def command_files(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 @contextlib.asynccontextmanager
 async def sandboxed(
-    argv: Sequence[str], base_url: str, api_key: str, limits: SandboxLimits, timeout_s: float
+    argv: Sequence[str], base_url: str, api_key: str, limits: SandboxLimits, timeout_s: float,
+    extra_mounts: Sequence[str] = (),
 ) -> AsyncIterator[SandboxLaunch]:
     """The launch of ``argv`` in a fresh sandbox whose ``127.0.0.1`` relays to ``base_url``'s
-    endpoint, for the block (see the module docstring)."""
+    endpoint, for the block (see the module docstring); ``extra_mounts`` are more host paths it
+    sees read-only (``agent.program_sandbox_mounts``)."""
     address = urlsplit(base_url)
     async with unix_relay(address.hostname, address.port) as socket_directory:
         with tempfile.TemporaryDirectory(prefix="tandem-program-") as base:
@@ -118,7 +121,8 @@ async def sandboxed(
             own = replace(limits, cpu_seconds=max(1, math.ceil(timeout_s)))
             setup = {
                 "limits": child_limits(own), "workdir": workdir, "root": root,
-                "mounts": mount_paths([socket_directory, *files]), "argv": inner, "go": go_read,
+                "mounts": mount_paths([socket_directory, *files, *extra_mounts]), "argv": inner,
+                "go": go_read,
                 "socket": os.path.join(socket_directory, SOCKET_NAME), "port": address.port,
             }  # fmt: skip
             environment = {**sandbox_environment(), "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}

@@ -6,10 +6,16 @@ from tandem.algos.advantages.base import (
     AdvantageConfig,
     AdvantageInput,
     AdvantageOutput,
+    EstimatorSplit,
+    RowInput,
     compute_advantage,
     estimator_inputs,
     estimator_requirements,
+    estimator_split,
     register_advantage_estimator,
+    register_row_estimator,
+    register_token_estimator,
+    spread_row_advantages,
 )
 
 __all__ = [
@@ -17,8 +23,14 @@ __all__ = [
     "AdvantageConfig",
     "AdvantageInput",
     "AdvantageOutput",
+    "EstimatorSplit",
+    "RowInput",
     "compute_advantage",
     "estimator_inputs",
     "estimator_requirements",
+    "estimator_split",
     "register_advantage_estimator",
+    "register_row_estimator",
+    "register_token_estimator",
+    "spread_row_advantages",
 ]

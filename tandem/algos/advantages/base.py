@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from tandem.algos.masked import masked_whiten
 from tandem.config.validation import check_positive, check_range
 from tandem.registry import Registry
 
@@ -100,7 +102,9 @@ class AdvantageConfig:
         check_range(owner, "lam", self.lam, 0.0, 1.0)
         check_positive(owner, "epsilon", self.epsilon)
         check_positive(owner, "gpg_f_norm", self.gpg_f_norm)
-        object.__setattr__(self, "estimator", ADVANTAGE_ESTIMATORS.canonical(self.estimator, f"{owner}.estimator"))
+        object.__setattr__(
+            self, "estimator", ADVANTAGE_ESTIMATORS.canonical(self.estimator, f"{owner}.estimator")
+        )
         keys, weights = tuple(self.gdpo_reward_keys), tuple(self.gdpo_reward_weights)
         if len(set(keys)) != len(keys) or not all(isinstance(key, str) and key for key in keys):
             raise ValueError(f"{owner}.gdpo_reward_keys={list(keys)} must be distinct, non-empty field names")
@@ -132,9 +136,70 @@ class AdvantageOutput:
 AdvantageFn = Callable[[AdvantageInput, AdvantageConfig], AdvantageOutput]
 
 
+@dataclass(frozen=True)
+class RowInput:
+    """The per-row scalars an estimator of outcome rewards reads (part ``row`` of
+    :class:`EstimatorSplit`): no per-token tensor.
+
+    Attributes:
+        scores: ``[B]`` each row's sequence score (the row sum of its token-level rewards).
+        lengths: ``[B]`` each row's valid response tokens (``response_mask``'s row sum).
+        group_ids: ``[B]`` int64 prompt group ids.
+        reward_baselines: ``[B]`` per-sample baselines, when given.
+        reward_components: ``[B, K]`` reward components, when given.
+    """
+
+    scores: torch.Tensor
+    lengths: torch.Tensor
+    group_ids: torch.Tensor | None = None
+    reward_baselines: torch.Tensor | None = None
+    reward_components: torch.Tensor | None = None
+
+    @staticmethod
+    def of(inputs: AdvantageInput) -> RowInput:
+        """The per-row scalars of a whole :class:`AdvantageInput`."""
+        scores = inputs.scores
+        return RowInput(
+            scores,
+            inputs.response_mask.to(scores.dtype).sum(-1),
+            inputs.group_ids,
+            inputs.reward_baselines,
+            inputs.reward_components,
+        )
+
+
+RowAdvantageFn = Callable[[RowInput, AdvantageConfig], torch.Tensor]  # -> [B] one advantage per row
+
+
+def _never(config: AdvantageConfig) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class EstimatorSplit:
+    """Where an estimator's work can run when the step's tokens stay on the ranks (docs/data-plane.md):
+
+    * ``row``: ``row(RowInput, config) -> [B]`` on per-row scalars (the controller), spread over
+      each row's response mask (the ranks);
+    * ``token``: ``token(AdvantageInput, config) -> AdvantageOutput`` per row (each rank on its
+      own rows; exact, since it reads nothing across rows);
+    * ``batch``: it reads other rows' tokens (a per-token baseline over a group): only where the
+      whole batch is.
+
+    ``whiten(config)``: the advantages are then whitened over the batch's valid tokens (with
+    statistics reduced from per-row sums where the rows are apart)."""
+
+    part: str
+    row: RowAdvantageFn | None = None
+    token: AdvantageFn | None = None
+    whiten: Callable[[AdvantageConfig], bool] = _never
+
+
 ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
 _REQUIREMENTS: dict[str, tuple[str, ...]] = {}
 _USES_IF_GIVEN: dict[str, tuple[str, ...]] = {}
+_SPLITS: dict[str, EstimatorSplit] = {}
+BATCH_ONLY = EstimatorSplit("batch")
 
 
 def register_advantage_estimator(
@@ -142,17 +207,86 @@ def register_advantage_estimator(
     requires: tuple[str, ...] = (),
     uses_if_given: tuple[str, ...] = (),
     aliases: tuple[str, ...] = (),
+    split: EstimatorSplit = BATCH_ONLY,
 ) -> Callable[[AdvantageFn], AdvantageFn]:
     """Register an estimator under ``name`` (and ``aliases``); ``requires`` names the optional
-    inputs it must have, ``uses_if_given`` those it reads when present (and does without otherwise)."""
+    inputs it must have, ``uses_if_given`` those it reads when present (and does without otherwise),
+    ``split`` where its parts can run (:class:`EstimatorSplit`; default: only on the whole batch)."""
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
         ADVANTAGE_ESTIMATORS.register(name, aliases)(fn)
         _REQUIREMENTS[name] = requires
         _USES_IF_GIVEN[name] = uses_if_given
+        _SPLITS[name] = split
         return fn
 
     return decorator
+
+
+def register_row_estimator(
+    name: str,
+    requires: tuple[str, ...] = (),
+    uses_if_given: tuple[str, ...] = (),
+    aliases: tuple[str, ...] = (),
+    whiten: Callable[[AdvantageConfig], bool] = _never,
+) -> Callable[[RowAdvantageFn], RowAdvantageFn]:
+    """Register an estimator of one advantage per row from per-row scalars (``row``): the
+    estimator is that advantage spread over each row's response mask (:func:`spread_row_advantages`)."""
+
+    def decorator(row: RowAdvantageFn) -> RowAdvantageFn:
+        @functools.wraps(row)
+        def estimator(inputs: AdvantageInput, config: AdvantageConfig) -> AdvantageOutput:
+            advantages = spread_row_advantages(row(RowInput.of(inputs), config), inputs.response_mask)
+            return whitened(AdvantageOutput(advantages, advantages), inputs.response_mask, whiten(config))
+
+        split = EstimatorSplit("row", row=row, whiten=whiten)
+        register_advantage_estimator(name, requires, uses_if_given, aliases, split)(estimator)
+        return row
+
+    return decorator
+
+
+def register_token_estimator(
+    name: str,
+    requires: tuple[str, ...] = (),
+    uses_if_given: tuple[str, ...] = (),
+    aliases: tuple[str, ...] = (),
+    whiten: Callable[[AdvantageConfig], bool] = _never,
+) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register an estimator computed row by row on tokens (``token``), then whitened over the
+    batch's valid tokens when ``whiten(config)``."""
+
+    def decorator(token: AdvantageFn) -> AdvantageFn:
+        @functools.wraps(token)
+        def estimator(inputs: AdvantageInput, config: AdvantageConfig) -> AdvantageOutput:
+            return whitened(token(inputs, config), inputs.response_mask, whiten(config))
+
+        split = EstimatorSplit("token", token=token, whiten=whiten)
+        register_advantage_estimator(name, requires, uses_if_given, aliases, split)(estimator)
+        return token
+
+    return decorator
+
+
+def spread_row_advantages(per_row: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``per_row [B]`` on each row's valid tokens: ``[B, R]``, 0 outside ``response_mask [B, R]``."""
+    return per_row.unsqueeze(-1) * response_mask.to(per_row.dtype)
+
+
+def whitened(output: AdvantageOutput, response_mask: torch.Tensor, whiten: bool) -> AdvantageOutput:
+    """``output`` with its advantages whitened over the valid tokens of the whole batch (when
+    ``whiten``; a row estimator's returns are its advantages, whitened too)."""
+    if not whiten:
+        return output
+    mask = response_mask.to(output.advantages.dtype)
+    advantages = masked_whiten(output.advantages, mask) * mask
+    returns = advantages if output.returns is output.advantages else output.returns
+    return AdvantageOutput(advantages, returns)
+
+
+def estimator_split(name: str) -> EstimatorSplit:
+    """Where the estimator ``name``'s parts can run (:class:`EstimatorSplit`)."""
+    return _SPLITS[ADVANTAGE_ESTIMATORS.canonical(name)]
 
 
 def estimator_requirements(name: str) -> tuple[str, ...]:

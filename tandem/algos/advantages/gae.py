@@ -8,12 +8,11 @@ from tandem.algos.advantages.base import (
     AdvantageConfig,
     AdvantageInput,
     AdvantageOutput,
-    register_advantage_estimator,
+    register_token_estimator,
 )
-from tandem.algos.masked import masked_whiten
 
 
-@register_advantage_estimator("gae", requires=("values",))
+@register_token_estimator("gae", requires=("values",), whiten=lambda config: config.whiten_gae)
 def compute_gae_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> AdvantageOutput:
     """GAE (Schulman et al. 2016, arXiv:1506.02438) over the action tokens of each response.
 
@@ -23,8 +22,8 @@ def compute_gae_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> Ad
     token to the next action token. Past the last action, ``V = 0`` and ``A = 0``.
 
     Shapes: ``token_level_rewards, values, response_mask: [B, R]`` -> ``advantages, returns: [B, R]``.
-    ``returns = A + V`` (before whitening); advantages are whitened over valid tokens when
-    ``config.whiten_gae``. Both are 0 outside the mask.
+    ``returns = A + V``. Both are 0 outside the mask. Row by row: the registered estimator then
+    whitens the advantages over the batch's valid tokens when ``config.whiten_gae``.
     """
     rewards, values = inputs.token_level_rewards, inputs.values
     mask = inputs.response_mask.to(rewards.dtype)
@@ -41,6 +40,4 @@ def compute_gae_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> Ad
         next_advantage = keep * advantage_t + (1 - keep) * next_advantage
         advantages[:, t] = advantage_t * keep
     returns = (advantages + values) * mask
-    if config.whiten_gae:
-        advantages = masked_whiten(advantages, mask) * mask
     return AdvantageOutput(advantages=advantages, returns=returns)

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from tandem.algos.advantages.base import (
-    AdvantageConfig,
-    AdvantageInput,
-    AdvantageOutput,
-    register_advantage_estimator,
-)
+from tandem.algos.advantages.base import AdvantageConfig, RowInput, register_row_estimator
 from tandem.algos.advantages.group import grpo_normalised_scores
-from tandem.algos.masked import masked_whiten
 
 
-@register_advantage_estimator("gdpo", requires=("group_ids",), uses_if_given=("reward_components",))
-def compute_gdpo_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> AdvantageOutput:
+@register_row_estimator(
+    "gdpo", requires=("group_ids",), uses_if_given=("reward_components",), whiten=lambda config: True
+)
+def compute_gdpo_advantage(inputs: RowInput, config: AdvantageConfig) -> torch.Tensor:
     """GDPO (group reward-decoupled normalisation, arXiv:2601.05242; verl's ``gdpo``).
 
     Each reward component ``k`` (column of ``reward_components``, named by
@@ -25,8 +21,8 @@ def compute_gdpo_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> A
     the valid tokens and whitened over all valid tokens of the batch. With no keys configured
     the total score is the one component (GRPO followed by batch whitening).
 
-    Shapes: ``reward_components [B, K]``, ``[B, R]`` rewards and mask, ``[B]`` group ids ->
-    ``advantages [B, R]`` (``returns`` are the same tensor).
+    Shapes: ``reward_components [B, K]``, ``[B]`` scores and group ids -> ``[B]`` (spread and
+    whitened by the registered estimator: ``advantages [B, R]``, ``returns`` the same tensor).
     """
     keys = config.gdpo_reward_keys
     components = inputs.scores.unsqueeze(-1)
@@ -48,6 +44,4 @@ def compute_gdpo_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> A
             components[:, k], inputs.group_ids, config.norm_adv_by_std, config.epsilon
         )
         combined = combined + weights[k] * normalised
-    mask = inputs.response_mask.to(combined.dtype)
-    advantages = masked_whiten(combined.unsqueeze(-1) * mask, mask) * mask
-    return AdvantageOutput(advantages=advantages, returns=advantages)
+    return combined

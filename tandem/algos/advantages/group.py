@@ -1,8 +1,9 @@
 """Critic-free estimators that compare the n responses of one prompt (outcome rewards).
 
-Each reads the sequence score ``s_i = sum_t token_level_rewards[i, t]`` and the group ids,
-and broadcasts one advantage per response onto its valid tokens. Statistics are computed
-with vectorised per-group reductions (no Python loop over samples).
+Each reads the sequence score ``s_i = sum_t token_level_rewards[i, t]`` and the group ids (per-row
+scalars: :class:`RowInput`), and gives one advantage per response, spread onto its valid tokens
+(``register_row_estimator``). Statistics are computed with vectorised per-group reductions (no
+Python loop over samples). Shapes: ``[B]`` scalars -> ``[B]``; the registered estimator ``[B, R]``.
 
 Groups of one: with no other response to compare against, the baseline is taken as 0
 (GRPO, RLOO, OPO, REINFORCE++-baseline, GPG), as in verl, so ``n=1`` degrades to plain
@@ -13,34 +14,21 @@ from __future__ import annotations
 
 import torch
 
-from tandem.algos.advantages.base import (
-    AdvantageConfig,
-    AdvantageInput,
-    AdvantageOutput,
-    register_advantage_estimator,
-)
-from tandem.algos.masked import compact_group_ids, group_stats, group_sum, masked_whiten
+from tandem.algos.advantages.base import AdvantageConfig, RowInput, register_row_estimator
+from tandem.algos.masked import compact_group_ids, group_stats, group_sum
 
 
-def _broadcast(per_sequence: torch.Tensor, inputs: AdvantageInput) -> AdvantageOutput:
-    advantages = per_sequence.unsqueeze(-1) * inputs.response_mask.to(per_sequence.dtype)
-    return AdvantageOutput(advantages=advantages, returns=advantages)
-
-
-@register_advantage_estimator("grpo", requires=("group_ids",), aliases=("grpo_vectorized",))
-def compute_grpo_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> AdvantageOutput:
+@register_row_estimator("grpo", requires=("group_ids",), aliases=("grpo_vectorized",))
+def compute_grpo_advantage(inputs: RowInput, config: AdvantageConfig) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300): ``A_i = (s_i - mean_g) / (std_g + eps)``.
 
     ``std_g`` is the unbiased (Bessel) std of the group's scores. With
     ``norm_adv_by_std=False`` the division is dropped: Dr. GRPO (Liu et al. 2025,
     arXiv:2503.20783). A group whose scores are all equal gets advantage 0.
 
-    Shapes: ``[B, R]`` rewards and mask, ``[B]`` group ids -> ``[B, R]``.
+    Shapes: ``[B]`` scores and group ids -> ``[B]``.
     """
-    return _broadcast(
-        grpo_normalised_scores(inputs.scores, inputs.group_ids, config.norm_adv_by_std, config.epsilon),
-        inputs,
-    )
+    return grpo_normalised_scores(inputs.scores, inputs.group_ids, config.norm_adv_by_std, config.epsilon)
 
 
 def grpo_normalised_scores(
@@ -58,60 +46,55 @@ def grpo_normalised_scores(
 
 # verl's rloo_vectorized: the same math for groups of two or more (verl gives a group of one 0, its loop
 # rloo and tandem the score; tandem asks rollout.n >= 2 of every estimator that compares groups)
-@register_advantage_estimator("rloo", requires=("group_ids",), aliases=("rloo_vectorized",))
-def compute_rloo_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> AdvantageOutput:
+@register_row_estimator("rloo", requires=("group_ids",), aliases=("rloo_vectorized",))
+def compute_rloo_advantage(inputs: RowInput, config: AdvantageConfig) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024, arXiv:2402.14740): ``A_i = s_i - mean_{j != i} s_j`` within the group.
 
-    Equal to ``n / (n - 1) * (s_i - mean_g)``. Shapes: ``[B, R]`` -> ``[B, R]``.
+    Equal to ``n / (n - 1) * (s_i - mean_g)``. Shapes: ``[B]`` -> ``[B]``.
     """
     scores = inputs.scores
     count, mean, _ = group_stats(scores, inputs.group_ids)
     leave_one_out = (mean * count - scores) / (count - 1).clamp(min=1)
-    return _broadcast(torch.where(count > 1, scores - leave_one_out, scores), inputs)
+    return torch.where(count > 1, scores - leave_one_out, scores)
 
 
-@register_advantage_estimator("opo", requires=("group_ids",))
-def compute_opo_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> AdvantageOutput:
+@register_row_estimator("opo", requires=("group_ids",))
+def compute_opo_advantage(inputs: RowInput, config: AdvantageConfig) -> torch.Tensor:
     """OPO (Hao et al. 2025, arXiv:2505.23585): the length-weighted optimal baseline.
 
     ``b_g = sum_i |y_i| s_i / sum_i |y_i|`` over the group, ``A_i = s_i - b_g``, with
-    ``|y_i|`` the number of valid response tokens. Shapes: ``[B, R]`` -> ``[B, R]``.
+    ``|y_i|`` the number of valid response tokens (``lengths``). Shapes: ``[B]`` -> ``[B]``.
     """
     scores = inputs.scores
-    lengths = inputs.response_mask.to(scores.dtype).sum(-1)
+    lengths = inputs.lengths
     ids, num_groups = compact_group_ids(inputs.group_ids)
     count = group_sum(torch.ones_like(scores), ids, num_groups)[ids]
     weighted = group_sum(lengths * scores, ids, num_groups)[ids]
     total_length = group_sum(lengths, ids, num_groups)[ids]
     baseline = torch.where((count > 1) & (total_length > 0), weighted / total_length.clamp(min=1), 0.0)
-    return _broadcast(scores - baseline, inputs)
+    return scores - baseline
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline", requires=("group_ids",))
-def compute_reinforce_plus_plus_baseline_advantage(
-    inputs: AdvantageInput, config: AdvantageConfig
-) -> AdvantageOutput:
+@register_row_estimator("reinforce_plus_plus_baseline", requires=("group_ids",), whiten=lambda config: True)
+def compute_reinforce_plus_plus_baseline_advantage(inputs: RowInput, config: AdvantageConfig) -> torch.Tensor:
     """REINFORCE++ with group baseline (Hu 2025, arXiv:2501.03262).
 
     ``s_i - mean_g`` broadcast to tokens, then whitened over all valid tokens of the batch
-    (global, not per-group, normalisation). Shapes: ``[B, R]`` -> ``[B, R]``.
+    (global, not per-group, normalisation: ``whiten``). Shapes: ``[B]`` -> ``[B]`` (before whitening).
     """
     scores = inputs.scores
     count, mean, _ = group_stats(scores, inputs.group_ids)
-    centred = torch.where(count > 1, scores - mean, scores)
-    mask = inputs.response_mask.to(scores.dtype)
-    advantages = masked_whiten(centred.unsqueeze(-1) * mask, mask) * mask
-    return AdvantageOutput(advantages=advantages, returns=advantages)
+    return torch.where(count > 1, scores - mean, scores)
 
 
-@register_advantage_estimator("grpo_passk", requires=("group_ids",))
-def compute_grpo_passk_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> AdvantageOutput:
+@register_row_estimator("grpo_passk", requires=("group_ids",))
+def compute_grpo_passk_advantage(inputs: RowInput, config: AdvantageConfig) -> torch.Tensor:
     """Pass@k training (Chen et al. 2025, arXiv:2503.19595, as in verl's ``grpo_passk``).
 
     Only the best response of each group (first index among ties) is credited, with
     ``A = s_max - s_second`` (divided by the group std + eps when ``norm_adv_by_std``);
     every other response gets 0. Needs at least 2 responses per group.
-    Shapes: ``[B, R]`` -> ``[B, R]``.
+    Shapes: ``[B]`` -> ``[B]``.
     """
     scores = inputs.scores
     ids, num_groups = compact_group_ids(inputs.group_ids)
@@ -135,16 +118,16 @@ def compute_grpo_passk_advantage(inputs: AdvantageInput, config: AdvantageConfig
         gap = gap[ids] / (std + config.epsilon)
     else:
         gap = gap[ids]
-    return _broadcast(torch.where(winner, gap, torch.zeros_like(gap)), inputs)
+    return torch.where(winner, gap, torch.zeros_like(gap))
 
 
-@register_advantage_estimator("gpg", requires=("group_ids",))
-def compute_gpg_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> AdvantageOutput:
+@register_row_estimator("gpg", requires=("group_ids",))
+def compute_gpg_advantage(inputs: RowInput, config: AdvantageConfig) -> torch.Tensor:
     """GPG (Chu et al. 2025, arXiv:2504.02546): ``A_i = alpha * (s_i - mean_g) / F_norm``.
 
     ``alpha = B / (B - M)`` rescales for the ``M`` samples whose group has no reward spread
     (their advantage is 0, so they would otherwise dilute the gradient); ``F_norm`` is
-    ``config.gpg_f_norm``. Shapes: ``[B, R]`` -> ``[B, R]``.
+    ``config.gpg_f_norm``. Shapes: ``[B]`` -> ``[B]``.
     """
     scores = inputs.scores
     count, mean, std = group_stats(scores, inputs.group_ids)
@@ -152,4 +135,4 @@ def compute_gpg_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> Ad
     degenerate = (count > 1) & (std == 0)
     batch = scores.numel()
     alpha = batch / (batch - degenerate.sum()).clamp(min=1)
-    return _broadcast(alpha * centred / config.gpg_f_norm, inputs)
+    return alpha * centred / config.gpg_f_norm

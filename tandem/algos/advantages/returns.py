@@ -8,19 +8,18 @@ from tandem.algos.advantages.base import (
     AdvantageConfig,
     AdvantageInput,
     AdvantageOutput,
-    register_advantage_estimator,
+    register_token_estimator,
 )
-from tandem.algos.masked import masked_whiten
 
 
-@register_advantage_estimator("reinforce_plus_plus")
+@register_token_estimator("reinforce_plus_plus", whiten=lambda config: True)
 def compute_reinforce_plus_plus_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> AdvantageOutput:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): whitened discounted returns.
 
     ``G_t = r_t + gamma * G_next`` where "next" is the next valid token: masked positions
     (padding, tool outputs between turns) are skipped, so a final reward reaches every
-    earlier turn. Then whitened over all valid tokens of the batch.
-    Shapes: ``[B, R]`` -> ``advantages [B, R]``, ``returns [B, R]`` (unwhitened).
+    earlier turn. Row by row; the registered estimator then whitens them over all valid tokens of
+    the batch. Shapes: ``[B, R]`` -> ``advantages [B, R]`` (the returns), ``returns [B, R]``.
     """
     rewards = inputs.token_level_rewards
     mask = inputs.response_mask.to(rewards.dtype)
@@ -31,11 +30,10 @@ def compute_reinforce_plus_plus_advantage(inputs: AdvantageInput, config: Advant
         candidate = rewards[:, t] + config.gamma * running
         running = keep * candidate + (1 - keep) * running
         returns[:, t] = candidate * keep
-    advantages = masked_whiten(returns, mask) * mask
-    return AdvantageOutput(advantages=advantages, returns=returns)
+    return AdvantageOutput(advantages=returns, returns=returns.clone())
 
 
-@register_advantage_estimator("remax", requires=("reward_baselines",))
+@register_token_estimator("remax", requires=("reward_baselines",))
 def compute_remax_advantage(inputs: AdvantageInput, config: AdvantageConfig) -> AdvantageOutput:
     """ReMax (Li et al. 2023, arXiv:2310.10505): returns minus the greedy response's reward.
 

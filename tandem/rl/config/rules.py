@@ -3,8 +3,10 @@
 
 :func:`check_train_config` runs them all, in a fixed order (the first broken rule is the one
 reported): what is required, the parallel layout, the batch shapes, the head's precision
-against the rollout's, the KL loss, the agent's rewards, the asynchronous pipelines, online DPO,
-router replay, the critic, the teacher, then two kept beside what they check: the data plane's
+against the rollout's, the KL loss, the agent's rewards, the asynchronous pipelines, the step
+plan's stages' own rules (online DPO's, DAPO's group filter, GKD's dataset steps: each in its stage
+module, :mod:`tandem.rl.stages`), router replay, the critic, the teacher, then two kept beside what
+they check: the data plane's
 (:func:`tandem.run.dataplane.check_dataplane`, which SFT and DPO run too) and the derived engine
 settings' (:func:`tandem.rl.derived.check_derived_fields`, beside the derivation it checks). A
 section's own fields validate in its own ``__post_init__``.
@@ -14,10 +16,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tandem.algos.preference import UNPAIRED_LOSSES, PreferenceLossConfig
 from tandem.engine.config import check_trainer_tensor_parallel
+from tandem.engine.parallel_dims import ParallelDims
 from tandem.rl.config.reward import INTERACTION_SOURCE
 from tandem.rl.derived import check_derived_fields
+from tandem.rl.stage_registry import build_step_plan
 from tandem.run.dataplane import check_dataplane
 
 if TYPE_CHECKING:
@@ -34,7 +37,7 @@ def check_train_config(config: TrainConfig) -> None:
     check_kl_loss(config)
     check_agent_rewards(config)
     check_pipeline(config)
-    check_preference(config)
+    check_step_stages(config)
     check_router_replay(config)
     check_critic(config)
     check_teacher(config)
@@ -62,15 +65,14 @@ def check_parallel_layout(config: TrainConfig) -> None:
 
 
 def check_group_sizes(config: TrainConfig) -> None:
-    """An estimator that compares a prompt's responses, and DAPO's group filter, get ``rollout.n >= 2``."""
+    """An estimator that compares a prompt's responses gets ``rollout.n >= 2`` (DAPO's group filter
+    asks it in its stage's rule)."""
     n, algorithm = config.rollout.n, config.algorithm
     if algorithm.compares_groups and n < 2:
         raise ValueError(
             f"algorithm.adv_estimator={algorithm.adv_estimator!r} compares the responses of a prompt, "
             f"so rollout.n must be at least 2 (got {n})"
         )
-    if algorithm.filter_groups.enable and n < 2:
-        raise ValueError("algorithm.filter_groups.enable needs rollout.n >= 2")
 
 
 def check_batch_shapes(config: TrainConfig) -> None:
@@ -190,46 +192,10 @@ def check_router_replay(config: TrainConfig) -> None:
         )
 
 
-def check_preference(config: TrainConfig) -> None:
-    """Online DPO's constraints, named by key."""
-    if not config.prefers:
-        return
-    objective = "actor.objective=preference"
-    if config.rollout.n < 2:
-        raise ValueError(f"{objective} ranks each prompt's responses, so rollout.n must be at least 2")
-    if config.mini_batch_prompts != config.data.train_batch_size:
-        raise ValueError(
-            f"{objective} takes one optimizer step per step; leave actor.ppo_mini_batch_size unset"
-        )
-    if config.algorithm.filter_groups.enable or config.algorithm.needs_greedy_baseline:
-        raise ValueError(
-            f"{objective} pairs responses itself: algorithm.filter_groups and the {config.algorithm.adv_estimator} "
-            "baseline do not apply"
-        )
-    if config.algorithm.kl.use_kl_loss or config.algorithm.kl.use_kl_in_reward:
-        raise ValueError(
-            f"{objective}: the preference loss already measures the policy against the reference; "
-            "turn algorithm.kl.use_kl_loss and use_kl_in_reward off"
-        )
-    check_online_preference_loss(config.actor.preference, objective)
-
-
-def check_online_preference_loss(preference: PreferenceLossConfig, objective: str) -> None:
-    """What online DPO's pairs cannot take: unpaired losses (they need labelled single responses),
-    and LD-DPO's and WPO's per-token weighting (its reference log-probs are plain sums)."""
-    names = preference.names or (preference.name,)
-    unpaired = [name for name in names if name in UNPAIRED_LOSSES]
-    if unpaired:
-        raise ValueError(
-            f"{objective} pairs each prompt's best and worst responses; actor.preference {unpaired[0]!r} is an "
-            "unpaired loss (tandem dpo trains it on labelled data)"
-        )
-    if preference.ld_alpha is not None or preference.use_weighting:
-        key = "ld_alpha" if preference.ld_alpha is not None else "use_weighting"
-        raise ValueError(
-            f"{objective}: actor.preference.{key} weighs tokens, and online DPO scores its reference as plain "
-            "sums; leave it unset (tandem dpo has it)"
-        )
+def check_step_stages(config: TrainConfig) -> None:
+    """The rules of the stages the run's step plan holds (``StepStage.rule``: online DPO's, DAPO's
+    group filter, GKD's dataset steps), in the plan's order; two stages claiming one slot raise."""
+    build_step_plan(config).check(config)
 
 
 def check_critic(config: TrainConfig) -> None:
@@ -256,9 +222,10 @@ def check_critic(config: TrainConfig) -> None:
 
 
 def check_teacher(config: TrainConfig) -> None:
-    """A distillation objective has a teacher and a teacher has an objective; online DPO takes
-    neither; the teacher's sequence-parallel size divides the workers, and neither the teacher nor
-    (with top-k tokens) the student runs tensor-parallel yet. Errors name the keys."""
+    """A distillation objective has a teacher and a teacher has an objective (online DPO takes
+    neither: its stage's rule says so); the teacher's sequence x tensor-parallel size divides the
+    workers, and with top-k tokens neither the teacher nor the student runs tensor-parallel yet.
+    Errors name the keys."""
     distill, teacher = config.algorithm.distill, config.teacher
     if distill.enabled and not teacher.model_path:
         raise ValueError(
@@ -269,34 +236,21 @@ def check_teacher(config: TrainConfig) -> None:
             "teacher.model_path is set but algorithm.distill.objective=none: choose an objective "
             "(reverse_kl) or leave teacher.model_path unset"
         )
-    if distill.enabled and config.prefers:
-        raise ValueError(
-            "algorithm.distill.objective: online DPO (actor.objective=preference) trains on response pairs, "
-            "not per-token advantages; distil with actor.objective=policy_gradient"
-        )
     if distill.adds_loss and not teacher.top_k:
         raise ValueError(
             f"algorithm.distill.objective={distill.objective!r} compares distributions over the teacher's top-k "
             "tokens: set teacher.top_k (e.g. 16)"
         )
-    if distill.lmbda < 1 and config.pipeline.mode != "sync":
-        raise ValueError(
-            f"algorithm.distill.lmbda={distill.lmbda} with pipeline.mode={config.pipeline.mode}: steps on the "
-            "dataset's responses are drawn step by step, which the asynchronous pipelines' rollout ahead of "
-            "the trainer does not do yet; use pipeline.mode=sync"
+    engine, workers = teacher.engine, config.world_size
+    if distill.enabled:  # frozen: any strategy scores a tensor-parallel group's rows, one group or several
+        ParallelDims(workers, engine.sp_size, engine.tp_size).check(
+            "teacher.engine", world=f"the {workers} workers", unit="workers"
         )
-    if distill.lmbda < 1 and config.algorithm.filter_groups.enable:
+    if distill.enabled and teacher.top_k and engine.tp_size > 1:
         raise ValueError(
-            f"algorithm.distill.lmbda={distill.lmbda} with algorithm.filter_groups.enable: a step on the "
-            "dataset's responses has one response per group, so no group would ever be kept"
-        )
-    sp = teacher.engine.sp_size
-    if distill.enabled and config.world_size % sp:
-        raise ValueError(f"teacher.engine.sp_size={sp} must divide the {config.world_size} workers")
-    if distill.enabled and teacher.engine.tp_size > 1:
-        raise ValueError(
-            f"teacher.engine.tp_size={teacher.engine.tp_size}: the teacher's workers do not dispatch over a "
-            "tensor-parallel mesh yet; set teacher.engine.tp_size=1"
+            f"teacher.top_k={teacher.top_k} with teacher.engine.tp_size={engine.tp_size}: the teacher's top-k "
+            "tokens are not computed over a head split between tensor-parallel ranks yet; set teacher.top_k=0 "
+            "(the reverse_kl objective) or teacher.engine.tp_size=1"
         )
     if distill.enabled and teacher.top_k and config.actor.engine.tp_size > 1:
         raise ValueError(

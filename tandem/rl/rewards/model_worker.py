@@ -12,11 +12,10 @@ micro-batches. A conversation longer than ``max_length`` keeps its last ``max_le
 from __future__ import annotations
 
 import torch
-from transformers.utils import logging as hf_logging
 
 from tandem.controller import Worker, register
-from tandem.device import bind_device
-from tandem.engine import EngineConfig, TorchTrainEngine
+from tandem.engine import EngineConfig
+from tandem.engine.on_rank import bind_rank, parameter_count, start_engine
 from tandem.models.chat import template_ids
 from tandem.models.loading import load_tokenizer
 from tandem.protocol import Batch
@@ -33,22 +32,18 @@ class RewardModelWorker(Worker):
     @register(dispatch="ONE_TO_ALL")
     def init_model(self) -> int:
         """Load the model and tokenizer on this rank's device; returns the parameter count."""
-        hf_logging.disable_progress_bar()
-        device = bind_device(self.device_setting, self.local_rank)
+        device = bind_rank(self, self.device_setting)
         config = self.config
         self.tokenizer = load_tokenizer(config.path)
-        self.engine = TorchTrainEngine(
-            EngineConfig(
-                model_path=config.path,
-                head="reward",
-                device=str(device),
-                param_dtype=config.param_dtype,
-                max_tokens_per_micro_batch=max(config.max_tokens_per_micro_batch, config.max_length),
-            )
+        engine_config = EngineConfig(
+            model_path=config.path,
+            head="reward",
+            device=str(device),
+            param_dtype=config.param_dtype,
+            max_tokens_per_micro_batch=max(config.max_tokens_per_micro_batch, config.max_length),
         )
-        self.engine.initialize()
-        self.engine.causal_lm.requires_grad_(False)
-        return sum(p.numel() for p in self.engine.causal_lm.parameters())
+        self.engine = start_engine(self, engine_config, frozen=True)  # DP_COMPUTE: dispatched by plain rank
+        return parameter_count(self.engine)
 
     @register(dispatch="DP_COMPUTE")
     def score(self, batch: Batch) -> Batch:

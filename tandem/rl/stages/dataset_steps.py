@@ -9,6 +9,7 @@ from typing import Any
 from tandem.protocol import Batch
 from tandem.rl.metrics import timed
 from tandem.rl.stages.base import register_step_stage
+from tandem.rl.stages.dynamic_sampling import filters_groups
 from tandem.rl.stages.old_log_probs import is_dataset_step
 
 
@@ -16,7 +17,26 @@ def _mixes_dataset_steps(config: Any) -> bool:
     return config.algorithm.distill.lmbda < 1
 
 
-@register_step_stage("dataset_old_log_probs", "pass", applies=_mixes_dataset_steps, order=11)
+def check_dataset_steps(config: Any, plan: Any) -> None:
+    """The colocated pipeline (dataset steps are drawn step by step) and no group filter (a dataset
+    step's groups hold one response each)."""
+    lmbda, mode = config.algorithm.distill.lmbda, config.pipeline.mode
+    if mode != "sync":
+        raise ValueError(
+            f"algorithm.distill.lmbda={lmbda} with pipeline.mode={mode}: steps on the "
+            "dataset's responses are drawn step by step, which the asynchronous pipelines' rollout ahead of "
+            "the trainer does not do yet; use pipeline.mode=sync"
+        )
+    if filters_groups(config):
+        raise ValueError(
+            f"algorithm.distill.lmbda={lmbda} with algorithm.filter_groups.enable: a step on the "
+            "dataset's responses has one response per group, so no group would ever be kept"
+        )
+
+
+@register_step_stage(
+    "dataset_old_log_probs", "pass", applies=_mixes_dataset_steps, order=11, rule=check_dataset_steps
+)
 def dataset_old_log_probs(trainer: Any, data: Any, timings: dict[str, float]) -> None:
     """``old_log_probs`` of a dataset step, unless the plan's ``old_log_probs`` pass made them."""
     if is_dataset_step(data.batch) and trainer.plan.old_log_probs != "pass":

@@ -1,19 +1,32 @@
 """ReMax's greedy baselines: each draw's prompts answered greedily and scored, when the advantage
-estimator reads ``reward_baselines`` (its ``requires=``)."""
+estimator reads ``reward_baselines`` (its ``requires=``).
+
+A draw kept in the data plane (a ``BatchRef``) keeps its greedy responses there too, where the
+batch source can (``generate_to_store``: the ``sync`` pipeline's workers): they are scored on the
+texts the generating ranks decoded, only the per-row scores reach the controller, and their
+blocks are released once scored. The asynchronous pipelines' replicas still return the greedy
+responses to the controller (only the baselines' draw stays stored)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from tandem.dataplane import BatchRef
 from tandem.protocol import Batch
 from tandem.rl.metrics import timed
+from tandem.rl.scoring import SEQUENCE_SCORE
 from tandem.rl.stages.base import register_step_stage
 
 
-@register_step_stage(
-    "greedy_baseline", "draw", applies=lambda config: config.algorithm.needs_greedy_baseline, order=10
-)
-def greedy_baseline(trainer: Any, scored: Batch, timings: dict[str, float]) -> Batch:
+def needs_greedy_baseline(config: Any) -> bool:
+    """Whether the advantage estimator reads a greedy baseline (``reward_baselines``: ReMax)."""
+    return config.algorithm.needs_greedy_baseline
+
+
+@register_step_stage("greedy_baseline", "draw", applies=needs_greedy_baseline, order=10, stored=True)
+def greedy_baseline(trainer: Any, scored: Batch | BatchRef, timings: dict[str, float]) -> Batch | BatchRef:
     """``reward_baselines [B]``: the score of each group's greedy response, repeated over the
     group's ``n`` rows. The greedy responses come from the weights the engines hold: the trainer's
     latest (sync), or the replicas' (asynchronous modes), which differ from the sampled responses'
@@ -22,7 +35,25 @@ def greedy_baseline(trainer: Any, scored: Batch, timings: dict[str, float]) -> B
     n = trainer.config.rollout.n
     with timed(timings, "gen_greedy"):
         prompts = trainer.train_data.collate([int(i) for i in scored["index"][::n]])
-        sampling = trainer.config.rollout.sampling(0.0)
-        greedy = trainer.rollout.generate(prompts, [0] * len(prompts), sampling, None)
-        baselines = trainer.score(greedy, training=False)[0]["token_level_scores"].sum(-1)
-    return scored.assign(tensors={"reward_baselines": baselines.repeat_interleave(n)})
+        baselines = greedy_scores(trainer, prompts, stored=isinstance(scored, BatchRef)).repeat_interleave(n)
+    if isinstance(scored, BatchRef):
+        return BatchRef(
+            scored.scalars.assign(tensors={"reward_baselines": baselines}), scored.parts, scored.schema
+        )
+    return scored.assign(tensors={"reward_baselines": baselines})
+
+
+def greedy_scores(trainer: Any, prompts: Batch, stored: bool) -> torch.Tensor:
+    """``[G]`` float32: the score of the greedy response to each of ``prompts``; with ``stored``
+    (and a source that keeps generations) the responses stay on the ranks and are released once
+    scored."""
+    source, seeds, sampling = trainer.rollout, [0] * len(prompts), trainer.config.rollout.sampling(0.0)
+    keeps = getattr(source, "generate_to_store", None)
+    if not stored or keeps is None:
+        greedy = source.generate(prompts, seeds, sampling, None)
+        return trainer.score(greedy, training=False)[0]["token_level_scores"].sum(-1)
+    greedy = keeps(prompts, seeds, sampling)
+    try:
+        return trainer.score(greedy, training=False)[0][SEQUENCE_SCORE]
+    finally:
+        trainer.workers.release_refs(greedy)

@@ -23,6 +23,7 @@ def is_dataset_step(batch: Any) -> bool:
     "prepare",
     applies=lambda config: config.old_log_probs_source == "rollout",
     order=20,
+    stored=False,  # it renames a field the rollout stored
 )
 def rollout_old_log_probs(trainer: Any, batch: Batch) -> Batch:
     """``old_log_probs``: the rollout's log-probs of the sampled tokens (the behaviour policy's)."""

@@ -14,7 +14,12 @@ from tandem.rl.stages.base import register_step_stage
 
 
 @register_step_stage(
-    "policy_gradient", "update", applies=lambda config: False, default=True, runs=("prepare", "pass", "view")
+    "policy_gradient",
+    "update",
+    applies=lambda config: False,
+    default=True,
+    runs=("prepare", "pass", "view"),
+    stored=True,
 )
 def policy_gradient(trainer: Any, batch: Batch, timings: dict[str, float]) -> tuple[Batch, dict[str, float]]:
     """Old, reference and teacher log-probs and values, advantages, then the PPO-style update."""

@@ -6,14 +6,69 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem.algos.preference import UNPAIRED_LOSSES, PreferenceLossConfig
 from tandem.protocol import Batch
 from tandem.rl.metrics import timed
 from tandem.rl.preference_pairs import best_worst_pairs, with_reference_sums
 from tandem.rl.stages.base import register_step_stage
+from tandem.rl.stages.dynamic_sampling import filters_groups
+from tandem.rl.stages.greedy_baseline import needs_greedy_baseline
 from tandem.rl.step_data import BatchStep
 
+OBJECTIVE = "actor.objective=preference"
 
-@register_step_stage("preference", "update", applies=lambda config: config.prefers, runs=("pass",))
+
+def prefers(config: Any) -> bool:
+    """Whether the run is online DPO (``actor.objective=preference``)."""
+    return config.prefers
+
+
+def check_preference(config: Any, plan: Any) -> None:
+    """Online DPO's constraints, named by key: groups of two or more responses, one optimizer step
+    a step, no other draw filter or baseline, no KL term, no teacher, a paired loss."""
+    if config.rollout.n < 2:
+        raise ValueError(f"{OBJECTIVE} ranks each prompt's responses, so rollout.n must be at least 2")
+    if config.mini_batch_prompts != config.data.train_batch_size:
+        raise ValueError(
+            f"{OBJECTIVE} takes one optimizer step per step; leave actor.ppo_mini_batch_size unset"
+        )
+    if filters_groups(config) or needs_greedy_baseline(config):
+        raise ValueError(
+            f"{OBJECTIVE} pairs responses itself: algorithm.filter_groups and the {config.algorithm.adv_estimator} "
+            "baseline do not apply"
+        )
+    if config.algorithm.kl.use_kl_loss or config.algorithm.kl.use_kl_in_reward:
+        raise ValueError(
+            f"{OBJECTIVE}: the preference loss already measures the policy against the reference; "
+            "turn algorithm.kl.use_kl_loss and use_kl_in_reward off"
+        )
+    if any(stage.name == "teacher" for stage in plan.passes):
+        raise ValueError(
+            "algorithm.distill.objective: online DPO (actor.objective=preference) trains on response pairs, "
+            "not per-token advantages; distil with actor.objective=policy_gradient"
+        )
+    check_online_preference_loss(config.actor.preference)
+
+
+def check_online_preference_loss(preference: PreferenceLossConfig) -> None:
+    """What online DPO's pairs cannot take: unpaired losses (they need labelled single responses),
+    and LD-DPO's and WPO's per-token weighting (its reference log-probs are plain sums)."""
+    names = preference.names or (preference.name,)
+    unpaired = [name for name in names if name in UNPAIRED_LOSSES]
+    if unpaired:
+        raise ValueError(
+            f"{OBJECTIVE} pairs each prompt's best and worst responses; actor.preference {unpaired[0]!r} is an "
+            "unpaired loss (tandem dpo trains it on labelled data)"
+        )
+    if preference.ld_alpha is not None or preference.use_weighting:
+        key = "ld_alpha" if preference.ld_alpha is not None else "use_weighting"
+        raise ValueError(
+            f"{OBJECTIVE}: actor.preference.{key} weighs tokens, and online DPO scores its reference as plain "
+            "sums; leave it unset (tandem dpo has it)"
+        )
+
+
+@register_step_stage("preference", "update", applies=prefers, runs=("pass",), rule=check_preference)
 def preference(trainer: Any, batch: Batch, timings: dict[str, float]) -> tuple[Batch, dict[str, float]]:
     """The pairs' preference update; returns the whole scored batch (for its statistics)."""
     config = trainer.config

@@ -1,0 +1,5 @@
+import sys
+
+from tandem.cli.commands import main
+
+sys.exit(main())

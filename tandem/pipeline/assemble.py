@@ -1,0 +1,108 @@
+"""The training rows of finished prompt groups, built on the controller from their metadata.
+
+:func:`assemble_batch` maps each group's sample files (:mod:`tandem.pipeline.sample_store`) and
+copies the responses once, into the padded batch; :func:`assemble_stored` leaves the rows in the
+replicas' data-plane blocks (:mod:`tandem.pipeline.group_blocks`) and returns a ``BatchRef`` to
+them. Both take the prompts' columns from the :class:`~tandem.pipeline.requests.PromptRows`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tandem.dataplane import BatchRef
+from tandem.pipeline.provenance import provenance_columns
+from tandem.pipeline.requests import PromptRows
+from tandem.pipeline.sample_queue import GroupMeta
+from tandem.pipeline.sample_store import read_fields, release
+from tandem.pipeline.stored_rollout import trim_stored
+from tandem.protocol import Batch
+from tandem.protocol.generation import Completion
+from tandem.protocol.sequences import sequence_tensors, trim_padding
+
+
+def assemble_batch(groups: list[GroupMeta], prompt_rows: PromptRows, n: int, pad_id: int) -> Batch:
+    """The training rows of ``groups`` (``n`` responses each): their prompts from ``prompt_rows`` (an
+    agent episode's own prompt, rendered with the tools' schemas) and their responses pulled from
+    the sample store (whose files are released). Each response is a view of the mapped file until
+    it is copied once, into the padded batch. Every row carries its provenance
+    (:mod:`tandem.pipeline.provenance`)."""
+    prompts = prompt_rows.collate([g.index for g in groups]).repeat(n, interleave=True)
+    prompt_ids: list[Any] = list(prompts["prompt_ids"])
+    completions: list[Completion] = []
+    for g, group in enumerate(groups):
+        fields = read_fields(group.ref)
+        spans = _spans(fields["lengths"])
+        prompt_spans = _spans(fields["prompt_lengths"]) if group.episodes else []
+        routed_spans = _spans(fields["routed_lengths"]) if "routed_lengths" in fields else []
+        for i, (start, end) in enumerate(spans):
+            completions.append(
+                Completion(
+                    f"{group.uid}/{i}",
+                    (),
+                    fields["token_ids"][start:end],  # type: ignore[arg-type]
+                    fields["log_probs"][start:end],  # type: ignore[arg-type]
+                    fields["versions"][start:end],  # type: ignore[arg-type]
+                    group.finish_reasons[i],  # type: ignore[arg-type]
+                    token_mask=fields["token_mask"][start:end] if group.episodes else None,  # type: ignore[arg-type]
+                    routed_experts=fields["routed_experts"][slice(*routed_spans[i])]
+                    if routed_spans
+                    else None,
+                )
+            )
+            if group.episodes:
+                begin, stop = prompt_spans[i]
+                prompt_ids[g * n + i] = fields["prompt_ids"][begin:stop].tolist()
+        release(group.ref)
+    tensors = sequence_tensors(prompt_ids, completions, pad_id)
+    non_tensors: dict[str, list] = {
+        "uid": [g.uid for g in groups for _ in range(n)],
+        "finish_reason": [c.finish_reason for c in completions],
+        **provenance_columns(groups),
+    }
+    if groups and groups[0].episodes:
+        episodes = [e for g in groups for e in g.episodes]
+        non_tensors.update(
+            agent_messages=[e.messages for e in episodes],
+            agent_turns=[e.turns for e in episodes],
+            agent_tool_calls=[e.tool_calls for e in episodes],
+            agent_tool_errors=[e.tool_errors for e in episodes],
+            agent_reward=[e.reward for e in episodes],
+        )
+        if episodes[0].program_log is not None:  # an agent program's episodes
+            non_tensors.update(
+                agent_program_splits=[e.program_splits for e in episodes],
+                agent_program_metrics=[e.program_metrics for e in episodes],
+                agent_program_log=[e.program_log for e in episodes],
+            )
+    batch = prompts.assign(tensors=tensors, non_tensors=non_tensors)
+    return trim_padding(batch, pad_id)
+
+
+def assemble_stored(groups: list[GroupMeta], prompt_rows: PromptRows, n: int) -> BatchRef:
+    """The training rows of ``groups`` (``n`` responses each, stored by their replicas:
+    :mod:`tandem.pipeline.group_blocks`) as one ``BatchRef``: the prompts' columns from ``prompt_rows``
+    (without their ``prompt_ids``) and each row's ``uid``, ``finish_reason`` and provenance
+    (:mod:`tandem.pipeline.provenance`) inline, the groups'
+    references concatenated, and every stored field cropped to the batch's longest prompt and
+    response. It materialises to :func:`assemble_batch`'s batch of the same groups (less
+    ``prompt_ids``, plus the inline scalars of :func:`tandem.pipeline.stored_rollout.store_rollout`);
+    no block is read. The blocks are released by whoever ends the step."""
+    prompts = prompt_rows.collate([g.index for g in groups]).repeat(n, interleave=True)
+    columns = prompts.select([k for k in prompts.keys() if k != "prompt_ids"]).assign(
+        non_tensors={
+            "uid": [g.uid for g in groups for _ in range(n)],
+            "finish_reason": [reason for g in groups for reason in g.finish_reasons],
+            **provenance_columns(groups),
+        }
+    )
+    rows = BatchRef.concat([g.ref for g in groups])  # type: ignore[misc]
+    return trim_stored(BatchRef(columns, (), {}).union(rows))
+
+
+def _spans(lengths: torch.Tensor) -> list[tuple[int, int]]:
+    """``(start, end)`` of each of the consecutive pieces of ``lengths``."""
+    ends = lengths.cumsum(0).tolist()
+    return list(zip([0, *ends[:-1]], ends, strict=True))

@@ -1,0 +1,89 @@
+"""Prompt rows in, rollout requests out, completions back into rows: one helper for every source.
+
+The training prompts reach the pipeline through one narrow interface, :class:`PromptRows` (the
+RL dataset is one; the pipeline reads nothing else of it). From a batch of prompt rows,
+:func:`rollout_requests` makes one :class:`~tandem.rollout.RolloutRequest` per row (the sync
+pipeline's workers and the asynchronous pipelines' validation both build theirs here),
+:func:`with_completions` puts the engines' completions back beside their prompts as generation
+fields, and :func:`group_requests` makes the asynchronous pipelines' prompt groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+from tandem.pipeline.groups import EpisodePrompt, GroupRequest
+from tandem.pipeline.source import StepShape
+from tandem.protocol import Batch
+from tandem.protocol.generation import Completion
+from tandem.protocol.sequences import resize_columns, sequence_tensors
+from tandem.rollout import RolloutRequest, SamplingParams
+from tandem.seeds import derive_seed
+
+GROUP_SEED_TAG = 202  # derive_seed(run seed, this, group serial, response): an async group's seeds
+
+
+class PromptRows(Protocol):
+    """The training prompts, as the pipeline reads them (:class:`tandem.rl.data.RLDataset` is one)."""
+
+    def collate(self, indices: list[int]) -> Batch:
+        """The rows ``indices`` as a batch of per-row columns: at least ``prompt_ids`` (a sequence
+        of token ids a row) and ``index``; ``raw_prompt`` (chat messages), ``extra_info`` and
+        ``agent_name`` for agent episodes; ``images`` (``ImageInputs`` or None a row) when any row
+        holds images. Other columns (the reward's ``ground_truth``...) pass through to training."""
+        ...
+
+
+def rollout_requests(
+    prompts: Batch, seeds: Sequence[int], sampling: SamplingParams, name: str
+) -> list[RolloutRequest]:
+    """One request per row of ``prompts`` (its ``prompt_ids`` and ``images``), row ``i`` named
+    ``<name>-<i>`` and sampled with ``sampling`` under its own seed ``seeds[i]``."""
+    images = prompts["images"] if "images" in prompts else [None] * len(prompts)
+    return [
+        RolloutRequest(f"{name}-{i}", tuple(ids), dataclasses.replace(sampling, seed=int(seed)), pictures)
+        for i, (ids, seed, pictures) in enumerate(zip(prompts["prompt_ids"], seeds, images, strict=True))
+    ]
+
+
+def with_completions(
+    prompts: Batch, completions: Sequence[Completion], pad_id: int, widths: tuple[int, int] | None = None
+) -> Batch:
+    """``prompts`` with each row's completion as generation fields (``input_ids``, ``responses``,
+    ``response_mask`` ... ``[B, P + R]`` / ``[B, R]``, padded with ``pad_id``:
+    :func:`~tandem.protocol.sequences.sequence_tensors`) and its ``finish_reason``. ``widths``:
+    ``P`` and ``R`` fixed at ``(prompt_width, response_width)``
+    (:func:`~tandem.protocol.sequences.resize_columns`), not the longest prompt and response."""
+    tensors = sequence_tensors(prompts["prompt_ids"], list(completions), pad_id)
+    if widths is not None:
+        tensors = resize_columns(tensors, *widths, pad_id)
+    return prompts.assign(
+        tensors=tensors, non_tensors={"finish_reason": [c.finish_reason for c in completions]}
+    )
+
+
+def group_requests(rows: Batch, first_serial: int, shape: StepShape, episodes: bool) -> list[GroupRequest]:
+    """One prompt group per row of ``rows`` (:meth:`PromptRows.collate`), the ``k``-th numbered
+    ``first_serial + k`` (its uid ``g<serial>``; its responses' seeds derive from ``shape.seed``,
+    :data:`GROUP_SEED_TAG` and the serial). ``episodes``: each response is an agent episode
+    starting from the row's messages."""
+    images = rows["images"] if "images" in rows else [None] * len(rows)
+    requests = []
+    for k, index in enumerate(rows["index"]):
+        serial = first_serial + k
+        seeds = tuple(derive_seed(shape.seed, GROUP_SEED_TAG, serial, i) for i in range(shape.responses))
+        episode = (
+            EpisodePrompt(
+                tuple(rows["raw_prompt"][k]), dict(rows["extra_info"][k] or {}), rows["agent_name"][k]
+            )
+            if episodes
+            else None
+        )
+        requests.append(
+            GroupRequest(
+                f"g{serial}", index, tuple(rows["prompt_ids"][k]), seeds, shape.sampling, episode, images[k]
+            )
+        )
+    return requests
