@@ -151,8 +151,8 @@ class AgentConfig:
                 raise ValueError(f"agent.{key} is set but agent.name={self.name!r}: set agent.name=program")
         if self.program_command:  # a list from the command line: kept as the tuple the field declares
             object.__setattr__(self, "program_command", check_command(self.program_command))
-        if self.program_sandbox_mounts:  # a list from the command line: kept as the declared tuple
-            object.__setattr__(self, "program_sandbox_mounts", tuple(self.program_sandbox_mounts))
+        # a list from the command line or YAML: kept as the tuple the field declares
+        object.__setattr__(self, "program_sandbox_mounts", tuple(self.program_sandbox_mounts))
         if self.program_sandbox:
             self._check_program_sandbox()
         elif self.program_sandbox_mounts:

@@ -54,6 +54,7 @@ class RolloutFleet:
         self._holding = False
         self._calls = threading.Condition()  # drivers send under it; hold() waits on it
         self.failures: dict[int, RolloutReplicaError] = {}  # by rank, until revived
+        self.driver_errors: dict[int, Exception] = {}  # by rank: a driver thread that failed on this side
         self._generation = [0] * self.size  # a driver whose rank's generation moved on retires
         self._threads = [self._start_driver(rank) for rank in range(self.size)]
 
@@ -124,7 +125,17 @@ class RolloutFleet:
                 self._calls.notify_all()
 
     def check(self) -> None:
-        """Raise the first replica failure (see the module docstring)."""
+        """Raise the first failure of a replica's driver thread on the controller's side (a
+        ``RuntimeError`` naming the replica, caused by it: the run cannot go on), else the first
+        replica failure (see the module docstring)."""
+        with self._lock:
+            broken = dict(self.driver_errors)
+        if broken:
+            rank = min(broken)
+            raise RuntimeError(
+                f"the controller's driver of rollout replica {rank} failed: {type(broken[rank]).__name__}: "
+                f"{broken[rank]}"
+            ) from broken[rank]
         error = self.error
         if error is not None:
             raise error
@@ -185,6 +196,10 @@ class RolloutFleet:
             with self._lock:
                 if generation == self._generation[rank]:
                     self.failures[rank] = error
+        except Exception as error:  # the controller's side failed (the queue, a store): no restart mends it
+            with self._lock:
+                if generation == self._generation[rank]:
+                    self.driver_errors[rank] = error
 
     def _submit(self, rank: int, method: str, *args: Any) -> Any:
         try:

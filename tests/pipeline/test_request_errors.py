@@ -93,3 +93,31 @@ def test_a_replicas_group_raises_the_same_error(tiny_model_dir):
     finally:
         engine.close()
     assert str(raised.value) == expected
+
+
+class BrokenQueue(SampleQueue):
+    """A sample queue whose hand-over fails on the controller's side (as a store's error would)."""
+
+    def put(self, groups):
+        raise KeyError("nbytes")
+
+
+def test_a_driver_failing_on_the_controllers_side_is_raised_not_swallowed(tiny_model_dir, tmp_path):
+    """Only replica failures were caught: any other error ended the driver thread silently, and
+    the trainer waited for groups that would never come."""
+    kwargs = {
+        "engine": RolloutEngineConfig(native=ENGINE),
+        "model_path": tiny_model_dir,
+        "device": "cpu",
+        "sample_dir": str(tmp_path),
+    }
+    with create_worker_group(RolloutReplicaWorker, ResourcePool((1,)), "local", kwargs=kwargs) as group:
+        fleet = RolloutFleet(group, BrokenQueue(None), timeout_s=60)
+        try:
+            fleet._threads[0].join(timeout=30)  # its first hand-over fails
+            assert not fleet._threads[0].is_alive()
+            with pytest.raises(RuntimeError, match="driver of rollout replica 0 failed: KeyError") as raised:
+                fleet.check()
+            assert isinstance(raised.value.__cause__, KeyError)
+        finally:
+            fleet.close()

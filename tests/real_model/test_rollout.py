@@ -103,4 +103,6 @@ def test_a_stop_string_split_across_two_tokens_stops_where_the_text_first_holds_
     assert len(expected) == cut + 1
     (stopped,) = engine.generate_batch([greedy(prompt, "stop", stop=(stop,))])
     assert stopped.token_ids == expected and stopped.finish_reason == "stop", (stop, pieces[: cut + 1])
-    assert stopped.log_probs == pytest.approx(completion.log_probs[: cut + 1], abs=1e-5)
+    # the reference ran in a batch with other prompts, this request alone: other matmul shapes, so
+    # fp32 rounding of the 49k-way softmax differs (1.4e-5 on an Intel Xeon); the tier's bound
+    assert stopped.log_probs == pytest.approx(completion.log_probs[: cut + 1], abs=1e-4)

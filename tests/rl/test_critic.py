@@ -143,7 +143,9 @@ TENSOR_PARALLEL = ("actor.engine.tp_size=2", "critic.engine.tp_size=2")
     [
         (),
         SEQUENCE_PARALLEL,
-        (*SEQUENCE_PARALLEL, "critic.placement=colocated"),
+        # the colocated placement with two workers: tested in the default tier by
+        # test_a_colocated_critic_trains_as_a_separate_one, its sequence-parallel form here (slow)
+        pytest.param((*SEQUENCE_PARALLEL, "critic.placement=colocated"), marks=pytest.mark.slow),
         pytest.param((*TENSOR_PARALLEL, "critic.placement=colocated"), marks=pytest.mark.slow),  # ~50 s
     ],
     ids=["data-parallel", "sequence-parallel", "sequence-parallel-colocated", "tensor-parallel-colocated"],
