@@ -46,6 +46,12 @@ def _expected_error(model_dir, requests, where):
     return str(expected.value)
 
 
+def replica_kwargs(model_dir, sample_dir) -> dict:
+    """A one-replica group's settings: the tiny model's native engine on the CPU."""
+    engine = RolloutEngineConfig(native=ENGINE)
+    return {"engine": engine, "model_path": model_dir, "device": "cpu", "sample_dir": str(sample_dir)}
+
+
 def test_the_shared_check_names_the_first_failed_request(tiny_model_dir):
     engine = NativeRolloutEngine.from_pretrained(tiny_model_dir, ENGINE)
     completions = engine.generate_batch(_requests("val"))
@@ -62,12 +68,7 @@ def test_async_validation_raises_on_an_error_completion_like_the_sync_path(tiny_
     completion on as an empty response; it raises the sync path's error now."""
     requests = _requests("val")
     expected = _expected_error(tiny_model_dir, requests, "validation on the rollout replicas")
-    kwargs = {
-        "engine": RolloutEngineConfig(native=ENGINE),
-        "model_path": tiny_model_dir,
-        "device": "cpu",
-        "sample_dir": str(tmp_path),
-    }
+    kwargs = replica_kwargs(tiny_model_dir, tmp_path)
     with create_worker_group(RolloutReplicaWorker, ResourcePool((1,)), "local", kwargs=kwargs) as group:
         fleet = RolloutFleet(group, SampleQueue(None), timeout_s=60)
         try:
@@ -105,12 +106,7 @@ class BrokenQueue(SampleQueue):
 def test_a_driver_failing_on_the_controllers_side_is_raised_not_swallowed(tiny_model_dir, tmp_path):
     """Only replica failures were caught: any other error ended the driver thread silently, and
     the trainer waited for groups that would never come."""
-    kwargs = {
-        "engine": RolloutEngineConfig(native=ENGINE),
-        "model_path": tiny_model_dir,
-        "device": "cpu",
-        "sample_dir": str(tmp_path),
-    }
+    kwargs = replica_kwargs(tiny_model_dir, tmp_path)
     with create_worker_group(RolloutReplicaWorker, ResourcePool((1,)), "local", kwargs=kwargs) as group:
         fleet = RolloutFleet(group, BrokenQueue(None), timeout_s=60)
         try:
