@@ -45,7 +45,7 @@ def distill_config(rl_files, output_dir, teacher, *overrides):
     )  # fmt: skip
 
 
-def _padded_batch(tokenizer, pairs: list[tuple[str, str]]) -> Batch:
+def padded_batch(tokenizer, pairs: list[tuple[str, str]]) -> Batch:
     """Prompts left-padded and responses right-padded, as generation returns them."""
     pad = tokenizer.pad_token_id
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in pairs]
@@ -70,7 +70,7 @@ def test_the_teacher_role_returns_the_teacher_models_own_log_probs(rl_files, tea
     config = distill_config(rl_files, tmp_path, teacher_dir, "teacher.top_k=4")
     tokenizer = load_tokenizer(teacher_dir)
     pairs = [("12+7=", "19"), ("3+45=", "48<|im_end|>"), ("12+7=", "20 and more"), ("99+1=", "1")]
-    batch = _padded_batch(tokenizer, pairs)
+    batch = padded_batch(tokenizer, pairs)
     with create_worker_group(TeacherWorker, config.teacher_resource_pool(), "local", args=(config,)) as group:
         group.init_model()
         teacher = group.compute_teacher_log_prob(batch)
@@ -174,7 +174,7 @@ def test_a_teacher_padded_past_the_students_vocabulary_scores_as_the_unpadded_on
     student does not have (``index 109 is out of bounds``): scored over the shared ids it gives
     the unpadded teacher's numbers exactly, and so the same advantages, divergence and metrics."""
     tokenizer = load_tokenizer(teacher_dir)
-    batch = _padded_batch(tokenizer, [("12+7=", "19"), ("3+45=", "48<|im_end|>"), ("99+1=", "1 and more")])
+    batch = padded_batch(tokenizer, [("12+7=", "19"), ("3+45=", "48<|im_end|>"), ("99+1=", "1 and more")])
     padded_model = load_model(padded_teacher_dir)
     with torch.no_grad():  # the padding matters: it holds most of the padded head's own softmax
         full = torch.softmax(padded_model(batch["input_ids"]).logits.float(), -1)
@@ -273,7 +273,7 @@ def test_a_relative_teacher_path_reaches_ray_teacher_workers_that_run_elsewhere(
         distill_config(rl_files, tmp_path / "run", relative_teacher, "trainer.backend=ray")
     ).config
     local = distill_config(rl_files, tmp_path / "run", teacher_dir)
-    batch = _padded_batch(load_tokenizer(teacher_dir), [("12+7=", "19"), ("3+45=", "48 and")])
+    batch = padded_batch(load_tokenizer(teacher_dir), [("12+7=", "19"), ("3+45=", "48 and")])
     scored = []
     for config, backend in ((on_ray, "ray"), (local, "local")):
         with create_worker_group(
@@ -298,7 +298,7 @@ def test_a_relative_teacher_path_reaches_teacher_processes_started_elsewhere(
     assert resolved.teacher.model_path == str(tmp_path / "caller" / "teacher")
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")  # the workers start here
-    batch = _padded_batch(load_tokenizer(teacher_dir), [("12+7=", "19"), ("3+45=", "48 and")])
+    batch = padded_batch(load_tokenizer(teacher_dir), [("12+7=", "19"), ("3+45=", "48 and")])
     scored = []
     for config, backend in ((resolved, "process"), (distill_config(rl_files, tmp_path, teacher_dir), "local")):
         with create_worker_group(TeacherWorker, config.teacher_resource_pool(), backend, args=(config,)) as group:

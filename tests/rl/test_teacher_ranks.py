@@ -15,6 +15,7 @@ from tandem.models import TinyModelConfig, load_tokenizer, save_tiny_model
 from tandem.protocol import Batch
 from tandem.rl.teacher_worker import TeacherWorker, check_restrictable, shared_vocabulary
 from tests.rl.conftest import small_config
+from tests.rl.test_distill import padded_batch
 
 PAIRS = [("12+7=", "19"), ("3+45=", "48<|im_end|>"), ("12+7=", "20 and more"), ("99+1=", "1")]
 
@@ -27,23 +28,7 @@ def teacher_dir(tmp_path_factory):
 
 def scored_batch(tokenizer) -> Batch:
     """``PAIRS`` with prompts left-padded and responses right-padded, as generation returns them."""
-    pad = tokenizer.pad_token_id
-    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in PAIRS]
-    responses = [tokenizer(r, add_special_tokens=False)["input_ids"] for _, r in PAIRS]
-    width, length = max(map(len, prompts)), max(map(len, responses))
-    prompt_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    response_ids = torch.tensor([r + [pad] * (length - len(r)) for r in responses])
-    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    response_mask = torch.tensor([[1] * len(r) + [0] * (length - len(r)) for r in responses])
-    return Batch(
-        {
-            "prompts": prompt_ids,
-            "responses": response_ids,
-            "input_ids": torch.cat([prompt_ids, response_ids], 1),
-            "attention_mask": torch.cat([prompt_mask, response_mask], 1),
-            "response_mask": response_mask,
-        }
-    )
+    return padded_batch(tokenizer, PAIRS)
 
 
 def teacher_log_probs(rl_files, output_dir, teacher, *overrides) -> torch.Tensor:
