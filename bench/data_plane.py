@@ -22,6 +22,10 @@ CPU time too (on a shared machine the clock also counts the time other jobs held
 
     python bench/data_plane.py [--rows 32] [--width 512] [--workers 2] [--repeats 21]
                                [--fetch-rows 256] [--fetch-width 4096] [--no-ray-fetch] [--two-nodes]
+    python bench/data_plane.py --big-step [--step-rows 22000] [--step-width 4096] [--today-scale 8]
+
+``--big-step`` runs only a real SFT step whose batch is >= 2 GB on today's path, with the data
+plane on, and prints the controller's peak RSS beside today's (:mod:`data_plane_big_step`).
 
 The fetch measure runs for the shared-memory engine (the process group above), then for the Ray
 engine: the same ranks as Ray actors on a local one-node Ray cluster the bench starts, their
@@ -218,6 +222,13 @@ def main() -> None:
                         help="skip the Ray engine's fetch measure (it starts a local Ray cluster)")  # fmt: skip
     parser.add_argument("--two-nodes", action="store_true",
                         help="only the fetches across two Ray nodes with private /dev/shm (root)")  # fmt: skip
+    parser.add_argument("--big-step", action="store_true",
+                        help="only an SFT step of a >= 2 GB batch, today vs the data plane (data_plane_big_step.py)")  # fmt: skip
+    parser.add_argument("--step-rows", type=int, default=22000, help="--big-step: the step's rows")
+    parser.add_argument("--step-width", type=int, default=4096, help="--big-step: its longest row")
+    parser.add_argument(
+        "--today-scale", type=int, default=8, help="--big-step: today's path at 1/this of the rows"
+    )
     args = parser.parse_args()
     # One thread per process (the ranks inherit it): on a machine of few cores shared by the
     # controller and its ranks, OpenMP teams of several threads spin against each other and
@@ -225,6 +236,11 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     print(describe_machine())
+    if args.big_step:
+        from data_plane_big_step import big_step  # noqa: PLC0415 - the trainer, only for this mode
+
+        big_step(args)
+        return
     if args.two_nodes:
         across_two_nodes(args)
         return

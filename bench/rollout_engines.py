@@ -5,7 +5,8 @@
 ``SPEC.json`` (written by the parent): ``model`` (an HF directory), ``eos`` and ``pad`` token
 ids, ``repeats``, and ``workloads``: ``[{"name", "prompts": [[ids]], "max_tokens",
 "ignore_eos"}]`` (each prompt listed once per sample). Prints one JSON line: per workload the
-generated tokens/s of each timed run and the response lengths, after one short warm-up run.
+generated tokens/s of each timed run and the response lengths, after one short warm-up run,
+prefixed with ``RESULT_MARK`` (vLLM also logs to stdout, before and after it).
 
 Imports no tandem at module level: the vLLM side runs in vLLM's own environment (its own
 torch), which needs only ``transformers`` and ``vllm``. Sampling is the same everywhere:
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -71,15 +74,43 @@ def hf_runner(path: str, spec: dict):
     return run
 
 
+def vllm_kv_cache_bytes(path: str, spec: dict) -> int:
+    """Bytes of an fp32 KV cache holding the largest workload's requests at full length (plus a
+    quarter): vLLM's CPU worker otherwise reserves ``gpu_memory_utilization`` (0.92 by default)
+    of the machine's RAM and refuses to start when less is free."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    per_token = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * 4
+    longest = max(len(p) for w in spec["workloads"] for p in w["prompts"])
+    most = max(w["max_tokens"] for w in spec["workloads"])
+    rows = max(len(w["prompts"]) for w in spec["workloads"])
+    return int(1.25 * rows * (longest + most + 8) * per_token) + (64 << 20)
+
+
+def vllm_threads_env(threads: int) -> None:
+    """Bind vLLM's model worker to ``threads`` of this process's CPUs: its default ("auto")
+    keeps one core per worker for the engine-core process, i.e. 1 of a 2-core machine's 2."""
+    cpus = sorted(os.sched_getaffinity(0))[:threads]
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in cpus))
+
+
 def vllm_runner(path: str, spec: dict):
-    """vLLM (its CPU build on a CPU machine), fp32, eager; start-up not timed."""
+    """vLLM (its CPU build on a CPU machine), fp32, eager; start-up not timed. Its KV cache is
+    sized from the workloads (:func:`vllm_kv_cache_bytes`) and its worker gets ``--threads``
+    cores (:func:`vllm_threads_env`)."""
+    vllm_threads_env(spec["threads"])
     from vllm import LLM
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.inputs import TokensPrompt
 
     longest = max(len(p) for w in spec["workloads"] for p in w["prompts"])
     most = max(w["max_tokens"] for w in spec["workloads"])
-    llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=longest + most + 8, seed=0)
+    llm = LLM(
+        model=path, dtype="float32", enforce_eager=True, max_model_len=longest + most + 8, seed=0,
+        kv_cache_memory_bytes=vllm_kv_cache_bytes(path, spec),
+        max_num_seqs=256,  # as the native engine's
+    )  # fmt: skip
 
     def run(prompts: list[list[int]], max_tokens: int, ignore_eos: bool) -> list[int]:
         params = VllmSamplingParams(
@@ -93,6 +124,7 @@ def vllm_runner(path: str, spec: dict):
     return run
 
 
+RESULT_MARK = "ROLLOUT-ENGINE-RESULT "  # the result line's prefix: vLLM logs to stdout too, also at exit
 RUNNERS = {"native": native_runner, "hf": hf_runner, "vllm": vllm_runner}
 
 
@@ -121,9 +153,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with open(args.spec) as f:
         spec = json.load(f)
+    spec["threads"] = args.threads
     results = measure(RUNNERS[args.engine](spec["model"], spec), spec)
     results["torch"] = torch.__version__
-    print(json.dumps(results))
+    print(RESULT_MARK + json.dumps(results), flush=True)
 
 
 if __name__ == "__main__":

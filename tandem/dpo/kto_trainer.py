@@ -18,6 +18,7 @@ import time
 import torch
 
 from tandem.algos.preference import KL_BASELINE, kto_kl_estimate
+from tandem.dpo.rank_collation import pair_collators
 from tandem.dpo.trainer import DPOTrainer
 from tandem.dpo.unpaired import UnpairedDataset
 from tandem.dpo.unpaired_loss import summed_unpaired_loss, unpaired_loss, unpaired_metrics
@@ -39,9 +40,14 @@ class KTOTrainer(DPOTrainer):
         )
 
     def load_data(self) -> tuple[UnpairedDataset, UnpairedDataset | None]:  # type: ignore[override]
-        data = self.config.data
-        val = UnpairedDataset.load(data.val_path, self.tokenizer, data) if data.val_path else None
-        return UnpairedDataset.load(data.train_path, self.tokenizer, data), val
+        data, keep = self.config.data, not self.config.dataplane.enabled
+        val = UnpairedDataset.load(data.val_path, self.tokenizer, data, keep) if data.val_path else None
+        return UnpairedDataset.load(data.train_path, self.tokenizer, data, keep), val
+
+    def rank_collators(self) -> dict:
+        if not self.config.dataplane.enabled:
+            return {}
+        return pair_collators(self.config.data, self.engine_config.model_path, unpaired=True)
 
     def _split(self, rows: Rows) -> tuple[Rows, Rows]:
         """The rows with their own completions and the rows with the mismatched ones."""
@@ -61,7 +67,7 @@ class KTOTrainer(DPOTrainer):
         indices = self.sampler.take(self.config.trainer.global_batch_size)
         with self.step_rows() as step:
             batch, rows = self._with_reference(
-                step, self.train.collate(indices, self.tokenizer.pad_token_id), "train"
+                step, *self._pairs(step, self.train, "train", indices), "train"
             )
             own, mismatched = self._split(rows)
             kl = self._kl(step, mismatched)
@@ -70,7 +76,7 @@ class KTOTrainer(DPOTrainer):
             )
             reports = self.group.train_step(own, loss_fn=loss_fn)
             return {
-                **self._finish_step(reports, self._split(batch)[0], started, own),
+                **self._finish_step(reports, int(self._split(batch)[0]["tokens"].sum()), started, own),
                 **unpaired_metrics(merged_metrics(reports)),
                 "kl": float(kl),
             }
@@ -84,9 +90,7 @@ class KTOTrainer(DPOTrainer):
         for start in range(0, len(self.val), size):
             indices = list(range(start, min(start + size, len(self.val))))
             with self.step_rows() as step:
-                batch, rows = self._with_reference(
-                    step, self.val.collate(indices, self.tokenizer.pad_token_id), "val"
-                )
+                batch, rows = self._with_reference(step, *self._pairs(step, self.val, "val", indices), "val")
                 own, mismatched = self._split(rows)
                 kl = self._kl(step, mismatched)
                 scores = step.output(self.group.sequence_scores(own))["score"]

@@ -115,13 +115,15 @@ def summed_preference_loss(
     config: PreferenceLossConfig,
     total_pairs: int,
     chosen_tokens: float,
+    lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`preference_loss` from each row's :func:`row_summaries` (``score [2P]``, and
     ``wpo_weight [2P]`` with ``use_weighting``: what the controller gets back when it scores
-    validation pairs); ``rows`` holds ``loss_mask``, ``pair``, ``chosen`` and (when the loss
-    needs it) ``ref_log_prob``."""
+    validation pairs); ``rows`` holds ``pair``, ``chosen``, (when the loss needs it)
+    ``ref_log_prob`` and, unless ``lengths [2P]`` (each row's response tokens) is given,
+    ``loss_mask``."""
     log_probs = summaries["score"]
-    lengths = rows["loss_mask"].sum(-1).to(log_probs.dtype)
+    lengths = (rows["loss_mask"].sum(-1) if lengths is None else lengths).to(log_probs.dtype)
     chosen, rejected = pair_rows(rows)
     reference = rows["ref_log_prob"] if config.needs_reference else torch.zeros_like(log_probs)
     weights = summaries["wpo_weight"] if config.use_weighting else None

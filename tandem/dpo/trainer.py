@@ -14,10 +14,10 @@ checkpoints, exact resume, divergence checks and HF export are shared. It logs T
 ``learning_rate``, and ``eval_*`` for the validation pairs) to ``metrics.jsonl``, and keeps
 ``run.json``, ``status.json`` and ``report.html`` beside it (docs/report.md).
 
-With ``dataplane.enabled`` each step's pairs are put into a store once; the reference's pass
-and the update get a ``BatchRef``, their ranks fetch their own rows' fields
-(:mod:`tandem.dpo.worker` declares which), and the reference's per-row scores come back inline
-with the rows (:mod:`tandem.sft.step_rows`, docs/data-plane.md).
+With ``dataplane.enabled`` the controller keeps each pair's lengths, not its tokens; the
+reference's pass and the update get a ``BatchRef`` of per-row scalars (the pairs' file rows among
+them) and each rank collates its own rows from the data file (:mod:`tandem.dpo.rank_collation`);
+the reference's per-row scores come back inline with the rows (docs/data-plane.md).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from rich.console import Console
 from tandem.dpo.config import DPOConfig
 from tandem.dpo.data import PreferenceDataset
 from tandem.dpo.loss import pair_metrics, preference_loss, row_summaries, summed_preference_loss
+from tandem.dpo.rank_collation import controller_view, pair_collators, preference_rows
 from tandem.dpo.worker import PreferenceWorker
 from tandem.protocol import Batch
 from tandem.run.output_dir import OutputDirLock
@@ -73,12 +74,17 @@ class DPOTrainer(SFTTrainer):
         return f"DPO: {loss.label} loss, beta {loss.beta}{reference}"
 
     def load_data(self) -> tuple[PreferenceDataset, PreferenceDataset | None]:
-        data = self.config.data
-        val = PreferenceDataset.load(data.val_path, self.tokenizer, data) if data.val_path else None
-        return PreferenceDataset.load(data.train_path, self.tokenizer, data), val
+        data, keep = self.config.data, not self.config.dataplane.enabled
+        val = PreferenceDataset.load(data.val_path, self.tokenizer, data, keep) if data.val_path else None
+        return PreferenceDataset.load(data.train_path, self.tokenizer, data, keep), val
 
     def worker_args(self) -> tuple:
-        return (self.engine_config, self.config.ref_model_path)
+        return (self.engine_config, self.config.ref_model_path, self.rank_collators())
+
+    def rank_collators(self) -> dict:
+        if not self.config.dataplane.enabled:
+            return {}
+        return pair_collators(self.config.data, self.engine_config.model_path, unpaired=False)
 
     def fit(self) -> DPOResult:  # type: ignore[override]
         """Train for ``total_steps``; the run holds ``trainer.output_dir`` meanwhile."""
@@ -106,7 +112,7 @@ class DPOTrainer(SFTTrainer):
         indices = self.sampler.take(self.config.trainer.global_batch_size)
         with self.step_rows() as step:
             batch, rows = self._with_reference(
-                step, self.train.collate(indices, self.tokenizer.pad_token_id), "train"
+                step, *self._pairs(step, self.train, "train", indices), "train"
             )
             chosen_tokens = self._chosen_tokens(batch)
             loss_fn = functools.partial(
@@ -119,7 +125,7 @@ class DPOTrainer(SFTTrainer):
                 rows, loss_fn=loss_fn, with_sum_pi_squared=self.config.preference.use_weighting
             )
             return {
-                **self._finish_step(reports, batch, started, rows),
+                **self._finish_step(reports, int(batch["tokens"].sum()), started, rows),
                 **pair_metrics(merged_metrics(reports), chosen_tokens),
             }
 
@@ -132,20 +138,19 @@ class DPOTrainer(SFTTrainer):
         from each response's summed log-prob)."""
         assert self.val is not None
         size = self.config.trainer.global_batch_size
-        chosen_total = float(sum(len(pair.chosen) for pair in self.val.pairs))  # shares add up to the mean
+        chosen_total = float(sum(chosen for _, chosen, _ in self.val.lengths))  # shares add up to the mean
         loss, sums = 0.0, {}
         for start in range(0, len(self.val), size):
             indices = list(range(start, min(start + size, len(self.val))))
             with self.step_rows() as step:
-                batch, rows = self._with_reference(
-                    step, self.val.collate(indices, self.tokenizer.pad_token_id), "val"
-                )
+                batch, rows = self._with_reference(step, *self._pairs(step, self.val, "val", indices), "val")
                 part, metrics = summed_preference_loss(
                     batch,
                     self._policy_summaries(step, rows),
                     self.config.preference,
                     total_pairs=len(self.val),
                     chosen_tokens=chosen_total,
+                    lengths=batch["response_tokens"],
                 )
             loss += float(part)
             for name, value in metrics.items():
@@ -155,13 +160,23 @@ class DPOTrainer(SFTTrainer):
     @staticmethod
     def _chosen_tokens(batch: Batch) -> float:
         """The chosen responses' token count (RPO's NLL divides by it), at least 1."""
-        return max(float((batch["loss_mask"] * batch["chosen"][:, None]).sum()), 1.0)
+        return max(float((batch["response_tokens"] * batch["chosen"]).sum()), 1.0)
+
+    def _pairs(
+        self, step: StepRows, dataset: PreferenceDataset, split: str, indices: list[int]
+    ) -> tuple[Batch, Rows]:
+        """The pairs ``indices`` as the controller reads them (per-row fields and counts:
+        :func:`~tandem.dpo.rank_collation.controller_view`) and as the workers get them: the
+        collated ``Batch`` (off), or with ``dataplane.enabled`` file rows each rank collates."""
+        if self.config.dataplane.enabled:
+            return preference_rows(dataset, split, indices, self.tokenizer.pad_token_id)
+        batch = dataset.collate(indices, self.tokenizer.pad_token_id)
+        return controller_view(batch), step.put(batch)
 
     # ------------------------------------------------------------------ the reference
-    def _with_reference(self, step: StepRows, batch: Batch, split: str) -> tuple[Batch, Rows]:
-        """``batch`` and the workers' rows of it (``step.put``), each with ``ref_log_prob [2P]``:
-        from the precomputed table, or scored now on the workers' rows."""
-        rows = step.put(batch)
+    def _with_reference(self, step: StepRows, batch: Batch, rows: Rows, split: str) -> tuple[Batch, Rows]:
+        """``batch`` (the controller's view of the pairs) and the workers' ``rows`` of them, each
+        with ``ref_log_prob [2P]``: from the precomputed table, or scored now on the workers' rows."""
         if not self.config.preference.needs_reference:
             return batch, rows
         if self.config.reference == "precompute":
@@ -215,9 +230,9 @@ class DPOTrainer(SFTTrainer):
             size = self.config.trainer.global_batch_size
             for start in range(0, len(dataset), size):
                 indices = list(range(start, min(start + size, len(dataset))))
-                batch = dataset.collate(indices, self.tokenizer.pad_token_id)
                 with self.step_rows() as step:
-                    table[batch["pair"], 1 - batch["chosen"]] = self._score_reference(step, step.put(batch))
+                    batch, rows = self._pairs(step, dataset, split, indices)
+                    table[batch["pair"], 1 - batch["chosen"]] = self._score_reference(step, rows)
             self.reference[split] = table
         self.output_dir.mkdir(parents=True, exist_ok=True)
         torch.save({"tables": self.reference, "ld_alpha": ld_alpha}, path)

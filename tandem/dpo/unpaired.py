@@ -65,40 +65,43 @@ def tokenize_unpaired(tokenizer: Any, row: dict, config: PreferenceDataConfig, w
 @dataclass
 class UnpairedDataset(PreferenceDataset):
     """Tokenised unpaired rows, each held as the pair (its completion, the mismatched one), with
-    each row's label in ``desirable``."""
+    each row's label in ``desirable`` and the file row of its mismatched completion in
+    ``partner_rows``."""
 
     desirable: list[bool] = field(default_factory=list)
+    partner_rows: list[int] = field(default_factory=list)
 
     @staticmethod
-    def load(path: str | Path, tokenizer: Any, config: PreferenceDataConfig) -> UnpairedDataset:
+    def load(
+        path: str | Path, tokenizer: Any, config: PreferenceDataConfig, keep_tokens: bool = True
+    ) -> UnpairedDataset:
         dataset = UnpairedDataset([])
         kept: list[UnpairedRow] = []
+        file_rows: list[int] = []
         tokenize = functools.partial(tokenize_unpaired, tokenizer, config=config)
         for index, _, row in tokenized_rows(path, tokenize, config, dataset):
             kept.append(row)
-            dataset.rows.append(index)
+            file_rows.append(index)
         if len(kept) < 2:
             raise ValueError(
                 f"{path}: {len(kept)} usable rows ({dataset.invalid} invalid dropped); KTO needs at least 2 "
                 "(its reference point pairs each prompt with another row's completion)"
             )
-        rows, kept_rows = dataset.rows, []
         for number, row in enumerate(kept):
             pair = PreferencePair(row.prompt, row.completion, kept[number - 1].completion)
             if pair.length > config.max_length:
                 if config.overlong_pairs == "error":
                     raise ValueError(
-                        f"{path}: row {rows[number]}: {pair.length} tokens (prompt + the longer of its completion "
+                        f"{path}: row {file_rows[number]}: {pair.length} tokens (prompt + the longer of its completion "
                         f"and the mismatched one) exceed data.max_length={config.max_length} "
                         "(set data.overlong_pairs=drop to skip such rows)"
                     )
                 dataset.overlong += 1
                 continue
-            dataset.pairs.append(pair)
+            dataset.keep(pair, file_rows[number], keep_tokens)
             dataset.desirable.append(row.desirable)
-            kept_rows.append(rows[number])
-        dataset.rows = kept_rows
-        if not dataset.pairs:
+            dataset.partner_rows.append(file_rows[number - 1])
+        if not dataset.rows:
             raise ValueError(f"{path}: no usable rows ({dataset.overlong} over data.max_length dropped)")
         return dataset
 

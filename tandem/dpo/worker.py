@@ -9,11 +9,15 @@ Scoring reads what :func:`~tandem.dpo.loss.row_summaries` reads (``loss_mask``; 
 from __future__ import annotations
 
 from tandem.controller import mesh_dispatch, register
+from tandem.dpo.rank_collation import RESPONSE_ROW
 from tandem.engine.base import LossFn
+from tandem.engine.divergence import ModelHealth
+from tandem.engine.forward_fields import FORWARD_FIELDS
 from tandem.protocol import Batch
+from tandem.sft.dataset_rows import ROW_FIELD
 from tandem.sft.engine_worker import ENGINE_MESH, SFT_READS, EngineWorker, StepReport, Summarize
 
-PAIR_READS = (*SFT_READS, "pair", "chosen")
+PAIR_READS = (*SFT_READS, "pair", "chosen", RESPONSE_ROW)  # response_row: rows collated on the rank
 PAIR_UPDATE_READS = (*PAIR_READS, "ref_log_prob", "desirable")
 
 
@@ -38,3 +42,8 @@ class PreferenceWorker(EngineWorker):
         return super().sequence_scores(
             batch, reference=reference, summarize=summarize, with_sum_pi_squared=with_sum_pi_squared
         )
+
+    @register(dispatch="ONE_TO_ALL", reads=(*FORWARD_FIELDS, ROW_FIELD, RESPONSE_ROW, "chosen"))
+    def health(self, probe: Batch) -> ModelHealth:
+        """:meth:`EngineWorker.health`, reading what a probe of pair rows is collated from."""
+        return super().health(probe)

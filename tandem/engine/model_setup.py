@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tandem.engine.config import EngineConfig
-from tandem.engine.expert_parallel import apply_expert_parallel, build_expert_mesh
+from tandem.engine.expert_parallel import apply_expert_parallel
 from tandem.engine.lora import apply_lora
 from tandem.engine.mesh import EngineMesh
 from tandem.engine.reward_model import TokenScoreModel
@@ -47,10 +47,14 @@ def prepare_model(
     if config.tp_size > 1:  # whole heads on each tensor-parallel rank, before sp splits its share
         check_tensor_parallel_fits(model, config.tp_size)
     if config.sp_size > 1:
-        heads = model.config.num_attention_heads
-        kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
+        text = model.config.get_text_config()  # a VLM's language model (its vision tower is not split)
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
         check_heads(heads, kv_heads, config.sp_size, config.tp_size)
-        model.set_attn_implementation(ULYSSES_ATTENTION)  # the varlen attention between all-to-alls
+        # the varlen attention between all-to-alls
+        model.set_attn_implementation(
+            {"text_config": ULYSSES_ATTENTION} if vision_language else ULYSSES_ATTENTION
+        )
     elif config.use_packing:  # attention within each packed sequence only (cost sum(len^2), not T^2)
         # a VLM's vision tower keeps its own (bidirectional, per image) attention
         model.set_attn_implementation(
@@ -61,10 +65,9 @@ def prepare_model(
     if config.tp_size > 1:  # before FSDP2, which shards each rank's tensor-parallel shards over dp x sp
         apply_tensor_parallel(model, mesh.tp_mesh)
     expert_shards: set[nn.Parameter] = set()
-    if config.ep_size > 1:
-        expert_mesh = build_expert_mesh(device.type, config.ep_size, config.tp_size)
+    if config.ep_size > 1:  # on the mesh's (edp, ep) view, which build_engine_mesh made
         scale = 1 / mesh.gradient_ranks  # undoes the loss scaling DDP / FSDP2 average away
-        expert_shards = apply_expert_parallel(model, expert_mesh, device, scale)
+        expert_shards = apply_expert_parallel(model, mesh, device, scale)
     return model, expert_shards
 
 

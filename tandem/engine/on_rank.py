@@ -16,10 +16,11 @@ it up here, in one order:
 3. :func:`parked` for an engine whose state waits on the CPU between its passes, and
    :class:`EngineCheckpoints` for the plain save/load of ``self.engine``.
 
-:func:`mesh_place` is where "which rank reports its rows" is decided, for every worker: the
-ranks of one sequence- or tensor-parallel group hold the same rows and only the first of them
-(``EngineMesh.collects``: ``sp_rank`` and ``tp_rank`` 0) is collected; an engine alone on its
-rank (a frozen whole copy, no collectives) is data-parallel rank ``rank`` of the group.
+:func:`mesh_place` is where each worker's "which rank reports its rows" comes from, and it is
+:class:`~tandem.engine.parallel_dims.ParallelDims`' arithmetic (:meth:`~ParallelDims.mesh_rank`):
+the ranks of one sequence- or tensor-parallel group hold the same rows and only the first of them
+(``sp_rank`` and ``tp_rank`` 0) is collected; expert parallelism splits no rows; an engine alone
+on its rank (a frozen whole copy, no collectives) is data-parallel rank ``rank`` of the group.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.mesh import EngineMesh
 from tandem.engine.offload import Residency
 from tandem.engine.parallel import rank_strategy
+from tandem.engine.parallel_dims import ParallelDims
 from tandem.engine.torch_engine import TorchTrainEngine
 
 
@@ -64,14 +66,14 @@ def talks_to_peers(config: EngineConfig) -> bool:
 
 def mesh_place(mesh: EngineMesh, rank: int, world_size: int) -> MeshRank:
     """Rank ``rank``'s place, in a worker group of ``world_size``, for ``mesh_dispatch``: its
-    engine mesh's data-parallel coordinates, collected when it is the first rank of its
-    sequence/tensor-parallel group (``mesh.collects``); an engine alone (a one-rank mesh) on a
-    rank of a larger group is data-parallel rank ``rank`` of ``world_size``. Raises
+    engine mesh's degrees' :meth:`ParallelDims.mesh_rank` of its place in the mesh (the worker
+    group is the engine's world); an engine alone (a one-rank mesh) on
+    a rank of a larger group is data-parallel rank ``rank`` of ``world_size``. Raises
     ``ValueError`` when the mesh spans another number of ranks than the group."""
     if mesh.world_size == world_size:
-        return MeshRank(mesh.dp_rank, mesh.dp_size, mesh.collects)
+        return mesh.dims.mesh_rank(mesh.rank)
     if mesh.world_size == 1:
-        return MeshRank(rank, world_size, True)
+        return ParallelDims(world_size).mesh_rank(rank)
     raise ValueError(
         f"the engine's mesh spans {mesh.world_size} ranks but its worker group has {world_size}: "
         "an engine's ranks are all the group's or one"

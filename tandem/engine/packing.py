@@ -4,6 +4,11 @@ Each sequence keeps its own positions (``0..len-1``), so attention implementatio
 read packed ``position_ids`` (transformers' SDPA/eager masks, flash-attention varlen)
 never attend across a sequence boundary. Padding may sit on either side of a row
 (left-padded prompts, right-padded responses); only ``attention_mask`` decides.
+
+A row may hold several sequences end to end (an agent program's split episode: each segment
+its own conversation, :mod:`tandem.agents.program.recorder`): its ``position_ids`` restart at 0
+where a segment starts. Given those positions, :func:`pack_sequences` packs each segment as a
+sequence of its own, so no token attends to, or is predicted from, another segment's.
 """
 
 from __future__ import annotations
@@ -45,8 +50,9 @@ class PackedSequences:
     Attributes:
         input_ids: ``[1, T]`` token ids of all sequences, one after another.
         position_ids: ``[1, T]`` position of each token inside its own sequence.
-        cu_seqlens: ``[B + 1]`` int32 cumulative sequence lengths (flash-attention varlen
-            layout); ``None`` when sequences share packed tokens (shared prompts).
+        cu_seqlens: ``[n + 1]`` int32 cumulative sequence lengths (flash-attention varlen
+            layout; ``n = B``, more where rows hold several sequences); ``None`` when
+            sequences share packed tokens (shared prompts).
         flat_index: ``[N]`` where packed values land in the flattened ``[B * S]`` padded layout.
         padded_shape: ``(B, S)``.
         attention_plan: which packed positions each sequence attends over.
@@ -106,17 +112,62 @@ def check_same_shape(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> N
         )
 
 
-def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedSequences:
-    """Pack the valid tokens of ``input_ids [B, S]`` (where ``attention_mask`` is 1) into one row."""
+def restarts_within_rows(position_ids: torch.Tensor | None, attention_mask: torch.Tensor) -> bool:
+    """Whether some row of ``position_ids [B, S]`` holds several sequences: its positions on the
+    valid tokens (``attention_mask``) differ from ``0..len-1`` (they restart where a segment
+    starts). ``None``: no positions given, one sequence per row."""
+    if position_ids is None or position_ids.ndim != 2:  # a VLM's [3, B, S] M-RoPE positions are its own
+        return False
+    mask = attention_mask.bool()
+    return bool((position_ids.to(mask.device)[mask] != positions_from_mask(attention_mask)[mask]).any())
+
+
+def check_one_sequence_per_row(position_ids: torch.Tensor | None, attention_mask: torch.Tensor) -> None:
+    """Raise ``ValueError`` when a row of a padded forward holds several sequences: a 2-D
+    attention mask cannot keep them apart (only packing can, :func:`pack_sequences`)."""
+    if restarts_within_rows(position_ids, attention_mask):
+        raise ValueError(
+            "a row holds several sequences (its position_ids restart: an agent program's split episode, "
+            "each segment trained in one row), which the padded forward cannot keep apart: set "
+            "actor.engine.use_packing=true (and ref.engine.use_packing / critic.engine.use_packing "
+            "where a reference or critic runs)"
+        )
+
+
+def _sequence_bounds(positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``[n + 1]`` int32 cumulative lengths of the sequences of a packed row whose tokens have
+    ``positions [T]``, from rows of ``lengths [B]``: a sequence starts at each row's first token
+    and wherever the positions restart at 0 inside a row."""
+    starts = positions == 0
+    row_starts = torch.cumsum(lengths, 0) - lengths
+    starts[row_starts[lengths > 0]] = True
+    bounds = torch.cat([starts.nonzero().flatten(), positions.new_tensor([positions.numel()])])
+    return bounds.to(torch.int32)
+
+
+def pack_sequences(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> PackedSequences:
+    """Pack the valid tokens of ``input_ids [B, S]`` (where ``attention_mask`` is 1) into one row.
+
+    ``position_ids [B, S]``: each token's position in its own sequence, where a row may hold
+    several (restarting at 0: see the module docstring); each then packs as a sequence of its
+    own. ``None``: one sequence per row, positions ``0..len-1``.
+    """
     check_same_shape(input_ids, attention_mask)
     mask = attention_mask.bool()
     flat_index = mask.flatten().nonzero().flatten()
     lengths = mask.sum(-1)
-    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=input_ids.device)
-    cu_seqlens[1:] = lengths.cumsum(0)
+    if position_ids is None:
+        cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=input_ids.device)
+        cu_seqlens[1:] = lengths.cumsum(0)
+        positions = positions_from_mask(attention_mask).flatten()[flat_index]
+    else:
+        positions = position_ids.to(input_ids.device).flatten()[flat_index]
+        cu_seqlens = _sequence_bounds(positions, lengths)
     return PackedSequences(
         input_ids=input_ids.flatten()[flat_index].unsqueeze(0),
-        position_ids=positions_from_mask(attention_mask).flatten()[flat_index].unsqueeze(0),
+        position_ids=positions.unsqueeze(0),
         cu_seqlens=cu_seqlens,
         flat_index=flat_index,
         padded_shape=(int(input_ids.shape[0]), int(input_ids.shape[1])),

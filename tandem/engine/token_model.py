@@ -1,5 +1,5 @@
 """``TokenLogProbModel``: a causal LM whose forward returns per-token log-probs and entropy (and on
-request ``sum_v p(v)^2``).
+request ``sum_v p(v)^2``) of one :class:`~tandem.engine.forward_request.ForwardRequest`.
 
 Wrapping the HF model this way puts the fp32 chunked head inside the module that DDP or
 FSDP2 wraps, so data-parallel hooks see one ordinary forward.
@@ -14,56 +14,48 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from tandem.engine.forward_request import ForwardRequest
 from tandem.engine.packing import Predictions, next_token_predictions
 from tandem.engine.ulysses import SequenceParallel
 from tandem.engine.ulysses_attention import SEQUENCE_PARALLEL_KEYWORD
-from tandem.engine.varlen_attention import PLAN_KEYWORD, AttentionPlan
-from tandem.engine.vision_inputs import VisionInputs, decoder_inputs
+from tandem.engine.varlen_attention import PLAN_KEYWORD
+from tandem.engine.vision_inputs import decoder_inputs
 from tandem.engine.vocab_parallel import vocab_parallel_log_probs_from_hidden
 from tandem.models.logprobs import HeadOutputs, log_probs_from_hidden
 
 
 def decoder_hidden_states(
-    decoder: nn.Module,
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    attention_plan: AttentionPlan | None,
-    sequence_parallel: SequenceParallel | None = None,
-    inputs: dict[str, torch.Tensor] | None = None,
+    decoder: nn.Module, request: ForwardRequest, inputs: dict[str, torch.Tensor] | None = None
 ) -> torch.Tensor:
-    """The decoder's last hidden states ``[B, S, H]``; ``cu_seqlens`` or ``attention_plan`` describe
-    a packed row (varlen attention, possibly with shared prompts), else ``attention_mask`` pads.
+    """The decoder's last hidden states ``[B, S, H]`` of ``request``'s tokens: a packed row (its
+    ``attention_plan``: varlen attention, possibly with shared prompts) or padded rows (its
+    ``attention_mask``).
 
-    With ``sequence_parallel`` the packed row ``[1, T]`` (and its ``attention_plan``) is whole
-    and the states come back for this rank's shard only: ``[1, T / P, H]``. ``inputs`` replace
-    the decoder's ``input_ids`` and ``position_ids`` (a vision-language model's embeddings and
-    M-RoPE positions: :func:`tandem.engine.vision_inputs.decoder_inputs`).
+    With ``request.sequence_parallel`` the packed row ``[1, T]`` (and its plan) is whole and the
+    states come back for this rank's shard only: ``[1, T / P, H]``. ``inputs`` replace the
+    decoder's ``input_ids`` and ``position_ids`` (a vision-language model's merged embeddings
+    ``[1, T, H]`` and M-RoPE positions ``[3, 1, T]``:
+    :func:`tandem.engine.vision_inputs.decoder_inputs`); under sequence parallelism they are cut
+    to this rank's shard along the sequence like the tokens.
     """
     attention = {}
     if inputs is None:
-        inputs = {"input_ids": input_ids, "position_ids": position_ids}
+        inputs = {"input_ids": request.input_ids, "position_ids": request.position_ids}
+    sequence_parallel, plan = request.sequence_parallel, request.attention_plan
     if sequence_parallel is not None:  # this rank's tokens; attention sees the whole row
-        if attention_plan is None:
+        if plan is None:
             raise ValueError("a sequence-parallel forward needs the packed row's attention_plan")
-        if "inputs_embeds" in inputs:
-            raise ValueError("a vision-language model's forward is not sequence-parallel (engine.sp_size=1)")
-        inputs = {name: sequence_parallel.shard(values) for name, values in inputs.items()}
-        attention = {PLAN_KEYWORD: attention_plan, SEQUENCE_PARALLEL_KEYWORD: sequence_parallel}
-    elif attention_plan is not None:  # packed row, possibly with shared prompts
-        attention = {PLAN_KEYWORD: attention_plan}
-    elif cu_seqlens is not None:  # packed row: sequence boundaries for varlen attention kernels
-        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        attention = {
-            "cu_seq_lens_q": cu_seqlens,
-            "cu_seq_lens_k": cu_seqlens,
-            "max_length_q": longest,
-            "max_length_k": longest,
+        # the sequence is the last dimension of positions ([1, T] or M-RoPE's [3, 1, T]), the second of the rest
+        inputs = {
+            name: sequence_parallel.shard(values, dim=values.dim() - 1 if name == "position_ids" else 1)
+            for name, values in inputs.items()
         }
+        attention = {PLAN_KEYWORD: plan, SEQUENCE_PARALLEL_KEYWORD: sequence_parallel}
+    elif plan is not None:  # packed row, possibly with shared prompts
+        attention = {PLAN_KEYWORD: plan}
     return decoder(
         **inputs,
-        attention_mask=attention_mask,
+        attention_mask=request.attention_mask,
         use_cache=False,
         **attention,
     ).last_hidden_state
@@ -104,36 +96,28 @@ class PredictingStates:
 
 
 def predicting_states(
-    decoder: nn.Module,
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    attention_plan: AttentionPlan | None,
-    predictions: Predictions | None,
-    sequence_parallel: SequenceParallel | None,
-    inputs: dict[str, torch.Tensor] | None = None,
+    decoder: nn.Module, request: ForwardRequest, inputs: dict[str, torch.Tensor] | None = None
 ) -> PredictingStates:
     """Run the decoder (:func:`decoder_hidden_states`, on ``inputs`` when given) and pick the
-    hidden states that predict tokens (``predictions``, default: each token from the one before
-    it in its sequence, by the 1-D ``position_ids``); with ``sequence_parallel``, this rank's
-    share of them."""
-    hidden = decoder_hidden_states(
-        decoder, input_ids, position_ids, attention_mask, cu_seqlens, attention_plan, sequence_parallel,
-        inputs,
-    )  # fmt: skip
+    hidden states that predict tokens (``request.predictions``, default: each token from the one
+    before it in its sequence, by the 1-D ``position_ids``); under sequence parallelism, this
+    rank's share of them."""
+    hidden = decoder_hidden_states(decoder, request, inputs)
+    predictions = request.predictions
     if predictions is None:
-        predictions = next_token_predictions(position_ids)
-    computed, mine = predictions, None
+        predictions = next_token_predictions(request.position_ids)
+    computed, mine, sequence_parallel = predictions, None, request.sequence_parallel
     if sequence_parallel is not None:
-        computed, mine = sequence_parallel.split_predictions(predictions, input_ids.shape[1])
+        computed, mine = sequence_parallel.split_predictions(predictions, request.input_ids.shape[1])
     states = hidden.reshape(-1, hidden.shape[-1]).index_select(0, computed.sources)
-    return PredictingStates(states, computed.targets, predictions, mine, sequence_parallel, input_ids.shape)
+    return PredictingStates(
+        states, computed.targets, predictions, mine, sequence_parallel, request.input_ids.shape
+    )
 
 
 class TokenLogProbModel(nn.Module):
-    """``forward(input_ids, position_ids, attention_mask) -> {"log_probs", "entropy"[, "sum_pi_squared"]}``,
-    each ``[B, S]`` fp32 (``sum_pi_squared`` only with ``with_sum_pi_squared``).
+    """``forward(request) -> {"log_probs", "entropy"[, "sum_pi_squared"]}``, each ``[B, S]`` fp32
+    (``sum_pi_squared`` only with ``request.with_sum_pi_squared``).
 
     ``log_probs[:, t] = log p(input_ids[:, t] | input_ids[:, <t])`` and ``entropy[:, t]`` is the
     entropy of that predictive distribution; position 0 has no prediction and holds 0.
@@ -188,42 +172,27 @@ class TokenLogProbModel(nn.Module):
         weight = self._output_weight()
         return weight[: self.vocab_rows] if self.vocab_rows else weight
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-        attention_plan: AttentionPlan | None = None,
-        predictions: Predictions | None = None,
-        with_sum_pi_squared: bool = False,
-        sequence_parallel: SequenceParallel | None = None,
-        top_k: int = 0,
-        gather_ids: torch.Tensor | None = None,
-        vision: VisionInputs | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Per-token log-probs, entropy and (``with_sum_pi_squared``) ``sum_v p(v)^2`` ``[B, S]``;
-        positions that nothing predicts hold 0. With ``top_k`` also ``top_ids`` and
-        ``top_log_probs`` ``[B, S, k]`` (the most likely tokens at each position); with
-        ``gather_ids [B, S, k']`` (the tokens each position names, aligned with ``input_ids``)
-        also their log-probs ``gathered_log_probs [B, S, k']``.
+    def forward(self, request: ForwardRequest) -> dict[str, torch.Tensor]:
+        """Per-token log-probs, entropy and (``request.with_sum_pi_squared``) ``sum_v p(v)^2``
+        ``[B, S]`` of ``request``'s tokens; positions that nothing predicts hold 0. With
+        ``request.top_k`` also ``top_ids`` and ``top_log_probs`` ``[B, S, k]`` (the most likely
+        tokens at each position); with ``request.gather_ids [B, S, k']`` (the tokens each
+        position names, aligned with ``input_ids``) also their log-probs
+        ``gathered_log_probs [B, S, k']``.
 
-        ``cu_seqlens`` or ``attention_plan`` describe a packed row (varlen attention);
-        ``predictions`` names which hidden states predict which tokens (default: each token
-        from the one before it within its sequence). With ``sequence_parallel`` the packed row
-        is split over its group: this rank runs the decoder and the head on its shard, and the
-        outputs of the whole row come back on every rank. With ``vocab_group`` (tensor
-        parallelism) the head's weight is a DTensor of vocabulary rows and the log-softmax is
-        vocabulary-parallel (:mod:`tandem.engine.vocab_parallel`). A vision-language model takes
-        ``vision`` (its images and M-RoPE positions, :mod:`tandem.engine.vision_inputs`): the
-        vision tower runs here, inside the wrapped module.
+        ``request.predictions`` names which hidden states predict which tokens (default: each
+        token from the one before it within its sequence). With ``request.sequence_parallel``
+        the packed row is split over its group: this rank runs the decoder and the head on its
+        shard, and the outputs of the whole row come back on every rank. With ``vocab_group``
+        (tensor parallelism) the head's weight is a DTensor of vocabulary rows and the
+        log-softmax is vocabulary-parallel (:mod:`tandem.engine.vocab_parallel`). A
+        vision-language model reads ``request.vision`` (its images and M-RoPE positions,
+        :mod:`tandem.engine.vision_inputs`): the vision tower runs here, inside the wrapped module.
         """
-        inputs = None if vision is None else decoder_inputs(self.causal_lm, input_ids, vision)
-        picked = predicting_states(
-            self.decoder(), input_ids, position_ids, attention_mask, cu_seqlens, attention_plan,
-            predictions, sequence_parallel, inputs,
-        )  # fmt: skip
-        head = self._head_outputs(picked, input_ids, with_sum_pi_squared, top_k, gather_ids)
+        vision = request.vision
+        inputs = None if vision is None else decoder_inputs(self.causal_lm, request.input_ids, vision)
+        picked = predicting_states(self.decoder(), request, inputs)
+        head = self._head_outputs(picked, request)
         outputs = {
             "log_probs": head.log_probs,
             "entropy": head.entropy,
@@ -234,17 +203,12 @@ class TokenLogProbModel(nn.Module):
         }
         return {name: picked.placed(values) for name, values in outputs.items() if values is not None}
 
-    def _head_outputs(
-        self,
-        picked: PredictingStates,
-        input_ids: torch.Tensor,
-        with_sum_pi_squared: bool,
-        top_k: int,
-        gather_ids: torch.Tensor | None,
-    ) -> HeadOutputs:
+    def _head_outputs(self, picked: PredictingStates, request: ForwardRequest) -> HeadOutputs:
         """The head's outputs ``[N_r]`` (``[N_r, k]`` for top-k and gathered tokens) at this rank's
-        predicting states ``picked`` for the tokens of ``input_ids [B, S]`` they predict: the
-        vocabulary-parallel head under ``vocab_group``, else the chunked fp32 (or bf16) one."""
+        predicting states ``picked`` for the tokens of ``request.input_ids [B, S]`` they predict:
+        the vocabulary-parallel head under ``vocab_group``, else the chunked fp32 (or bf16) one."""
+        input_ids, top_k, gather_ids = request.input_ids, request.top_k, request.gather_ids
+        with_sum_pi_squared = request.with_sum_pi_squared
         labels = input_ids.reshape(-1).index_select(0, picked.targets)
         weight = self.head_weight()
         settings = (self.temperature, self.chunk_size, with_sum_pi_squared, self.head_dtype)

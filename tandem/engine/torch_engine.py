@@ -19,21 +19,30 @@ from tandem.engine.base import GATHER_FIELD, LossFn, StepResult, TokenOutputs
 from tandem.engine.checkpoint import load_engine_state, save_engine_state
 from tandem.engine.config import EngineConfig
 from tandem.engine.divergence import ModelHealth
+from tandem.engine.forward_request import (
+    ForwardRequest,
+    check_head_request,
+    packed_request,
+    padded_request,
+    side_rows,
+    used_columns,
+)
 from tandem.engine.grad_norm import clip_grad_norm_
 from tandem.engine.lora import iter_merged_lora_parameters
 from tandem.engine.lr_schedule import build_scheduler
 from tandem.engine.mesh import EngineMesh, build_engine_mesh
 from tandem.engine.micro_batch_plan import plan_micro_batches
 from tandem.engine.model_setup import head_module, prepare_model
-from tandem.engine.moe_routing import ROUTING_FIELD, EngineRouting, MicroBatchRouting
+from tandem.engine.moe_routing import EngineRouting, MicroBatchRouting
 from tandem.engine.offload import HostCopies
 from tandem.engine.packing import (
     PackedSequences,
+    check_one_sequence_per_row,
     next_token_predictions,
-    pack_per_token,
     pack_sequences,
     pad_to_multiple,
     positions_from_mask,
+    restarts_within_rows,
     unpack,
 )
 from tandem.engine.parallel import reshard, wrap_data_parallel
@@ -103,7 +112,9 @@ class TorchTrainEngine:
         # a single-strategy engine alone, unless it splits rows (a frozen reference, forward only)
         splits = config.sp_size > 1 or config.tp_size > 1 or config.ep_size > 1
         distributed = config.strategy != "single" or splits
-        self.mesh = build_engine_mesh(self.device.type, config.sp_size, distributed, config.tp_size)
+        self.mesh = build_engine_mesh(
+            self.device.type, config.sp_size, distributed, config.tp_size, config.ep_size
+        )
         self.sequence_parallel = self.mesh.sequence_parallel()
         torch.manual_seed(config.seed)
         model = (
@@ -197,6 +208,7 @@ class TorchTrainEngine:
         per row, its placeholders expanded in the row's prompt: :mod:`tandem.engine.vision_inputs`).
         """
         check_step(self, batch, loss_fn, forward_only)
+        check_head_request(self.config.head, with_sum_pi_squared, top_k, GATHER_FIELD in batch)
         parts = self.micro_batches(batch)
         result = StepResult(num_micro_batches=len(parts))
         collected: list[tuple[list[int], TokenOutputs]] = []
@@ -292,68 +304,59 @@ class TorchTrainEngine:
         self, micro: Batch, with_sum_pi_squared: bool, moe: MicroBatchRouting | None, top_k: int
     ) -> TokenOutputs:
         input_ids, attention_mask = micro["input_ids"], micro["attention_mask"]
-        if self._shares_prompts(micro):
+        positions = micro.get("position_ids")  # rows holding several sequences pack each on its own
+        segmented = restarts_within_rows(positions, attention_mask)
+        if self._shares_prompts(micro) and not segmented:
             width = micro["prompts"].shape[1]
             packed = pack_shared_prompts(input_ids, attention_mask, width, micro.get(IMAGES_FIELD))
         else:
-            packed = pack_sequences(input_ids, attention_mask)
+            packed = pack_sequences(input_ids, attention_mask, positions if segmented else None)
+        rows = side_rows(attention_mask, micro.tensors, routes=moe is not None)
         outputs, packed = self._run_packed(
-            packed, with_sum_pi_squared, moe, micro.get(ROUTING_FIELD), top_k, micro.get(GATHER_FIELD), micro
+            packed, rows, moe, micro, with_sum_pi_squared=with_sum_pi_squared, top_k=top_k
         )
         return TokenOutputs(**{name: unpack(values, packed) for name, values in outputs.items()})
 
     def _run_packed(
         self,
         packed: PackedSequences,
-        with_sum_pi_squared: bool = False,
+        rows: dict[str, torch.Tensor] | None = None,
         moe: MicroBatchRouting | None = None,
-        routing: torch.Tensor | None = None,
-        top_k: int = 0,
-        gather: torch.Tensor | None = None,
         micro: Batch | None = None,
+        **settings,
     ) -> tuple[dict[str, torch.Tensor], PackedSequences]:
         """The model's outputs ``[1, T]`` for a packed row (on the CPU) and the row as it ran:
         padded with fillers to a multiple of ``pad_tokens_to_multiple`` (and of ``sp_size``,
-        which splits it), on the engine's device. ``routing [B, S, L, k]``: the rollout's
-        experts of the padded rows, handed to ``moe`` packed (and sharded) like the tokens.
-        ``top_k`` and ``gather [B, S, k]``: see :meth:`forward_backward`. ``micro``: the padded
-        rows packed, whose images a vision-language model reads (none: text tokens)."""
+        which splits it). ``rows``: the side tensors ``[B, S, ...]`` of the padded rows
+        (:func:`~tandem.engine.forward_request.side_rows`), packed into the request; ``moe`` is
+        handed the routing among them. ``micro``: the padded rows, whose images a
+        vision-language model reads (none: text tokens). ``settings``: ``with_sum_pi_squared``,
+        ``top_k``."""
         multiple = math.lcm(self.config.pad_tokens_to_multiple, self.config.sp_size)
         packed = pad_to_multiple(packed, multiple)
         if packed.predictions is None:  # found on the CPU: on a GPU, finding them waits for the device
             packed = dataclasses.replace(packed, predictions=next_token_predictions(packed.position_ids))
-        if moe is not None:
-            real = pack_per_token(torch.ones(packed.padded_shape, dtype=torch.bool), packed, fill=False)
-            recorded = None if routing is None else pack_per_token(routing, packed, fill=-1)
-            if self.sequence_parallel is not None:  # this rank's routers see its shard only
-                real = self.sequence_parallel.shard(real)
-                recorded = None if recorded is None else self.sequence_parallel.shard(recorded)
-            moe.start(None if recorded is None else recorded[0].to(self.device), real[0].to(self.device))
-        gather = None if gather is None else pack_per_token(gather, packed).to(self.device)
         vision = self._packed_vision(packed, micro)
-        packed = packed.to(self.device)
-        parallel = {} if self.sequence_parallel is None else {"sequence_parallel": self.sequence_parallel}
-        outputs = self.wrapped(
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
-            attention_plan=packed.attention_plan,
-            predictions=packed.predictions,
-            with_sum_pi_squared=with_sum_pi_squared,
-            **parallel,
-            **vision,
-            **_token_choices(top_k, gather),
-        )
-        return outputs, packed
+        request = packed_request(packed, rows or {}, self.sequence_parallel, vision=vision, **settings)
+        return self._run(request, moe), packed
 
-    def _packed_vision(self, packed: PackedSequences, micro: Batch | None) -> dict[str, VisionInputs]:
-        """A vision-language model's ``vision`` keyword for ``packed`` (on the CPU, fillers
-        included) packed from ``micro``'s rows (none: text tokens); nothing for a text model."""
+    def _run(self, request: ForwardRequest, moe: MicroBatchRouting | None) -> dict[str, torch.Tensor]:
+        """Move ``request`` to the device once, start ``moe``'s routing scope on it, run the model."""
+        request = request.to(self.device)
+        routers = request.routers()
+        if moe is not None and routers is not None:
+            moe.start(*routers)
+        return self.wrapped(request)
+
+    def _packed_vision(self, packed: PackedSequences, micro: Batch | None) -> VisionInputs | None:
+        """A vision-language model's images and M-RoPE positions for ``packed`` (on the CPU,
+        fillers included) packed from ``micro``'s rows (none: text tokens); None for a text model."""
         if not self.vision_language:
-            return {}
+            return None
         if micro is None:
-            return {"vision": text_vision_inputs(packed.num_tokens).to(self.device)}
+            return text_vision_inputs(packed.num_tokens)
         rows = (micro["input_ids"], micro["attention_mask"], micro.get(IMAGES_FIELD))
-        return {"vision": packed_vision_inputs(self.causal_lm, packed, *rows).to(self.device)}
+        return packed_vision_inputs(self.causal_lm, packed, *rows)
 
     def _on_device(self, batch: Batch) -> Batch:
         return batch if self.device.type == "cpu" else batch.to(self.device)
@@ -361,33 +364,20 @@ class TorchTrainEngine:
     def _forward_padded(
         self, micro: Batch, with_sum_pi_squared: bool, moe: MicroBatchRouting | None, top_k: int
     ) -> TokenOutputs:
+        input_ids, attention_mask = micro["input_ids"], micro["attention_mask"]
+        check_one_sequence_per_row(micro.get("position_ids"), attention_mask)
         vision = None  # a VLM's images and M-RoPE positions, found on the CPU
         if self.vision_language:
-            rows = (micro["input_ids"], micro["attention_mask"], micro.get(IMAGES_FIELD))
-            vision = padded_vision_inputs(self.causal_lm, *rows).to(self.device)
-        micro = self._on_device(micro)
-        input_ids, attention_mask = micro["input_ids"], micro["attention_mask"]
-        position_ids = (
-            micro["position_ids"] if "position_ids" in micro else positions_from_mask(attention_mask)
-        )
-        # Compute only the columns this micro-batch uses (its rows may be shorter than the batch's longest).
-        used = attention_mask.any(0).nonzero().flatten()
-        first, last = (int(used[0]), int(used[-1]) + 1) if used.numel() else (0, 1)
-        window = slice(first, last)
-        if moe is not None:  # the routers see the window's tokens, flattened
-            routing = micro.get(ROUTING_FIELD)
-            recorded = None if routing is None else routing[:, window].flatten(0, 1)
-            moe.start(recorded, attention_mask[:, window].reshape(-1).bool())
-        gather = micro.get(GATHER_FIELD)
-        outputs = self.wrapped(
-            input_ids=input_ids[:, window],
-            position_ids=position_ids[:, window],
-            attention_mask=attention_mask[:, window],
-            with_sum_pi_squared=with_sum_pi_squared,
-            **({} if vision is None else {"vision": vision.window(window)}),
-            **_token_choices(top_k, None if gather is None else gather[:, window]),
-        )
-        mask = attention_mask[:, window]
+            vision = padded_vision_inputs(self.causal_lm, input_ids, attention_mask, micro.get(IMAGES_FIELD))
+        positions = micro["position_ids"] if "position_ids" in micro else positions_from_mask(attention_mask)
+        window = used_columns(attention_mask)
+        rows = side_rows(attention_mask, micro.tensors, routes=moe is not None)
+        request = padded_request(
+            input_ids, positions, attention_mask, rows, window,
+            vision=vision, with_sum_pi_squared=with_sum_pi_squared, top_k=top_k,
+        )  # fmt: skip
+        outputs = self._run(request, moe)
+        mask = request.attention_mask.to(self.device)
 
         def widened(values: torch.Tensor) -> torch.Tensor:
             full = values.new_zeros(*input_ids.shape, *values.shape[2:])
@@ -398,7 +388,8 @@ class TorchTrainEngine:
         return TokenOutputs(**{name: widened(values) for name, values in outputs.items()})
 
     def _empty_pass(self, batch: Batch, forward_only: bool) -> None:
-        """A zero-weighted forward/backward on two real tokens, so every layer joins this step's collectives.
+        """A zero-weighted forward/backward on two real tokens, packed like any row (and split
+        over a sequence-parallel group), so every layer joins this step's collectives.
 
         (One token would have no prediction: its backward would skip the layers, and FSDP2's
         backward all-gathers on the other ranks would wait forever.)
@@ -407,16 +398,7 @@ class TorchTrainEngine:
         if ids.shape[1] < 2:
             ids = ids.repeat(1, 2)
         with self._autocast():
-            if self.sequence_parallel is not None:  # the row is split like any other: pack it
-                outputs, _ = self._run_packed(pack_sequences(ids, torch.ones_like(ids)))
-            else:
-                outputs = self.wrapped(
-                    input_ids=ids.to(self.device),
-                    position_ids=torch.arange(2, device=self.device).unsqueeze(0),
-                    attention_mask=None,
-                    cu_seqlens=torch.tensor([0, 2], dtype=torch.int32, device=self.device),
-                    **self._packed_vision(pack_sequences(ids, torch.ones_like(ids)), None),
-                )
+            outputs, _ = self._run_packed(pack_sequences(ids, torch.ones_like(ids)))
         if not forward_only:
             (sum(values.sum() for values in outputs.values()) * 0.0).backward()
 
@@ -567,15 +549,6 @@ class TorchTrainEngine:
             "cpu_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         }
-
-
-def _token_choices(top_k: int, gather_ids: torch.Tensor | None) -> dict[str, Any]:
-    """The policy forward's keywords for its top-k tokens and named tokens' log-probs (none when
-    neither is asked for, so value and score models keep their own signature)."""
-    choices: dict[str, Any] = {"top_k": top_k} if top_k else {}
-    if gather_ids is not None:
-        choices["gather_ids"] = gather_ids
-    return choices
 
 
 def _fused_adamw_applies(params: list[torch.Tensor]) -> bool:

@@ -117,10 +117,11 @@ class SequenceParallel:
         length = total // self.size
         return self.rank * length, (self.rank + 1) * length
 
-    def shard(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of ``tensor [B, T, ...]`` along the sequence: ``[B, T / P, ...]``."""
-        start, end = self.bounds(tensor.shape[1])
-        return tensor[:, start:end]
+    def shard(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's slice of ``tensor`` along the sequence dimension ``dim``: ``[B, T, ...]``
+        -> ``[B, T / P, ...]`` (``dim=2`` for M-RoPE positions ``[3, 1, T]``)."""
+        start, end = self.bounds(tensor.shape[dim])
+        return tensor.narrow(dim, start, end - start)
 
     def check_same_rows(self, input_ids: torch.Tensor) -> None:
         """Raise ``ValueError`` on every rank unless every rank of the group was handed the same

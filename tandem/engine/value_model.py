@@ -12,14 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.engine.packing import Predictions
+from tandem.engine.forward_request import ForwardRequest
 from tandem.engine.token_model import predicting_states
-from tandem.engine.ulysses import SequenceParallel
-from tandem.engine.varlen_attention import AttentionPlan
 
 
 class TokenValueModel(nn.Module):
-    """``forward(input_ids, position_ids, ...) -> {"values": [B, S]}`` fp32.
+    """``forward(request) -> {"values": [B, S]}`` fp32 (:class:`~tandem.engine.forward_request.ForwardRequest`).
 
     ``values[:, t]`` is the critic's estimate of the return from token ``t`` on, computed
     from the hidden state at ``t - 1``; positions nothing predicts hold 0. ``value_model`` is
@@ -41,25 +39,10 @@ class TokenValueModel(nn.Module):
     def vocab_size(self) -> int:
         return self.value_model.get_input_embeddings().weight.shape[0]
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-        attention_plan: AttentionPlan | None = None,
-        predictions: Predictions | None = None,
-        with_sum_pi_squared: bool = False,
-        sequence_parallel: SequenceParallel | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Per-token values ``[B, S]``; the arguments are :class:`TokenLogProbModel`'s
-        (``with_sum_pi_squared`` has no meaning for a critic and must be False)."""
-        if with_sum_pi_squared:
-            raise ValueError("a value model has no token distribution: with_sum_pi_squared must be False")
-        picked = predicting_states(
-            self.decoder(), input_ids, position_ids, attention_mask, cu_seqlens, attention_plan,
-            predictions, sequence_parallel,
-        )  # fmt: skip
+    def forward(self, request: ForwardRequest) -> dict[str, torch.Tensor]:
+        """Per-token values ``[B, S]`` of ``request``'s tokens (a policy's extra outputs are
+        refused once, when a step asks for them: :func:`~tandem.engine.forward_request.check_head_request`)."""
+        picked = predicting_states(self.decoder(), request)
         return {"values": picked.placed(scalar_head(self.value_model.score, picked.states).squeeze(-1))}
 
 

@@ -43,11 +43,6 @@ def engine_model_is_vision_language(config: EngineConfig, model: nn.Module | Non
 def check_vision_language_engine(config: EngineConfig, owner: str = "engine") -> None:
     """Refuse, naming the keys, what a vision-language model does not combine with yet."""
     refused = {
-        "sp_size": (
-            config.sp_size > 1,
-            "Ulysses sequence parallelism does not split a vision-language model's image embeddings and "
-            "M-RoPE positions yet; set sp_size=1",
-        ),
         "tp_size": (
             config.tp_size > 1,
             "tensor parallelism does not split the vision tower yet; set tp_size=1",

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from tandem.agents.segments import segment_starts, with_segment_positions
 from tandem.dataplane import BatchRef
 from tandem.pipeline.provenance import provenance_columns
 from tandem.pipeline.requests import PromptRows
@@ -32,6 +33,7 @@ def assemble_batch(groups: list[GroupMeta], prompt_rows: PromptRows, n: int, pad
     prompts = prompt_rows.collate([g.index for g in groups]).repeat(n, interleave=True)
     prompt_ids: list[Any] = list(prompts["prompt_ids"])
     completions: list[Completion] = []
+    starts: list[list[int]] = []  # an agent episode's later segments' starts in its response
     for g, group in enumerate(groups):
         fields = read_fields(group.ref)
         spans = _spans(fields["lengths"])
@@ -55,8 +57,9 @@ def assemble_batch(groups: list[GroupMeta], prompt_rows: PromptRows, n: int, pad
             if group.episodes:
                 begin, stop = prompt_spans[i]
                 prompt_ids[g * n + i] = fields["prompt_ids"][begin:stop].tolist()
+            starts.append(segment_starts(fields, start, end) if group.episodes else [])
         release(group.ref)
-    tensors = sequence_tensors(prompt_ids, completions, pad_id)
+    tensors = with_segment_positions(sequence_tensors(prompt_ids, completions, pad_id), starts)
     non_tensors: dict[str, list] = {
         "uid": [g.uid for g in groups for _ in range(n)],
         "finish_reason": [c.finish_reason for c in completions],

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.agents.loops import AgentSample
+from tandem.agents.segments import SEGMENT_START_FIELD, segment_start_flags
 from tandem.agents.trajectory import Trajectory
 from tandem.pipeline.group_blocks import PROMPT_FIELD, GroupBlockWriter
 from tandem.pipeline.provenance import request_id
@@ -249,6 +250,7 @@ class GroupTracker:
             tensors["token_mask"] = torch.tensor(
                 [m for t in responses for m in t.loss_mask], dtype=torch.int64
             )
+            tensors[SEGMENT_START_FIELD] = segment_start_flags(responses)  # an agent program's split rows
             tensors["prompt_ids"] = torch.tensor(
                 [p for t in responses for p in t.prompt_ids], dtype=torch.int64
             )

@@ -1,11 +1,13 @@
 """Where an RL run's steps get their prompt groups: the workers' own engines (``pipeline.mode=sync``),
-rollout replicas beside them (the asynchronous modes), a recorded asynchronous run's schedule
-(``pipeline.replay``), and GKD's mix of sampled and dataset responses over the colocated source
-(``algorithm.distill.lmbda < 1``)."""
+rollout replicas beside them (the asynchronous modes) or a recorded asynchronous run's schedule
+(``pipeline.replay``); the step plan's stages may wrap that source with their own
+(``StepStage.batch_source``: GKD's dataset steps, :mod:`tandem.rl.stages.dataset_steps`), so the
+plan answers which source a step draws from."""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from tandem.dataplane import DataPlaneConfig
@@ -13,14 +15,28 @@ from tandem.pipeline.colocated import ColocatedRollout
 from tandem.pipeline.replay import ReplaySource
 from tandem.pipeline.runner import AsyncRollout
 from tandem.pipeline.schedule_record import ScheduleRecord
-from tandem.pipeline.source import BatchSource
+from tandem.pipeline.source import BatchSource, StepShape
 from tandem.rl.config import TrainConfig
 from tandem.rl.data import RLDataset
-from tandem.rl.dataset_responses import DatasetResponseMix
 from tandem.rl.derived import replica_plan, step_shape
 from tandem.rl.step_data import rollout_stays_in_store
 from tandem.rl.step_plan import build_step_plan
 from tandem.run.sampler import EpochSampler
+
+
+@dataclass(frozen=True)
+class SourceInputs:
+    """What a stage's ``batch_source`` may build on: the actor's ``workers``, the training prompts
+    ``train_data`` in ``sampler``'s order, the ``tokenizer``, one draw's ``shape``; ``in_store``:
+    the run's draws stay in the data plane, their prompts ``prompt_width`` tokens wide."""
+
+    workers: Any
+    train_data: RLDataset
+    sampler: EpochSampler
+    tokenizer: Any
+    shape: StepShape
+    in_store: bool
+    prompt_width: int
 
 
 def rl_batch_source(
@@ -29,11 +45,9 @@ def rl_batch_source(
     """The run's :class:`BatchSource` over the actor's ``workers``, drawing ``train_data``'s prompts
     in ``sampler``'s order; a draw stays in the data plane's store when
     :func:`tandem.rl.step_data.rollout_stays_in_store` says so."""
-    pad_id, distill = tokenizer.pad_token_id, config.algorithm.distill
+    pad_id, plan = tokenizer.pad_token_id, build_step_plan(config)
     width = max(len(sample.prompt_ids) for sample in train_data.samples)  # a stored draw's prompt width
-    in_store = rollout_stays_in_store(
-        config, any(s.images for s in train_data.samples), build_step_plan(config)
-    )
+    in_store = rollout_stays_in_store(config, any(s.images for s in train_data.samples), plan)
     if config.pipeline.replay:
         check_replayable(config)
         return ReplaySource(
@@ -46,13 +60,10 @@ def rl_batch_source(
         return AsyncRollout(
             replica_plan(config), workers, train_data, sampler, pad_id, kept if in_store else None, width
         )
-    source = ColocatedRollout(workers, pad_id, train_data, sampler, step_shape(config), in_store, width)
-    if distill.lmbda < 1:  # GKD: some steps train on the dataset's responses
-        return DatasetResponseMix(
-            source, train_data, sampler, step_shape(config), tokenizer,
-            distill.lmbda, distill.response_key, config.rollout.max_response_length,
-        )  # fmt: skip
-    return source
+    shape = step_shape(config)
+    source = ColocatedRollout(workers, pad_id, train_data, sampler, shape, in_store, width)
+    inputs = SourceInputs(workers, train_data, sampler, tokenizer, shape, in_store, width)
+    return plan.batch_source(config, source, inputs)
 
 
 def replayed_settings(config: TrainConfig) -> dict[str, Any]:
@@ -73,16 +84,14 @@ def replayed_settings(config: TrainConfig) -> dict[str, Any]:
 
 
 def check_replayable(config: TrainConfig) -> None:
-    """A replay runs no rollout engine: refuse what would generate, naming its key."""
+    """A replay runs no rollout engine: refuse what would generate, naming its key (the plan's
+    stages say what of theirs would: ``StepStage.replay``)."""
     if config.data.val_path:
         raise ValueError(
             "pipeline.replay runs no rollout engine, and validation generates: set data.val_path= for a replay"
         )
-    if config.algorithm.needs_greedy_baseline:
-        raise ValueError(
-            f"pipeline.replay runs no rollout engine, and algorithm.adv_estimator={config.algorithm.adv_estimator} "
-            "generates greedy baselines each step"
-        )
+    for reason in build_step_plan(config).replay_refusals(config):
+        raise ValueError(f"pipeline.replay runs no rollout engine, and {reason}")
     if config.agent.enabled:
         raise ValueError(
             "pipeline.replay does not replay agent episodes yet (their conversations are not in the "

@@ -87,7 +87,7 @@ class CriticWorker(EngineCheckpoints, Worker):
         """Clipped value-loss updates on this rank's shard (needs ``values`` and ``returns``);
         returns the metrics averaged over the optimizer steps."""
         config = self.config
-        local_mini = config.critic_mini_batch_prompts * config.rollout.n // self.engine.mesh.dp_size
+        local_mini = config.critic_mini_batch_prompts * config.rollout.n // self.engine.mesh.dims.dp
         collected: dict[str, list[float]] = defaultdict(list)
         with self.residency.computing(optimizer=True):
             self._update_epochs(batch, local_mini, collected)

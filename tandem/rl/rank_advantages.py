@@ -7,10 +7,15 @@
   REINFORCE++, ReMax), its advantages and returns before any whitening. Back inline, per row:
   the sequence reward and valid-token count an outcome estimator needs, and the partials of every
   batch-wide statistic (metrics, whitening);
+* :data:`POSITION_SUMS` (between the two, for ``EstimatorSplit.part == "positions"``: the optimal
+  token baseline): the baseline's terms of this rank's rows summed per group and response position,
+  back as a small ``{"groups": [g], "weighted": [g, R], "weights": [g, R]}`` (not stored; the
+  controller adds the ranks' sums, :mod:`tandem.rl.ref_advantages`);
 * :data:`SPREAD`: the final advantages: an outcome estimator's per-row advantage (from the
   controller) spread over each row's mask, or the token estimator's, whitened with the batch's
-  statistics (from the controller) where the estimator whitens; then the teacher's signal when
-  distilling. Back inline, the partials of the advantages' statistics.
+  statistics (from the controller) where the estimator whitens, or the optimal token baseline's
+  from its group's baseline (a reference to the controller's table of them); then the teacher's
+  signal when distilling. Back inline, the partials of the advantages' statistics.
 
 Every tensor op here is per row, and the ones that make a step's tensors are those the
 controller's path calls (:mod:`tandem.rl.advantages`, :mod:`tandem.algos`), so the rows come out as
@@ -24,12 +29,21 @@ from typing import Any
 import torch
 
 from tandem.algos import AdvantageInput, estimator_split, spread_row_advantages
+from tandem.algos.advantages.token_baseline import (
+    otb_advantages,
+    otb_group_sums,
+    otb_path_terms,
+    reward_to_go,
+)
 from tandem.algos.masked import whiten_with, whitening_terms
 from tandem.algos.reductions import Terms, reduce_row_partials, reduce_rows
 from tandem.pipeline.stored_rollout import LAST_SAMPLED
 from tandem.protocol import Batch
 from tandem.rl.advantages import final_advantages, token_rewards
 from tandem.rl.row_fields import (
+    OTB_BASELINE,
+    OTB_GROUP,
+    OTB_ZERO_FROM,
     PARTIAL_PREFIX,
     RESPONSE_TOKENS,
     ROW_ADVANTAGE,
@@ -38,7 +52,7 @@ from tandem.rl.row_fields import (
 )
 from tandem.rl.scoring import token_level_scores
 
-REWARDS, SPREAD = "rewards", "spread"
+REWARDS, SPREAD, POSITION_SUMS = "rewards", "spread", "position_sums"
 RAW_ADVANTAGES = (
     "raw_advantages"  # [B, R] a token estimator's advantages before whitening (between the parts)
 )
@@ -56,22 +70,31 @@ PART_READS = (
     "reward_baselines",
     RAW_ADVANTAGES,
     ROW_ADVANTAGE,
+    "token_level_rewards",
+    "sum_pi_squared",
+    "rollout_is_weights",
+    OTB_GROUP,
+    OTB_BASELINE,
+    OTB_ZERO_FROM,
 )  # every field either part may read; the controller sends each part only those it needs
 
 
 def advantage_part(
     batch: Batch, part: str, algorithm: Any, kl_coef: float, whitening: tuple[float, float] | None
-) -> Batch:
-    """Part ``part`` (:data:`REWARDS` or :data:`SPREAD`) of the advantages on ``batch``, this rank's
-    rows; ``algorithm`` is the config's section, ``kl_coef`` the KL coefficient in the reward,
-    ``whitening`` the batch's ``(mean, var)`` for a whitening estimator's spread. Returns the
-    per-token outputs ``[b, R]`` and the per-row ones ``[b]`` (kept in the store and inline)."""
+) -> Batch | dict[str, torch.Tensor]:
+    """Part ``part`` (:data:`REWARDS`, :data:`POSITION_SUMS` or :data:`SPREAD`) of the advantages on
+    ``batch``, this rank's rows; ``algorithm`` is the config's section, ``kl_coef`` the KL
+    coefficient in the reward, ``whitening`` the batch's ``(mean, var)`` for a whitening
+    estimator's spread. Returns the per-token outputs ``[b, R]`` and the per-row ones ``[b]`` (kept
+    in the store and inline), or for :data:`POSITION_SUMS` the rows' sums (:func:`position_sums`)."""
     with torch.no_grad():
         if part == REWARDS:
             return _rewards(batch, algorithm, kl_coef)
+        if part == POSITION_SUMS:
+            return position_sums(batch)
         if part == SPREAD:
             return _spread(batch, algorithm, whitening)
-    raise ValueError(f"advantage part {part!r}: choose {REWARDS!r} or {SPREAD!r}")
+    raise ValueError(f"advantage part {part!r}: choose {REWARDS!r}, {POSITION_SUMS!r} or {SPREAD!r}")
 
 
 def _scores(batch: Batch) -> torch.Tensor:
@@ -118,10 +141,7 @@ def _spread(batch: Batch, algorithm: Any, whitening: tuple[float, float] | None)
     """The :data:`SPREAD` part on this rank's rows (the module docstring)."""
     config = algorithm.advantage_config()
     mask = batch["response_mask"]
-    if ROW_ADVANTAGE in batch:
-        advantages = spread_row_advantages(batch[ROW_ADVANTAGE], mask)
-    else:
-        advantages = batch[RAW_ADVANTAGES]
+    advantages, tensors, terms = _unwhitened_advantages(batch, mask)
     if estimator_split(config.estimator).whiten(config):
         if whitening is None:
             raise ValueError(
@@ -130,13 +150,47 @@ def _spread(batch: Batch, algorithm: Any, whitening: tuple[float, float] | None)
         weights = mask.to(advantages.dtype)
         mean, var = (torch.tensor(v, dtype=advantages.dtype) for v in whitening)
         advantages = whiten_with(advantages, mean, var) * weights
-    with_critic = ROW_ADVANTAGE in batch and "values" in batch
-    tensors = (
-        {"returns": advantages} if with_critic else {}
-    )  # an outcome estimator's returns: a critic's targets
-    advantages, terms = final_advantages(batch, advantages, mask, algorithm)
+    if ROW_ADVANTAGE in batch and "values" in batch:  # an outcome estimator's returns: a critic's targets
+        tensors["returns"] = advantages
+    advantages, distill = final_advantages(batch, advantages, mask, algorithm)
+    terms.update(distill)
     terms.update(token_stats_terms(ADVANTAGE_TERMS, advantages, mask))
     return Batch({**tensors, "advantages": advantages}).assign(tensors=partials(terms))
+
+
+def _unwhitened_advantages(
+    batch: Batch, mask: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], Terms]:
+    """The estimator's advantages ``[b, R]`` before any whitening: an outcome estimator's per-row
+    advantage spread, a token estimator's (made by :data:`REWARDS`), or the optimal token
+    baseline's from its group's baseline (then, with a critic, its returns and their terms)."""
+    if ROW_ADVANTAGE in batch:
+        return spread_row_advantages(batch[ROW_ADVANTAGE], mask), {}, {}
+    if OTB_BASELINE not in batch:
+        return batch[RAW_ADVANTAGES], {}, {}
+    rewards = batch["token_level_rewards"]
+    weights = mask.to(rewards.dtype)
+    returns = reward_to_go(rewards, weights)
+    advantages = otb_advantages(returns, weights, batch[OTB_BASELINE], batch[OTB_ZERO_FROM])
+    if "values" not in batch:
+        return advantages, {}, {}
+    return advantages, {"returns": returns}, value_terms(batch["values"], returns, mask)
+
+
+def position_sums(batch: Batch) -> dict[str, torch.Tensor]:
+    """The optimal token baseline's terms of this rank's rows summed per group and response
+    position (:func:`tandem.algos.advantages.token_baseline.otb_group_sums`, rows in order):
+    ``groups [g]`` (the compact ids of ``otb_group [b]`` the rows hold, pad rows' -1 left out)
+    and ``weighted``, ``weights`` ``[g, R]``."""
+    rewards = batch["token_level_rewards"]
+    mask = batch["response_mask"].to(rewards.dtype)
+    _, weighted, weights = otb_path_terms(
+        rewards, mask, batch["old_log_probs"], batch["sum_pi_squared"], batch.get("rollout_is_weights")
+    )
+    real = batch[OTB_GROUP] >= 0
+    groups, local = torch.unique(batch[OTB_GROUP][real], return_inverse=True)
+    weighted, weights = otb_group_sums(weighted[real], weights[real], local, len(groups))
+    return {"groups": groups, "weighted": weighted, "weights": weights}
 
 
 def partials(terms: Terms) -> dict[str, torch.Tensor]:

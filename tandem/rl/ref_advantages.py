@@ -7,9 +7,14 @@ fields a part needs, of its own rows: :mod:`tandem.rl.rank_advantages`), and bet
 works on what came back inline, a few ``[B]`` scalars: the sequence rewards and valid-token counts
 an outcome estimator's per-row advantage is made of (``EstimatorSplit.row``), and the per-row
 partial sums, maxima and minima every batch-wide statistic (the metrics, a whitening's mean and
-variance) is reduced from. An estimator that reads other rows' tokens (``EstimatorSplit.part ==
-"batch"``: the optimal token baseline), a trainer whose ``compute_advantages`` is overridden and a
-plan with ``view`` stages keep the controller's path (:meth:`tandem.rl.step_data.RefStep.view`).
+variance) is reduced from. The optimal token baseline (``EstimatorSplit.part == "positions"``)
+reads other rows' tokens only through sums per group and response position: between the two
+parts, a third call has each rank sum its rows' terms (:data:`POSITION_SUMS`), the controller adds
+those ``[G, R]`` sums, puts the groups' baselines into its store as one block of ``G`` rows, and
+the spread part's ranks fetch their groups' rows of it (a ``BatchRef`` of the step's rows indexing
+the group rows). An estimator that reads other rows' tokens otherwise (``part == "batch"``), a
+trainer whose ``compute_advantages`` is overridden and a plan with ``view`` stages keep the
+controller's path (:meth:`tandem.rl.step_data.RefStep.view`).
 """
 
 from __future__ import annotations
@@ -19,13 +24,16 @@ from typing import Any
 import torch
 
 from tandem.algos import RowInput, estimator_requirements, estimator_split
-from tandem.algos.masked import whitening_stats
+from tandem.algos.advantages.token_baseline import otb_baselines, otb_zero_from
+from tandem.algos.masked import compact_group_ids, whitening_stats
 from tandem.dataplane import BatchRef
+from tandem.dataplane import release as release_block
 from tandem.pipeline.stored_rollout import LAST_SAMPLED
 from tandem.protocol import Batch, group_ids_from_uids
 from tandem.rl.advantages import KL_TERMS, advantage_metrics
 from tandem.rl.rank_advantages import (
     ADVANTAGE_TERMS,
+    POSITION_SUMS,
     RAW_ADVANTAGES,
     REWARDS,
     SPREAD,
@@ -33,14 +41,22 @@ from tandem.rl.rank_advantages import (
     WHITENING_TERMS,
     reduced_partials,
 )
-from tandem.rl.row_fields import RESPONSE_TOKENS, ROW_ADVANTAGE, SEQUENCE_REWARD, SEQUENCE_SCORE
+from tandem.rl.row_fields import (
+    OTB_BASELINE,
+    OTB_GROUP,
+    OTB_ZERO_FROM,
+    RESPONSE_TOKENS,
+    ROW_ADVANTAGE,
+    SEQUENCE_REWARD,
+    SEQUENCE_SCORE,
+)
 from tandem.rl.step_data import RefStep
 
 
 def advantages_stay_on_ranks(data: Any, plan: Any, algorithm: Any, hooked: bool) -> bool:
     """Whether the step's advantages run on the ranks: its data is stored (a ``RefStep``), its plan
     has no ``view`` stage, its trainer's ``compute_advantages`` is not overridden (``hooked``) and
-    its estimator's parts can run apart (``EstimatorSplit.part`` ``row`` or ``token``)."""
+    its estimator's parts can run apart (``EstimatorSplit.part`` ``row``, ``token`` or ``positions``)."""
     estimator = algorithm.advantage_config().estimator
     return (
         isinstance(data, RefStep)
@@ -76,9 +92,16 @@ def rank_advantages(
             whitening = _row_whitening(per_row, rows[RESPONSE_TOKENS])
     elif split.whiten(config):
         whitening = _floats(whitening_stats(_prefixed(reduced, WHITENING_TERMS), torch.float32))
-    spread = data.keep(
-        group, group.compute_advantage_part(spread_input, part=SPREAD, kl_coef=coef, whitening=whitening)
-    )
+    table = None
+    if split.part == "positions":  # the optimal token baseline's sums per group and position
+        spread_input, table = _with_position_baselines(data, group, step, rewards, spread_input, coef)
+    try:
+        spread = data.keep(
+            group, group.compute_advantage_part(spread_input, part=SPREAD, kl_coef=coef, whitening=whitening)
+        )
+    finally:
+        if table is not None:  # read by the spread part only
+            table.release(release_block)
     reduced.update(reduced_partials(spread.scalars))
     metrics = advantage_metrics(reduced, coef, torch.float32)
     metrics.update(token_stats("critic/advantages", _prefixed(reduced, ADVANTAGE_TERMS)))
@@ -94,6 +117,40 @@ def rank_advantages(
 def _with_inline(ref: BatchRef, tensors: dict[str, torch.Tensor]) -> BatchRef:
     """``ref`` with ``tensors`` (``[B]`` each) added to its inline scalars."""
     return BatchRef(ref.scalars.assign(tensors=tensors), ref.parts, ref.schema)
+
+
+def _with_position_baselines(
+    data: RefStep, group: Any, step: BatchRef, rewards: BatchRef, spread_input: BatchRef, coef: float
+) -> tuple[BatchRef, BatchRef]:
+    """``spread_input`` with each row's group baseline (a reference into a block of ``G`` rows the
+    controller puts) and the column it stops at, inline; and that block's ``BatchRef``, to release.
+
+    The ranks sum their rows' terms per group and position (:data:`POSITION_SUMS`); the controller
+    adds the ranks' ``[g, R]`` sums in rank order (for a group whose rows one rank holds, exactly its
+    sums, which are the whole batch's). The rows are padded here to a multiple of the group's size with rows
+    marked ``-1`` (no rank counts them), so the dispatch pads none and the sums need no unpadding."""
+    ids, num_groups = compact_group_ids(group_ids_from_uids(data.batch["uid"]))
+    mask = rewards if "response_mask" in rewards.schema else step
+    terms = [f for f in ("token_level_rewards", "rollout_is_weights") if f in rewards.schema]
+    sums_input = mask.select(["response_mask"]).union(rewards.select(terms))
+    sums_input = sums_input.union(step.select(["old_log_probs", "sum_pi_squared"]))
+    padded, pad = sums_input.pad_to_divisor(group.world_size)
+    marks = torch.cat([ids, ids.new_full((pad,), -1)])
+    outputs = group.compute_advantage_part(
+        _with_inline(padded, {OTB_GROUP: marks}), part=POSITION_SUMS, kl_coef=coef, whitening=None
+    )
+    width = rewards.schema["token_level_rewards"].shape[0]
+    dtype = getattr(torch, rewards.schema["token_level_rewards"].dtype)
+    weighted, weights = (
+        torch.zeros(num_groups, width, dtype=dtype),
+        torch.zeros(num_groups, width, dtype=dtype),
+    )
+    for sums in outputs:
+        weighted.index_add_(0, sums["groups"], sums["weighted"])
+        weights.index_add_(0, sums["groups"], sums["weights"])
+    table = BatchRef.put(Batch({OTB_BASELINE: otb_baselines(weighted, weights)}), data.store)
+    zero_from = otb_zero_from(rewards.scalars[RESPONSE_TOKENS], ids, num_groups, width)
+    return _with_inline(spread_input.union(table[ids]), {OTB_ZERO_FROM: zero_from}), table
 
 
 def _row_whitening(per_row: torch.Tensor, lengths: torch.Tensor) -> tuple[float, float]:
@@ -126,8 +183,8 @@ def _spread_inputs(step: BatchRef, rewards: BatchRef, part: str) -> BatchRef:
     """The fields the spread part reads: the mask (the corrected one when the rewards part made
     it), a token estimator's raw advantages or, with a critic, the values an outcome estimator's
     returns need, and the student's and teacher's log-probs when distilling."""
-    fields = (
-        [RAW_ADVANTAGES] if part == "token" else ["values"]
+    fields = {"token": [RAW_ADVANTAGES], "positions": ["token_level_rewards", "values"]}.get(
+        part, ["values"]
     )  # an outcome estimator's returns, with a critic
     if "teacher_log_probs" in step:
         fields += ["teacher_log_probs", "old_log_probs" if "old_log_probs" in step else "rollout_log_probs"]

@@ -32,6 +32,15 @@ given, runs once when the trainer is built, before any worker starts; ``rule(con
 given, when the config is validated (:func:`tandem.rl.config.rules.check_train_config`, in the
 stage's plan): a bad setting or combination is named before any file is read.
 
+What the rest of the run asks a plan, its stages declare (never an algorithm's flag):
+
+* the update: ``old_log_probs(config)``, where its old log-probs come from (``OLD_LOG_PROBS``;
+  undeclared: ``none``), ``reference(config)``, whether it reads the reference's log-probs, and
+  ``critic(config)``, whether a critic trains beside it (undeclared: no);
+* any stage: ``replay(config)``, why a replay of a recorded run (``pipeline.replay``, which runs no
+  rollout engine) cannot run it, and ``batch_source(config, source, inputs)``, the run's batch
+  source wrapped with the stage's (GKD's dataset steps: :mod:`tandem.rl.batch_source`).
+
 ``stored`` says whether the stage takes a draw kept in the data plane (a ``BatchRef``,
 :mod:`tandem.rl.step_data`): a run's draws stay stored only when every stage of its plan does
 (:attr:`tandem.rl.step_plan.StepPlan.takes_stored_draws`). Unless told, a ``prepare`` or ``pass``
@@ -57,6 +66,7 @@ MANY_SLOTS = ("draw", "prepare", "pass", "view")  # any number each, in order
 INNER_SLOTS = ("prepare", "pass", "view")  # run by the update that declares them (runs=)
 SLOTS = (*SINGLE_SLOTS, *MANY_SLOTS)
 STORED_BY_DEFAULT = ("prepare", "pass")  # slots whose stages take stored draws unless told (stored=)
+UPDATE_DECLARATIONS = ("old_log_probs", "reference", "critic")  # what only an update declares
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,11 @@ class StepStage:
             plan leaves out the others' stages.
         stored: whether it takes draws kept in the data plane (``None``: its slot's default).
         rule: ``(config, plan) -> None``, run when the config is validated.
+        old_log_probs: an update's ``config -> str``: where its old log-probs come from (``OLD_LOG_PROBS``).
+        reference: an update's ``config -> bool``: whether it reads the reference's log-probs.
+        critic: an update's ``config -> bool``: whether a critic trains beside it.
+        replay: ``config -> str``: why ``pipeline.replay`` cannot run the stage (``None``: it can).
+        batch_source: ``(config, source, inputs) -> BatchSource``: the run's source, wrapped.
     """
 
     name: str
@@ -87,6 +102,11 @@ class StepStage:
     runs: tuple[str, ...] = ()
     stored: bool | None = None
     rule: Callable[[Any, Any], None] | None = None
+    old_log_probs: Callable[[Any], str] | None = None
+    reference: Callable[[Any], bool] | None = None
+    critic: Callable[[Any], bool] | None = None
+    replay: Callable[[Any], str] | None = None
+    batch_source: Callable[[Any, Any, Any], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.slot not in SLOTS:
@@ -96,6 +116,11 @@ class StepStage:
         if not set(self.runs) <= set(INNER_SLOTS) or (self.runs and self.slot != "update"):
             raise ValueError(
                 f"step stage {self.name!r}: runs={self.runs!r} names an update's slots, of {list(INNER_SLOTS)}"
+            )
+        declared = [k for k in UPDATE_DECLARATIONS if getattr(self, k) is not None]
+        if declared and self.slot != "update":
+            raise ValueError(
+                f"step stage {self.name!r}: {'=, '.join(declared)}= are an update's declarations"
             )
         if self.stored is None:
             object.__setattr__(self, "stored", self.slot in STORED_BY_DEFAULT)
@@ -119,12 +144,15 @@ def register_step_stage(
     runs: tuple[str, ...] = (),
     stored: bool | None = None,
     rule: Callable[[Any, Any], None] | None = None,
+    **declarations: Callable[..., Any],
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: register the function as step stage ``name`` in ``slot`` (see the module
-    docstring), running when ``applies(config)``; a name registered twice raises."""
+    docstring), running when ``applies(config)``; ``declarations``: ``old_log_probs``,
+    ``reference``, ``critic`` (an update's), ``replay``, ``batch_source``. A name registered twice
+    raises."""
 
     def decorator(run: Callable[..., Any]) -> Callable[..., Any]:
-        stage = StepStage(name, slot, applies, run, order, default, check, runs, stored, rule)
+        stage = StepStage(name, slot, applies, run, order, default, check, runs, stored, rule, **declarations)
         STEP_STAGES.register(name)(stage)
         return run
 
@@ -137,12 +165,41 @@ def registered_stages() -> list[StepStage]:
 
 
 # ------------------------------------------------------------------ the plan
-OLD_LOG_PROBS = {  # TrainConfig.old_log_probs_source -> how the plan reads it
+OLD_LOG_PROBS = {  # an update's old_log_probs(config) -> how the plan reads it
     "none": "none (preference update)",
     "rollout": "the rollout's",
     "update": "the update's forward",
     "pass": "a pass before the advantages",
 }
+
+
+def update_stage(config: Any) -> StepStage:
+    """The update stage of ``config``'s step (the one applying, or the default)."""
+    applying = [s for s in registered_stages() if s.slot == "update" and not s.default and s.applies(config)]
+    default = next((s for s in registered_stages() if s.slot == "update" and s.default), None)
+    return _single("update", applying, default)
+
+
+def old_log_probs_source(config: Any) -> str:
+    """Where ``config``'s old log-probs come from — the one place that decides it: the update's
+    declaration (``StepStage.old_log_probs``; ``none`` when it declares none)."""
+    declared = update_stage(config).old_log_probs
+    source = declared(config) if declared is not None else "none"
+    if source not in OLD_LOG_PROBS:
+        raise ValueError(f"an update's old log-probs come from one of {list(OLD_LOG_PROBS)}, not {source!r}")
+    return source
+
+
+def needs_reference(config: Any) -> bool:
+    """Whether ``config``'s update reads the reference's log-probs (``StepStage.reference``)."""
+    declared = update_stage(config).reference
+    return bool(declared is not None and declared(config))
+
+
+def uses_critic(config: Any) -> bool:
+    """Whether a critic trains beside ``config``'s update (``StepStage.critic``)."""
+    declared = update_stage(config).critic
+    return bool(declared is not None and declared(config))
 
 
 @dataclass(frozen=True)
@@ -156,7 +213,7 @@ class StepPlan:
         prepares: the policy-gradient batch's preparation, before its data is put anywhere.
         passes: the worker passes whose outputs join the step (over the pairs, for a preference update).
         views: what the controller's batch is given before the advantages.
-        old_log_probs: ``TrainConfig.old_log_probs_source``.
+        old_log_probs: where the old log-probs come from (:func:`old_log_probs_source`).
     """
 
     collect: StepStage
@@ -176,6 +233,18 @@ class StepPlan:
         """Whether the step can run on draws kept in the data plane (``BatchRef``): every stage
         declares it does (``StepStage.stored``); otherwise the draw is built on the controller."""
         return all(stage.stored for stage in self.stages())
+
+    def replay_refusals(self, config: Any) -> list[str]:
+        """Why a replay (``pipeline.replay``) cannot run this plan: each stage's ``replay`` reason."""
+        return [stage.replay(config) for stage in self.stages() if stage.replay is not None]
+
+    def batch_source(self, config: Any, source: Any, inputs: Any) -> Any:
+        """The run's batch ``source`` as the plan's stages make it (``StepStage.batch_source``, in
+        the plan's order): the source each step draws from."""
+        for stage in self.stages():
+            if stage.batch_source is not None:
+                source = stage.batch_source(config, source, inputs)
+        return source
 
     def check(self, config: Any) -> None:
         """Every stage's config rule (``StepStage.rule``), in the plan's order."""
@@ -234,7 +303,7 @@ def build_step_plan(config: Any) -> StepPlan:
         prepares=many["prepare"],
         passes=many["pass"],
         views=many["view"],
-        old_log_probs=config.old_log_probs_source,
+        old_log_probs=old_log_probs_source(config),
     )
 
 

@@ -4,7 +4,7 @@
 ``RLTrainer._policy_gradient_update`` runs the stages once, in one order, over either holder:
 
 * ``stage(group, method)``: a stage (old log-probs, reference, teacher, critic values) runs on
-  the step's rows and its outputs join the step;
+  the step's rows and its outputs join the step (``joined=True``: on the outputs so far too);
 * then the advantages, on the ranks (:mod:`tandem.rl.ref_advantages`, with a ``RefStep``:
   ``joined()`` the step's references, ``keep(group, output)`` each part's outputs,
   ``for_updates_with(outputs)`` what the updates get) or on the controller: ``view(reads)`` the
@@ -85,8 +85,8 @@ def rollout_stays_in_store(config: Any, has_images: bool, plan: Any) -> bool:
     replicas' blocks in the asynchronous modes (:mod:`tandem.pipeline.group_blocks`).
 
     Not for a plan with a stage that still rebuilds or extends the draw's padded batch on the
-    controller (``StepPlan.takes_stored_draws``: each stage declares it; GKD's dataset responses,
-    online DPO's pairs, ``pipeline.old_log_probs=rollout``, which renames a stored field), agent
+    controller (``StepPlan.takes_stored_draws``: each stage declares it; a plugin's ``view``
+    stage, ``pipeline.old_log_probs=rollout``, which renames a stored field), agent
     episodes and images; nor, in the asynchronous modes, for ``pipeline.sample_store=inline``
     (which sends the samples to the controller; ``dataplane.engine=ray`` keeps replicas on other
     hosts' groups in Ray's object store instead). Those runs put the controller's batch once."""
@@ -106,7 +106,7 @@ class BatchStep:
     def __init__(self, batch: Batch) -> None:
         self.batch = batch
 
-    def stage(self, group: Group, method: Stage) -> None:
+    def stage(self, group: Group, method: Stage, joined: bool = False) -> None:
         self.batch = self.batch.union(method(self.batch))
 
     def view(self, reads: tuple[str, ...]) -> Batch:
@@ -144,8 +144,10 @@ class RefStep:
         self._releases.append(lambda: ref.release(release_block))
         return ref
 
-    def stage(self, group: Group, method: Stage) -> None:
-        output = method(self.first)
+    def stage(self, group: Group, method: Stage, joined: bool = False) -> None:
+        """``method`` over the step's first block (its draw), or with ``joined`` over it and the
+        outputs kept so far (a stage that reads an earlier stage's: GKD's dataset steps)."""
+        output = method(self.joined() if joined else self.first)
         self.kept.append(output)
         self._releases.append(lambda: _worker_group(group).release_refs(output))
 
@@ -153,13 +155,15 @@ class RefStep:
         """The step's batch with ``reads`` of the kept outputs that hold them (padded tensors); for
         a stored draw, also the rollout fields the advantages read and the per-token scores."""
         tensors: dict[str, Any] = {}
-        for output in self.kept:
-            wanted = [f for f in reads if f in output.schema]
+        stored = SEQUENCE_SCORE in self.batch
+        from_rollout = rollout_reads({f for output in self.kept for f in output.schema}) if stored else ()
+        from_first = [f for f in from_rollout if f in self.first.schema]
+        for output in self.kept:  # (a stage made a dataset step's rollout log-probs: GKD)
+            wanted = [f for f in {*reads, *from_rollout} - set(from_first) if f in output.schema]
             if wanted:
-                tensors.update(output.materialise(get_block, wanted).tensors.items())
-        if SEQUENCE_SCORE in self.batch:
-            from_rollout = rollout_reads({f for output in self.kept for f in output.schema})
-            self.fetched = dict(self.first.materialise(get_block, from_rollout).tensors.items())
+                tensors.update(output.materialise(get_block, sorted(wanted)).tensors.items())
+        if stored:
+            self.fetched = dict(self.first.materialise(get_block, from_first).tensors.items())
             scores = token_level_scores(
                 self.batch[SEQUENCE_SCORE], self.batch[LAST_SAMPLED], self.first.schema["responses"].shape[0]
             )

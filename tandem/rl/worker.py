@@ -43,7 +43,9 @@ from tandem.protocol.generation import raise_failed_requests
 from tandem.protocol.sequences import response_part
 from tandem.rl.actor_loss import make_actor_loss
 from tandem.rl.config import TrainConfig
+from tandem.rl.dataset_step_worker import DatasetStepRanks
 from tandem.rl.derived import actor_engine_config, rollout_engine_config
+from tandem.rl.preference_pairs import with_pair_fields
 from tandem.rl.rank_advantages import PART_READS as ADVANTAGE_PART_READS
 from tandem.rl.rank_advantages import advantage_part
 from tandem.rollout import SamplingParams
@@ -72,11 +74,12 @@ ACTOR_UPDATE_FIELDS = (
     "teacher_top_log_probs",
     "loss_mask",
     "chosen",
+    "pair",
 )  # what update_actor and its losses read (a BatchRef argument fetches only these)
 SHUFFLE_SEED_TAG = 101  # derive_seed(run seed, this, step, epoch): the mini-batch order of an epoch
 
 
-class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
+class ActorRolloutRefWorker(DatasetStepRanks, SendsWeights, ProfilesCalls, Worker):
     """One rank of the colocated actor + rollout + reference group (see the module docstring).
 
     With an asynchronous pipeline (``pipeline.mode`` other than ``sync``) the rollout lives on
@@ -271,14 +274,14 @@ class ActorRolloutRefWorker(SendsWeights, ProfilesCalls, Worker):
         """
         config = self.config
         actor = config.actor
-        local_mini = config.mini_batch_prompts * config.rollout.n // self.engine.mesh.dp_size
+        local_mini = config.mini_batch_prompts * config.rollout.n // self.engine.mesh.dims.dp
         collected: dict[str, list[float]] = defaultdict(list)
         skipped_before = self.skipped.total
         with self._phase("update_actor"):
             self.actor_residency.load(optimizer=True)
             for epoch in range(actor.ppo_epochs):
                 if "chosen" in batch:  # online DPO's pairs (tandem.rl.preference_pairs)
-                    self._update_preference(batch, collected)
+                    self._update_preference(with_pair_fields(batch), collected)
                 else:
                     self._update_epoch(batch, step, epoch, local_mini, collected)
         if config.trainer.lr_schedule_unit == "step":

@@ -151,64 +151,99 @@ def expand_images(
     return expanded, expanded_mask, inputs
 
 
+def tokenize_row(
+    row: dict,
+    config: SFTDataConfig,
+    tokenizer: Any,
+    prompter: ImagePrompter | None,
+    base_dir: Path,
+    where: str,
+) -> tuple[list[int], list[int], ImageInputs | None] | None:
+    """``(input_ids, loss_mask, images)`` of one file row as the data set keeps it (cut right by
+    ``data.truncation=right``), or ``None`` when ``data.truncation=drop`` skips it; ``where``
+    names the row in errors. The controller's load and a rank collating its own rows
+    (:mod:`tandem.sft.dataset_rows`) both call it, so both see the same tokens."""
+    if config.messages_key not in row:
+        raise ValueError(f"{where}: missing field {config.messages_key!r} (has {sorted(row)})")
+    pictures = row_images(row, config, base_dir, where)
+    if pictures and prompter is None:
+        raise ValueError(f"{where}: the row has images but the model has no vision tower")
+    ids, mask = tokenize_conversation(
+        tokenizer, row[config.messages_key], where, len(pictures), config.special_tokens_in_text
+    )
+    inputs = None
+    if pictures:
+        ids, mask, inputs = expand_images(
+            ids, mask, pictures, prompter, f"{where}: field {config.images_key!r}"
+        )
+    if len(ids) <= config.max_length:
+        return ids, mask, inputs
+    if inputs is not None and config.truncation == "right":
+        raise ValueError(
+            f"{where}: {len(ids)} tokens exceed data.max_length={config.max_length}, and a row "
+            "with images is never cut (raise data.max_length or set data.truncation=drop)"
+        )
+    if config.truncation == "error":
+        raise ValueError(
+            f"{where}: {len(ids)} tokens exceed data.max_length={config.max_length} "
+            "(set data.truncation=right or drop)"
+        )
+    if config.truncation == "drop":
+        return None
+    return ids[: config.max_length], mask[: config.max_length], inputs
+
+
 @dataclass
 class SFTDataset:
     """Tokenised conversations: ``samples[i] = (input_ids, loss_mask)`` and ``images[i]`` (None: a
-    text row); ``dropped`` counts over-long rows skipped."""
+    text row); ``dropped`` counts over-long rows skipped. Per kept row, whatever ``samples``
+    holds: ``rows[i]`` (its row number in the file), ``lengths[i]`` (its tokens) and
+    ``loss_tokens[i]`` (its ``loss_mask`` tokens). Loaded with ``keep_tokens=False`` the set
+    holds only those per-row ints (``samples`` and ``images`` empty): the controller's view when
+    the ranks collate their own rows (:mod:`tandem.sft.dataset_rows`)."""
 
     samples: list[tuple[list[int], list[int]]]
     dropped: int = 0
     images: list[ImageInputs | None] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    loss_tokens: list[int] = field(default_factory=list)
 
     @staticmethod
     def load(
-        path: str | Path, tokenizer: Any, config: SFTDataConfig, prompter: ImagePrompter | None = None
+        path: str | Path,
+        tokenizer: Any,
+        config: SFTDataConfig,
+        prompter: ImagePrompter | None = None,
+        keep_tokens: bool = True,
     ) -> SFTDataset:
-        """Read and tokenise ``path``; ``prompter`` (a vision-language model's) takes rows' images."""
-        samples, images, dropped = [], [], 0
+        """Read and tokenise ``path``; ``prompter`` (a vision-language model's) takes rows' images.
+        ``keep_tokens=False``: keep only each row's number, length and loss-token count."""
+        dataset = SFTDataset([])
         for index, row in enumerate(read_rows(path)):
-            where = f"{path}: row {index}"
-            if config.messages_key not in row:
-                raise ValueError(f"{where}: missing field {config.messages_key!r} (has {sorted(row)})")
-            pictures = row_images(row, config, Path(path).parent, where)
-            if pictures and prompter is None:
-                raise ValueError(f"{where}: the row has images but the model has no vision tower")
-            ids, mask = tokenize_conversation(
-                tokenizer, row[config.messages_key], where, len(pictures), config.special_tokens_in_text
-            )
-            inputs = None
-            if pictures:
-                ids, mask, inputs = expand_images(
-                    ids, mask, pictures, prompter, f"{where}: field {config.images_key!r}"
-                )
-            if len(ids) > config.max_length:
-                if inputs is not None and config.truncation == "right":
-                    raise ValueError(
-                        f"{where}: {len(ids)} tokens exceed data.max_length={config.max_length}, and a row "
-                        "with images is never cut (raise data.max_length or set data.truncation=drop)"
-                    )
-                if config.truncation == "error":
-                    raise ValueError(
-                        f"{where}: {len(ids)} tokens exceed data.max_length={config.max_length} "
-                        "(set data.truncation=right or drop)"
-                    )
-                if config.truncation == "drop":
-                    dropped += 1
-                    continue
-                ids, mask = ids[: config.max_length], mask[: config.max_length]
-            samples.append((ids, mask))
-            images.append(inputs)
-        if not samples:
-            raise ValueError(f"{path}: no usable rows ({dropped} dropped as too long)")
-        return SFTDataset(samples, dropped, images)
+            sample = tokenize_row(row, config, tokenizer, prompter, Path(path).parent, f"{path}: row {index}")
+            if sample is None:
+                dataset.dropped += 1
+                continue
+            ids, mask, inputs = sample
+            dataset.rows.append(index)
+            dataset.lengths.append(len(ids))
+            dataset.loss_tokens.append(sum(mask))
+            if keep_tokens:
+                dataset.samples.append((ids, mask))
+                dataset.images.append(inputs)
+        if not dataset.rows:
+            raise ValueError(f"{path}: no usable rows ({dataset.dropped} dropped as too long)")
+        return dataset
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.rows)
 
-    def collate(self, indices: list[int], pad_id: int) -> Batch:
-        """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` (``[B, S]``) of the given rows."""
+    def collate(self, indices: list[int], pad_id: int, width: int | None = None) -> Batch:
+        """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` (``[B, S]``) of the given
+        rows; ``S`` is ``width`` when given (a rank's share of a wider step), else the longest row."""
         rows = [self.samples[i] for i in indices]
-        length = max(len(ids) for ids, _ in rows)
+        length = max(len(ids) for ids, _ in rows) if width is None else width
         input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
         attention = torch.zeros((len(rows), length), dtype=torch.long)
         loss_mask = torch.zeros((len(rows), length), dtype=torch.long)

@@ -13,7 +13,8 @@ With ``dataplane.enabled`` the trainers pass a :class:`~tandem.dataplane.BatchRe
 (:mod:`tandem.sft.step_rows`): each rank fetches only the fields its method declares
 (``@register(reads=...)``: ``SFT_READS``, the engine's forward fields and ``loss_mask``) of
 only its rows, and the scores come back as a ``BatchRef`` (``outputs="ref"``; a per-row score
-is held inline).
+is held inline). Rows sent as ``dataset_row`` numbers (:mod:`tandem.sft.dataset_rows`) are read,
+tokenised and collated here, from the data file, before the method runs.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tandem.engine.forward_fields import FORWARD_FIELDS
 from tandem.engine.on_rank import EngineCheckpoints, bind_rank, frozen_copy, start_engine
 from tandem.models.loading import load_tokenizer
 from tandem.protocol import Batch
+from tandem.sft.dataset_rows import ROW_FIELD, CollatorFactory, RankRows
 
 Summarize = Callable[[Batch, TokenOutputs], Batch]  # rows and their outputs -> per-row values [B]
 
@@ -42,7 +44,8 @@ def summed_log_probs(batch: Batch, outputs: TokenOutputs) -> Batch:
 
 
 ENGINE_MESH = "engine"  # the engine's data-parallel ranks: sequence/tensor-parallel peers get the same rows
-SFT_READS = (*FORWARD_FIELDS, "loss_mask")  # what a rank fetches of a BatchRef (docs/data-plane.md)
+# what a rank fetches of a BatchRef (docs/data-plane.md); dataset_row: rows it collates itself
+SFT_READS = (*FORWARD_FIELDS, "loss_mask", ROW_FIELD)
 
 
 @dataclass
@@ -66,11 +69,19 @@ class EngineWorker(EngineCheckpoints, Worker):
         engine: the policy's engine settings; ``strategy=single`` becomes DDP on several ranks.
         reference_path: the frozen model :meth:`sequence_scores` scores with as the reference
             when it is not the policy itself (empty: the policy's starting weights).
+        dataset_rows: per split, the factory of the collator this rank rebuilds rows named by
+            ``dataset_row`` with (:mod:`tandem.sft.dataset_rows`; empty: it is always sent them).
     """
 
-    def __init__(self, engine: EngineConfig, reference_path: str = "") -> None:
+    def __init__(
+        self,
+        engine: EngineConfig,
+        reference_path: str = "",
+        dataset_rows: dict[str, CollatorFactory] | None = None,
+    ) -> None:
         self.engine_config = engine
         self.reference_path = reference_path
+        self.dataset_rows = RankRows(dataset_rows or {})
 
     @register(dispatch="ONE_TO_ALL")
     def init_engine(self) -> int:
@@ -88,6 +99,7 @@ class EngineWorker(EngineCheckpoints, Worker):
         on every rank when any rank's loss or the gradient norm is not finite) and one
         learning-rate step. ``with_sum_pi_squared``: the outputs ``loss_fn`` sees carry
         ``sum_pi_squared`` (WPO's weights)."""
+        batch = self.dataset_rows.collated(batch)
         result = self.engine.forward_backward(batch, loss_fn, with_sum_pi_squared=with_sum_pi_squared)
         learning_rate = self.engine.lr
         grad_norm = self.engine.optimizer_step(skip=not math.isfinite(result.loss))
@@ -112,6 +124,7 @@ class EngineWorker(EngineCheckpoints, Worker):
         model with LoRA's adapter off, the policy itself before its first update, else a frozen
         copy loaded once."""
         summarize = summarize or summed_log_probs
+        batch = self.dataset_rows.collated(batch)
         if not reference:
             engine = self.engine
         elif self.engine_config.lora.rank:
@@ -145,10 +158,10 @@ class EngineWorker(EngineCheckpoints, Worker):
             )
         return self.reference_engine
 
-    @register(dispatch="ONE_TO_ALL", reads=FORWARD_FIELDS)
+    @register(dispatch="ONE_TO_ALL", reads=(*FORWARD_FIELDS, ROW_FIELD))
     def health(self, probe: Batch) -> ModelHealth:
         """This rank's weights and the log-probs of ``probe`` (a row or two): finite or not."""
-        return self.engine.health(probe)
+        return self.engine.health(self.dataset_rows.collated(probe))
 
     @register(dispatch="ONE_TO_ALL")
     def export_hf(self, path: str) -> None:

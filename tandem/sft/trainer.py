@@ -2,8 +2,9 @@
 
 The trainer is the controller; the engine runs in a worker group of ``trainer.n_workers``
 ranks (or one per GPU), each taking an equal share of every batch (:mod:`tandem.sft.engine_worker`).
-With ``dataplane.enabled`` the batch is put into a store once a step and the ranks fetch their
-rows' fields themselves (:mod:`tandem.sft.step_rows`, docs/data-plane.md).
+With ``dataplane.enabled`` the controller sends each step's rows as row numbers of the data file
+and each rank collates its own rows there (:mod:`tandem.sft.dataset_rows`, docs/data-plane.md):
+the controller holds per-row counts, never a ``[B, S]`` tensor.
 Every step's metrics (``loss``, ``grad_norm``, ``learning_rate``, ``eval_loss`` when it
 evaluates, throughput) go to ``metrics.jsonl``, with ``run.json``, ``status.json`` and
 ``report.html`` beside it (docs/report.md).
@@ -28,7 +29,6 @@ from tandem.engine.divergence import SkippedUpdates, check_health
 from tandem.models.gguf import with_gguf_resolved
 from tandem.models.loading import check_vocab_fits, load_tokenizer
 from tandem.models.vision import ImagePrompter
-from tandem.protocol import Batch
 from tandem.report import RunInfo
 from tandem.report.tracker import ReportTracker
 from tandem.run.checkpoints import CheckpointManager
@@ -40,6 +40,7 @@ from tandem.sft.config import SFTConfig
 from tandem.sft.data import SFTDataset
 from tandem.sft.engine_worker import EngineWorker, StepReport, total_loss
 from tandem.sft.loss import sft_loss
+from tandem.sft.rank_collation import RowCounts, sft_collators, sft_rows
 from tandem.sft.step_rows import Rows, StepRows, step_rows
 
 
@@ -102,8 +103,11 @@ class SFTTrainer:
         """The training and (when ``data.val_path`` is set) validation sets."""
         data = self.config.data
         prompter = ImagePrompter.for_model(self.engine_config.model_path, data.min_pixels, data.max_pixels)
-        val = SFTDataset.load(data.val_path, self.tokenizer, data, prompter) if data.val_path else None
-        return SFTDataset.load(data.train_path, self.tokenizer, data, prompter), val
+        keep = (
+            not self.config.dataplane.enabled
+        )  # on: the ranks tokenise their rows; the controller keeps counts
+        val = SFTDataset.load(data.val_path, self.tokenizer, data, prompter, keep) if data.val_path else None
+        return SFTDataset.load(data.train_path, self.tokenizer, data, prompter, keep), val
 
     def fit(self) -> SFTResult:
         """Train for ``total_steps``; returns the losses and the exported model directory.
@@ -137,7 +141,13 @@ class SFTTrainer:
 
     def worker_args(self) -> tuple:
         """What each :class:`EngineWorker` is built with."""
-        return (self.engine_config,)
+        return (self.engine_config, "", self.rank_collators())
+
+    def rank_collators(self) -> dict:
+        """Per split, what a rank collates its rows with (``dataplane.enabled``; else none)."""
+        if not self.config.dataplane.enabled:
+            return {}
+        return sft_collators(self.config.data, self.engine_config.model_path)
 
     @property
     def group(self) -> WorkerGroup:
@@ -192,31 +202,39 @@ class SFTTrainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step on ``global_batch_size`` conversations; returns its metrics."""
         started = time.perf_counter()
-        batch = self.train.collate(
-            self.sampler.take(self.config.trainer.global_batch_size), self.tokenizer.pad_token_id
-        )
-        mask = batch["loss_mask"]
-        normalizer = LossNormalizer(float(mask.sum()), float((mask.sum(-1) > 0).sum()))
+        indices = self.sampler.take(self.config.trainer.global_batch_size)
         with self.step_rows() as step:
-            rows = step.put(batch)
+            rows, counts = self.sft_rows(step, self.train, "train", indices)
+            loss_tokens = counts.loss_tokens
+            normalizer = LossNormalizer(float(loss_tokens.sum()), float((loss_tokens > 0).sum()))
             reports = self.group.train_step(rows, loss_fn=functools.partial(sft_loss, normalizer=normalizer))
-            return self._finish_step(reports, batch, started, rows)
+            return self._finish_step(reports, int(counts.tokens.sum()), started, rows)
+
+    def sft_rows(
+        self, step: StepRows, dataset: SFTDataset, split: str, indices: list[int]
+    ) -> tuple[Rows, RowCounts]:
+        """The workers' rows ``indices`` of ``dataset`` and their token counts: the collated
+        ``Batch`` (off), or with ``dataplane.enabled`` row numbers each rank collates itself."""
+        if self.config.dataplane.enabled:
+            return sft_rows(dataset, split, indices, self.tokenizer.pad_token_id)
+        batch = dataset.collate(indices, self.tokenizer.pad_token_id)
+        return step.put(batch), RowCounts.of(batch)
 
     def _finish_step(
-        self, reports: list[StepReport], batch: Batch, started: float, rows: Rows | None = None
+        self, reports: list[StepReport], tokens: int, started: float, rows: Rows
     ) -> dict[str, float]:
-        """Count the step, check it for divergence (probing the first pair of ``rows``, the workers'
-        view of ``batch``, itself by default), and return the metrics every step has: loss,
-        gradient norm, learning rate, time, throughput."""
+        """Count the step, check it for divergence (probing the first pair of ``rows``), and return
+        the metrics every step has: loss, gradient norm, learning rate, time, throughput of the
+        step's ``tokens``."""
         self.step += 1
-        self._check_divergence(reports[0].skipped, (batch if rows is None else rows)[:2])
+        self._check_divergence(reports[0].skipped, rows[:2])
         seconds = time.perf_counter() - started
         return {
             "loss": total_loss(reports),
             "grad_norm": reports[0].grad_norm,
             "learning_rate": reports[0].learning_rate,
             "timing_s/step": seconds,
-            "perf/throughput": int(batch["attention_mask"].sum()) / seconds,
+            "perf/throughput": tokens / seconds,
             "epoch": float(self.sampler.epoch),
         }
 
@@ -244,10 +262,10 @@ class SFTTrainer:
     def evaluate(self) -> float:
         """Mean assistant-token NLL over the whole validation set."""
         assert self.val is not None
-        batch = self.val.collate(list(range(len(self.val))), self.tokenizer.pad_token_id)
         with self.step_rows() as step:
-            summed = step.output(self.group.sequence_scores(step.put(batch)))["score"]
-        return float(-summed.sum() / batch["loss_mask"].sum())
+            rows, counts = self.sft_rows(step, self.val, "val", list(range(len(self.val))))
+            summed = step.output(self.group.sequence_scores(rows))["score"]
+        return float(-summed.sum() / counts.loss_tokens.sum())
 
     def save_checkpoint(self) -> Path:
         """Engine state (``engine/``) plus the trainer's step and sampler position, under

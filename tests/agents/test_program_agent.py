@@ -168,23 +168,30 @@ def test_episodes_of_one_two_and_five_turns_train_exactly_the_sampled_tokens(set
     assert diff.numel() >= 6 * 8 and diff.abs().max() <= 1e-5, float(diff.abs().max())
 
 
-def test_a_rewritten_history_starts_a_new_row_and_counts_a_split(setup, tmp_path):
+def test_a_rewritten_history_starts_a_new_segment_of_the_row_and_counts_a_split(setup, tmp_path):
     root, tokenizer, engine, model = setup
     rows = [{"marker": "[r]", "turns": 2, "rewrite": True, "log": str(tmp_path / "r.json")}]
     batch, width = prompts(rows, tokenizer)
     out = rollout_of(setup, "program.py").generate(batch, sampling(tokenizer), width, 0)
-    assert out["agent_program_splits"] == [1]
+    assert list(out["agent_program_splits"]) == [1]
     log = json.loads(Path(log_path := rows[0]["log"]).read_text())
-    # the trained row is the second segment: the template's rendering of the rewritten history...
+    # the row holds both segments: the first request's prompt and reply, then the template's
+    # rendering of the rewritten history and the second reply, each its own sequence
     rewritten = [
         {"role": "user", "content": "[r] start"},
         {"role": "assistant", "content": "(a summary)"},
         {"role": "user", "content": "[r] after turn 0"},
     ]
+    first = literal_template_ids(tokenizer, rewritten[:1], add_generation_prompt=True)
     prompt = literal_template_ids(tokenizer, rewritten, add_generation_prompt=True)
-    assert row_tokens(out, 0) == prompt + log["sampled"][1], log_path
-    # ...then the second request's sampled tokens, the only ones trained
-    assert out["responses"][0][out["response_mask"][0].bool()].tolist() == log["sampled"][1]
+    assert row_tokens(out, 0) == first + log["sampled"][0] + prompt + log["sampled"][1], log_path
+    # both requests' sampled tokens are trained, the second segment's prompt is not
+    assert (
+        out["responses"][0][out["response_mask"][0].bool()].tolist() == log["sampled"][0] + log["sampled"][1]
+    )
+    positions = out["position_ids"][0][out["attention_mask"][0].bool()].tolist()
+    second = len(first) + len(log["sampled"][0])
+    assert positions == list(range(second)) + list(range(len(prompt) + len(log["sampled"][1])))
     assert (
         episode_metrics([1], [0], [0], ["stop"], [], out["agent_program_splits"])["agent/program/splits"] == 1
     )

@@ -170,10 +170,12 @@ def test_a_streamed_request_with_tools_holds_its_text_for_the_last_chunk(served)
     assert replies[0] == replies[1] and replies[0]
 
 
-def test_n_above_one_is_refused_naming_n(served):
+def test_n_above_one_streamed_is_refused_naming_n(served):
     episode, client = open_episode(served, seed=3)
     with pytest.raises(openai.BadRequestError, match="takes n=1, not n=2") as refused:
-        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "x"}], n=2)
+        client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": "x"}], n=2, stream=True
+        )
     assert refused.value.body["param"] == "n"
     assert "n=1" in episode.error and episode.record.segments == []
     served[1].close(episode)

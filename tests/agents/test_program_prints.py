@@ -38,7 +38,7 @@ def test_concurrent_episodes_keep_their_own_prints(setup, capfd):
     rows = [{"marker": f"<e{i}>"} for i in range(8)]
     batch, width = prompts(rows, tokenizer)
     agents = rollout_of(setup, "printer.py")
-    out = agents.generate(batch, sampling(tokenizer, 20), width, 0)
+    out = agents.generate(batch, sampling(tokenizer, 80), width, 0)  # two segments: both prompts count
     agents.close()
     for i, row in enumerate(rows):
         marker = row["marker"]
@@ -55,7 +55,7 @@ def test_prints_past_the_cap_are_counted_not_kept_and_are_no_fault(setup):
     _, tokenizer, _, _ = setup
     batch, width = prompts([{"marker": "<a>", "flood": 100}], tokenizer)
     agents = rollout_of(setup, "printer.py", program_output_bytes=20)
-    out = agents.generate(batch, sampling(tokenizer, 20), width, 0)
+    out = agents.generate(batch, sampling(tokenizer, 80), width, 0)  # two segments: both prompts count
     agents.close()
     log = out["agent_program_log"][0]
     assert log["error"] == "" and list(out["finish_reason"]) != ["program_error"]

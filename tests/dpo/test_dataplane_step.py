@@ -1,6 +1,6 @@
-"""``dataplane.enabled`` in DPO and KTO: each step's pairs are put into the store once, the
-reference's scores come back from the ranks with the rows (per-row scalars, inline) and the update
-fetches its rows' declared fields; every metric equals today's ``Batch`` path step for step on a
+"""``dataplane.enabled`` in DPO and KTO: the controller sends each step's pairs as file rows and
+per-row scalars, each rank collates its own rows from the data file, the reference's scores come
+back from the ranks with the rows (per-row scalars, inline); every metric equals today's ``Batch`` path step for step on a
 fixed seed, the controller serialises no batch payload, and no block is left once a step returned."""
 
 import pytest
@@ -67,10 +67,9 @@ def test_in_process_dpo_on_references_matches_the_batch_path_and_releases_its_bl
     assert measured(refs.record.history) == measured(today.record.history)
     assert "eval_loss" in refs.record.history[-1]
     assert [t.blocks_put for t in today.step_traffic] == [0, 0]
-    # one block a step (the controller's put of the pairs; the reference's scores are per-row
-    # scalars that come back inline), read by the rank, released when the step returned
-    assert [(t.blocks_put, t.blocks_released) for t in refs.step_traffic] == [(1, 1)] * 2
-    assert all(t.fetched_bytes > 0 for t in refs.step_traffic)
+    # the rank collated its rows from the file and the reference's scores are per-row scalars
+    # that come back inline: nothing put, fetched or left, by anyone
+    assert [(t.blocks_put, t.put_bytes, t.fetched_bytes) for t in refs.step_traffic] == [(0, 0, 0)] * 2
     assert refs.step_bytes == [0, 0] and refs.left == [[], []]
 
 
@@ -82,6 +81,6 @@ def test_dpo_on_references_over_two_ranks_moves_no_payload_through_the_controlle
     print(f"controller batch bytes per step: today {today.step_bytes}, refs {refs.step_bytes}")
     assert all(b > 0 for b in today.step_bytes)  # today: the pairs to the reference pass and the update
     assert refs.step_bytes == [0, 0]
-    # the controller put one block a step and fetched nothing (its ranks did)
-    assert [(t.blocks_put, t.blocks_released, t.fetched_bytes) for t in refs.step_traffic] == [(1, 1, 0)] * 2
+    # the controller put nothing (it put the pairs once a step before): each rank collated its rows
+    assert [(t.blocks_put, t.put_bytes, t.fetched_bytes) for t in refs.step_traffic] == [(0, 0, 0)] * 2
     assert refs.left == [[], []]

@@ -33,7 +33,9 @@ def test_every_preset_composes_with_its_algorithm():
         assert config.actor.objective == "policy_gradient"
     online = load_train_config([*BASE, "preset=online_dpo"])
     assert (
-        online.prefers and online.actor.preference.name == "sigmoid" and not online.algorithm.kl.use_kl_loss
+        online.actor.objective == "preference"
+        and online.actor.preference.name == "sigmoid"
+        and not online.algorithm.kl.use_kl_loss
     )
     dapo = load_train_config([*BASE, "preset=dapo"])
     assert (

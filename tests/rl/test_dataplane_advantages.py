@@ -119,6 +119,7 @@ def step_batch(rows: int = 16, width: int = 7, seed: int = 0) -> Batch:
             "values": torch.randn(rows, width, generator=g),
             "reward_baselines": torch.rand(rows, generator=g),
             "reward_components": torch.rand(rows, 2, generator=g),
+            "sum_pi_squared": torch.rand(rows, width, generator=g),  # the optimal token baseline's
         },
         {"uid": [f"p{i // 4}" for i in range(rows)]},
     )

@@ -108,7 +108,9 @@ class CountingTrainer(RLTrainer):
             self._fetched_in_parts += traffic().fetched_bytes - before
             self.part_by_field.append(Counter((traffic() - start).fetched_by_field))
             self.part_expected.append(reads_on_wire(ref, PART_READS, self.probed))
-            self.part_inline.append({k: (tuple(t.shape), t.nbytes) for k, t in out.scalars.tensors.items()})
+            if isinstance(out, BatchRef):  # (the optimal token baseline's sums come back as they are)
+                inline = out.scalars.tensors.items()
+                self.part_inline.append({k: (tuple(t.shape), t.nbytes) for k, t in inline})
             return out
 
         counted.counted = True
@@ -268,7 +270,7 @@ def test_in_process_grpo_with_the_draw_stored_matches_the_batch_path_and_reads_n
         (("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=2"), True),
         pytest.param(("algorithm.adv_estimator=optimal_token_baseline",), True, marks=pytest.mark.slow),
     ],
-    ids=["ppo-critic", "distill-top-k", "dynamic-sampling", "otb-on-the-controller"],
+    ids=["ppo-critic", "distill-top-k", "dynamic-sampling", "otb-position-sums"],
 )
 def test_in_process_the_step_on_references_matches_the_batch_path_and_releases_its_blocks(
     rl_files, tmp_path, overrides, stored
@@ -276,7 +278,7 @@ def test_in_process_the_step_on_references_matches_the_batch_path_and_releases_i
     """One in-process worker, one step; the teacher (the policy's own model: only the path of its
     outputs matters here) keeps its top-k too. DAPO's dynamic sampling keeps its draws stored too
     (its groups are concatenated as references). The optimal token baseline reads other rows'
-    tokens: its advantages keep the controller's path, on the fields the step fetches."""
+    tokens through sums per group and position, added on the controller (tests/rl/test_dataplane_otb.py)."""
     overrides = [o.replace("MODEL", rl_files["model"]) for o in overrides]
     off, _ = run(rl_files, tmp_path / "off", "trainer.total_steps=1", *overrides)
     counters = traffic()

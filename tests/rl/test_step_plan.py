@@ -64,8 +64,7 @@ PLANS = {  # overrides -> (collect, draws, update, prepares, passes, views, old 
         "teacher.model_path=/t", "algorithm.distill.objective=jsd", "teacher.top_k=2",
         "algorithm.distill.reward_coef=0", "algorithm.distill.lmbda=0.5",
     ): (
-        "one_draw", (), "policy_gradient", (), ("dataset_old_log_probs", "reference", "teacher"),
-        ("dataset_rollout_log_probs",), "update",
+        "one_draw", (), "policy_gradient", (), ("dataset_old_log_probs", "reference", "teacher"), (), "update",
     ),
 }  # fmt: skip
 
@@ -87,7 +86,7 @@ def test_each_config_selects_its_algorithms_stages(overrides):
 
 
 BUILT_ON_THE_CONTROLLER = {  # the stages whose draws are still built on the controller (StepStage.stored)
-    "preference", "rollout_old_log_probs", "dataset_rollout_log_probs",
+    "rollout_old_log_probs",
 }  # fmt: skip
 
 
@@ -144,15 +143,50 @@ def test_the_trainer_and_the_worker_ask_no_algorithm_flag():
         assert flag not in worker, flag
 
 
-def test_the_config_rules_and_the_store_decision_ask_the_plan_not_the_algorithm_flags():
+ALGORITHM_FLAGS = (  # what chooses a step's shape: read only by the stage modules that declare it
+    "prefers", "filter_groups", "needs_greedy_baseline", "lmbda", "needs_values", "actor.objective",
+    "algorithm.needs_reference", "preference.needs_reference", "advantages_need_old_log_probs",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["step_data.py", "config/rules.py", "config/train.py", "batch_source.py", "trainer.py", "worker.py"],
+)
+def test_the_config_the_batch_source_and_the_store_decision_ask_the_plan_not_the_algorithm_flags(module):
     """Whether a run's draws stay stored (``rollout_stays_in_store``) is the plan's stages' say
     (``StepStage.stored``), and the rules of online DPO, DAPO and GKD are their stages' own
-    (``StepStage.rule``): neither module reads those algorithms' flags."""
-    root = Path(__file__).parents[2] / "tandem" / "rl"
-    for module in ("step_data.py", "config/rules.py"):
-        source = (root / module).read_text()
-        for flag in ("prefers", "filter_groups", "needs_greedy_baseline", "distill.lmbda"):
-            assert flag not in source, (module, flag)
+    (``StepStage.rule``); where old log-probs come from, whether the reference runs and a critic
+    trains are the update's declarations (``TrainConfig`` asks the plan); what a replay refuses and
+    which source a step draws from (GKD's dataset steps) are the stages' (``replay=``,
+    ``batch_source=``): none of these modules reads an algorithm's flag."""
+    source = (Path(__file__).parents[2] / "tandem" / "rl" / module).read_text()
+    for flag in ALGORITHM_FLAGS:
+        assert flag not in source, (module, flag)
+
+
+def test_what_the_run_asks_the_plan_is_its_stages_declarations(stage_registry):
+    """The update declares old log-probs, reference and critic; a stage declares what a replay
+    cannot run; ``TrainConfig`` answers from them (a plugin's update is asked the same way)."""
+    ppo, dpo = plan_config("preset=ppo"), plan_config("preset=online_dpo")
+    assert (ppo.old_log_probs_source, ppo.needs_reference, ppo.uses_critic) == ("pass", True, True)
+    assert (dpo.old_log_probs_source, dpo.needs_reference, dpo.uses_critic) == ("none", True, False)
+    remax = plan_config("preset=remax")
+    assert build_step_plan(remax).replay_refusals(remax) == [
+        "algorithm.adv_estimator=remax generates greedy baselines each step"
+    ]
+    assert build_step_plan(ppo).replay_refusals(ppo) == []
+    with pytest.raises(ValueError, match="old_log_probs=, reference= are an update's declarations"):
+        register_step_stage(
+            "late_pass", "pass", applies=lambda c: True, old_log_probs=lambda c: "pass", reference=bool
+        )(lambda *args: None)
+    register_step_stage(
+        "critic_free_update", "update", applies=lambda c: c.algorithm.adv_estimator == "gae",
+        runs=("pass",), old_log_probs=lambda c: "pass",
+    )(lambda *args: None)  # fmt: skip
+    gae = plan_config("algorithm.adv_estimator=gae")
+    assert (gae.old_log_probs_source, gae.needs_reference, gae.uses_critic) == ("pass", False, False)
+    assert build_step_plan(gae).names()["pass"] == ("old_log_probs",)
 
 
 @pytest.fixture(scope="module")

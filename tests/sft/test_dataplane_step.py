@@ -1,5 +1,5 @@
-"""``dataplane.enabled`` in SFT: each step's batch is put into the store once and the ranks fetch
-their rows' declared fields; every metric equals today's ``Batch`` path step for step on a fixed
+"""``dataplane.enabled`` in SFT: the controller sends each step's rows as row numbers of the data
+file and each rank collates its own rows there; every metric equals today's ``Batch`` path step for step on a fixed
 seed, the controller serialises no batch payload, and no block is left once a step returned."""
 
 import pytest
@@ -54,9 +54,8 @@ def test_in_process_sft_on_references_matches_the_batch_path_and_releases_its_bl
     assert measured(refs.record.history) == measured(today.record.history)
     assert "eval_loss" in refs.record.history[-1]
     assert [t.blocks_put for t in today.step_traffic] == [0, 0, 0]
-    # one block a step (the controller's put), read by the rank, released when the step returned
-    assert [(t.blocks_put, t.blocks_released) for t in refs.step_traffic] == [(1, 1)] * 3
-    assert all(t.fetched_bytes > 0 for t in refs.step_traffic)
+    # the rank collated its rows from the file: nothing put, fetched or left, by anyone
+    assert [(t.blocks_put, t.put_bytes, t.fetched_bytes) for t in refs.step_traffic] == [(0, 0, 0)] * 3
     assert refs.step_bytes == [0, 0, 0] and refs.left == [[], [], []]
 
 
@@ -68,8 +67,8 @@ def test_sft_on_references_over_two_ranks_moves_no_payload_through_the_controlle
     print(f"controller batch bytes per step: today {today.step_bytes}, refs {refs.step_bytes}")
     assert all(b > 0 for b in today.step_bytes)  # today: the batch to the update and the probe
     assert refs.step_bytes == [0, 0, 0]
-    # the controller put one block a step and fetched nothing (its ranks did)
-    assert [(t.blocks_put, t.blocks_released, t.fetched_bytes) for t in refs.step_traffic] == [(1, 1, 0)] * 3
+    # the controller put nothing (it put the batch once a step before): each rank collated its rows
+    assert [(t.blocks_put, t.put_bytes, t.fetched_bytes) for t in refs.step_traffic] == [(0, 0, 0)] * 3
     assert refs.left == [[], [], []]
 
 

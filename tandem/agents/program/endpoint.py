@@ -12,21 +12,22 @@ then recorded token by token (:mod:`~tandem.agents.program.recorder`). Any model
 What differs from ``tandem serve``: sampling is the run's (``rollout.temperature``, ``top_p``,
 ``top_k``, the episode's seed), whatever the request says, so the recorded log-probs are the
 ones the trainer computes; ``max_tokens`` / ``max_completion_tokens`` is cut to what the row and
-the episode have left; ``n`` must be 1 (below); ``continue_final_message`` and
-``add_generation_prompt=false`` are refused (400); with ``tools`` the model's calls come back
-as ``tool_calls``. ``stream=true`` streams the reply as ``tandem serve`` does
+the episode have left (shared by the ``n`` choices, below); ``continue_final_message``,
+``add_generation_prompt=false`` and ``n`` > 1 streamed are refused (400); with ``tools`` the
+model's calls come back as ``tool_calls``. ``stream=true`` streams the reply as ``tandem serve`` does
 (:mod:`~tandem.agents.program.streaming`; with a tool-call parser the text comes whole in the
 last chunk) and records exactly what the same request unstreamed records. A request answered
 4xx or 5xx (or a stream that reports an error, or that its client abandons before the end)
 marks its episode failed (reward 0, counted in ``agent/program/errors``), whatever the program
 does next.
 
-Why ``n`` must be 1: an episode is one conversation, and its row continues only with a reply
-the program echoes back in its next request. With several choices the endpoint could keep the
-one echoed back, but after the program's last request nothing says which choice the reward it
-returns belongs to, so a row could pair a reward with a reply the program never used. A
-program that wants several samples of one turn sends several requests (each that does not
-extend the previous reply starts a new segment, counted as a split).
+``n`` > 1 (unstreamed): choice ``j`` samples with the request's seed plus ``j``. An episode's
+row continues only with a reply the program echoes back in its next request: that choice
+continues the row, and every other choice becomes a segment of its own in the same row (its
+context and its sampled tokens, :meth:`~tandem.agents.program.recorder.EpisodeRecord.commit_choices`),
+so every sampled token trains, all under the episode's reward; when no request echoes one (the
+program's last request, or a rewritten history), the first choice continues the row. Each
+choice may sample ``room // n`` tokens of what the row has left less the other choices' contexts.
 """
 
 from __future__ import annotations
@@ -75,15 +76,21 @@ class ProgramChatRequest(ChatCompletionRequest):
 
 @dataclass
 class Turn:
-    """One request between its start and its recording: its plan, its engine request, and the
-    response it builds (its one choice; the tool-call parser when the request offered tools)."""
+    """One request between its start and its recording: its plan, its engine requests (one per
+    choice), and the response it builds (its choices; the tool-call parser when the request
+    offered tools)."""
 
     plan: TurnPlan
-    request_id: str
+    request_ids: list[str]
     run: ChoiceRun
     builder: ResponseBuilder
-    choice: ChoiceState
+    choices: list[ChoiceState]
     parser: ToolCallParser | None
+
+    @property
+    def choice(self) -> ChoiceState:
+        """The one choice of a streamed request."""
+        return self.choices[0]
 
 
 @dataclass(eq=False)
@@ -119,7 +126,8 @@ class ProgramEndpoint:
         self.engine, self.tokenizer, self.parser = engine, tokenizer, parser
         self.config = config or ServerConfig(port=0, model_name=MODEL_NAME)
         self.episodes: dict[str, Episode] = {}
-        self.ended: dict[str, None] = {}  # the last ``ended_kept`` ended episodes' keys (409, not 401), oldest first
+        # the last ``ended_kept`` ended episodes' keys (409, not 401), oldest first
+        self.ended: dict[str, None] = {}
         self.ended_kept = ENDED_KEPT
         self.lock = threading.Lock()
         self.app = self._build_app()
@@ -181,16 +189,19 @@ class ProgramEndpoint:
                 done = [event async for event in turn.run.events()]
             finally:
                 self._left_engine(episode, turn)
-            if not done:
+            if len(done) < len(turn.choices):
                 raise APIError(499, "the client disconnected")
-            completion = done[0].completion
-            turn.choice.absorb(completion)
-            turn.choice.finish(completion.finish_reason)
-            reply, called = self._commit(episode, turn, completion)
-            answer = turn.builder.response([turn.choice], [list(turn.plan.context_ids)], self.engine.version)
-            answer["choices"][0]["message"] = reply
-            if called:
-                answer["choices"][0]["finish_reason"] = "tool_calls"
+            completions = [event.completion for event in sorted(done, key=lambda event: event.choice)]
+            for choice, completion in zip(turn.choices, completions, strict=True):
+                choice.absorb(completion)
+                choice.finish(completion.finish_reason)
+            replies = self._commit(episode, turn, completions)
+            prompts = [list(turn.plan.context_ids)] * len(turn.choices)
+            answer = turn.builder.response(turn.choices, prompts, self.engine.version)
+            for entry, (reply, called) in zip(answer["choices"], replies, strict=True):
+                entry["message"] = reply
+                if called:
+                    entry["finish_reason"] = "tool_calls"
             return JSONResponse(answer)
         finally:
             if not handed_over:
@@ -212,19 +223,23 @@ class ProgramEndpoint:
         plan = await asyncio.to_thread(
             record.plan, messages, render_key, lambda: chat_prompt(body, self.tokenizer, None, self.config)[0]
         )
-        params = self._sampling(episode, body, len(plan.context_ids), plan.room)
-        request_id = f"{episode.name}-request{record.requests - 1}"
+        params = self._sampling(episode, body, len(plan.context_ids), plan)
+        name = f"{episode.name}-request{record.requests - 1}"
+        request_ids = [name] + [f"{name}-choice{j}" for j in range(1, body.n)]
+        requests = [
+            RolloutRequest(request_id, plan.context_ids, dataclasses.replace(params, seed=params.seed + j))
+            for j, request_id in enumerate(request_ids)
+        ]
         run = ChoiceRun(
-            self.engine, [RolloutRequest(request_id, plan.context_ids, params)],
-            self.config.request_timeout_s, request.is_disconnected, stream=body.stream,
-        )  # fmt: skip
+            self.engine, requests, self.config.request_timeout_s, request.is_disconnected, body.stream
+        )
         turn = Turn(
-            plan, request_id, run, ResponseBuilder("chat", body.model, self.tokenizer, bool(body.logprobs)),
-            ChoiceState(0, list(plan.context_ids), IncrementalText(self.tokenizer, params.stop)),
+            plan, request_ids, run, ResponseBuilder("chat", body.model, self.tokenizer, bool(body.logprobs)),
+            [ChoiceState(j, list(plan.context_ids), IncrementalText(self.tokenizer, params.stop)) for j in range(body.n)],
             self.parser if body.tools and body.tool_choice != "none" else None,
         )  # fmt: skip
         with episode.mutex:
-            episode.in_engine.add(request_id)
+            episode.in_engine.update(request_ids)
         try:
             await run.start()
         except BaseException:
@@ -256,7 +271,7 @@ class ProgramEndpoint:
                 raise APIError(499, "the client disconnected")
             text, *added = choice.absorb(completion)
             text += choice.finish(completion.finish_reason)
-            reply, called = self._commit(episode, turn, completion)
+            ((reply, called),) = self._commit(episode, turn, [completion])
             reason = "tool_calls" if called else completion.finish_reason
             queue.put_nowait(event(last_chunk(turn.builder, choice, text, added, reply, held, reason, first)))
             if body.stream_options and body.stream_options.include_usage:
@@ -272,20 +287,21 @@ class ProgramEndpoint:
             self._left_engine(episode, turn)
             queue.put_nowait(None)
 
-    def _commit(self, episode: Episode, turn: Turn, completion: Completion) -> tuple[dict, bool]:
-        """Record the finished turn; the assistant message the program gets and whether it holds
-        tool calls. 409 when the episode ended meanwhile (the recording no longer changes)."""
-        reply, called = assistant_reply(turn.choice.text.text, turn.parser)
+    def _commit(self, episode: Episode, turn: Turn, completions: list[Completion]) -> list[tuple[dict, bool]]:
+        """Record the finished turn (its choices' ``completions``); for each choice, the assistant
+        message the program gets and whether it holds tool calls. 409 when the episode ended
+        meanwhile (the recording no longer changes)."""
+        replies = [assistant_reply(choice.text.text, turn.parser) for choice in turn.choices]
         with episode.mutex:
             if episode.closed:
                 raise APIError(409, "this episode ended while its request was generating")
-            episode.record.commit(turn.plan, completion, reply)
-        return reply, called
+            episode.record.commit_choices(turn.plan, completions, [reply for reply, _ in replies])
+        return replies
 
     @staticmethod
     def _left_engine(episode: Episode, turn: Turn) -> None:
         with episode.mutex:
-            episode.in_engine.discard(turn.request_id)
+            episode.in_engine.difference_update(turn.request_ids)
 
     def _parse(self, raw: bytes) -> ProgramChatRequest:
         """The body as a chat request, checked like ``tandem serve`` checks it, and what this
@@ -297,9 +313,9 @@ class ProgramEndpoint:
         check_body(body, self.config)
         for refused, why in (
             (
-                body.n != 1,
-                f"n: an agent program's request takes n=1, not n={body.n} (an episode's row continues "
-                "with the one reply its program echoes back); for several samples send several requests",
+                body.n > 1 and body.stream,
+                f"n: an agent program's streamed request takes n=1, not n={body.n}; unstreamed, n > 1 "
+                "is taken",
             ),
             (body.continue_final_message, "continue_final_message is not supported for agent programs"),
             (
@@ -312,14 +328,16 @@ class ProgramEndpoint:
         return body
 
     def _sampling(
-        self, episode: Episode, body: ProgramChatRequest, context: int, room: int
+        self, episode: Episode, body: ProgramChatRequest, context: int, plan: TurnPlan
     ) -> SamplingParams:
-        """The run's sampling for this request: the tokens it may take (the request's ask, cut to
-        the row's, the episode's and the model's room), its stop strings and its seed."""
+        """The run's sampling for this request: the tokens each choice may take (the request's
+        ask, cut to the row's, the episode's and the model's room, the first two shared by the
+        ``n`` choices), its stop strings and its (first choice's) seed."""
         record, limits = episode.record, episode.limits
         rooms = {
-            "rollout.max_response_length (the row's response columns)": room,
-            "agent.program_max_tokens (the episode's sampled tokens)": limits.max_tokens - record.sampled,
+            "rollout.max_response_length (the row's response columns)": plan.choice_room(body.n),
+            "agent.program_max_tokens (the episode's sampled tokens)": (limits.max_tokens - record.sampled)
+            // body.n,
             "the model's context": self.engine.max_model_len - context,
         }
         limit, left = min(rooms.items(), key=lambda item: item[1])

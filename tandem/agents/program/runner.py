@@ -8,9 +8,9 @@ program's to handle) on the episodes' event loop under ``agent.program_timeout_s
 block that loop (its requests are awaited, not run on threads). A command
 (``agent.program_command``) runs as a subprocess per episode
 (:mod:`~tandem.agents.program.command`). When the program is done, the episode ends (its key
-then gets 409) and the recording becomes the trajectory: the **last segment** is the training
-row (the one holding the final answer the reward scores), the earlier segments of a split
-episode are counted (``Trajectory.splits``) but not trained yet.
+then gets 409) and the recording becomes the trajectory: **one training row** holding every
+segment end to end, each its own sequence (:meth:`~tandem.agents.program.recorder.EpisodeRecord.row`),
+all under the episode's reward; a split episode's new segments are counted (``Trajectory.splits``).
 
 :meth:`ProgramRunner.abort` ends a running episode from another thread (a replica's shutdown,
 :meth:`~tandem.agents.rollout.AgentRollout.abort_episode`): its trajectory finishes with
@@ -146,7 +146,7 @@ class ProgramRunner:
         self.endpoint.close(episode)
 
     def _aborted(self, sample, prompt, record: EpisodeRecord) -> Trajectory:
-        trajectory = record.segments[-1] if record.segments else Trajectory(prompt)
+        trajectory = record.row(prompt)
         trajectory.messages = record.conversation or list(sample.messages)
         trajectory.finish_reason, trajectory.reward = "abort", 0.0
         trajectory.program_log = {"error": "aborted", "stdout": "", "stderr": ""}
@@ -155,9 +155,8 @@ class ProgramRunner:
     def _trajectory(
         self, sample, prompt, record: EpisodeRecord, result, problem: str, output: dict[str, str]
     ) -> Trajectory:
-        trajectory = record.segments[-1] if record.segments else Trajectory(prompt, finish_reason="stop")
+        trajectory = record.row(prompt)
         trajectory.messages = record.conversation or list(sample.messages)
-        trajectory.splits = record.splits
         trajectory.program_log = {"error": problem, **output}
         if problem:
             self._report(problem, sample.request_id)

@@ -183,8 +183,10 @@ class EstimatorSplit:
       each row's response mask (the ranks);
     * ``token``: ``token(AdvantageInput, config) -> AdvantageOutput`` per row (each rank on its
       own rows; exact, since it reads nothing across rows);
-    * ``batch``: it reads other rows' tokens (a per-token baseline over a group): only where the
-      whole batch is.
+    * ``positions``: it reads other rows' tokens only through sums per group and response position
+      (the optimal token baseline): each rank sums its rows' terms, the controller adds the
+      ``[G, R]`` sums, the ranks finish row by row (the estimator's module has the pieces);
+    * ``batch``: it reads other rows' tokens otherwise: only where the whole batch is.
 
     ``whiten(config)``: the advantages are then whitened over the batch's valid tokens (with
     statistics reduced from per-row sums where the rows are apart)."""

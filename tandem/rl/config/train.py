@@ -34,6 +34,7 @@ from tandem.rl.config.rules import check_train_config
 from tandem.rl.config.teacher import TeacherConfig
 from tandem.rl.config.trainer import TrainerConfig
 from tandem.rl.critic_config import CriticConfig
+from tandem.rl.stage_registry import needs_reference, old_log_probs_source, uses_critic
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,8 @@ class TrainConfig:
 
     @property
     def uses_critic(self) -> bool:
-        """A critic is trained (the advantage estimator reads values)."""
-        return self.algorithm.needs_values and not self.prefers
+        """A critic is trained: the step plan's update says so (``StepStage.critic``)."""
+        return uses_critic(self)
 
     @property
     def critic_mini_batch_prompts(self) -> int:
@@ -76,16 +77,10 @@ class TrainConfig:
         return self.critic.loss_agg_mode or self.actor.policy_loss.loss_agg_mode
 
     @property
-    def prefers(self) -> bool:
-        """Online DPO: the actor trains on best/worst response pairs (``actor.objective=preference``)."""
-        return self.actor.objective == "preference"
-
-    @property
     def needs_reference(self) -> bool:
-        """Reference log-probs are computed: for a KL term, or for a preference loss that has one."""
-        if self.prefers:
-            return self.actor.preference.needs_reference
-        return self.algorithm.needs_reference
+        """Reference log-probs are computed: the step plan's update reads them (``StepStage.reference``:
+        for a KL term, or for a preference loss that has one)."""
+        return needs_reference(self)
 
     @property
     def workers_per_node(self) -> int:
@@ -174,33 +169,11 @@ class TrainConfig:
 
     @property
     def old_log_probs_source(self) -> str:
-        """Where PPO's old log-probs come from — the one place that decides it (the step plan's
-        ``old_log_probs`` stages read it, :mod:`tandem.rl.stages.old_log_probs`):
-
-        * ``none``: online DPO (its loss compares to the reference, not to old log-probs);
-        * ``rollout``: an asynchronous pipeline's rollout log-probs (``pipeline.old_log_probs=rollout``);
-        * ``update``: the update's own forward, detached, when the step is purely on-policy (never
-          when the advantage estimator reads them, since it runs before the update);
-        * ``pass``: a forward pass of the actor before the advantages, otherwise.
-
-        GKD's dataset steps make them with a pass whatever this says (:mod:`tandem.rl.stages.dataset_steps`).
-        """
-        if self.prefers:
-            return "none"
-        if self.pipeline.disaggregated:  # replicas lag the trainer: the rollout's, or recomputed
-            return "rollout" if self.pipeline.old_log_probs == "rollout" else "pass"
-        correction = self.algorithm.rollout_correction
-        on_policy = (
-            not self.algorithm.advantages_need_old_log_probs
-            and not self.actor.recompute_old_log_probs
-            and self.actor.ppo_epochs == 1
-            and self.mini_batch_prompts == self.data.train_batch_size
-            and not self.algorithm.kl.use_kl_in_reward
-            and correction.is_level == "none"
-            and correction.rejection == "none"
-            and correction.veto_threshold is None
-        )
-        return "update" if on_policy else "pass"
+        """Where PPO's old log-probs come from (``none``, ``rollout``, ``update`` or ``pass``): the
+        step plan's update declares it (:func:`tandem.rl.stage_registry.old_log_probs_source`, the
+        one place that asks; the policy-gradient update's choice is
+        :func:`tandem.rl.stages.old_log_probs.policy_gradient_old_log_probs`)."""
+        return old_log_probs_source(self)
 
     @property
     def old_log_probs_from_update(self) -> bool:

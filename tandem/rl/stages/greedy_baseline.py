@@ -25,7 +25,14 @@ def needs_greedy_baseline(config: Any) -> bool:
     return config.algorithm.needs_greedy_baseline
 
 
-@register_step_stage("greedy_baseline", "draw", applies=needs_greedy_baseline, order=10, stored=True)
+def replay_refusal(config: Any) -> str:
+    """Why a replay (which runs no rollout engine) cannot run ReMax's step."""
+    return f"algorithm.adv_estimator={config.algorithm.adv_estimator} generates greedy baselines each step"
+
+
+@register_step_stage(
+    "greedy_baseline", "draw", applies=needs_greedy_baseline, order=10, stored=True, replay=replay_refusal
+)
 def greedy_baseline(trainer: Any, scored: Batch | BatchRef, timings: dict[str, float]) -> Batch | BatchRef:
     """``reward_baselines [B]``: the score of each group's greedy response, repeated over the
     group's ``n`` rows. The greedy responses come from the weights the engines hold: the trainer's

@@ -1,27 +1,51 @@
-"""PPO's old log-probs, from where ``TrainConfig.old_log_probs_source`` (the one place that
-decides it) says: the rollout's own (``rollout``: renamed before the step's data is put), a pass
-of the actor before the advantages (``pass``), or the update's forward (``update``: the worker's
-loss detaches it, no stage runs). Online DPO has none (``none``)."""
+"""PPO's old log-probs, from where the step's update declares (``StepStage.old_log_probs``, read by
+:func:`tandem.rl.stage_registry.old_log_probs_source`, the one place that asks): the rollout's own
+(``rollout``: renamed before the step's data is put), a pass of the actor before the advantages
+(``pass``), or the update's forward (``update``: the worker's loss detaches it, no stage runs).
+The policy-gradient update's choice is :func:`policy_gradient_old_log_probs`; online DPO has none
+(``none``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from tandem.protocol import Batch
-from tandem.rl.dataset_responses import OFF_POLICY
 from tandem.rl.metrics import timed
+from tandem.rl.stage_registry import old_log_probs_source
 from tandem.rl.stages.base import register_step_stage
 
 
-def is_dataset_step(batch: Any) -> bool:
-    """Whether the step's responses are the dataset's (GKD), not sampled: no rollout log-probs."""
-    return OFF_POLICY in batch and bool(batch[OFF_POLICY][0])
+def policy_gradient_old_log_probs(config: Any) -> str:
+    """Where the policy-gradient update's old log-probs come from:
+
+    * ``rollout``: an asynchronous pipeline's rollout log-probs (``pipeline.old_log_probs=rollout``);
+    * ``update``: the update's own forward, detached, when the step is purely on-policy (never
+      when the advantage estimator reads them, since it runs before the update);
+    * ``pass``: a forward pass of the actor before the advantages, otherwise.
+
+    GKD's dataset steps make them with a pass whatever this says (:mod:`tandem.rl.stages.dataset_steps`).
+    """
+    if config.pipeline.disaggregated:  # replicas lag the trainer: the rollout's, or recomputed
+        return "rollout" if config.pipeline.old_log_probs == "rollout" else "pass"
+    algorithm, actor = config.algorithm, config.actor
+    correction = algorithm.rollout_correction
+    on_policy = (
+        not algorithm.advantages_need_old_log_probs
+        and not actor.recompute_old_log_probs
+        and actor.ppo_epochs == 1
+        and config.mini_batch_prompts == config.data.train_batch_size
+        and not algorithm.kl.use_kl_in_reward
+        and correction.is_level == "none"
+        and correction.rejection == "none"
+        and correction.veto_threshold is None
+    )
+    return "update" if on_policy else "pass"
 
 
 @register_step_stage(
     "rollout_old_log_probs",
     "prepare",
-    applies=lambda config: config.old_log_probs_source == "rollout",
+    applies=lambda config: old_log_probs_source(config) == "rollout",
     order=20,
     stored=False,  # it renames a field the rollout stored
 )
@@ -31,7 +55,7 @@ def rollout_old_log_probs(trainer: Any, batch: Batch) -> Batch:
 
 
 @register_step_stage(
-    "old_log_probs", "pass", applies=lambda config: config.old_log_probs_source == "pass", order=10
+    "old_log_probs", "pass", applies=lambda config: old_log_probs_source(config) == "pass", order=10
 )
 def old_log_probs(trainer: Any, data: Any, timings: dict[str, float]) -> None:
     """``old_log_probs``: the actor's log-probs of the step's tokens, before any update."""

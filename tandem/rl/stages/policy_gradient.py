@@ -1,7 +1,9 @@
 """The policy-gradient update (the default): the plan's prepare stages, its passes over the step's
 data, its view stages, the advantages, then the critic's and the actor's updates
 (``RLTrainer._policy_gradient_update``, the hook a subclass wraps); and the row balance that
-prepares its batch (``trainer.balance_batch``)."""
+prepares its batch (``trainer.balance_batch``). It declares where its old log-probs come from
+(:func:`tandem.rl.stages.old_log_probs.policy_gradient_old_log_probs`), that it reads the
+reference for a KL term and trains a critic when the advantage estimator reads values."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from tandem.protocol import Batch
 from tandem.protocol.sequences import sequence_lengths
 from tandem.rl.balance import balanced_order
 from tandem.rl.stages.base import register_step_stage
+from tandem.rl.stages.old_log_probs import policy_gradient_old_log_probs
 
 
 @register_step_stage(
@@ -20,6 +23,9 @@ from tandem.rl.stages.base import register_step_stage
     default=True,
     runs=("prepare", "pass", "view"),
     stored=True,
+    old_log_probs=policy_gradient_old_log_probs,
+    reference=lambda config: config.algorithm.needs_reference,  # a KL term
+    critic=lambda config: config.algorithm.needs_values,  # the advantage estimator reads values
 )
 def policy_gradient(trainer: Any, batch: Batch, timings: dict[str, float]) -> tuple[Batch, dict[str, float]]:
     """Old, reference and teacher log-probs and values, advantages, then the PPO-style update."""

@@ -1,26 +1,39 @@
 """Online DPO (``actor.objective=preference``): each prompt's best- and worst-scored responses form
 a pair, the plan's passes run over the pairs (the reference's log-probs, when the loss compares to
-it), and the actor takes one preference-loss step."""
+it), and the actor takes one preference-loss step.
+
+With ``dataplane.enabled`` the pairs are references: the rows are picked from the per-row scores,
+the pair columns ride inline, the passes and the update's ranks fetch their rows' fields and
+make the per-token ``loss_mask`` and the reference's sums themselves
+(:mod:`tandem.rl.preference_pairs`); the controller handles no per-token byte."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from tandem.algos.preference import UNPAIRED_LOSSES, PreferenceLossConfig
+from tandem.dataplane import BatchRef
 from tandem.protocol import Batch
 from tandem.rl.metrics import timed
-from tandem.rl.preference_pairs import best_worst_pairs, with_reference_sums
+from tandem.rl.preference_pairs import (
+    StoredPairs,
+    best_worst_pairs,
+    best_worst_rows,
+    stored_pairs,
+    with_reference_sums,
+)
+from tandem.rl.row_fields import SEQUENCE_REWARD, SEQUENCE_SCORE
 from tandem.rl.stages.base import register_step_stage
 from tandem.rl.stages.dynamic_sampling import filters_groups
 from tandem.rl.stages.greedy_baseline import needs_greedy_baseline
-from tandem.rl.step_data import BatchStep
+from tandem.rl.step_data import BatchStep, RefStep, step_data
 
 OBJECTIVE = "actor.objective=preference"
 
 
 def prefers(config: Any) -> bool:
     """Whether the run is online DPO (``actor.objective=preference``)."""
-    return config.prefers
+    return config.actor.objective == "preference"
 
 
 def check_preference(config: Any, plan: Any) -> None:
@@ -68,10 +81,27 @@ def check_online_preference_loss(preference: PreferenceLossConfig) -> None:
         )
 
 
-@register_step_stage("preference", "update", applies=prefers, runs=("pass",), rule=check_preference)
-def preference(trainer: Any, batch: Batch, timings: dict[str, float]) -> tuple[Batch, dict[str, float]]:
+@register_step_stage(
+    "preference",
+    "update",
+    applies=prefers,
+    runs=("pass",),
+    stored=True,  # the pairs are picked from per-row scores (references, with dataplane.enabled)
+    rule=check_preference,
+    old_log_probs=lambda config: "none",  # the loss compares to the reference, not to old log-probs
+    reference=lambda config: config.actor.preference.needs_reference,  # a loss that has one
+)
+def preference(
+    trainer: Any, batch: Batch | BatchRef, timings: dict[str, float]
+) -> tuple[Batch, dict[str, float]]:
     """The pairs' preference update; returns the whole scored batch (for its statistics)."""
     config = trainer.config
+    if isinstance(batch, BatchRef) or config.dataplane.enabled:
+        data = step_data(batch, config.dataplane, True, trainer.workers)
+        try:
+            return _preference_on_references(trainer, data, timings)
+        finally:
+            data.release()
     batch = batch.assign(tensors={"token_level_rewards": batch["token_level_scores"]})  # no KL in the reward
     with timed(timings, "adv"):
         pairs, metrics = best_worst_pairs(batch, config.rollout.n, config.actor_dp_size)
@@ -87,3 +117,31 @@ def preference(trainer: Any, batch: Batch, timings: dict[str, float]) -> tuple[B
     with timed(timings, "update_actor"):
         metrics.update(trainer.update_actor(pairs))
     return batch, metrics
+
+
+def _preference_on_references(
+    trainer: Any, data: RefStep, timings: dict[str, float]
+) -> tuple[Batch, dict[str, float]]:
+    """:func:`preference` on the step's references: the pairs' rows picked from the per-row scores,
+    the reference's pass and the update on them (each rank fetching its rows)."""
+    config, batch = trainer.config, data.batch
+    stored = SEQUENCE_SCORE in batch  # the draw stayed where it was generated: only its scores here
+    scores = batch[SEQUENCE_SCORE] if stored else batch["token_level_scores"].sum(-1)
+    view = (  # no KL in the reward: the rewards are the scores
+        batch.assign(tensors={SEQUENCE_REWARD: scores})
+        if stored
+        else batch.assign(tensors={"token_level_rewards": batch["token_level_scores"]})
+    )
+    with timed(timings, "adv"):
+        rows, metrics = best_worst_rows(scores, config.rollout.n, config.actor_dp_size)
+    if rows is None:
+        trainer.console.print(
+            f"[yellow]step {trainer.step}: no prompt group has a preference; update skipped"
+        )
+        return view, metrics
+    pairs = StoredPairs(stored_pairs(data.first, rows), data)
+    for stage in trainer.plan.passes:
+        stage(trainer, pairs, timings)
+    with timed(timings, "update_actor"):
+        metrics.update(trainer.update_actor(pairs.for_update()))
+    return view, metrics
