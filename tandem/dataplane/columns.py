@@ -13,18 +13,29 @@ whatever the field holds (a pad-valued token inside a window is kept; one outsid
 Integer values travel in the narrowest of ``uint8``/``int16``/``int32``/``int64`` that holds
 them (token ids int32, versions int32 or less, masks uint8); floats keep their dtype (log-probs
 fp32, ``bfloat16`` as its bits). A field of rank 1 is *dense*: ``values [N, *trailing]``.
+
+Two cases store less:
+
+* a jagged field whose windows hold one value only (a mask of ones: ``attention_mask``, a
+  single-turn ``response_mask``) stores no ``values``, only that value's bits (``constant_bits``)
+  with its offsets and starts: 8 bytes a row;
+* a field equal to its derivation from others of the same block (``input_ids`` from ``prompts``
+  and ``responses``, ``position_ids`` from ``attention_mask``: :mod:`tandem.dataplane.derived`)
+  stores nothing; its ``sources`` are read instead and it is built on the reader.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from tandem.dataplane.derived import DERIVATIONS, build, build_of_windows, derivable
 from tandem.dataplane.windows import (
     as_bits,
+    empty_tensors,
     padded_from_windows,
     rows_of_dense,
     windows_of_padded,
@@ -44,6 +55,9 @@ class WireColumn:
         wire: the stored values' dtype (torch name).
         jagged: stored as values/offsets/starts (rank >= 2) or dense (rank 1).
         fill_bits: the fill value's bits (as the integer of the dtype's width), outside windows.
+        constant_bits: a jagged field whose windows hold this one value's bits only: no values
+            stored (``None``: values stored).
+        sources: a derived field's sources in the block (nothing of it stored); ``()``: stored.
     """
 
     name: str
@@ -52,6 +66,8 @@ class WireColumn:
     wire: str
     jagged: bool
     fill_bits: int = 0
+    constant_bits: int | None = None
+    sources: tuple[str, ...] = ()
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -62,12 +78,13 @@ class WireColumn:
         return getattr(torch, self.wire)
 
     def arrays(self) -> tuple[str, ...]:
-        """The names of the stored arrays of this field."""
-        return (
-            (f"{self.name}.values", f"{self.name}.offsets", f"{self.name}.starts")
-            if self.jagged
-            else (f"{self.name}.values",)
-        )
+        """The names of the stored arrays of this field (none for a derived one)."""
+        if self.sources:
+            return ()
+        if not self.jagged:
+            return (f"{self.name}.values",)
+        index = (f"{self.name}.offsets", f"{self.name}.starts")
+        return index if self.constant_bits is not None else (f"{self.name}.values", *index)
 
 
 def _narrowest(values: np.ndarray) -> np.dtype:
@@ -119,35 +136,111 @@ def encode_field(name: str, tensor: torch.Tensor) -> tuple[WireColumn, dict[str,
             name, dtype, tuple(tensor.shape[1:]), str(values.dtype).removeprefix("torch."), False
         )
         return column, {f"{name}.values": values}
-    rows, width = tensor.shape[:2]
     bits = as_bits(tensor)
     fill = _fill_bits(bits)
+    first, offsets = _windows(bits, fill)
+    gathered = windows_of_padded(_as_source(tensor), first, offsets)
+    if fill == 1 and not _one_value(gathered):  # a mask whose edges are mostly ones: try zeros as fill
+        first_zero, offsets_zero = _windows(bits, 0)
+        gathered_zero = windows_of_padded(_as_source(tensor), first_zero, offsets_zero)
+        if _one_value(gathered_zero):
+            fill, first, offsets, gathered = 0, first_zero, offsets_zero, gathered_zero
+    arrays = {
+        f"{name}.offsets": torch.from_numpy(offsets),
+        f"{name}.starts": torch.from_numpy(first.astype(np.int32)),
+    }
+    if _one_value(gathered):  # windows of one value (a mask of ones): no values stored
+        constant = int(gathered.reshape(-1)[:1].view(bits.dtype)[0])
+        column = WireColumn(name, dtype, tuple(tensor.shape[1:]), dtype, True, fill, constant)
+        return column, arrays
+    values = _wire_values(gathered, tensor.dtype)
+    column = WireColumn(
+        name, dtype, tuple(tensor.shape[1:]), str(values.dtype).removeprefix("torch."), True, fill
+    )
+    return column, {f"{name}.values": values, **arrays}
+
+
+def _windows(bits: np.ndarray, fill: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's window of ``bits [N, W, ...]`` holding every element unlike ``fill``: its first
+    column ``[N]`` and the windows' ``offsets [N + 1]`` int64 one after the other."""
+    rows, width = bits.shape[:2]
     differs = (bits.reshape(rows, width, -1) != fill).any(axis=2)  # [N, W]
     present = differs.any(axis=1)
     first = np.where(present, differs.argmax(axis=1), 0)
     last = np.where(present, width - 1 - differs[:, ::-1].argmax(axis=1), -1)
     offsets = np.zeros(rows + 1, dtype=np.int64)
     np.cumsum(np.maximum(last - first + 1, 0), out=offsets[1:])
-    values = _wire_values(windows_of_padded(_as_source(tensor), first, offsets), tensor.dtype)
-    column = WireColumn(
-        name, dtype, tuple(tensor.shape[1:]), str(values.dtype).removeprefix("torch."), True, fill
-    )
-    arrays = {
-        f"{name}.values": values,
-        f"{name}.offsets": torch.from_numpy(offsets),
-        f"{name}.starts": torch.from_numpy(first.astype(np.int32)),
-    }
-    return column, arrays
+    return first, offsets
+
+
+def _one_value(gathered: np.ndarray) -> bool:
+    return bool(gathered.size) and bool((gathered == gathered.flat[0]).all())
 
 
 def encode(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[WireColumn, ...], dict[str, torch.Tensor]]:
-    """The wire columns and arrays of several fields of one batch (all ``[N, ...]``)."""
+    """The wire columns and arrays of several fields of one batch (all ``[N, ...]``); a field equal
+    to its derivation from the others is a column of ``sources`` and no array."""
+    tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+    derived = derivable(tensors)
     columns, arrays = [], {}
     for name, tensor in tensors.items():
+        if name in derived:
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            shape = tuple(tensor.shape[1:])
+            columns.append(WireColumn(name, dtype, shape, dtype, False, sources=derived[name]))
+            continue
         column, field_arrays = encode_field(name, tensor)
         columns.append(column)
         arrays.update(field_arrays)
     return tuple(columns), arrays
+
+
+def read_columns(columns: Sequence[WireColumn], fields: Sequence[str]) -> tuple[WireColumn, ...]:
+    """The stored columns of a block of ``columns`` that a fetch of ``fields`` reads: each asked
+    field's own, a derived one's sources instead; each once, in the block's order."""
+    by_name = {c.name: c for c in columns}
+    read = set()
+    for name in fields:
+        read.update(by_name[name].sources or (name,))
+    return tuple(c for c in columns if c.name in read)
+
+
+def _ones_windows(column: WireColumn) -> bool:
+    """Whether ``column`` is stored as windows of ones in rows of zeros, its values left out."""
+    return column.jagged and column.constant_bits == 1 and column.fill_bits == 0
+
+
+def decode_columns(
+    columns: Sequence[WireColumn], fields: Sequence[str], arrays: StoredArrays, rows: np.ndarray
+) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """The padded ``[len(rows), ...]`` tensors of ``fields`` of a block of ``columns`` (``rows``
+    sorted, unique), decoded straight from its ``arrays``, one pass per stored field read
+    (:func:`read_columns`) into outputs carved from one buffer, then the derived fields built from
+    them (from a mask's windows alone where that mask is ones in windows and the derivation can:
+    the mask is then not decoded unless asked); and the payload bytes read, by the stored field
+    they were read from."""
+    by_name = {c.name: c for c in columns}
+    derived = [by_name[f] for f in fields if by_name[f].sources]
+    of_windows = {
+        c.name for c in derived if len(c.sources) == 1 and DERIVATIONS[c.name].of_windows is not None
+        and _ones_windows(by_name[c.sources[0]])
+    }  # fmt: skip
+    needed = set(fields) | {s for c in derived if c.name not in of_windows for s in c.sources}
+    decoded = [c for c in read_columns(columns, fields) if c.name in needed]
+    wanted = list(dict.fromkeys([*fields, *(c.name for c in decoded)]))  # asked first, then sources only read
+    specs = [((len(rows), *by_name[f].shape), by_name[f].torch_dtype) for f in wanted]
+    outs = dict(zip(wanted, empty_tensors(specs), strict=True))
+    by_field = {c.name: decode_field(c, arrays, rows, outs[c.name]) for c in decoded}
+    for column in derived:
+        if column.name in of_windows:
+            (source,) = column.sources
+            offsets = arrays[f"{source}.offsets"]
+            lengths = offsets[rows + 1] - offsets[rows]
+            build_of_windows(column.name, arrays[f"{source}.starts"][rows], lengths, outs[column.name])
+            by_field.setdefault(source, 0)
+        else:
+            build(column.name, [outs[s] for s in column.sources], outs[column.name])
+    return {name: outs[name] for name in fields}, by_field
 
 
 def runs(rows: np.ndarray) -> list[tuple[int, int]]:
@@ -170,15 +263,16 @@ def decode_field(column: WireColumn, arrays: StoredArrays, rows: np.ndarray, out
     (allocated, not initialised; see :func:`~tandem.dataplane.windows.empty_tensors`), read
     straight from the block's ``arrays`` in one pass; returns the payload bytes it read (the rows'
     values; their offsets and starts are the 8 bytes a row counted apart)."""
-    values = arrays[f"{column.name}.values"]
-    row_bytes = values.itemsize * int(np.prod(values.shape[1:]))  # one element of dim 0
+    values = None if column.constant_bits is not None else arrays[f"{column.name}.values"]
+    row_bytes = 0 if values is None else values.itemsize * int(np.prod(values.shape[1:]))  # one element
     if not column.jagged:
         rows_of_dense(values, rows, out)
         return len(rows) * row_bytes
     offsets = arrays[f"{column.name}.offsets"]
     begins, ends = offsets[rows], offsets[rows + 1]
-    padded_from_windows(values, begins, ends, arrays[f"{column.name}.starts"][rows], out, column.fill_bits)
-    return int((ends - begins).sum()) * row_bytes
+    starts = arrays[f"{column.name}.starts"][rows]
+    padded_from_windows(values, begins, ends, starts, out, column.fill_bits, column.constant_bits)
+    return 0 if values is None else int((ends - begins).sum()) * row_bytes
 
 
 def wire_nbytes(tensors: Mapping[str, torch.Tensor]) -> int:

@@ -26,15 +26,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.dataplane.columns import StoredArrays, WireColumn, encode, runs
+from tandem.dataplane.columns import StoredArrays, WireColumn, encode, read_columns, runs
 from tandem.dataplane.store import check_fields, check_rows, count, decode_rows
 from tandem.dataplane.windows import numpy_dtype
 
 
 @dataclass(frozen=True)
 class RayBlock:
-    """A block in Ray's object store: one object per field (``refs``, in ``columns`` order),
-    put on node ``node_id`` by the store numbered ``key``."""
+    """A block in Ray's object store: one object per stored field (``refs``, in ``columns`` order,
+    a derived field, which stores nothing, left out), put on node ``node_id`` by the store
+    numbered ``key``."""
 
     node_id: str
     key: str
@@ -86,12 +87,14 @@ def gather_rows(columns: tuple[WireColumn, ...], rows: np.ndarray, *objects: Map
     arrays, spans, out = stored_arrays(objects), runs(rows), {}
     for column in columns:
         name = column.name
-        values = arrays[f"{name}.values"]
         if not column.jagged:
+            values = arrays[f"{name}.values"]
             out[f"{name}.values"] = _joined([values[a:b] for a, b in spans], values)
             continue
         offsets = arrays[f"{name}.offsets"]
-        out[f"{name}.values"] = _joined([values[offsets[a] : offsets[b]] for a, b in spans], values)
+        if column.constant_bits is None:
+            values = arrays[f"{name}.values"]
+            out[f"{name}.values"] = _joined([values[offsets[a] : offsets[b]] for a, b in spans], values)
         out[f"{name}.lengths"] = (offsets[rows + 1] - offsets[rows]).astype(np.int32)
         out[f"{name}.starts"] = np.ascontiguousarray(arrays[f"{name}.starts"][rows])
     return out
@@ -114,6 +117,11 @@ def gathered_arrays(columns: Sequence[WireColumn], gathered: Mapping[str, np.nda
     return arrays
 
 
+def _stored(columns: Sequence[WireColumn]) -> list[WireColumn]:
+    """The columns that store arrays (one object each): all but the derived ones."""
+    return [c for c in columns if not c.sources]
+
+
 class RayStore:
     """Puts blocks into this node's part of Ray's object store and reads blocks from any node."""
 
@@ -133,7 +141,7 @@ class RayStore:
         if len(sizes) != 1:
             raise ValueError(f"a block's fields need one row count, got {sorted(sizes)}")
         columns, arrays = encode(tensors)
-        refs = tuple(ray.put(_to_numpy({n: arrays[n] for n in c.arrays()})) for c in columns)
+        refs = tuple(ray.put(_to_numpy({n: arrays[n] for n in c.arrays()})) for c in _stored(columns))
         nbytes = sum(a.numel() * a.element_size() for a in arrays.values())
         block = RayBlock(self.node_id, self.key, sizes.pop(), columns, refs, nbytes=nbytes)
         self._held[tuple(r.hex() for r in refs)] = refs
@@ -143,18 +151,20 @@ class RayStore:
     def get(self, block: RayBlock, fields: Sequence[str], rows: Sequence[int]) -> dict[str, torch.Tensor]:
         """Padded ``[len(rows), ...]`` tensors of ``fields``; ``rows`` sorted and unique."""
         ray = _ray()
-        columns = check_fields(block, fields)
+        check_fields(block, fields)
         wanted = check_rows(block, rows)
-        by_name = dict(zip((c.name for c in block.columns), block.refs, strict=True))
+        columns = read_columns(block.columns, fields)  # a derived field's sources instead of it
+        by_name = dict(zip((c.name for c in _stored(block.columns)), block.refs, strict=True))
         refs = [by_name[c.name] for c in columns]
         if block.node_id == self.node_id:
-            return decode_rows(columns, stored_arrays(ray.get(refs)), wanted)
+            return decode_rows(block.columns, stored_arrays(ray.get(refs)), wanted, fields)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # deferred: Ray
 
         task = self._gather.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(block.node_id, soft=False)
         ).remote(columns, wanted, *refs)
-        return decode_rows(columns, gathered_arrays(columns, ray.get(task)), np.arange(len(wanted)))
+        gathered = gathered_arrays(columns, ray.get(task))
+        return decode_rows(block.columns, gathered, np.arange(len(wanted)), fields)
 
     def release(self, block: RayBlock) -> None:
         """Drop this store's references to the block (Ray frees it when no reference is left)."""

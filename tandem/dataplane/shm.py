@@ -95,10 +95,10 @@ class ShmStore:
 
     def get(self, block: ShmBlock, fields: Sequence[str], rows: Sequence[int]) -> dict[str, torch.Tensor]:
         """Padded ``[len(rows), ...]`` tensors of ``fields``; ``rows`` sorted and unique."""
-        columns = check_fields(block, fields)
+        check_fields(block, fields)
         wanted = check_rows(block, rows)
         with _mapped(block) as arrays:
-            return decode_rows(columns, arrays, wanted)
+            return decode_rows(block.columns, arrays, wanted, fields)
 
     def release(self, block: ShmBlock) -> None:
         """Delete the block's file (readers with it open finish their reads)."""

@@ -22,8 +22,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from tandem.dataplane.columns import StoredArrays, WireColumn, decode_field
-from tandem.dataplane.windows import empty_tensors
+from tandem.dataplane.columns import StoredArrays, WireColumn, decode_columns, read_columns
 
 
 class Block(Protocol):
@@ -49,10 +48,12 @@ class Traffic:
     """Bytes this process put into stores and fetched from them, and how many blocks it put and
     released.
 
-    ``fetched_bytes`` counts the asked fields' values of the asked rows, and ``fetched_by_field``
-    the same bytes by field name (``{name: bytes}``, fields never fetched absent);
-    ``fetched_index_bytes`` the int32 length and start delivered with each row of a jagged field
-    (8 bytes a row; the engines compute them from the int64 offsets they read).
+    ``fetched_bytes`` counts the stored values read for the asked fields of the asked rows (a
+    derived field's sources', :mod:`tandem.dataplane.derived`; none of a field stored without
+    values), and ``fetched_by_field`` the same bytes by the stored field read (``{name: bytes}``,
+    fields never read absent); ``fetched_index_bytes`` the int32 length and start delivered with
+    each row of a jagged field read (8 bytes a row; the engines compute them from the int64
+    offsets they read).
     """
 
     put_bytes: int = 0
@@ -133,12 +134,14 @@ def check_rows(block: Block, rows: Sequence[int]) -> np.ndarray:
 
 
 def decode_rows(
-    columns: Sequence[WireColumn], arrays: StoredArrays, rows: np.ndarray
+    columns: Sequence[WireColumn], arrays: StoredArrays, rows: np.ndarray, fields: Sequence[str] | None = None
 ) -> dict[str, torch.Tensor]:
-    """The padded ``[len(rows), ...]`` tensors of ``columns`` decoded straight from a block's
-    ``arrays`` (``rows`` sorted, unique; see :func:`~tandem.dataplane.columns.decode_field`), one
-    pass per field into outputs carved from one buffer; the fetch is counted, by field."""
-    outs = empty_tensors([((len(rows), *c.shape), c.torch_dtype) for c in columns])
-    by_field = {c.name: decode_field(c, arrays, rows, out) for c, out in zip(columns, outs, strict=True)}
-    count_fetched(by_field, index=8 * len(rows) * sum(c.jagged for c in columns))
-    return {c.name: out for c, out in zip(columns, outs, strict=True)}
+    """The padded ``[len(rows), ...]`` tensors of ``fields`` (default: every column) of a block of
+    ``columns``, decoded straight from its ``arrays`` (``rows`` sorted, unique; see
+    :func:`~tandem.dataplane.columns.decode_columns`: a derived field's sources are read, it is
+    built here); the fetch is counted, by the stored field read."""
+    fields = [c.name for c in columns] if fields is None else list(fields)
+    tensors, by_field = decode_columns(columns, fields, arrays, rows)
+    jagged = sum(c.jagged for c in read_columns(columns, fields))
+    count_fetched(by_field, index=8 * len(rows) * jagged)
+    return tensors

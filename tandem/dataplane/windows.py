@@ -88,16 +88,20 @@ def padded_from_windows(
     starts: np.ndarray,
     out: torch.Tensor,
     fill_bits: int,
+    constant_bits: int | None = None,
 ) -> torch.Tensor:
     """Write ``n`` windows into ``out [n, width, *trailing]`` (allocated, not initialised) and
     return it.
 
     Args:
-        values: ``[T, *trailing]`` the stored values (wire integers, or a float's bits).
+        values: ``[T, *trailing]`` the stored values (wire integers, or a float's bits); unread
+            (``None``) when ``constant_bits`` is given.
         begins, ends: ``[n]`` int64, row ``i``'s values are ``values[begins[i]:ends[i]]``.
         starts: ``[n]`` where row ``i``'s window begins in its padded row.
         out: the padded output; everything outside the windows gets ``fill_bits``.
         fill_bits: the fill value's bits, as the integer of the element's width (see :func:`as_bits`).
+        constant_bits: every element inside the windows is this value's bits (a field stored
+            without values: :mod:`tandem.dataplane.columns`).
     """
     rows, width = out.shape[0], out.shape[1]
     if rows == 0:
@@ -111,7 +115,7 @@ def padded_from_windows(
     flat.fill(fill_bits)
     for lo, hi, begin in _runs(starts, lengths, begins, width):
         if hi > lo:
-            flat[lo:hi] = values[begin : begin + hi - lo]
+            flat[lo:hi] = values[begin : begin + hi - lo] if constant_bits is None else constant_bits
     return out
 
 

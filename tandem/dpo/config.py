@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from tandem.algos.preference import PreferenceLossConfig
 from tandem.config.paths import INPUT_PATH, MODEL_PATH, OUTPUT_PATH, path_field
 from tandem.dpo.data import PreferenceDataConfig
-from tandem.engine.config import EngineConfig, check_trainer_tensor_parallel
+from tandem.engine.config import EngineConfig, check_trainer_parallel_dims
 from tandem.run.dataplane import TrainerDataPlaneConfig, check_dataplane
 from tandem.sft.config import SFTTrainerConfig
 
@@ -60,7 +60,7 @@ class DPOConfig:
             raise ValueError("model_path is required (a local HF model directory)")
         if not self.data.train_path:
             raise ValueError("data.train_path is required (a .parquet or .jsonl file of preference pairs)")
-        check_trainer_tensor_parallel("engine", self.engine, self.trainer.world_size)
+        check_trainer_parallel_dims("engine", self.engine, self.trainer.world_size)
         check_dataplane(self.dataplane, self.trainer.backend)
         if self.reference not in REFERENCES:
             raise ValueError(f"reference={self.reference!r} is not allowed; choose one of {list(REFERENCES)}")

@@ -246,17 +246,17 @@ def _setting(config: object, dotted: str) -> object:
     return config
 
 
-def check_trainer_tensor_parallel(owner: str, engine: EngineConfig, workers: int) -> None:
-    """Raise ``ValueError`` naming ``<owner>.tp_size`` (or ``sp_size`` with it) when a trainer's
-    ``workers`` cannot run ``engine``'s tensor parallelism: they must split into groups of
-    ``sp_size x tp_size`` (each group one data-parallel rank, its workers handed the same rows:
-    :class:`~tandem.engine.parallel_dims.ParallelDims`), and ``strategy=single`` trains one
+def check_trainer_parallel_dims(owner: str, engine: EngineConfig, workers: int) -> None:
+    """Raise ``ValueError`` naming ``<owner>.sp_size``, ``tp_size`` or ``ep_size`` when a trainer's
+    ``workers`` cannot hold ``engine``'s mesh (:meth:`~tandem.engine.parallel_dims.ParallelDims.check`):
+    they must split into groups of ``sp_size x tp_size`` (each group one data-parallel rank, its
+    workers handed the same rows), and ``ep_size`` must divide the ``dp x sp`` workers of one
+    tensor-parallel slice (the ranks holding different tokens). ``strategy=single`` trains one
     tensor-parallel group only (several need ``fsdp2`` to reduce their gradients over ``dp x sp``)."""
     tp = engine.tp_size
-    if tp == 1:
-        return
-    ParallelDims(workers, engine.sp_size, tp).check(owner, world=f"the {workers} workers", unit="workers")
-    if engine.strategy == "single" and workers > tp:
+    dims = ParallelDims(workers, engine.sp_size, tp, engine.ep_size)
+    dims.check(owner, world=f"the {workers} workers", unit="workers")
+    if tp > 1 and engine.strategy == "single" and workers > tp:
         raise ValueError(
             f"{owner}.tp_size={tp} with {owner}.strategy=single trains one tensor-parallel group, but the "
             f"{workers} workers form {workers // tp}: set {owner}.strategy=fsdp2 (it reduces their gradients)"

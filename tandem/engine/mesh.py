@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from tandem.engine.parallel_dims import GRADIENT_DIM, MESH_DIMS, ParallelDims
+from tandem.engine.parallel_dims import MESH_DIMS, ParallelDims, gradient_mesh
 from tandem.engine.ulysses import SequenceParallel
 
 
@@ -114,7 +114,7 @@ class EngineMesh:
         """The mesh FSDP2 shards over under tensor parallelism: the flattened ``dp_sp``
         dimension, whose DTensor shards it shards again (``None`` otherwise: the whole world,
         which is ``dp x sp`` then)."""
-        return self.device_mesh[GRADIENT_DIM] if self.tp_size > 1 else None
+        return gradient_mesh(self.device_mesh) if self.tp_size > 1 else None
 
     @property
     def tp_group(self) -> ProcessGroup | None:

@@ -23,8 +23,10 @@ collectives are cheapest). The ranks of tensor-parallel slice ``t`` holding diff
 it spans whole ones; any ``ep`` dividing ``dp * sp`` works.
 
 :meth:`ParallelDims.build_mesh` builds the one torch mesh, its dimensions named ``dp``, ``sp`` and
-``tp``, with ``dp_sp`` flattened; :meth:`ParallelDims.expert_mesh` views that ``dp_sp``
-dimension as ``(edp, ep)`` (the same ranks, by name, no mesh built apart).
+``tp``, with ``dp_sp`` flattened (:func:`gradient_mesh` returns that flattened mesh itself, which
+FSDP2 shards over; torch deprecates slicing it from the root mesh by name);
+:meth:`ParallelDims.expert_mesh` views that ``dp_sp`` dimension as ``(edp, ep)`` (the same ranks,
+by name, no mesh built apart).
 
 Everything here but the two mesh builders is arithmetic, with no process group: the engine
 (which knows the world) and the trainers' configs (which know their workers) check the same
@@ -147,7 +149,7 @@ class ParallelDims:
         """The ``(dp, sp, tp)`` mesh of the default group's ranks, with ``dp_sp`` flattened (a
         collective: every rank calls it, after :meth:`check`)."""
         mesh = init_device_mesh(device_type, (self.dp, self.sp, self.tp), mesh_dim_names=MESH_DIMS)
-        mesh["dp", "sp"]._flatten(GRADIENT_DIM)
+        gradient_mesh(mesh)
         return mesh
 
     def expert_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
@@ -156,5 +158,13 @@ class ParallelDims:
         default one, even where ``ep`` spans the world: the experts' exchanges run inside the
         backward, where they must not interleave with DDP's or FSDP2's collectives."""
         own_groups = {name: dist.get_backend() for name in EXPERT_DIMS}
-        token_ranks = mesh["dp", "sp"]._flatten(GRADIENT_DIM)  # the one build_mesh made
+        token_ranks = gradient_mesh(mesh)  # the one build_mesh made
         return token_ranks._unflatten(0, (self.edp, self.ep), EXPERT_DIMS, backend_override=own_groups)
+
+
+def gradient_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh``'s (:meth:`ParallelDims.build_mesh`) flattened ``dp_sp`` dimension, the ranks holding
+    different tokens. Made once (a collective, in ``build_mesh``), then the same mesh looked up:
+    torch deprecates slicing a flattened dimension from the root mesh (``mesh["dp_sp"]``) and asks
+    callers to keep the flattened mesh itself, which ``_flatten`` returns."""
+    return mesh["dp", "sp"]._flatten(GRADIENT_DIM)

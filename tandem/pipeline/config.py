@@ -36,6 +36,10 @@ class PipelineConfig:
             the update waits for the running requests to finish first.
         trigger_parameter_sync_step: ``fully_async``: trainer steps between weight syncs.
         rollout_replicas: rollout engines, one process each, apart from the trainer's workers.
+        rollout_nodes: the nodes the replicas are split over, ``rollout_replicas / rollout_nodes``
+            on each (verl's fully-async recipe calls it ``rollout.nnodes``). Each node's replicas
+            are one bundle of the rollout pool's Ray placement group, each bundle on a node of
+            its own; more than one needs ``trainer.backend=ray``. 1 (default): all on one node.
         trainer_threads / rollout_threads: CPU threads for each trainer worker / rollout replica
             (0: PyTorch's default). On a CPU machine give each side its share of the cores.
         checkpoint_engine: how weights reach the replicas (``pipeline.checkpoint_engine.backend``
@@ -86,6 +90,7 @@ class PipelineConfig:
     partial_rollout: bool = True
     trigger_parameter_sync_step: int = 1
     rollout_replicas: int = 1
+    rollout_nodes: int = 1
     trainer_threads: int = 0
     rollout_threads: int = 0
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=_shared_memory)
@@ -102,6 +107,7 @@ class PipelineConfig:
         check_range("pipeline", "staleness_threshold", self.staleness_threshold, low=0)
         check_positive("pipeline", "trigger_parameter_sync_step", self.trigger_parameter_sync_step)
         check_positive("pipeline", "rollout_replicas", self.rollout_replicas)
+        self._check_rollout_nodes()
         check_range("pipeline", "trainer_threads", self.trainer_threads, low=0)
         check_range("pipeline", "rollout_threads", self.rollout_threads, low=0)
         check_positive("pipeline", "replica_timeout_s", self.replica_timeout_s)
@@ -126,6 +132,21 @@ class PipelineConfig:
             raise ValueError(
                 f"pipeline.mode={self.mode} puts the rollout in other processes; pipeline.checkpoint_engine.backend "
                 "must be broadcast, shared_memory or files (naive is an in-process copy)"
+            )
+
+    def _check_rollout_nodes(self) -> None:
+        """``pipeline.rollout_nodes`` is positive, splits the replicas evenly and has replicas to split."""
+        check_positive("pipeline", "rollout_nodes", self.rollout_nodes)
+        if self.rollout_replicas % self.rollout_nodes:
+            raise ValueError(
+                f"pipeline.rollout_replicas={self.rollout_replicas} must divide evenly over "
+                f"pipeline.rollout_nodes={self.rollout_nodes} (the same number of replicas on each node)"
+            )
+        if self.rollout_nodes > 1 and self.mode == "sync":
+            raise ValueError(
+                f"pipeline.rollout_nodes={self.rollout_nodes} spreads rollout replicas, and pipeline.mode=sync "
+                "has none (it generates in the trainer's workers); set pipeline.mode=one_step_off or "
+                "fully_async, or pipeline.rollout_nodes=1"
             )
 
     def _check_replay(self) -> None:

@@ -143,15 +143,22 @@ class RolloutFleet:
     def generate(self, requests: list[RolloutRequest]) -> list[Completion]:
         """Completions of ``requests`` in order, spread over the replicas (validation); a request
         that failed raises, naming it (:func:`~tandem.protocol.generation.raise_failed_requests`)."""
-        shares = [requests[rank :: self.size] for rank in range(self.size)]
-        with self.hold():
-            handles = [self._submit(rank, "generate", shares[rank]) for rank in range(self.size)]
-            results = [self._result(rank, handle, None) for rank, handle in enumerate(handles)]
+        results = self.on_each("generate", [(requests[rank :: self.size],) for rank in range(self.size)])
         ordered: list[Completion] = [None] * len(requests)  # type: ignore[list-item]
         for rank, completions in enumerate(results):
             ordered[rank :: self.size] = completions
         raise_failed_requests(ordered, "validation on the rollout replicas")
         return ordered
+
+    def on_each(self, method: str, shares: list[tuple | None]) -> list[Any]:
+        """Replica ``rank``'s ``method(*shares[rank])`` on every replica at once, between the drivers'
+        calls (:meth:`hold`); their results in rank order (``None`` where a share is ``None``: no call)."""
+        with self.hold():
+            handles = [
+                None if args is None else self._submit(rank, method, *args)
+                for rank, args in enumerate(shares)
+            ]
+            return [None if h is None else self._result(rank, h, None) for rank, h in enumerate(handles)]
 
     def close(self) -> None:
         """Stop the drivers, abort what the replicas still generate, drop what is queued."""

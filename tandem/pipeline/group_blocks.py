@@ -85,7 +85,13 @@ class GroupBlockWriter:
 
     def write(self, key: str, tensors: dict[str, torch.Tensor]) -> BatchRef:
         """Put the group's rows as one block; returns its reference (``key`` names nothing here)."""
-        ref = store_rollout(self.rows(tensors), self.store, self.tokenizer)
+        return self.put_rows(self.rows(tensors))
+
+    def put_rows(self, rows: Batch) -> BatchRef:
+        """Put generated ``rows`` (:func:`~tandem.pipeline.stored_rollout.store_rollout`'s input, at
+        the writer's widths) as one block: a group's, or ReMax's greedy responses
+        (:meth:`tandem.pipeline.replica_worker.RolloutReplicaWorker.generate_to_store`)."""
+        ref = store_rollout(rows, self.store, self.tokenizer)
         if self.hands_over:
             ref.release(self.store.release)
         return ref

@@ -23,11 +23,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from tandem.checkpoint_engine.roles import PendingSync, connect_weight_sync, start_weight_sync
 from tandem.checkpoint_engine.transports import SLOT_PREFIX
 from tandem.controller import create_worker_group
 from tandem.controller.errors import WorkerDiedError, WorkerError
-from tandem.dataplane import DataPlaneConfig
+from tandem.dataplane import BatchRef, DataPlaneConfig
 from tandem.dataplane.shm import discard_blocks_of
 from tandem.errors import RolloutReplicaError
 from tandem.pipeline.fleet import RolloutFleet
@@ -172,6 +174,18 @@ class ReplicaSet:
         assert self.fleet is not None
         fleet = self.fleet
         return self.recovering(lambda: fleet.generate(requests))
+
+    def generate_to_store(self, prompts: Batch, seeds: list[int], sampling: SamplingParams) -> BatchRef:
+        """A completion per row of ``prompts``, each under its own seed, kept in the replicas' data-plane
+        blocks (``keep_in_store``): row ``i`` on replica ``i % size`` (as :meth:`generate` shares its
+        requests), the references back in the rows' order; again after a restart."""
+        assert self.fleet is not None
+        fleet, rows = self.fleet, prompts.assign(non_tensors={"seed": list(seeds)})
+        shares = [list(range(rank, len(rows), self.size)) for rank in range(self.size)]
+        calls = [(rows[share], sampling) if share else None for share in shares]
+        refs = self.recovering(lambda: fleet.on_each("generate_to_store", calls))
+        joined = BatchRef.concat([ref for ref in refs if ref is not None])
+        return joined.reorder(np.argsort([row for share in shares for row in share], kind="stable"))
 
     def generate_episodes(self, prompts: Batch, seeds: list[int], sampling: SamplingParams) -> Batch:
         """An agent episode per row of ``prompts``, each under its own seed (validation)."""

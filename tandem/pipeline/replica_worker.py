@@ -22,16 +22,18 @@ from tandem.agents.rollout import AgentRollout
 from tandem.checkpoint_engine import CheckpointEngineConfig, SenderAddress, WeightReceiver
 from tandem.controller import Worker, register
 from tandem.controller.profiling import ProfilesCalls
-from tandem.dataplane import DataPlaneConfig
+from tandem.dataplane import BatchRef, DataPlaneConfig
 from tandem.device import bind_device
 from tandem.models.loading import load_tokenizer
 from tandem.models.vision import ImagePrompter
 from tandem.pipeline.group_blocks import GroupBlockWriter
 from tandem.pipeline.groups import GroupRequest, GroupTracker
+from tandem.pipeline.requests import rollout_requests, with_completions
 from tandem.pipeline.sample_log import SampleLog
 from tandem.pipeline.sample_queue import GroupMeta
 from tandem.pipeline.sample_store import InlineWriter, SampleWriter
 from tandem.protocol import Batch
+from tandem.protocol.generation import raise_failed_requests
 from tandem.rollout import RolloutRequest, SamplingParams
 from tandem.rollout.config import RolloutEngineConfig
 from tandem.rollout.factory import build_rollout_engine
@@ -155,6 +157,21 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
         """Completions of ``requests``, in order (validation), alongside any groups in flight."""
         futures = [self.engine.submit(r) for r in requests]
         return [f.result() for f in futures]
+
+    @register(dispatch="ONE_TO_ALL")
+    def generate_to_store(self, prompts: Batch, sampling: SamplingParams) -> BatchRef:
+        """Each row's completion (its ``prompt_ids`` under its own ``seed``), alongside any groups in
+        flight, kept in this replica's data-plane store as training rows at the run's widths: back
+        only a ``BatchRef`` with the rows' scalars and decoded texts (ReMax's greedy baselines with
+        ``dataplane.enabled``; :meth:`keep_samples_in_store` first)."""
+        writer = self.groups.writer
+        if not isinstance(writer, GroupBlockWriter):
+            raise RuntimeError("keep_samples_in_store() first: this replica keeps no rows in the data plane")
+        requests = rollout_requests(prompts, prompts["seed"], sampling, f"stored-{self.rank}")
+        completions = [f.result() for f in [self.engine.submit(r) for r in requests]]
+        raise_failed_requests(completions, f"generation on rollout replica {self.rank}")
+        widths = (writer.prompt_width, writer.response_width)
+        return writer.put_rows(with_completions(prompts, completions, writer.pad_id, widths))
 
     @register(dispatch="DP_COMPUTE")
     def generate_episodes(self, prompts: Batch, sampling: SamplingParams, prompt_width: int) -> Batch:

@@ -51,7 +51,7 @@ from tandem.pipeline.requests import (
 from tandem.pipeline.sample_queue import SampleQueue, wait_until
 from tandem.pipeline.sample_store import inflight_bound
 from tandem.pipeline.schedule_record import ScheduleRecord
-from tandem.pipeline.stored_rollout import NEWEST_VERSION, OLDEST_VERSION, version_span
+from tandem.pipeline.stored_rollout import NEWEST_VERSION, OLDEST_VERSION, trim_stored, version_span
 from tandem.protocol import Batch
 from tandem.protocol.sequences import trim_padding
 from tandem.rollout import SamplingParams
@@ -193,6 +193,13 @@ class AsyncRollout:
             return trim_padding(self.replica_set.generate_episodes(prompts, seeds, sampling), self.pad_id)
         completions = self.replica_set.generate(rollout_requests(prompts, seeds, sampling, f"val-{version}"))
         return trim_padding(with_completions(prompts, completions, self.pad_id), self.pad_id)
+
+    def generate_to_store(self, prompts: Batch, seeds: list[int], sampling: SamplingParams) -> BatchRef:
+        """As :meth:`generate` under the weights the replicas hold, the outputs kept in the replicas'
+        blocks (``keep_in_store``): a trimmed ``BatchRef`` of the rows' scalars and texts (ReMax's
+        greedy baselines of stored draws, whose caller releases it)."""
+        assert self.keep_in_store is not None and self.plan.agent is None, "rows kept in the replicas' blocks"
+        return trim_stored(self.replica_set.generate_to_store(prompts, seeds, sampling))
 
     def host_pids(self) -> list[int]:
         """The replicas' processes on this host."""

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandem.dataplane.columns import WireColumn, decode_field, encode
+from tandem.dataplane.columns import WireColumn, decode_columns, encode
 from tandem.dataplane.windows import as_bits, numpy_dtype
 
 MAGIC = b"TSL1"
@@ -129,11 +129,14 @@ def _read_one(file) -> tuple[str, dict[str, torch.Tensor]] | None:
         data = payload[spec["offset"] : spec["offset"] + spec["nbytes"]]
         dtype = numpy_dtype(getattr(torch, spec["dtype"]))
         arrays[spec["name"]] = np.frombuffer(data, dtype=dtype).reshape(spec["shape"])
+    columns = [
+        WireColumn(**{**c, "shape": tuple(c["shape"]), "sources": tuple(c.get("sources", ()))})
+        for c in header["columns"]
+    ]
+    columns_by_name = {c.name: c for c in columns}
     tensors = {}
-    for fields in header["columns"]:
-        column = WireColumn(**{**fields, "shape": tuple(fields["shape"])})
-        rows = len(arrays[f"{column.name}.starts"]) if column.jagged else len(arrays[f"{column.name}.values"])
-        out = torch.empty((rows, *column.shape), dtype=column.torch_dtype)
-        decode_field(column, arrays, np.arange(rows), out)
-        tensors[column.name] = out
+    for column in columns:  # the fields may have different rows (a group's lengths, its tokens)
+        stored = columns_by_name[column.sources[0]] if column.sources else column  # a source has its rows
+        rows = len(arrays[f"{stored.name}.starts"] if stored.jagged else arrays[f"{stored.name}.values"])
+        tensors[column.name] = decode_columns(columns, [column.name], arrays, np.arange(rows))[0][column.name]
     return header["uid"], tensors

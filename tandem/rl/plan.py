@@ -40,7 +40,8 @@ def pipeline_plan(config: TrainConfig) -> str:
     pipeline = config.pipeline
     if not pipeline.disaggregated:
         return ", colocated (pipeline.mode=sync)"
-    plan = f", {pipeline.rollout_replicas} rollout replica(s), pipeline.mode={pipeline.mode}"
+    nodes = f" over {pipeline.rollout_nodes} nodes" if pipeline.rollout_nodes > 1 else ""
+    plan = f", {pipeline.rollout_replicas} rollout replica(s){nodes}, pipeline.mode={pipeline.mode}"
     if pipeline.mode == "fully_async":
         plan += (
             f" (staleness_threshold {pipeline.staleness_threshold}, partial_rollout "

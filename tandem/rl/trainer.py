@@ -83,7 +83,7 @@ class RLResult:
 
 PLACEMENT_KEYS = (  # what shapes the pools of config.resource_pools(), named when they cannot be placed
     "trainer.nnodes, trainer.n_gpus_per_node (or trainer.n_workers), critic.placement, reward.model.n_workers "
-    "and pipeline.rollout_replicas"
+    "and pipeline.rollout_replicas (over pipeline.rollout_nodes)"
 )
 
 

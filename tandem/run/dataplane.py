@@ -14,11 +14,13 @@ class TrainerDataPlaneConfig(DataPlaneConfig):
     """:class:`~tandem.dataplane.DataPlaneConfig` (``engine``, ``directory``) plus the switch.
 
     Attributes:
-        enabled: each step's batch is put into the store once; the workers' stages get a
-            ``BatchRef``, fetch the fields they declare on their ranks and keep their outputs
-            there (the RL step: log-probs, reference, teacher, critic values, updates; SFT and
-            DPO: the reference scores and the update). Off (the default): ``Batch`` arguments,
-            as before.
+        enabled: the workers' stages get a ``BatchRef``, fetch the fields they declare on
+            their ranks and keep their outputs there (the RL step: log-probs, reference, teacher,
+            critic values, updates; SFT and DPO: the reference scores and the update). RL's draw
+            stays where it was generated (the workers in ``sync``, the replicas' blocks in the
+            asynchronous modes), or is put into the store once where a stage still builds it on
+            the controller; SFT's and DPO's rows are collated on the ranks that read them, from
+            per-row scalars. Off (the default): ``Batch`` arguments, as before.
         directory: as :class:`DataPlaneConfig`'s, marked as a path the run writes (made absolute
             where the run starts).
     """

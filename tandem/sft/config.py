@@ -8,7 +8,7 @@ from tandem.config.paths import INPUT_PATH, MODEL_PATH, OUTPUT_PATH, path_field
 from tandem.config.validation import check_choice, check_positive, check_range
 from tandem.controller.factory import BACKENDS
 from tandem.controller.resource_pool import ResourcePool
-from tandem.engine.config import EngineConfig, check_trainer_tensor_parallel
+from tandem.engine.config import EngineConfig, check_trainer_parallel_dims
 from tandem.run.dataplane import TrainerDataPlaneConfig, check_dataplane
 from tandem.sft.data import SFTDataConfig
 
@@ -106,7 +106,7 @@ class SFTConfig:
     def __post_init__(self) -> None:
         if not (self.model_path or self.engine.model_path):
             raise ValueError("model_path is required (a local HF model directory)")
-        check_trainer_tensor_parallel("engine", self.engine, self.trainer.world_size)
+        check_trainer_parallel_dims("engine", self.engine, self.trainer.world_size)
         check_dataplane(self.dataplane, self.trainer.backend)
         if not self.data.train_path:
             raise ValueError("data.train_path is required (a .parquet or .jsonl file of conversations)")

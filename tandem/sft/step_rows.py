@@ -1,17 +1,18 @@
-"""What the SFT and DPO trainers hand their workers: a step's ``Batch`` itself (today's path), or
-with ``dataplane.enabled`` a :class:`~tandem.dataplane.BatchRef` of it, put once into the
-controller's store (docs/data-plane.md).
+"""What the SFT and DPO trainers hand their workers, and the blocks of a step to release.
 
-With references, the batch's per-token fields (``[B, S]``: ``input_ids``, ``attention_mask``,
-``loss_mask``, ``prompts``) are one block; the per-row fields (``pair``, ``chosen``,
-``micro_batch_unit``, ``ref_log_prob``, ...) and Python columns (images) stay inline. Each rank
-fetches only the fields its method declares (``@register(reads=...)``) of only its rows. A
-worker method declared ``outputs="ref"`` returns a ``BatchRef``: its per-token outputs stay in
-the rank's store, its per-row ones (a score per row) come back inline. The controller keeps the
-``Batch`` it collated for the sums it computes itself (token counts, the loss's normalizer).
+With ``dataplane.enabled`` off, a step's collated ``Batch`` itself (today's path). With it on,
+the controller collates nothing: it sends a :class:`~tandem.dataplane.BatchRef` of inline per-row
+scalars only (the rows' numbers in the data file, their order and widths), and each rank collates
+its own rows from the file (:mod:`tandem.sft.rank_collation`, :mod:`tandem.dpo.rank_collation`;
+docs/data-plane.md, "In SFT and DPO"). Each rank fetches only the fields its method declares
+(``@register(reads=...)``) of only its rows. A worker method declared ``outputs="ref"`` returns a
+``BatchRef``: its per-token outputs stay in the rank's store, its per-row ones (a score per row)
+come back inline. The controller's sums (token counts, the loss's normalizer) come from per-row
+ints it kept at load.
 
 :func:`step_rows` opens the holder for one step (or one validation or reference pass) and
-releases every block of it when the step ends, however it ends.
+releases every block of it when the step ends, however it ends: the ranks' outputs and any
+batch put with :meth:`StepRows.put`.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class StepRows:
         self._outputs: list[BatchRef] = []  # the ranks'
 
     def put(self, batch: Batch) -> Rows:
-        """``batch`` itself (off), or a ``BatchRef`` of it stored once in the controller's store."""
+        """``batch`` itself (off), or a ``BatchRef`` of it stored once in the controller's store.
+        The trainers call it with the setting off only (on, the ranks collate their rows)."""
         if not self.dataplane.enabled:
             return batch
         ref = BatchRef.put(batch, store_for(self.dataplane))

@@ -157,7 +157,8 @@ class SFTTrainer:
 
     def step_rows(self) -> contextlib.AbstractContextManager[StepRows]:
         """What one step's worker calls get: its ``Batch``, or with ``dataplane.enabled`` a
-        ``BatchRef`` put once, every block released when the step ends (:mod:`tandem.sft.step_rows`)."""
+        ``BatchRef`` of per-row scalars the ranks collate from, every block released when the
+        step ends (:mod:`tandem.sft.step_rows`)."""
         return step_rows(self.config.dataplane, self.group)
 
     def trackers(self) -> list:

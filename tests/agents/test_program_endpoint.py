@@ -2,9 +2,9 @@
 streamed replies (``stream=true``) and ``n``.
 
 The references: the same request unstreamed under the same seed (its text, token ids, log-probs
-and usage, and what the recorder keeps of it) for a streamed one, as the ``openai`` client's
-own stream accumulator (``ChatCompletionStreamState``) puts the chunks together; and the
-unstreamed reply's ``tool_calls`` for the streamed tool-call deltas."""
+and usage, each of its ``n`` choices, and what the recorder keeps of it) for a streamed one, as
+the ``openai`` client's own stream accumulator (``ChatCompletionStreamState``) puts the chunks
+together; and the unstreamed reply's ``tool_calls`` for the streamed tool-call deltas."""
 
 import dataclasses
 import json
@@ -22,8 +22,8 @@ from tandem.agents.program.endpoint import ProgramEndpoint  # noqa: E402
 from tandem.agents.program.recorder import EpisodeRecord  # noqa: E402
 from tandem.agents.program.replies import assistant_reply  # noqa: E402
 from tandem.agents.program.streaming import last_chunk  # noqa: E402
-from tandem.agents.tool_calls import parse_hermes  # noqa: E402
-from tandem.agents.trajectory import TurnEncoder  # noqa: E402
+from tandem.agents.tool_calls import ParsedTurn, ToolCall, parse_hermes  # noqa: E402
+from tandem.agents.trajectory import Trajectory, TurnEncoder  # noqa: E402
 from tandem.serve.launch import AppThread  # noqa: E402
 from tandem.serve.responses import ChoiceState, ResponseBuilder  # noqa: E402
 from tandem.serve.text import IncrementalText  # noqa: E402
@@ -53,23 +53,30 @@ def open_episode(served, seed: int, end_of_sequence_stops: bool = True):
     return episode, openai.OpenAI(base_url=url, api_key=episode.key, max_retries=0)
 
 
-def unstreamed(client, messages, **extra) -> dict:
+def unstreamed_choices(client, messages, **extra) -> list[dict]:
+    """Each choice of the reply: its message, text, token ids, log-probs, finish reason, and the
+    request's usage."""
     reply = client.chat.completions.create(
         model="any", messages=messages, max_tokens=12, logprobs=True, **extra
     )
-    choice = reply.choices[0]
-    return {
-        "content": choice.message.content,
-        "token_ids": choice.model_extra["token_ids"],
-        "log_probs": [entry.logprob for entry in choice.logprobs.content],
-        "finish_reason": choice.finish_reason,
-        "usage": reply.usage.model_dump(),
-    }
+    return [
+        {
+            "message": choice.message.model_dump(exclude_none=True),
+            "content": choice.message.content,
+            "token_ids": choice.model_extra["token_ids"],
+            "log_probs": [entry.logprob for entry in choice.logprobs.content],
+            "finish_reason": choice.finish_reason,
+            "usage": reply.usage.model_dump(),
+        }
+        for choice in reply.choices
+    ]
 
 
-def streamed(client, messages, **extra) -> dict:
-    """The stream read chunk by chunk, and put together by the client's own accumulator."""
-    state, token_ids, log_probs, usage = ChatCompletionStreamState(), [], [], None
+def streamed_choices(client, messages, **extra) -> list[dict]:
+    """The stream read chunk by chunk (each choice's ids and log-probs by the chunk's ``index``),
+    and put together by the client's own accumulator."""
+    state = ChatCompletionStreamState(input_tools=extra.get("tools", openai.NOT_GIVEN))
+    token_ids, log_probs, usage = {}, {}, None
     for chunk in client.chat.completions.create(
         model="any", messages=messages, max_tokens=12, logprobs=True, stream=True,
         stream_options={"include_usage": True}, **extra,
@@ -78,16 +85,32 @@ def streamed(client, messages, **extra) -> dict:
         if chunk.usage is not None:
             usage = chunk.usage.model_dump()
         for choice in chunk.choices:
-            token_ids += choice.model_extra["token_ids"]
-            log_probs += [entry.logprob for entry in (choice.logprobs.content if choice.logprobs else [])]
-    (choice,) = state.current_completion_snapshot.choices
-    return {
-        "content": choice.message.content,
-        "token_ids": token_ids,
-        "log_probs": log_probs,
-        "finish_reason": choice.finish_reason,
-        "usage": usage,
-    }
+            token_ids.setdefault(choice.index, []).extend(choice.model_extra["token_ids"])
+            entries = choice.logprobs.content if choice.logprobs else []
+            log_probs.setdefault(choice.index, []).extend(entry.logprob for entry in entries)
+    choices = state.current_completion_snapshot.choices
+    assert [choice.index for choice in choices] == list(range(len(choices))) == sorted(token_ids)
+    return [
+        {
+            "message": choice.message.model_dump(exclude_none=True, exclude={"parsed"}),
+            "content": choice.message.content,
+            "token_ids": token_ids[choice.index],
+            "log_probs": log_probs[choice.index],
+            "finish_reason": choice.finish_reason,
+            "usage": usage,
+        }
+        for choice in choices
+    ]
+
+
+def unstreamed(client, messages, **extra) -> dict:
+    (choice,) = unstreamed_choices(client, messages, **extra)
+    return choice
+
+
+def streamed(client, messages, **extra) -> dict:
+    (choice,) = streamed_choices(client, messages, **extra)
+    return choice
 
 
 def test_a_streamed_episode_gets_and_records_what_the_same_episode_unstreamed_does(served):
@@ -118,30 +141,36 @@ def test_a_streamed_episode_gets_and_records_what_the_same_episode_unstreamed_do
 
 
 def test_a_streamed_tool_call_comes_in_openais_delta_form(served):
-    """The last chunk of a turn with a call holds it as ``delta.tool_calls``: the client's own
-    accumulator gives back the unstreamed reply's ``tool_calls`` and prose."""
+    """The last chunk of a choice with a call holds it as ``delta.tool_calls``: the client's own
+    accumulator gives back the unstreamed reply's ``tool_calls`` and prose, for a call in the
+    second of two choices whose chunks interleave (each by its ``index``) as the endpoint sends them."""
     tokenizer = served[0]
-    text = 'Let me look. <tool_call>{"name": "lookup", "arguments": {"q": "a b"}}</tool_call>'
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    reply, called = assistant_reply(text, parse_hermes)
-    assert called
+    texts = [
+        "No call here.",
+        'Let me look. <tool_call>{"name": "lookup", "arguments": {"q": "a b"}}</tool_call>',
+    ]
+    ids = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    replies = [assistant_reply(text, parse_hermes) for text in texts]
+    assert [called for _, called in replies] == [False, True]
     builder = ResponseBuilder("chat", "policy", tokenizer, False)
-    choice = ChoiceState(0, [1, 2], IncrementalText(tokenizer))
+    choices = [ChoiceState(j, [1, 2], IncrementalText(tokenizer)) for j in range(2)]
     state = ChatCompletionStreamState(input_tools=TOOLS)
-    for position, token in enumerate(ids):  # the token chunks: ids, no text (it is held back)
-        choice.add([token], [-0.5], [0])
-        state.handle_chunk(
-            ChatCompletionChunk.model_validate(
-                builder.chunk(choice, "", [token], [-0.5], [0], None, position == 0)
-            )
-        )
-    rest = choice.finish("stop")
-    chunk = last_chunk(builder, choice, rest, ([], [], []), reply, True, "tool_calls", False)
-    state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
-    (final,) = state.current_completion_snapshot.choices
+    for position in range(max(map(len, ids))):  # the token chunks: ids, no text (it is held back)
+        for choice, tokens in zip(choices, ids, strict=True):
+            if position < len(tokens):
+                choice.add([tokens[position]], [-0.5], [0])
+                chunk = builder.chunk(choice, "", [tokens[position]], [-0.5], [0], None, position == 0)
+                state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    for choice, (reply, called) in zip(choices, replies, strict=True):
+        rest = choice.finish("stop")
+        reason = "tool_calls" if called else "stop"
+        chunk = last_chunk(builder, choice, rest, ([], [], []), reply, True, reason, False)
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    plain, final = state.current_completion_snapshot.choices
+    assert (plain.finish_reason, plain.message.content, plain.message.tool_calls) == ("stop", texts[0], None)
     assert final.finish_reason == "tool_calls" and final.message.content == "Let me look."
     (call,) = final.message.tool_calls
-    (sent,) = reply["tool_calls"]
+    (sent,) = replies[1][0]["tool_calls"]
     assert (call.id, call.function.name, call.function.arguments) == (
         sent["id"], "lookup", sent["function"]["arguments"]
     )  # fmt: skip
@@ -170,15 +199,71 @@ def test_a_streamed_request_with_tools_holds_its_text_for_the_last_chunk(served)
     assert replies[0] == replies[1] and replies[0]
 
 
-def test_n_above_one_streamed_is_refused_naming_n(served):
-    episode, client = open_episode(served, seed=3)
-    with pytest.raises(openai.BadRequestError, match="takes n=1, not n=2") as refused:
-        client.chat.completions.create(
-            model="any", messages=[{"role": "user", "content": "x"}], n=2, stream=True
+def every_reply_calls(text: str) -> ParsedTurn:
+    """A user's tool-call parser that reads every reply as one ``lookup`` call of what it says, so
+    that a tiny model's turns come back as ``tool_calls``."""
+    return ParsedTurn("", [ToolCall("lookup", {"said": text})])
+
+
+def comparable(choice: dict) -> dict:
+    """A choice as two replies to one request share it: its calls without their (random) ids, and
+    no content as "" (a stream's accumulated content of a call-only reply is "", unstreamed None)."""
+    calls = [
+        (c["function"]["name"], c["function"]["arguments"]) for c in choice["message"].get("tool_calls", [])
+    ]
+    return {k: v for k, v in choice.items() if k not in ("message", "content")} | {
+        "calls": calls,
+        "content": choice["content"] or "",
+    }
+
+
+@pytest.mark.parametrize("kind", ["text", "tools", "calls"])
+def test_streamed_n_choices_are_the_unstreamed_ones_and_record_the_same_row(served, kind):
+    """Two requests of ``n=3`` each, the program echoing choice 1 of the first, once streamed and
+    once not under one seed: each choice's text, token ids, log-probs, finish reason, tool calls
+    and the usage are equal (with ``tools`` the text is held for the last chunks; ``calls``: every
+    choice's reply is a call), and so are the recorded rows, whose sampled tokens are the
+    choices' in the recorder's order."""
+    tokenizer, endpoint, _ = served
+    extra = {"n": 3} | ({"tools": TOOLS} if kind != "text" else {})
+    calling = ProgramEndpoint(endpoint.engine, tokenizer, every_reply_calls)
+    with AppThread(calling.app) as server:
+        where = (tokenizer, calling, server.url + "/v1") if kind == "calls" else served
+        runs = {stream: two_requests(where, stream, extra) for stream in (False, True)}
+    (plain, plain_row, plain_error), (stream, stream_row, stream_error) = runs[False], runs[True]
+    assert not plain_error and not stream_error and stream_row.splits == plain_row.splits == 0
+    assert [[comparable(c) for c in r] for r in stream] == [[comparable(c) for c in r] for r in plain]
+    assert all(len(choice["token_ids"]) == len(choice["log_probs"]) > 0 for r in stream for choice in r)
+    assert len({tuple(choice["token_ids"]) for choice in stream[0]}) > 1  # seed + j: three samples
+    called = all(
+        c["finish_reason"] == "tool_calls" and len(c["calls"]) == 1
+        for r in stream
+        for c in map(comparable, r)
+    )
+    assert called == (kind == "calls")
+    for name in ("prompt_ids", "token_ids", "log_probs", "loss_mask", "segment_starts"):
+        assert getattr(stream_row, name) == getattr(plain_row, name), name
+    # the unechoed choices first (each a segment), then the row continued by choices 1 and 0
+    (a0, a1, a2), (b0, b1, b2) = ([choice["token_ids"] for choice in r] for r in stream)
+    sampled = [t for t, keep in zip(stream_row.token_ids, stream_row.loss_mask, strict=True) if keep]
+    assert sampled == a0 + a2 + b1 + b2 + a1 + b0
+
+
+def two_requests(served, stream: bool, extra: dict) -> tuple[list[list[dict]], Trajectory, str]:
+    """An episode of two requests (each choice as the client reads it), echoing choice 1 of the
+    first, then a tool's result or a user's reply; the episode's row and its error."""
+    episode, client = open_episode(served, seed=17)
+    messages, requests = [{"role": "user", "content": "pick one"}], []
+    for turn in range(2):
+        requests.append((streamed_choices if stream else unstreamed_choices)(client, messages, **extra))
+        echoed = requests[-1][1]["message"]
+        calls = echoed.get("tool_calls", [])
+        messages += [echoed] + (
+            [{"role": "tool", "tool_call_id": c["id"], "content": f"found {turn}"} for c in calls]
+            or [{"role": "user", "content": f"then {turn}"}]
         )
-    assert refused.value.body["param"] == "n"
-    assert "n=1" in episode.error and episode.record.segments == []
     served[1].close(episode)
+    return requests, episode.record.row(()), episode.error
 
 
 def test_a_stream_abandoned_midway_fails_its_episode_unrecorded_and_frees_its_turn(served):

@@ -1,9 +1,11 @@
 """Batches the data-plane tests store: today's padded layout, with real padding."""
 
+from collections import Counter
+
 import pytest
 import torch
 
-from tandem.dataplane.columns import encode_field
+from tandem.dataplane.columns import encode, read_columns
 from tandem.protocol import Batch
 
 PAD = 0
@@ -53,16 +55,37 @@ def batch() -> Batch:
     return padded_batch()
 
 
-def stored_nbytes(batch, fields, rows) -> int:
-    """Payload bytes of ``rows`` of ``fields`` once encoded (each row's values, counted once)."""
-    total = 0
-    for name in fields:
-        column, arrays = encode_field(name, batch[name])
+def block_fields(batch: Batch) -> dict[str, torch.Tensor]:
+    """The fields ``BatchRef.put`` stores as one block: every tensor field of rank >= 2."""
+    return {name: t for name, t in batch.tensors.items() if t.ndim >= 2}
+
+
+def stored_bytes_by_field(block: dict[str, torch.Tensor], fields, rows) -> Counter:
+    """Payload bytes, by the stored field they are read from, of a fetch of ``rows`` of ``fields``
+    from a block of ``block``'s tensors once encoded (each row counted once): an asked field's
+    values, a derived one's sources' (``read_columns``), nothing of a field stored as windows alone."""
+    columns, arrays = encode(block)
+    total = Counter()
+    for column in read_columns(columns, list(fields)):
+        name = column.name
+        if column.constant_bits is not None:
+            continue
         values = arrays[f"{name}.values"]
         item = values[0].numel() * values.element_size() if values.numel() else 0
         if column.jagged:
             offsets = arrays[f"{name}.offsets"].numpy()
-            total += sum(int(offsets[r + 1] - offsets[r]) for r in set(rows)) * item
+            total[name] += sum(int(offsets[r + 1] - offsets[r]) for r in set(rows)) * item
         else:
-            total += len(set(rows)) * item
-    return total
+            total[name] += len(set(rows)) * item
+    return +total
+
+
+def stored_nbytes(batch, fields, rows) -> int:
+    """Payload bytes of ``rows`` of ``fields`` of ``batch`` put as one block, once encoded."""
+    return sum(stored_bytes_by_field(block_fields(batch), fields, rows).values())
+
+
+def stored_index_bytes(batch, fields, rows) -> int:
+    """The 8 bytes a row (an int32 length and start) of each jagged field such a fetch reads."""
+    columns, _ = encode(block_fields(batch))
+    return 8 * len(list(rows)) * sum(c.jagged for c in read_columns(columns, list(fields)))

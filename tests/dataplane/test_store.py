@@ -65,7 +65,11 @@ def test_wire_is_jagged_and_narrow(batch):
     assert column.jagged and arrays["responses.values"].dtype == torch.int32
     assert arrays["responses.values"].numel() == int(lengths[1:].sum())  # row 0 holds only pad ids: trimmed
     mask_column, mask_arrays = encode_field("response_mask", batch["response_mask"])
-    assert mask_arrays["response_mask.values"].dtype == torch.uint8
+    assert mask_column.constant_bits == 1 and "response_mask.values" not in mask_arrays  # ones: windows only
+    holes = batch["response_mask"].clone()
+    holes[1, 1] = 0  # an agent's tool tokens inside the response: the mask's values travel, one byte each
+    _, hole_arrays = encode_field("response_mask", holes)
+    assert hole_arrays["response_mask.values"].dtype == torch.uint8
     _, lp = encode_field("rollout_log_probs", batch["rollout_log_probs"])
     assert lp["rollout_log_probs.values"].dtype == torch.float32
     assert wire_nbytes({"responses": batch["responses"]}) == 4 * int(lengths[1:].sum())

@@ -11,7 +11,7 @@ from tandem.controller import ResourcePool, create_worker_group
 from tandem.dataplane import BatchRef, ShmStore, get
 from tandem.dataplane.shm import PREFIX
 from tandem.protocol.traffic import batch_traffic
-from tests.dataplane.conftest import padded_batch, stored_nbytes
+from tests.dataplane.conftest import padded_batch, stored_index_bytes, stored_nbytes
 from tests.dataplane.workers import READS, StageWorker
 
 
@@ -43,7 +43,7 @@ def test_a_ref_argument_gives_the_batch_arguments_outputs_and_each_rank_fetches_
     rank_rows = [[0, 1, 2, 3], [4, 5, 6, 0]]  # 7 rows padded to 8 by repeating row 0
     for rank, rows in enumerate(rank_rows):
         assert fetched[rank].fetched_bytes == stored_nbytes(batch, stored, rows), rank
-        assert fetched[rank].fetched_index_bytes == 8 * len(stored) * len(rows)
+        assert fetched[rank].fetched_index_bytes == stored_index_bytes(batch, stored, rows)
     store.release(ref.blocks()[0])
 
 

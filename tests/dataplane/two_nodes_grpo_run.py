@@ -96,9 +96,9 @@ def holding(ip: str) -> Iterator[None]:
         remove_placement_group(held)
 
 
-def run(files: dict, out: Path, *overrides: str, hold: str = "") -> dict:
+def run(files: dict, out: Path, *overrides: str, hold: str = "", trainer_class: type = PlacedTrainer) -> dict:
     config = small_config(files, out, "data.val_path=", STEPS, *ON_RAY, *overrides)
-    trainer = PlacedTrainer(config, hold=hold)
+    trainer = trainer_class(config, hold=hold)
     before = traffic()
     history = trainer.fit().history
     return {

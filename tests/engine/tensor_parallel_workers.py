@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -37,6 +39,15 @@ class TensorParallelWorker(UlyssesWorker):
             largest = max(largest, sum(t.numel() * t.element_size() for _, t in bucket))
             tensors |= {name: tensor.cpu().clone() for name, tensor in bucket}
         return {"tensors": tensors, "largest_bucket": largest}
+
+    @register(dispatch="ONE_TO_ALL")
+    def gradient_mesh(self) -> tuple[list[int] | None, list[str]]:
+        """The ranks of the engine's FSDP2 mesh (``EngineMesh.dp_mesh``; None without tensor
+        parallelism), and the messages of the warnings reading it raised."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mesh = self.engine.mesh.dp_mesh
+        return (None if mesh is None else mesh.mesh.tolist()), [str(warning.message) for warning in caught]
 
     @register(dispatch="ONE_TO_ALL")
     def vocab_parallel(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

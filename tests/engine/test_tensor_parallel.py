@@ -12,6 +12,7 @@ import torch
 
 from tandem.controller import ResourcePool, WorkerError, create_worker_group
 from tandem.engine import EngineConfig
+from tandem.engine.parallel_dims import ParallelDims
 from tandem.engine.tensor_parallel import check_tensor_parallel_fits
 from tandem.models import TinyModelConfig, build_tiny_model, save_tiny_model
 from tandem.sft.config import SFTConfig, SFTTrainerConfig
@@ -230,6 +231,17 @@ def test_ranks_of_a_tensor_parallel_group_handed_different_rows_are_refused(mode
     torch.testing.assert_close(same[0], same[1], rtol=0, atol=0)
     with pytest.raises(WorkerError, match="tensor-parallel group were handed different rows"):
         two_ranks.log_probs_of([batch[:2], batch[2:]])
+
+
+def test_the_fsdp2_mesh_under_tensor_parallelism_is_read_as_kept_not_sliced(model_dirs, two_ranks):
+    """``EngineMesh.dp_mesh``, the ``dp_sp`` ranks of a rank's tensor-parallel slice, holds the
+    ranks :class:`ParallelDims` places there, and is read from the flattened mesh kept when the
+    mesh was built (slicing it from the root mesh warns: torch deprecates it)."""
+    two_ranks.build(mesh_config(model_dirs["qwen2"], tp_size=2, strategy="fsdp2"))
+    dims = ParallelDims(2, tp=2)
+    for rank, (ranks, warned) in enumerate(two_ranks.gradient_mesh()):
+        assert ranks == [token * dims.tp + rank % dims.tp for token in range(dims.gradient_ranks)]
+        assert not [message for message in warned if "flattened dim" in message]
 
 
 @pytest.mark.gpu

@@ -295,12 +295,17 @@ def test_lora_trains_the_language_model_and_the_export_loads(qwen2_vl_dir, tmp_p
         torch.testing.assert_close(policy[row][mask[row]][1:], log_probs, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # sequence parallelism composes: tests/engine/test_vlm_sp.py
     "overrides,key",
     [
-        ({"sp_size": 2}, "engine.sp_size=2"),
-        ({"tp_size": 2}, "engine.tp_size=2"),
-        ({"head": "value"}, "engine.head"),
+        (
+            {"tp_size": 2},
+            r"engine.tp_size=2 with a vision-language model \(.*\): tensor parallelism does not split",
+        ),
+        (
+            {"head": "value"},
+            r"engine.head='value' with a vision-language model \(.*\): value and reward heads",
+        ),
     ],
 )
 def test_what_does_not_compose_is_refused(qwen2_vl_dir, overrides, key):

@@ -132,6 +132,32 @@ def test_overrides_apply_and_bad_ones_name_the_key():
             "actor.engine.sp_size=2 x actor.engine.tp_size=2 = 4 must divide the 6 workers",
         ),
         (
+            ["trainer.n_workers=3", "actor.engine.ep_size=2"],
+            r"actor.engine.ep_size=2 must divide the 3 workers",
+        ),
+        (
+            [
+                "trainer.n_workers=4",
+                "actor.engine.tp_size=2",
+                "actor.engine.strategy=fsdp2",
+                "actor.engine.ep_size=4",
+            ],
+            r"actor.engine.ep_size=4 must divide the 2 data-parallel workers \(the 4 workers over actor.engine.tp_size=2\)",
+        ),
+        (
+            ["preset=ppo", "trainer.n_workers=2", "critic.engine.ep_size=4"],
+            "critic.engine.ep_size=4 must divide the 2 workers",
+        ),
+        (
+            [
+                "algorithm.distill.objective=reverse_kl",
+                "teacher.model_path=/t",
+                "teacher.engine.ep_size=4",
+                "trainer.n_workers=2",
+            ],
+            "teacher.engine.ep_size=4 must divide the 2 workers",
+        ),
+        (
             [
                 "algorithm.distill.objective=reverse_kl",
                 "teacher.model_path=/t",

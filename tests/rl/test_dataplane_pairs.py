@@ -120,7 +120,9 @@ def test_in_process_online_dpo_on_references_matches_the_batch_path(rl_files, tm
     assert_draws_stay_stored(_Views(refs.draws))
     assert refs.own_fetched == [0, 0]
     assert refs.update_by_field == refs.update_expected and len(refs.update_expected) == 2
-    assert {"input_ids", "prompts", "ref_log_probs"} <= set(refs.update_expected[0])
+    # the update's ids are read as the prompts and responses they are made of ("What is not stored")
+    assert {"prompts", "responses", "ref_log_probs"} <= set(refs.update_expected[0])
+    assert "input_ids" not in refs.update_expected[0]
     assert "loss_mask" not in refs.update_expected[0]  # made on the rank
     assert used.blocks_released == used.blocks_put > 0
     assert refs.left == [[], []]

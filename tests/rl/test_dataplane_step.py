@@ -28,7 +28,7 @@ from tandem.rl import RLTrainer
 from tandem.rl.rank_advantages import PART_READS
 from tandem.rl.step_data import RefStep
 from tandem.rl.worker import ACTOR_UPDATE_FIELDS
-from tests.dataplane.conftest import stored_nbytes
+from tests.dataplane.conftest import stored_bytes_by_field
 from tests.rl.conftest import small_config
 from tests.rl.test_dataplane_advantages import assert_equal_but_reduced
 
@@ -148,8 +148,9 @@ def assert_draws_stay_stored(trainer) -> None:
 def reads_on_wire(ref: BatchRef, reads: tuple[str, ...], probed: Counter) -> Counter:
     """The payload bytes, by field, of ``reads`` (those ``ref`` holds) of ``ref``'s distinct rows
     as they lie on the wire: each block's fields are fetched whole, re-encoded (the block's own
-    wire form: the round trip is bit-exact) and the asked rows' values summed
-    (``stored_nbytes``). What this fetch itself costs is added to ``probed``, to be left out."""
+    wire form: the round trip is bit-exact) and the asked rows' values summed, by the stored field
+    read (``stored_bytes_by_field``: a derived field's sources). What this fetch itself costs is
+    added to ``probed``, to be left out."""
     before = traffic()
     expected, seen = Counter(), set()
     for part in ref.parts:
@@ -159,8 +160,8 @@ def reads_on_wire(ref: BatchRef, reads: tuple[str, ...], probed: Counter) -> Cou
         for b in np.unique(part.block_of_row) if names else ():
             block = part.blocks[b]
             rows = np.unique(part.row_in_block[part.block_of_row == b]).tolist()
-            whole = get_block(block, names, range(block.rows))
-            expected.update({name: stored_nbytes(whole, [name], rows) for name in names})
+            whole = get_block(block, [c.name for c in block.columns], range(block.rows))
+            expected.update(stored_bytes_by_field(whole, names, rows))
     probed.update((traffic() - before).fetched_by_field)
     return +expected
 
@@ -234,13 +235,18 @@ def test_in_process_grpo_with_the_draw_stored_matches_the_batch_path_and_reads_n
     assert_equal_metrics(off, on)
     assert_draws_stay_stored(refs)
     assert len(in_stages) == 2 and all(in_stages)  # the reference stage read its forward fields
-    assert stage_by_field == stage_expected and {"input_ids", "position_ids"} <= set(stage_expected[0])
+    assert stage_by_field == stage_expected
+    # the forward's ids are read as the prompts and responses they are made of; its attention mask
+    # (ones in a window) and positions (derived from it) cost no value byte
+    assert set(stage_expected[0]) == {"prompts", "responses"}
     assert refs.update_by_field == refs.update_expected and len(refs.update_expected) == 2
     assert {"advantages", "ref_log_probs", "rollout_log_probs"} <= set(refs.update_expected[0])
     steps = zip(refs.own_fetched, refs.own_by_field, in_stages, stage_by_field, stage_probes, strict=True)
     assert controller_fetches(steps) == [(0, {}), (0, {})]  # no field of the stored step, no token, no mask
     assert refs.part_by_field == refs.part_expected and len(refs.part_expected) == 4  # two parts a step
-    assert set().union(*refs.part_expected) == {"response_mask"}  # GRPO: the score and its column come inline
+    # GRPO: the score and its column come inline; the response mask they read is ones in a window,
+    # its rows' lengths and starts alone (no value byte)
+    assert set().union(*refs.part_expected) == set()
     inline = inline_bytes_per_step(refs)
     assert all(shape == (16,) for part in refs.part_inline for shape, _ in part.values())  # [B] each
     # twice the response length: the controller still fetches nothing and gets the same [B] scalars

@@ -1,6 +1,8 @@
 """Vision-language models in the rollout engines, against the HF model's own full forward and
 ``generate``: log-probs, greedy tokens, prefix sharing keyed by the images, weight updates."""
 
+import copy
+
 import pytest
 import torch
 from PIL import Image
@@ -63,7 +65,14 @@ def native(path, **overrides):
 
 
 def forward_log_probs(model, request: RolloutRequest, tokens: list[int]) -> torch.Tensor:
-    """``[R]``: the log-softmax of HF's full forward over prompt + response at each response token."""
+    """``[R]``: the log-softmax of HF's own forward at each response token: one full forward over
+    prompt + response; or, for a response that sampled the image placeholder id (an ordinary token
+    after the prompt's images, :func:`tandem.models.vision.image_token_mask`, which HF's full
+    forward would count as one more image token than the images fill), the prompt's forward with
+    its images, then the response's over that cache, the way HF's ``generate`` decodes it."""
+    placeholder = image_token_id(model.config)
+    if placeholder in tokens and request.images is not None:
+        return cached_response_log_probs(model, request, tokens)
     input_ids = torch.tensor([list(request.prompt_ids) + tokens])
     images = {}
     if request.images is not None:
@@ -73,10 +82,39 @@ def forward_log_probs(model, request: RolloutRequest, tokens: list[int]) -> torc
         }
     with torch.no_grad():
         logits = model(
-            input_ids=input_ids, mm_token_type_ids=(input_ids == image_token_id(model.config)).int(), **images
+            input_ids=input_ids, mm_token_type_ids=(input_ids == placeholder).int(), **images
         ).logits[0]
     log_probs = torch.log_softmax(logits.float(), -1)[len(request.prompt_ids) - 1 : -1]
     return log_probs.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def cached_response_log_probs(model, request: RolloutRequest, tokens: list[int], prompt=None) -> torch.Tensor:
+    """``[R]``: :func:`forward_log_probs` as HF decodes: the prompt with its images, then the
+    response tokens as text over the prompt's cache (M-RoPE positions from its deltas).
+    ``prompt``: :func:`prompt_forward` of this request's prompt, when already run (its cache is
+    copied, not extended)."""
+    first = prompt_forward(model, request) if prompt is None else prompt
+    response = torch.tensor([tokens])
+    logits = first.logits[0, -1:]  # [R, V]: the logits before each token, the first from the prompt
+    if len(tokens) > 1:
+        with torch.no_grad():
+            rest = model(input_ids=response[:, :-1], cache=copy.deepcopy(first.cache), use_cache=True)
+        logits = torch.cat([logits, rest.logits[0]])
+    return torch.log_softmax(logits.float(), -1).gather(-1, response[0, :, None])[:, 0]
+
+
+def prompt_forward(model, request: RolloutRequest):
+    """HF's forward of ``request``'s prompt with its images, its cache kept (and the model's M-RoPE
+    deltas set to this prompt's, which a continuation over the cache reads)."""
+    prompt = torch.tensor([list(request.prompt_ids)])
+    with torch.no_grad():
+        return model(
+            input_ids=prompt,
+            pixel_values=request.images.pixel_values,
+            image_grid_thw=request.images.image_grid_thw,
+            mm_token_type_ids=(prompt == image_token_id(model.config)).int(),
+            use_cache=True,
+        )
 
 
 def assert_log_probs_match(model, requests, completions):
@@ -170,6 +208,33 @@ def test_same_text_different_images_never_share_and_a_group_shares_its_prompt(qw
     assert len({tuple(c.token_ids) for c in completions[:4]}) > 1  # samples of one prompt differ
     assert greedy_a.log_probs != greedy_b.log_probs
     assert_log_probs_match(model, [RolloutRequest("ga", prompt, GREEDY, pictures_a)], [greedy_a])
+
+
+@pytest.mark.slow  # 33 requests and their HF references; the 4-copy test above is the fast one
+def test_a_group_of_32_image_requests_decodes_its_prompt_once_and_equals_the_hf_forward(qwen2_vl_dir):
+    """32 copies of one image prompt and one with other pictures: the cascade reads the group's
+    prompt once per decode step (at or above shared_prefix.worth_sharing's 16 a prompt), and every
+    log-prob is HF's own. With this many samples a response draws the image placeholder id (seed 0
+    here: three of them), an ordinary token after the prompt's images; HF's full forward counts
+    it as an image's ("Image features and image tokens do not match"), so the group's references
+    decode each response over the one forward of its prompt, as HF's ``generate`` does."""
+    prompt, pictures_a, pictures_b = same_text_two_pictures(qwen2_vl_dir)
+    group = [RolloutRequest(f"a{i}", prompt, SAMPLE, pictures_a) for i in range(32)]
+    requests = [*group, RolloutRequest("b", prompt, SAMPLE, pictures_b)]
+    engine = native(qwen2_vl_dir, max_num_seqs=40)
+    try:
+        completions = engine.generate_batch(requests, timeout=120)
+        assert engine.stats.shared_prefix_steps > 0
+        assert engine.stats.prefilled_tokens - sum(len(c.token_ids) for c in completions) <= 2 * len(prompt)
+    finally:
+        engine.close()
+    model = load_model(qwen2_vl_dir).eval()
+    assert_log_probs_match(model, requests[-2:], completions[-2:])  # HF's full forward (or decode)
+    shared = prompt_forward(model, group[0])  # the group's one prompt forward; each response over its cache
+    for request, completion in zip(group, completions, strict=False):
+        assert completion.finish_reason in ("stop", "length"), completion.error
+        expected = cached_response_log_probs(model, request, completion.token_ids, shared)
+        torch.testing.assert_close(torch.tensor(completion.log_probs), expected, atol=1e-5, rtol=0)
 
 
 def perturbed_weights(path, scale=0.05):

@@ -12,16 +12,19 @@ then recorded token by token (:mod:`~tandem.agents.program.recorder`). Any model
 What differs from ``tandem serve``: sampling is the run's (``rollout.temperature``, ``top_p``,
 ``top_k``, the episode's seed), whatever the request says, so the recorded log-probs are the
 ones the trainer computes; ``max_tokens`` / ``max_completion_tokens`` is cut to what the row and
-the episode have left (shared by the ``n`` choices, below); ``continue_final_message``,
-``add_generation_prompt=false`` and ``n`` > 1 streamed are refused (400); with ``tools`` the
-model's calls come back as ``tool_calls``. ``stream=true`` streams the reply as ``tandem serve`` does
+the episode have left (shared by the ``n`` choices, below); ``continue_final_message`` and
+``add_generation_prompt=false`` are refused (400); with ``tools`` the model's calls come back as
+``tool_calls``. ``stream=true`` streams the reply as ``tandem serve`` does
 (:mod:`~tandem.agents.program.streaming`; with a tool-call parser the text comes whole in the
-last chunk) and records exactly what the same request unstreamed records. A request answered
+last chunk; with ``n`` > 1 each chunk names its choice's ``index``) and gets and records exactly
+what the same request unstreamed does: the same seeds, so the same tokens. A request answered
 4xx or 5xx (or a stream that reports an error, or that its client abandons before the end)
 marks its episode failed (reward 0, counted in ``agent/program/errors``), whatever the program
-does next.
+does next. An episode that ends while a request of it is still being answered (its program did
+not await the answer, or a stream's end) aborts that request and records nothing of it;
+:meth:`ProgramEndpoint.close` says how many there were (the runner's fault).
 
-``n`` > 1 (unstreamed): choice ``j`` samples with the request's seed plus ``j``. An episode's
+``n`` > 1 (streamed or not): choice ``j`` samples with the request's seed plus ``j``. An episode's
 row continues only with a reply the program echoes back in its next request: that choice
 continues the row, and every other choice becomes a segment of its own in the same row (its
 context and its sampled tokens, :meth:`~tandem.agents.program.recorder.EpisodeRecord.commit_choices`),
@@ -37,6 +40,7 @@ import dataclasses
 import json
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -87,16 +91,13 @@ class Turn:
     choices: list[ChoiceState]
     parser: ToolCallParser | None
 
-    @property
-    def choice(self) -> ChoiceState:
-        """The one choice of a streamed request."""
-        return self.choices[0]
-
 
 @dataclass(eq=False)
 class Episode:
     """One episode's endpoint state: its key, its recording, its limits and sampling, the first
-    error it was answered (empty: none), whether it has ended, and its requests in the engine."""
+    error it was answered (empty: none), whether it has ended, its requests in the engine, the
+    requests being answered (from their arrival until their answer, or a stream's last event, is
+    decided) and how many were when it ended (``unfinished``; -1 while it runs)."""
 
     key: str
     name: str
@@ -107,13 +108,31 @@ class Episode:
     error: str = ""
     closed: bool = False
     in_engine: set[str] = field(default_factory=set)
-    mutex: threading.Lock = field(default_factory=threading.Lock)  # closed, error, in_engine, commit
+    answering: int = 0
+    unfinished: int = -1
+    # closed, error, in_engine, answering and the recording's changes
+    mutex: threading.Lock = field(default_factory=threading.Lock)
     turn_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request of an episode at a time
 
     def fault(self, message: str) -> None:
         with self.mutex:
             if not self.error:
                 self.error = message
+
+    def enter(self) -> Callable[[], None]:
+        """Count a request being answered; the function returned ends it (once, however often
+        it is called)."""
+        with self.mutex:
+            self.answering += 1
+        left: list[bool] = []
+
+        def leave() -> None:
+            with self.mutex:
+                if not left:
+                    left.append(True)
+                    self.answering -= 1
+
+        return leave
 
 
 class ProgramEndpoint:
@@ -142,11 +161,13 @@ class ProgramEndpoint:
             self.episodes[episode.key] = episode
         return episode
 
-    def close(self, episode: Episode) -> None:
+    def close(self, episode: Episode) -> int:
         """End the episode: later requests get 409, its requests in the engine are aborted, and its
-        recording no longer changes."""
+        recording no longer changes. The requests it was still answering then (its
+        ``unfinished``, kept from the first close): the program ended without awaiting them."""
         with episode.mutex:
-            episode.closed = True
+            if not episode.closed:
+                episode.closed, episode.unfinished = True, episode.answering
             running = list(episode.in_engine)
         with self.lock:
             self.episodes.pop(episode.key, None)
@@ -155,6 +176,7 @@ class ProgramEndpoint:
                 del self.ended[next(iter(self.ended))]
         for request_id in running:
             self.engine.abort(request_id)
+        return episode.unfinished
 
     def episode_of(self, request: Request) -> Episode:
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
@@ -169,17 +191,18 @@ class ProgramEndpoint:
         return episode
 
     # ------------------------------------------------------------------ one request
-    async def complete(self, episode: Episode, request: Request) -> Response:
+    async def complete(self, episode: Episode, request: Request, leave: Callable[[], None]) -> Response:
         """Answer one chat request of ``episode`` and record it (see the module docstring); one
-        request of an episode at a time (a streamed one holds its turn until its stream ends)."""
+        request of an episode at a time (a streamed one holds its turn until its stream ends, and
+        calls ``leave`` as its last event is decided)."""
         await episode.turn_lock.acquire()
         handed_over = False
         try:
             body, turn = await self._start(episode, request)
             if body.stream:
                 queue: asyncio.Queue = asyncio.Queue()
-                task = asyncio.ensure_future(self._stream_turn(episode, body, turn, queue))
-                task.add_done_callback(lambda _: episode.turn_lock.release())
+                task = asyncio.ensure_future(self._stream_turn(episode, body, turn, queue, leave))
+                task.add_done_callback(lambda _: (leave(), episode.turn_lock.release()))
                 handed_over = True
                 return StallGuardedStream(
                     drain(queue, task), send_timeout_s=self.config.stream_send_timeout_s,
@@ -220,9 +243,16 @@ class ProgramEndpoint:
         body = self._parse(await request.body())
         messages = [m.as_template_message() for m in body.messages]
         render_key = json.dumps([body.tools, body.chat_template_kwargs], sort_keys=True, default=str)
-        plan = await asyncio.to_thread(
-            record.plan, messages, render_key, lambda: chat_prompt(body, self.tokenizer, None, self.config)[0]
-        )
+
+        def plan_open() -> TurnPlan:
+            with episode.mutex:  # an ended episode's recording no longer changes
+                if episode.closed:
+                    raise APIError(409, "this episode has ended: its API key takes no more requests")
+                return record.plan(
+                    messages, render_key, lambda: chat_prompt(body, self.tokenizer, None, self.config)[0]
+                )
+
+        plan = await asyncio.to_thread(plan_open)
         params = self._sampling(episode, body, len(plan.context_ids), plan)
         name = f"{episode.name}-request{record.requests - 1}"
         request_ids = [name] + [f"{name}-choice{j}" for j in range(1, body.n)]
@@ -238,44 +268,54 @@ class ProgramEndpoint:
             [ChoiceState(j, list(plan.context_ids), IncrementalText(self.tokenizer, params.stop)) for j in range(body.n)],
             self.parser if body.tools and body.tool_choice != "none" else None,
         )  # fmt: skip
-        with episode.mutex:
+        with episode.mutex:  # once ended, no request of it enters the engine (none would abort it)
+            if episode.closed:
+                raise APIError(409, "this episode has ended: its API key takes no more requests")
             episode.in_engine.update(request_ids)
         try:
             await run.start()
         except BaseException:
             self._left_engine(episode, turn)
             raise
+        with episode.mutex:
+            ended = episode.closed
+        if ended:  # it ended while these were being submitted: close() could not abort them yet
+            await asyncio.to_thread(run.abort_pending)
+            self._left_engine(episode, turn)
+            raise APIError(409, "this episode ended while its request was generating")
         return body, turn
 
     async def _stream_turn(
-        self, episode: Episode, body: ProgramChatRequest, turn: Turn, queue: asyncio.Queue
-    ) -> None:
+        self, episode: Episode, body: ProgramChatRequest, turn: Turn, queue: asyncio.Queue,
+        leave: Callable[[], None],
+    ) -> None:  # fmt: skip
         """Put the streamed events of ``turn`` on ``queue`` (:mod:`~tandem.agents.program.streaming`),
-        record the turn before its last chunk, then ``None``. An error once the stream has started
-        is reported in-band (as ``tandem serve`` does) and fails the episode, as a stream its
-        client abandons does (the turn is not recorded then)."""
-        choice, held, first = turn.choice, turn.parser is not None, True
+        record the turn before its last chunks, then ``None``. The choices' token chunks come as
+        they are sampled, each with its choice's ``index``; each choice's last chunk waits until
+        every choice has finished (the turn is recorded whole, as unstreamed). An error once the
+        stream has started is reported in-band (as ``tandem serve`` does) and fails the episode,
+        as a stream its client abandons does (the turn is not recorded then)."""
+        held = turn.parser is not None  # with a parser the text waits for the last chunk
+        started = [False] * len(turn.choices)  # whether a choice has had its first chunk
         try:
-            completion = None
-            async for item in turn.run.events():
-                if isinstance(item, DoneEvent):
-                    completion = item.completion
-                    continue
-                tokens = ([item.token_id], [item.log_prob], [item.version])
-                text = choice.add(*tokens)
-                shown = "" if held else text  # with a parser the text waits for the last chunk
-                queue.put_nowait(event(turn.builder.chunk(choice, shown, *tokens, None, first)))
-                first = False
+            completions = await self._stream_tokens(turn, queue, held, started)
             self._left_engine(episode, turn)
-            if completion is None:
-                raise APIError(499, "the client disconnected")
-            text, *added = choice.absorb(completion)
-            text += choice.finish(completion.finish_reason)
-            ((reply, called),) = self._commit(episode, turn, [completion])
-            reason = "tool_calls" if called else completion.finish_reason
-            queue.put_nowait(event(last_chunk(turn.builder, choice, text, added, reply, held, reason, first)))
+            ends = []  # per choice: the text not sent yet and the tokens added at the end
+            for choice, completion in zip(turn.choices, completions, strict=True):
+                text, *added = choice.absorb(completion)
+                ends.append((text + choice.finish(completion.finish_reason), added))
+            replies = self._commit(episode, turn, completions)
+            for choice, completion, (text, added), (reply, called) in zip(
+                turn.choices, completions, ends, replies, strict=True
+            ):
+                reason = "tool_calls" if called else completion.finish_reason
+                chunk = last_chunk(
+                    turn.builder, choice, text, added, reply, held, reason, not started[choice.index]
+                )
+                queue.put_nowait(event(chunk))
             if body.stream_options and body.stream_options.include_usage:
-                queue.put_nowait(event(turn.builder.usage_chunk([choice], [list(turn.plan.context_ids)])))
+                prompts = [list(turn.plan.context_ids)] * len(turn.choices)
+                queue.put_nowait(event(turn.builder.usage_chunk(turn.choices, prompts)))
             queue.put_nowait(DONE)
         except APIError as error:
             episode.fault(f"HTTP {error.status}: {error.message}")
@@ -285,7 +325,29 @@ class ProgramEndpoint:
             raise
         finally:
             self._left_engine(episode, turn)
+            leave()  # no await since the last event was queued: its client has not seen it yet
             queue.put_nowait(None)
+
+    @staticmethod
+    async def _stream_tokens(
+        turn: Turn, queue: asyncio.Queue, held: bool, started: list[bool]
+    ) -> list[Completion]:
+        """Put a chunk on ``queue`` for each token ``turn``'s choices sample (empty ``content``
+        when ``held``) until every choice has finished; their completions, in choice order. 499
+        when the client went away first."""
+        done: dict[int, Completion] = {}
+        async for item in turn.run.events():
+            if isinstance(item, DoneEvent):
+                done[item.choice] = item.completion
+                continue
+            choice, tokens = turn.choices[item.choice], ([item.token_id], [item.log_prob], [item.version])
+            text = choice.add(*tokens)
+            chunk = turn.builder.chunk(choice, "" if held else text, *tokens, None, not started[item.choice])
+            queue.put_nowait(event(chunk))
+            started[item.choice] = True
+        if len(done) < len(turn.choices):
+            raise APIError(499, "the client disconnected")
+        return [done[j] for j in range(len(turn.choices))]
 
     def _commit(self, episode: Episode, turn: Turn, completions: list[Completion]) -> list[tuple[dict, bool]]:
         """Record the finished turn (its choices' ``completions``); for each choice, the assistant
@@ -312,11 +374,6 @@ class ProgramEndpoint:
             raise RequestValidationError(error.errors()) from error
         check_body(body, self.config)
         for refused, why in (
-            (
-                body.n > 1 and body.stream,
-                f"n: an agent program's streamed request takes n=1, not n={body.n}; unstreamed, n > 1 "
-                "is taken",
-            ),
             (body.continue_final_message, "continue_final_message is not supported for agent programs"),
             (
                 not body.add_generation_prompt,
@@ -364,8 +421,10 @@ class ProgramEndpoint:
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
             episode = self.episode_of(request)
+            leave, response = episode.enter(), None
             try:
-                return await self.complete(episode, request)
+                response = await self.complete(episode, request, leave)
+                return response
             except APIError as error:
                 episode.fault(f"HTTP {error.status}: {error.message}")
                 raise
@@ -373,6 +432,9 @@ class ProgramEndpoint:
                 first = error.errors()[0] if error.errors() else {}
                 episode.fault(f"HTTP 400: a malformed request ({first.get('msg', 'invalid')})")
                 raise
+            finally:  # a fault is recorded first; a stream leaves with its last event
+                if not isinstance(response, StallGuardedStream):
+                    leave()
 
         @app.get("/v1/models")
         async def models():

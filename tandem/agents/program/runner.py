@@ -17,7 +17,8 @@ all under the episode's reward; a split episode's new segments are counted (``Tr
 ``abort``, which the replica drops.
 
 A program that raises (a command: exits non-zero, prints no result, writes past its output
-cap), times out, returns something that is not a reward, or made a request that was refused
+cap), times out, returns something that is not a reward, ends while a request of it is still being
+answered (the request is aborted and not recorded), or made a request that was refused
 (malformed, over a limit) ends its episode with ``program_error`` and reward 0 (each distinct
 problem logged once). The trajectory's ``program_log`` keeps the reason and the program's output: a
 command's stdout/stderr, or what a function printed while its episode ran
@@ -100,10 +101,10 @@ class ProgramRunner:
                 value, problem, output = run.value, run.problem, {"stdout": run.stdout, "stderr": run.stderr}
             else:
                 with captured_output(self.limits.output_bytes) as printed:
-                    value, problem = await self._call_function(episode.key, row)
+                    value, problem = await self._call_function(episode, row)
                 output = printed.texts()
         finally:
-            self.endpoint.close(episode)
+            unfinished = self.endpoint.close(episode)  # its first close counts (a function's: below)
             with self.lock:
                 self.running.pop(sample.request_id, None)
                 aborted = sample.request_id in self.aborted
@@ -115,14 +116,21 @@ class ProgramRunner:
                 result = read_result(value)
             except ValueError as error:
                 problem = str(error)
+        if unfinished > 0 and not problem:
+            problem = (
+                f"ended with {unfinished} request{'s' if unfinished > 1 else ''} still being answered "
+                "(aborted, not recorded): a program must await its requests' answers before it ends"
+            )
         if episode.error and not problem:
             problem = f"made a request that was refused ({episode.error})"
         return self._trajectory(sample, prompt, record, result, problem, output)
 
-    async def _call_function(self, key: str, row: dict) -> tuple[object, str]:
-        """The function program's return value and its fault (empty: none)."""
+    async def _call_function(self, episode: Episode, row: dict) -> tuple[object, str]:
+        """The function program's return value and its fault (empty: none). Its episode ends as
+        the function does, before its client closes: a request the function left open is then
+        still being answered (``unfinished``), not a client that went away."""
         client = openai.AsyncOpenAI(
-            base_url=self.base_url, api_key=key, max_retries=0, timeout=self.limits.timeout_s,
+            base_url=self.base_url, api_key=episode.key, max_retries=0, timeout=self.limits.timeout_s,
             http_client=openai.DefaultAsyncHttpxClient(verify=self.tls),
         )  # fmt: skip
         try:
@@ -132,6 +140,7 @@ class ProgramRunner:
         except (Exception, SystemExit) as error:  # user code may raise anything, SystemExit too
             return None, f"raised {describe_error(error)}"
         finally:
+            self.endpoint.close(episode)
             await client.close()
 
     def abort(self, name: str) -> None:

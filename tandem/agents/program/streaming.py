@@ -7,6 +7,11 @@ with the rest of the text and ``finish_reason``, the ``usage`` chunk when
 (:func:`~tandem.serve.openai_routes.stream_events`), built by the same
 :class:`~tandem.serve.responses.ResponseBuilder`.
 
+With ``n`` > 1 every chunk holds one choice, named by its ``index`` (what OpenAI's clients
+accumulate by): the choices' token chunks interleave as they are sampled, each choice's first
+chunk carries its ``role`` and ``prompt_token_ids``, and the last chunks (one per choice, in
+choice order) come once every choice has finished, after the turn is recorded.
+
 With a tool-call parser (the request offered ``tools``, ``tool_choice`` is not ``"none"``) the
 text is held back until the turn ends, since a call can be parsed only whole: the token chunks
 carry the ids and log-probs with empty ``content``, and the last chunk carries the prose (or

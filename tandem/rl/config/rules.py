@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tandem.engine.config import check_trainer_tensor_parallel
+from tandem.engine.config import check_trainer_parallel_dims
 from tandem.engine.parallel_dims import ParallelDims
 from tandem.rl.config.reward import INTERACTION_SOURCE
 from tandem.rl.derived import check_derived_fields
@@ -54,14 +54,14 @@ def check_required_inputs(config: TrainConfig) -> None:
 
 
 def check_parallel_layout(config: TrainConfig) -> None:
-    """The actor's sequence- and tensor-parallel degrees divide the run's workers."""
+    """The actor's sequence-, tensor- and expert-parallel degrees divide the run's workers."""
     workers, sp = config.world_size, config.actor.engine.sp_size
     if workers % sp:
         raise ValueError(
             f"actor.engine.sp_size={sp} must divide the {workers} workers (trainer.nnodes x "
             "trainer.n_gpus_per_node or trainer.n_workers): each data-parallel rank is sp_size workers"
         )
-    check_trainer_tensor_parallel("actor.engine", config.actor.engine, workers)
+    check_trainer_parallel_dims("actor.engine", config.actor.engine, workers)
 
 
 def check_group_sizes(config: TrainConfig) -> None:
@@ -142,6 +142,11 @@ def check_pipeline(config: TrainConfig) -> None:
             )
         return
     mode = f"pipeline.mode={pipeline.mode}"
+    if pipeline.rollout_nodes > 1 and config.trainer.backend != "ray":
+        raise ValueError(
+            f"pipeline.rollout_nodes={pipeline.rollout_nodes} puts replicas on several nodes, which needs "
+            f"trainer.backend=ray (got trainer.backend={config.trainer.backend}: one machine)"
+        )
     if config.rollout.free_cache_between_generations:
         raise ValueError(f"{mode} generates continuously; rollout.free_cache_between_generations must be off")
     offload = config.actor.offload
@@ -211,7 +216,7 @@ def check_critic(config: TrainConfig) -> None:
     sp = engine.sp_size
     if config.world_size % sp:
         raise ValueError(f"critic.engine.sp_size={sp} must divide the {config.world_size} workers")
-    check_trainer_tensor_parallel("critic.engine", engine, config.world_size)
+    check_trainer_parallel_dims("critic.engine", engine, config.world_size)
     ranks = config.world_size // (sp * engine.tp_size)  # sequence- and tensor-parallel peers share rows
     if (mini * config.rollout.n) % ranks:
         raise ValueError(
@@ -223,8 +228,8 @@ def check_critic(config: TrainConfig) -> None:
 
 def check_teacher(config: TrainConfig) -> None:
     """A distillation objective has a teacher and a teacher has an objective (online DPO takes
-    neither: its stage's rule says so); the teacher's sequence x tensor-parallel size divides the
-    workers, and with top-k tokens neither the teacher nor the student runs tensor-parallel yet.
+    neither: its stage's rule says so); the teacher's sequence-, tensor- and expert-parallel sizes
+    divide the workers, and with top-k tokens neither the teacher nor the student runs tensor-parallel yet.
     Errors name the keys."""
     distill, teacher = config.algorithm.distill, config.teacher
     if distill.enabled and not teacher.model_path:
@@ -243,7 +248,7 @@ def check_teacher(config: TrainConfig) -> None:
         )
     engine, workers = teacher.engine, config.world_size
     if distill.enabled:  # frozen: any strategy scores a tensor-parallel group's rows, one group or several
-        ParallelDims(workers, engine.sp_size, engine.tp_size).check(
+        ParallelDims(workers, engine.sp_size, engine.tp_size, engine.ep_size).check(
             "teacher.engine", world=f"the {workers} workers", unit="workers"
         )
     if distill.enabled and teacher.top_k and engine.tp_size > 1:

@@ -136,9 +136,11 @@ class TrainConfig:
 
     def rollout_resource_pool(self) -> ResourcePool:
         """The rollout replicas' placement (every pipeline mode but ``sync``): ``pipeline.rollout_replicas``
-        processes, each with the GPUs its engine computes on (one, or vLLM's tensor-parallel size)."""
+        processes, split evenly over ``pipeline.rollout_nodes`` nodes (one node-share each, on distinct
+        nodes), each with the GPUs its engine computes on (one, or vLLM's tensor-parallel size)."""
+        nodes = self.pipeline.rollout_nodes
         return ResourcePool(
-            (self.pipeline.rollout_replicas,),
+            (self.pipeline.rollout_replicas // nodes,) * nodes,
             gpus_per_process=self.gpus_per_worker * self.rollout.engine.gpus_per_engine,
             name="rollout",
         )

@@ -2,10 +2,10 @@
 estimator reads ``reward_baselines`` (its ``requires=``).
 
 A draw kept in the data plane (a ``BatchRef``) keeps its greedy responses there too, where the
-batch source can (``generate_to_store``: the ``sync`` pipeline's workers): they are scored on the
-texts the generating ranks decoded, only the per-row scores reach the controller, and their
-blocks are released once scored. The asynchronous pipelines' replicas still return the greedy
-responses to the controller (only the baselines' draw stays stored)."""
+batch source can (``generate_to_store``: the ``sync`` pipeline's workers, the asynchronous
+pipelines' replicas): they are scored on the texts the generating ranks or replicas decoded, only
+the per-row scores reach the controller, and their blocks are released once scored (by the
+trainer's ranks, as the draw's are)."""
 
 from __future__ import annotations
 
