@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from tandem.agents.segments import segment_starts, with_segment_positions
 from tandem.dataplane import BatchRef
+from tandem.pipeline.group_blocks import spans_of
 from tandem.pipeline.provenance import provenance_columns
 from tandem.pipeline.requests import PromptRows
 from tandem.pipeline.sample_queue import GroupMeta
@@ -36,9 +35,9 @@ def assemble_batch(groups: list[GroupMeta], prompt_rows: PromptRows, n: int, pad
     starts: list[list[int]] = []  # an agent episode's later segments' starts in its response
     for g, group in enumerate(groups):
         fields = read_fields(group.ref)
-        spans = _spans(fields["lengths"])
-        prompt_spans = _spans(fields["prompt_lengths"]) if group.episodes else []
-        routed_spans = _spans(fields["routed_lengths"]) if "routed_lengths" in fields else []
+        spans = spans_of(fields["lengths"])
+        prompt_spans = spans_of(fields["prompt_lengths"]) if group.episodes else []
+        routed_spans = spans_of(fields["routed_lengths"]) if "routed_lengths" in fields else []
         for i, (start, end) in enumerate(spans):
             completions.append(
                 Completion(
@@ -64,22 +63,8 @@ def assemble_batch(groups: list[GroupMeta], prompt_rows: PromptRows, n: int, pad
         "uid": [g.uid for g in groups for _ in range(n)],
         "finish_reason": [c.finish_reason for c in completions],
         **provenance_columns(groups),
+        **episode_columns(groups),
     }
-    if groups and groups[0].episodes:
-        episodes = [e for g in groups for e in g.episodes]
-        non_tensors.update(
-            agent_messages=[e.messages for e in episodes],
-            agent_turns=[e.turns for e in episodes],
-            agent_tool_calls=[e.tool_calls for e in episodes],
-            agent_tool_errors=[e.tool_errors for e in episodes],
-            agent_reward=[e.reward for e in episodes],
-        )
-        if episodes[0].program_log is not None:  # an agent program's episodes
-            non_tensors.update(
-                agent_program_splits=[e.program_splits for e in episodes],
-                agent_program_metrics=[e.program_metrics for e in episodes],
-                agent_program_log=[e.program_log for e in episodes],
-            )
     batch = prompts.assign(tensors=tensors, non_tensors=non_tensors)
     return trim_padding(batch, pad_id)
 
@@ -92,20 +77,40 @@ def assemble_stored(groups: list[GroupMeta], prompt_rows: PromptRows, n: int) ->
     references concatenated, and every stored field cropped to the batch's longest prompt and
     response. It materialises to :func:`assemble_batch`'s batch of the same groups (less
     ``prompt_ids``, plus the inline scalars of :func:`tandem.pipeline.stored_rollout.store_rollout`);
-    no block is read. The blocks are released by whoever ends the step."""
+    an agent group's episodes add their conversations' columns inline (:func:`episode_columns`).
+    No block is read. The blocks are released by whoever ends the step."""
     prompts = prompt_rows.collate([g.index for g in groups]).repeat(n, interleave=True)
     columns = prompts.select([k for k in prompts.keys() if k != "prompt_ids"]).assign(
         non_tensors={
             "uid": [g.uid for g in groups for _ in range(n)],
             "finish_reason": [reason for g in groups for reason in g.finish_reasons],
             **provenance_columns(groups),
+            **episode_columns(groups),
         }
     )
     rows = BatchRef.concat([g.ref for g in groups])  # type: ignore[misc]
     return trim_stored(BatchRef(columns, (), {}).union(rows))
 
 
-def _spans(lengths: torch.Tensor) -> list[tuple[int, int]]:
-    """``(start, end)`` of each of the consecutive pieces of ``lengths``."""
-    ends = lengths.cumsum(0).tolist()
-    return list(zip([0, *ends[:-1]], ends, strict=True))
+def episode_columns(groups: list[GroupMeta]) -> dict[str, list]:
+    """The per-row columns of agent groups' episodes (their metadata, not their tokens):
+    ``agent_messages``, ``agent_turns``, ``agent_tool_calls``, ``agent_tool_errors``,
+    ``agent_reward`` and, for an agent program's, ``agent_program_splits`` / ``_metrics`` / ``_log``;
+    empty for groups of single requests."""
+    if not groups or not groups[0].episodes:
+        return {}
+    episodes = [e for g in groups for e in g.episodes]
+    columns: dict[str, list] = {
+        "agent_messages": [e.messages for e in episodes],
+        "agent_turns": [e.turns for e in episodes],
+        "agent_tool_calls": [e.tool_calls for e in episodes],
+        "agent_tool_errors": [e.tool_errors for e in episodes],
+        "agent_reward": [e.reward for e in episodes],
+    }
+    if episodes[0].program_log is not None:  # an agent program's episodes
+        columns.update(
+            agent_program_splits=[e.program_splits for e in episodes],
+            agent_program_metrics=[e.program_metrics for e in episodes],
+            agent_program_log=[e.program_log for e in episodes],
+        )
+    return columns

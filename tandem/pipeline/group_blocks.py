@@ -12,6 +12,16 @@ the per-row scalars inline, plus each row's oldest and newest trained weight ver
 controller's :func:`tandem.pipeline.runner.assemble_stored` then concatenates the groups'
 references and crops them to the batch's widths; no token reaches it.
 
+An agent group (``agent.*``) is stored the same way: each episode's row has its own prompt (rendered
+with the tools' schemas), ``response_mask`` 0 on the tool and user turns, weight version -1 there,
+and a split episode's ``position_ids`` restart where each later segment starts
+(:mod:`tandem.agents.segments`); the conversations stay in the group's metadata
+(:func:`tandem.pipeline.assemble.episode_columns`), and no ``response_text`` is stored (an episode
+is scored on its messages). The rows' prompt width is then at least ``data.max_prompt_length``
+(:func:`tandem.rl.batch_source.stored_prompt_width`). One difference from the controller's batch:
+where a draw mixes split and unsplit episodes, the controller zeroes every row's positions on the
+padding, the block only a split episode's (no padding column is attended).
+
 The queue's byte bound counts a block's file (:meth:`GroupBlockWriter.size_of` is exact: it
 encodes the rows as the store will).
 """
@@ -22,6 +32,7 @@ from typing import Any
 
 import torch
 
+from tandem.agents.segments import segment_starts, with_segment_positions
 from tandem.dataplane import BatchRef, DataPlaneConfig, store_for
 from tandem.dataplane.columns import encode
 from tandem.dataplane.shm import PAGE, ShmStore
@@ -31,6 +42,8 @@ from tandem.protocol.generation import Completion
 from tandem.protocol.sequences import resize_columns, sequence_tensors
 
 PROMPT_FIELD = "prompt_ids"  # the group's prompt [P] int64, packed with its responses for this writer
+# an agent group's [n] int64: each episode's prompt length (its prompts end to end in PROMPT_FIELD)
+EPISODE_PROMPT_LENGTHS = "prompt_lengths"
 
 
 class GroupBlockWriter:
@@ -55,43 +68,60 @@ class GroupBlockWriter:
         self.tokenizer = tokenizer
 
     def rows(self, tensors: dict[str, torch.Tensor]) -> Batch:
-        """The group's rows at the fixed widths, with their version spans (``[n]``, inline)."""
-        prompt = tensors[PROMPT_FIELD].tolist()
-        if len(prompt) > self.prompt_width:
-            raise ValueError(f"a prompt of {len(prompt)} tokens is wider than the run's {self.prompt_width}")
-        bounds = tensors["lengths"].cumsum(0).tolist()
-        routed_bounds = tensors["routed_lengths"].cumsum(0).tolist() if "routed_lengths" in tensors else None
-        completions = []
-        for i, end in enumerate(bounds):
-            start = bounds[i - 1] if i else 0
-            routed = None
-            if routed_bounds is not None:
-                routed = tensors["routed_experts"][(routed_bounds[i - 1] if i else 0) : routed_bounds[i]]
-            completions.append(
-                Completion(
-                    str(i),
-                    (),
-                    tensors["token_ids"][start:end],  # type: ignore[arg-type]
-                    tensors["log_probs"][start:end],  # type: ignore[arg-type]
-                    tensors["versions"][start:end],  # type: ignore[arg-type]
-                    "",  # the finish reasons travel in the group's metadata
-                    routed_experts=routed,
-                )
+        """The group's rows at the fixed widths, with their version spans (``[n]``, inline). An
+        agent group's rows (:data:`EPISODE_PROMPT_LENGTHS` packed) each have their episode's own
+        prompt, ``response_mask`` 1 on the model's tokens only and ``position_ids`` restarting
+        where a split episode's later segments start, as :func:`tandem.pipeline.assemble.assemble_batch`
+        builds them."""
+        bounds = spans_of(tensors["lengths"])
+        episodes = EPISODE_PROMPT_LENGTHS in tensors
+        if episodes:
+            pieces = tensors[PROMPT_FIELD].split(tensors[EPISODE_PROMPT_LENGTHS].tolist())
+            prompts = [piece.tolist() for piece in pieces]
+        else:
+            prompts = [tensors[PROMPT_FIELD].tolist()] * len(bounds)
+        longest = max(len(p) for p in prompts)
+        if longest > self.prompt_width:
+            raise ValueError(
+                f"a prompt of {longest} tokens (an agent's with the tools' schemas) is wider than the "
+                f"run's {self.prompt_width}: raise data.max_prompt_length or offer fewer tools"
             )
-        fields = sequence_tensors([prompt] * len(completions), completions, self.pad_id)
-        fields = resize_columns(fields, self.prompt_width, self.response_width, self.pad_id)
+        routed = spans_of(tensors["routed_lengths"]) if "routed_lengths" in tensors else None
+        completions = [
+            Completion(
+                str(i),
+                (),
+                tensors["token_ids"][start:end],  # type: ignore[arg-type]
+                tensors["log_probs"][start:end],  # type: ignore[arg-type]
+                tensors["versions"][start:end],  # type: ignore[arg-type]
+                "",  # the finish reasons travel in the group's metadata
+                token_mask=tensors["token_mask"][start:end] if episodes else None,  # type: ignore[arg-type]
+                routed_experts=tensors["routed_experts"][slice(*routed[i])] if routed else None,
+            )
+            for i, (start, end) in enumerate(bounds)
+        ]
+        starts = [segment_starts(tensors, start, end) for start, end in bounds] if episodes else []
+        fields = resize_columns(
+            sequence_tensors(prompts, completions, self.pad_id),
+            self.prompt_width,
+            self.response_width,
+            self.pad_id,
+        )
+        fields = with_segment_positions(fields, starts) if any(starts) else with_plain_positions(fields)
         oldest, newest = version_span(fields["weight_version"], fields["response_mask"])
         return Batch(fields).assign(tensors={OLDEST_VERSION: oldest, NEWEST_VERSION: newest})
 
     def write(self, key: str, tensors: dict[str, torch.Tensor]) -> BatchRef:
         """Put the group's rows as one block; returns its reference (``key`` names nothing here)."""
-        return self.put_rows(self.rows(tensors))
+        # an agent episode is scored on its messages (the controller's metadata): no decoded text
+        return self.put_rows(self.rows(tensors), decode=EPISODE_PROMPT_LENGTHS not in tensors)
 
-    def put_rows(self, rows: Batch) -> BatchRef:
+    def put_rows(self, rows: Batch, decode: bool = True) -> BatchRef:
         """Put generated ``rows`` (:func:`~tandem.pipeline.stored_rollout.store_rollout`'s input, at
-        the writer's widths) as one block: a group's, or ReMax's greedy responses
+        the writer's widths; ``decode``: with their ``response_text``) as one block: a group's, or
+        ReMax's greedy responses
         (:meth:`tandem.pipeline.replica_worker.RolloutReplicaWorker.generate_to_store`)."""
-        ref = store_rollout(rows, self.store, self.tokenizer)
+        ref = store_rollout(rows, self.store, self.tokenizer, decode)
         if self.hands_over:
             ref.release(self.store.release)
         return ref
@@ -108,3 +138,18 @@ class GroupBlockWriter:
         goes with its last reference)."""
         if isinstance(self.store, ShmStore):
             self.store.discard_all()
+
+
+def with_plain_positions(fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``fields`` with ``position_ids [B, P+R]`` counted over the whole (resized) ``attention_mask``,
+    held at the last position on the right padding, as ``sequence_tensors`` writes them: the form
+    the store derives instead of storing (:mod:`tandem.dataplane.derived`), and that a crop to the
+    batch's widths leaves equal to the controller's batch. (``resize_columns`` pads them with 0.)"""
+    positions = (fields["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return {**fields, "position_ids": positions}
+
+
+def spans_of(lengths: torch.Tensor) -> list[tuple[int, int]]:
+    """``(start, end)`` of each of the consecutive pieces of ``lengths``."""
+    ends = lengths.cumsum(0).tolist()
+    return list(zip([0, *ends[:-1]], ends, strict=True))

@@ -37,7 +37,7 @@ import torch
 from tandem.agents.loops import AgentSample
 from tandem.agents.segments import SEGMENT_START_FIELD, segment_start_flags
 from tandem.agents.trajectory import Trajectory
-from tandem.pipeline.group_blocks import PROMPT_FIELD, GroupBlockWriter
+from tandem.pipeline.group_blocks import EPISODE_PROMPT_LENGTHS, PROMPT_FIELD, GroupBlockWriter
 from tandem.pipeline.provenance import request_id
 from tandem.pipeline.sample_log import SampleLog
 from tandem.pipeline.sample_queue import EpisodeInfo, GroupMeta
@@ -251,10 +251,10 @@ class GroupTracker:
                 [m for t in responses for m in t.loss_mask], dtype=torch.int64
             )
             tensors[SEGMENT_START_FIELD] = segment_start_flags(responses)  # an agent program's split rows
-            tensors["prompt_ids"] = torch.tensor(
+            tensors[PROMPT_FIELD] = torch.tensor(
                 [p for t in responses for p in t.prompt_ids], dtype=torch.int64
             )
-            tensors["prompt_lengths"] = torch.tensor(
+            tensors[EPISODE_PROMPT_LENGTHS] = torch.tensor(
                 [len(t.prompt_ids) for t in responses], dtype=torch.int64
             )
         return tensors

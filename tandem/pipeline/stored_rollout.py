@@ -57,9 +57,10 @@ def version_span(versions: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tens
     return oldest, newest
 
 
-def store_rollout(batch: Batch, store: Store, tokenizer: Any) -> BatchRef:
+def store_rollout(batch: Batch, store: Store, tokenizer: Any, decode: bool = True) -> BatchRef:
     """``batch`` (one rank's generated rows) with its per-token fields put into ``store`` and the
-    per-row scalars above inline (see the module docstring)."""
+    per-row scalars above inline (see the module docstring); ``decode=False``: no ``response_text``
+    (a replica's agent episodes, whose conversations the controller holds)."""
     lengths = response_lengths(batch)
     scalars: dict[str, Any] = {
         PROMPT_LENGTH: prompt_lengths(batch),
@@ -67,7 +68,7 @@ def store_rollout(batch: Batch, store: Store, tokenizer: Any) -> BatchRef:
         LAST_SAMPLED: last_sampled_token(batch["response_mask"]),
     }
     texts = {}
-    if "agent_messages" not in batch:
+    if decode and "agent_messages" not in batch:
         texts[RESPONSE_TEXT] = decode_responses(tokenizer, batch["responses"], lengths)
     rows = batch.select([k for k in batch.keys() if k != "prompt_ids"])
     return BatchRef.put(rows.assign(tensors=scalars, non_tensors=texts), store)

@@ -3,7 +3,8 @@ distillation term.
 
 Built as a closure the training engine calls with ``(micro_batch, token_outputs)``; it returns
 this micro-batch's share of the mini-batch loss (global token/sequence counts in the
-normalizer) and its metrics, named as verl names them (``actor/pg_loss``, ...).
+normalizer) and its metrics, named as verl names them (``actor/pg_loss``, ...), each a share of
+the mini-batch's value too (:mod:`tandem.rl.metric_shares`): the reduction adds them up.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from tandem.algos.masked import masked_mean
 from tandem.engine.base import LossFn, TokenOutputs
 from tandem.protocol import Batch
 from tandem.protocol.sequences import response_part
+from tandem.rl.metric_shares import as_shares
 
 METRIC_NAMES = {"pg_clipfrac": "actor/pg_clipfrac", "ppo_kl": "actor/ppo_kl"}
+LOSS_SHARES = ("actor/pg_loss", "actor/kl_loss", "distill/loss")  # divided by the normalizer already
 
 
 def make_actor_loss(
@@ -79,7 +82,7 @@ def make_actor_loss(
             loss = loss + _teacher_top_k_terms(
                 micro, outputs, width, mask, distill, loss_config, normalizer, metrics
             )
-        return loss, metrics
+        return loss, as_shares(metrics, mask, normalizer, LOSS_SHARES)
 
     return loss_fn
 

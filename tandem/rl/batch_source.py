@@ -46,7 +46,7 @@ def rl_batch_source(
     in ``sampler``'s order; a draw stays in the data plane's store when
     :func:`tandem.rl.step_data.rollout_stays_in_store` says so."""
     pad_id, plan = tokenizer.pad_token_id, build_step_plan(config)
-    width = max(len(sample.prompt_ids) for sample in train_data.samples)  # a stored draw's prompt width
+    width = stored_prompt_width(config, train_data)
     in_store = rollout_stays_in_store(config, any(s.images for s in train_data.samples), plan)
     if config.pipeline.replay:
         check_replayable(config)
@@ -64,6 +64,19 @@ def rl_batch_source(
     source = ColocatedRollout(workers, pad_id, train_data, sampler, shape, in_store, width)
     inputs = SourceInputs(workers, train_data, sampler, tokenizer, shape, in_store, width)
     return plan.batch_source(config, source, inputs)
+
+
+def stored_prompt_width(config: TrainConfig, train_data: RLDataset) -> int:
+    """The prompt columns of a stored draw's rows: the training set's widest prompt; for agent
+    episodes on rollout replicas at least ``data.max_prompt_length``, as their prompts are rendered
+    with the tools' schemas, and for an agent program's ``rollout.max_response_length`` more (its
+    system prompt counts against that budget: :mod:`tandem.agents.program.recorder`). Padding
+    costs no stored byte; the draw is cropped to its longest prompt."""
+    width = max(len(sample.prompt_ids) for sample in train_data.samples)
+    if not (config.agent.enabled and config.pipeline.disaggregated):
+        return width
+    width = max(width, config.data.max_prompt_length)
+    return width + (config.rollout.max_response_length if config.agent.uses_program else 0)
 
 
 def replayed_settings(config: TrainConfig) -> dict[str, Any]:

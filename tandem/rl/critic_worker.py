@@ -27,8 +27,8 @@ from tandem.protocol import Batch
 from tandem.protocol.sequences import response_part
 from tandem.rl.config import TrainConfig
 from tandem.rl.derived import critic_engine_config
+from tandem.rl.metric_shares import as_shares, reduce_metric
 
-SUMMED = ("critic/vf_loss",)  # micro-batch shares of one loss: add up
 CRITIC_UPDATE_FIELDS = (*FORWARD_FIELDS, "response_mask", "returns", "values")  # update_critic's reads
 CRITIC_MESH = "critic"  # the engine's data-parallel ranks: sequence/tensor-parallel peers get the same rows
 
@@ -36,18 +36,20 @@ CRITIC_MESH = "critic"  # the engine's data-parallel ranks: sequence/tensor-para
 def value_loss(
     micro: Batch, outputs: TokenOutputs, *, clip: float | None, mode: str, normalizer: LossNormalizer
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped value loss of one micro-batch (its share of the mini-batch's), and metrics."""
+    """The clipped value loss of one micro-batch (its share of the mini-batch's), and metrics (each
+    its share of the mini-batch's value: :mod:`tandem.rl.metric_shares`)."""
     width = micro["prompts"].shape[1]
     values = response_part(outputs.values, width)
     mask = micro["response_mask"]
     loss, metrics = compute_value_loss(
         values, micro["returns"], micro["values"], mask, clip, mode, normalizer
     )
-    return loss, {
+    means = {
         "critic/vf_loss": loss.detach(),
         "critic/vf_clipfrac": metrics["vf_clipfrac"],
         "critic/vpred_mean": masked_mean(values.detach(), mask.to(values.dtype)),
     }
+    return loss, as_shares(means, mask, normalizer, already_shares=("critic/vf_loss",))
 
 
 class CriticWorker(EngineCheckpoints, Worker):
@@ -92,7 +94,7 @@ class CriticWorker(EngineCheckpoints, Worker):
         with self.residency.computing(optimizer=True):
             self._update_epochs(batch, local_mini, collected)
         self._probe = batch[:1]
-        metrics = {name: sum(values) / len(values) for name, values in collected.items()}
+        metrics = {name: reduce_metric(name, values, over_steps=True) for name, values in collected.items()}
         metrics["critic/skipped_updates_in_a_row"] = float(self.skipped.in_a_row)
         return metrics
 
@@ -117,7 +119,7 @@ class CriticWorker(EngineCheckpoints, Worker):
                 if config.trainer.lr_schedule_unit == "optimizer_step":
                     self.engine.lr_step()
                 for name, values in result.metrics.items():
-                    collected[name].append(sum(values) if name in SUMMED else sum(values) / len(values))
+                    collected[name].append(reduce_metric(name, values))
         if config.trainer.lr_schedule_unit == "step":
             self.engine.lr_step()
 

@@ -86,16 +86,19 @@ def rollout_stays_in_store(config: Any, has_images: bool, plan: Any) -> bool:
 
     Not for a plan with a stage that still rebuilds or extends the draw's padded batch on the
     controller (``StepPlan.takes_stored_draws``: each stage declares it; a plugin's ``view``
-    stage, ``pipeline.old_log_probs=rollout``, which renames a stored field), agent
-    episodes and images; nor, in the asynchronous modes, for ``pipeline.sample_store=inline``
-    (which sends the samples to the controller; ``dataplane.engine=ray`` keeps replicas on other
-    hosts' groups in Ray's object store instead). Those runs put the controller's batch once."""
+    stage, ``pipeline.old_log_probs=rollout``, which renames a stored field) and images; nor for
+    an agent program in ``sync`` (its rows' prompt columns are the batch's widest prompt there, a
+    longer prompt's tokens moved into the response: ``fit_prompt_columns``); agent episodes
+    otherwise stay stored (the asynchronous replicas': :meth:`tandem.pipeline.group_blocks.GroupBlockWriter.rows`);
+    nor, in the asynchronous modes, for ``pipeline.sample_store=inline`` (which sends the samples to
+    the controller; ``dataplane.engine=ray`` keeps replicas on other hosts' groups in Ray's object
+    store instead). Those runs put the controller's batch once."""
     asynchronous = config.pipeline.disaggregated
     return (
         config.dataplane.enabled
         and plan.takes_stored_draws
         and not (asynchronous and config.pipeline.sample_store == "inline")
-        and not config.agent.enabled
+        and not (config.agent.uses_program and not asynchronous)
         and not has_images
     )
 

@@ -8,13 +8,13 @@ from collections.abc import Callable
 from tandem.agents.loops import batch_episode_metrics
 from tandem.protocol import Batch
 from tandem.protocol.sequences import sequence_lengths
+from tandem.rl.metric_shares import reduce_metric
 from tandem.rl.metrics import data_metrics, timing_metrics
-from tandem.rl.worker import reduce_metric
 
 
 def reduced_worker_metrics(per_worker: list[dict[str, float]]) -> dict[str, float]:
-    """One value per metric from each worker's own (:func:`tandem.rl.worker.reduce_metric`:
-    loss shares add up, maxima take the max, the rest average)."""
+    """One value per metric from each worker's own (:func:`tandem.rl.metric_shares.reduce_metric`:
+    shares of the mini-batch's values add up, maxima take the max, per-step values average)."""
     return {name: reduce_metric(name, [m[name] for m in per_worker]) for name in per_worker[0]}
 
 

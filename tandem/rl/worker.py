@@ -27,7 +27,7 @@ from tandem.controller import Worker, mesh_dispatch, register
 from tandem.controller.profiling import ProfilesCalls
 from tandem.dataplane import BatchRef
 from tandem.device import max_memory_allocated_gb, release_cached_memory, reset_peak_memory
-from tandem.dpo.loss import pair_metrics, preference_loss
+from tandem.dpo.loss import preference_loss
 from tandem.engine import TorchTrainEngine
 from tandem.engine.base import GATHER_FIELD
 from tandem.engine.divergence import ModelHealth, SkippedUpdates
@@ -45,6 +45,7 @@ from tandem.rl.actor_loss import make_actor_loss
 from tandem.rl.config import TrainConfig
 from tandem.rl.dataset_step_worker import DatasetStepRanks
 from tandem.rl.derived import actor_engine_config, rollout_engine_config
+from tandem.rl.metric_shares import MEAN_PREFIXES, reduce_metric
 from tandem.rl.preference_pairs import with_pair_fields
 from tandem.rl.rank_advantages import PART_READS as ADVANTAGE_PART_READS
 from tandem.rl.rank_advantages import advantage_part
@@ -53,14 +54,6 @@ from tandem.rollout.factory import build_rollout_engine
 from tandem.rollout.native import NativeRolloutEngine
 from tandem.seeds import derive_seed
 
-SUMMED_METRICS = (
-    "actor/pg_loss",
-    "actor/kl_loss",
-    "actor/preference_loss",
-    "critic/vf_loss",
-    "distill/loss",
-)  # micro-batch (and worker) shares of one loss: add up
-MAX_METRICS = ("rollout_corr/max_abs_log_prob_diff",)
 ACTOR_MESH = "actor"  # the engine's data-parallel ranks: sequence/tensor-parallel peers get the same rows
 ACTOR_UPDATE_FIELDS = (
     *FORWARD_FIELDS,
@@ -356,9 +349,12 @@ class ActorRolloutRefWorker(DatasetStepRanks, SendsWeights, ProfilesCalls, Worke
         result = self.engine.forward_backward(batch, loss_fn)
         self._optimizer_step(result.loss, collected)
         collected["actor/preference_loss"].append(result.loss)
-        local_tokens = float(chosen_mask.sum())
-        for name, value in pair_metrics(result.metrics, max(local_tokens, 1.0)).items():
-            collected[name].append(value)
+        pairs = max(counts.num_seqs, 1.0)  # all ranks': each rank's sums become its share of the means
+        for name, values in result.metrics.items():
+            if name.startswith(MEAN_PREFIXES):  # the routing metrics: each micro-batch's own mean
+                collected[name].append(sum(values) / len(values))
+            elif name != "pairs":
+                collected[name].append(sum(values) / pairs)
 
     # ------------------------------------------------------------------ checkpoints and export
     @register(dispatch="ONE_TO_ALL")
@@ -394,14 +390,3 @@ def with_gather_ids(batch: Batch) -> Batch:
     top = batch["teacher_top_ids"]
     prompt = top.new_zeros(top.shape[0], batch["prompts"].shape[1], top.shape[2])
     return batch.assign(tensors={GATHER_FIELD: torch.cat([prompt, top], dim=1)})
-
-
-def reduce_metric(name: str, values: list[float], over_steps: bool = False) -> float:
-    """Combine one metric's values from the micro-batches (or workers) of one optimizer step:
-    loss shares add up, maxima take the max, the rest average. Over optimizer steps every
-    metric averages (maxima still take the max)."""
-    if name in MAX_METRICS or name.startswith("perf/max_memory"):
-        return max(values)
-    if name in SUMMED_METRICS and not over_steps:
-        return sum(values)
-    return sum(values) / len(values)

@@ -3,8 +3,8 @@ rollout replicas' blocks, as the draws do. Each replica generates its share of t
 puts the rows into its own store and sends back a ``BatchRef`` with the rows' scalars and decoded
 texts; the controller scores those and releases the blocks, so no greedy token reaches it. The run's
 metrics equal the data plane's off path (the replicas return the greedy completions and the
-controller builds their padded batch) step for step on a fixed seed, bit for bit but the means the
-ranks' advantages reduce from per-row partial sums (``assert_equal_but_reduced``)."""
+controller builds their padded batch) step for step on a fixed seed, to float32 rounding (the
+groups' order in a draw follows the replica's timing)."""
 
 from pathlib import Path
 
@@ -16,7 +16,6 @@ from tandem.protocol import Batch
 from tandem.protocol.sequences import RESPONSE_LENGTH, decode_responses, response_lengths
 from tests.pipeline.test_async_dataplane import MODES, TWO_CORES, ReplicaRecordingTrainer, _files_of
 from tests.rl.conftest import assert_same_histories, small_config
-from tests.rl.test_dataplane_advantages import assert_equal_but_reduced
 from tests.rl.test_dataplane_step import TOKEN_COLUMNS, assert_draws_stay_stored
 
 
@@ -90,10 +89,14 @@ def _assert_greedy_stays_on_the_replicas(today, refs, replicas: int) -> None:
 
 
 def test_one_step_off_remax_keeps_its_greedy_responses_on_the_replica(rl_files, tmp_path):
-    """Two one-step-off ReMax steps, one replica: metrics equal, no greedy token on the controller."""
+    """Two one-step-off ReMax steps, one replica: metrics equal to float32 rounding, no greedy token
+    on the controller. Not bit for bit: the greedy requests join the groups already in flight on the
+    replica, so the order its groups finish in (a draw's row order, and the sums over rows with it)
+    follows the engine's timing, which differs between runs (seen in CI: `critic/rewards/mean`
+    0.14166668 vs 0.14166666)."""
     off, today = _run(rl_files, tmp_path / "off", *MODES["one_step_off"])
     on, refs = _run(rl_files, tmp_path / "on", *MODES["one_step_off"], "dataplane.enabled=true")
-    assert_equal_but_reduced(_comparable(off), _comparable(on))
+    assert_same_histories(_comparable(off), _comparable(on))
     _assert_greedy_stays_on_the_replicas(today, refs, replicas=1)
 
 

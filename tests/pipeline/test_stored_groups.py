@@ -152,10 +152,16 @@ def test_a_tracker_with_the_block_writer_stores_rows_within_its_room(rl_files, p
         (("pipeline.mode=fully_async", "pipeline.old_log_probs=rollout"), False),  # renames a stored field
         (("pipeline.mode=one_step_off", "pipeline.sample_store=inline"), False),  # replicas elsewhere
         (("pipeline.mode=one_step_off", "trainer.backend=ray", "dataplane.engine=ray"), True),  # any node
+        (("pipeline.mode=one_step_off", "agent.name=tool_agent", "agent.tools=[calculator]"), True),
+        (("pipeline.mode=fully_async", "agent.name=program", "agent.program={program}"), True),
+        (("pipeline.mode=sync", "agent.name=tool_agent", "agent.tools=[calculator]"), True),
+        (("pipeline.mode=sync", "agent.name=program", "agent.program={program}"), False),  # batch's width
     ],
 )
 def test_which_asynchronous_runs_keep_their_draws_in_the_replicas_blocks(
     rl_files, tmp_path, overrides, stays
 ):
+    (tmp_path / "agent.py").write_text("async def run(client, row):\n    return {}\n")
+    overrides = [o.format(program=tmp_path / "agent.py") for o in overrides]
     config = small_config(rl_files, tmp_path, "dataplane.enabled=true", *overrides)
     assert rollout_stays_in_store(config, False, build_step_plan(config)) is stays

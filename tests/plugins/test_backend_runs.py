@@ -80,8 +80,8 @@ def test_two_workers_run_the_plugins_as_one_worker_here(
 ):
     """``trainer.backend=local`` with two workers spawns two processes; ``ray`` starts two actors.
     Held to 1e-4 relative, as tests/rl/test_distributed.py holds two workers against one: the
-    update's sums split over two ranks, and ``actor/entropy`` (about 1.5e-5 apart here) is the mean
-    of each rank's token mean (``reduce_metric``), not one mean over the batch's tokens."""
+    update's sums split over two ranks (its token means, ``actor/entropy`` among them, are one mean
+    over the mini-batch's tokens for any split: tandem.rl.metric_shares)."""
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
     two = plugin_run(run_files, tmp_path, run, "trainer.n_workers=2", f"trainer.backend={backend}")

@@ -53,10 +53,10 @@ def greedy_baseline(trainer: Any, scored: Batch | BatchRef, timings: dict[str, f
 def greedy_scores(trainer: Any, prompts: Batch, stored: bool) -> torch.Tensor:
     """``[G]`` float32: the score of the greedy response to each of ``prompts``; with ``stored``
     (and a source that keeps generations) the responses stay on the ranks and are released once
-    scored."""
+    scored; agent episodes' greedy episodes come back as a ``Batch``, as validation's do."""
     source, seeds, sampling = trainer.rollout, [0] * len(prompts), trainer.config.rollout.sampling(0.0)
     keeps = getattr(source, "generate_to_store", None)
-    if not stored or keeps is None:
+    if not stored or keeps is None or trainer.config.agent.enabled:  # greedy episodes: a Batch
         greedy = source.generate(prompts, seeds, sampling, None)
         return trainer.score(greedy, training=False)[0]["token_level_scores"].sum(-1)
     greedy = keeps(prompts, seeds, sampling)
