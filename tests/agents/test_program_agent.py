@@ -55,6 +55,8 @@ async def run(client, row):
     return {"reward": float(info["turns"]), "metrics": {"requests": info["turns"]}}
 """
 
+# each fault by row; the log keeps the episode's key, an error's status and message, or the
+# tokens sampled (tests/agents/test_program_faults_async.py reads them too)
 FAULTS = """
 import asyncio, json
 import openai
@@ -63,6 +65,7 @@ import openai
 async def run(client, row):
     info = row["extra_info"]
     fault, messages = info["fault"], row["messages"]
+    json.dump({"key": client.api_key}, open(info["log"], "w"))
     try:
         if fault == "raise":
             raise RuntimeError("the agent crashed")
@@ -74,15 +77,17 @@ async def run(client, row):
             for _ in range(3):
                 await client.chat.completions.create(model="any", messages=messages, max_tokens=2)
         if fault == "max_tokens":
-            await client.chat.completions.create(model="any", messages=messages, max_tokens=20)
-            await client.chat.completions.create(model="any", messages=messages, max_tokens=20)
+            for _ in range(2):
+                await client.chat.completions.create(model="any", messages=messages, max_tokens=20)
         if fault == "bad_return":
             return "a lot"
         if fault == "none":
-            await client.chat.completions.create(model="any", messages=messages, max_tokens=4)
+            reply = await client.chat.completions.create(model="any", messages=messages, max_tokens=4)
+            json.dump({"key": client.api_key, "sampled": reply.choices[0].model_extra["token_ids"]},
+                      open(info["log"], "w"))
     except openai.APIStatusError as error:
-        with open(info["log"], "w") as log:
-            json.dump({"status": error.status_code, "message": error.message}, log)
+        json.dump({"key": client.api_key, "status": error.status_code, "message": error.message},
+                  open(info["log"], "w"))
     return 1.0
 """
 

@@ -28,42 +28,9 @@ from tandem.pipeline.runner import assemble_batch  # noqa: E402
 from tandem.pipeline.sample_store import InlineWriter  # noqa: E402
 from tandem.rl.data import RLDataset  # noqa: E402
 from tandem.rollout import NativeEngineConfig, NativeRolloutEngine, SamplingParams  # noqa: E402
+from tests.agents.test_program_agent import FAULTS as FUNCTION  # noqa: E402
 from tests.agents.test_program_agent import prompts  # noqa: E402
 from tests.agents.test_program_async import collect_all  # noqa: E402
-
-FUNCTION = """
-import asyncio, json
-import openai
-
-
-async def run(client, row):
-    info = row["extra_info"]
-    fault, messages = info["fault"], row["messages"]
-    json.dump({"key": client.api_key}, open(info["log"], "w"))
-    try:
-        if fault == "raise":
-            raise RuntimeError("the agent crashed")
-        if fault == "hang":
-            await asyncio.sleep(60)
-        if fault == "malformed":
-            await client.chat.completions.create(model="any", messages=[{"role": "robot", "content": "x"}])
-        if fault == "max_requests":
-            for _ in range(3):
-                await client.chat.completions.create(model="any", messages=messages, max_tokens=2)
-        if fault == "max_tokens":
-            for _ in range(2):
-                await client.chat.completions.create(model="any", messages=messages, max_tokens=20)
-        if fault == "bad_return":
-            return "a lot"
-        if fault == "none":
-            reply = await client.chat.completions.create(model="any", messages=messages, max_tokens=4)
-            json.dump({"key": client.api_key, "sampled": reply.choices[0].model_extra["token_ids"]},
-                      open(info["log"], "w"))
-    except openai.APIStatusError as error:
-        json.dump({"key": client.api_key, "status": error.status_code, "message": error.message},
-                  open(info["log"], "w"))
-    return 1.0
-"""
 
 COMMAND = """
 import json, os, sys, time, urllib.error, urllib.request
