@@ -12,9 +12,11 @@ or an agent program's reward, None where none ended the episode) and ``finish_re
 ``agent_program_metrics`` (what the program returned as metrics) and ``agent_program_log``
 (``{"error", "stdout", "stderr"}``: why it failed, empty when it did not, and a command's output
 as kept). An agent program's row may
-have a longer prompt than the batch's prompt columns (a system prompt the program adds): its
-extra tokens move into the response columns, masked 0
-(:func:`~tandem.agents.program.recorder.fit_prompt_columns`). A split episode's row holds its
+have a longer prompt than the dataset's (a system prompt the program adds): a training draw's
+``prompt_width`` leaves room for it (:func:`tandem.rl.batch_source.stored_prompt_width`, in every
+mode), so the row's prompt stays in its prompt columns; where ``prompt_width`` is narrower
+(validation, greedy baselines: the batch's widest prompt) its extra tokens move into the response
+columns, masked 0 (:func:`~tandem.agents.program.recorder.fit_prompt_columns`). A split episode's row holds its
 segments end to end: its ``position_ids`` restart at 0 where each later segment starts, so the
 trainer computes each token from its own segment (packed: :func:`tandem.engine.packing.pack_sequences`).
 """

@@ -20,6 +20,7 @@ from tandem.controller.network import rendezvous_host, route_collectives_through
 from tandem.dataplane import BatchRef, Block, DataPlaneConfig, Traffic, store_for, traffic
 from tandem.dataplane import get as get_block
 from tandem.dataplane import release as release_block
+from tandem.dataplane.images import materialise_with_images
 from tandem.device import process_group_backend
 from tandem.protocol import Batch
 from tandem.protocol.shared import SharedBatch, read_probe
@@ -228,12 +229,12 @@ class Worker:
 
 def _opened(value: Any, reads: tuple[str, ...] | None) -> Any:
     """A :class:`SharedBatch` argument as the batch it stands for (views of the mapped file); a
-    :class:`BatchRef` as the padded batch of the fields in ``reads`` (all when ``None``)."""
+    :class:`BatchRef` as the padded batch of the fields in ``reads`` (all when ``None``; a stored
+    draw's ``images`` rebuilt from its columns: :mod:`tandem.dataplane.images`)."""
     if isinstance(value, SharedBatch):
         return value.open()
     if isinstance(value, BatchRef):
-        fields = None if reads is None else [f for f in reads if f in value]
-        return value.materialise(get_block, fields)
+        return materialise_with_images(value, get_block, reads)
     return value
 
 

@@ -6,10 +6,12 @@ A ``BatchRef`` of ``B`` rows has
 * ``scalars``: an ordinary small :class:`~tandem.protocol.Batch` of ``B`` rows with the fields
   held inline (uid, group id, score, lengths: 1-D tensors and Python columns) and the meta;
 * ``parts``: for each set of fields stored together, the blocks holding them and, per row, which
-  block (``block_of_row [B]``) and which row in it (``row_in_block [B]``);
+  block (``block_of_row [B]``) and which row in it (``row_in_block [B]``), and the name each
+  field is stored under (a field exposed under a second name, :meth:`BatchRef.alias`);
 * ``schema``: each stored field's dtype and row shape.
 
-Row operations (index, select, chunk, split, concat, reorder, repeat, pad/unpad, union) are
+Row operations (index, select, chunk, split, concat, reorder, repeat, pad/unpad, union, and
+the field operations crop and alias) are
 those of :class:`Batch`, done by rewriting the index arrays: no payload is touched.
 :meth:`BatchRef.materialise` fetches the asked fields of these rows — each block's rows once —
 and builds the padded ``Batch`` the same operation on the materialised batch would give.
@@ -61,21 +63,57 @@ class FieldSchema:
 
 @dataclass(frozen=True, eq=False)
 class RefPart:
-    """Fields stored together: ``blocks``, and per row ``block_of_row [B]``/``row_in_block [B]``."""
+    """Fields stored together: ``blocks``, and per row ``block_of_row [B]``/``row_in_block [B]``.
+
+    ``stored_as`` names, for each of ``fields``, the field its blocks hold it under (empty: the
+    same names). A field exposed under a second name (:meth:`BatchRef.alias`) is the stored one
+    read again: a fetch asks the blocks for each stored name once."""
 
     fields: tuple[str, ...]
     blocks: tuple[Block, ...]
     block_of_row: np.ndarray
     row_in_block: np.ndarray
+    stored_as: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.stored_as and len(self.stored_as) != len(self.fields):
+            raise ValueError(f"a part of fields {self.fields} names {len(self.stored_as)} stored fields")
+        if self.stored_as == self.fields:
+            object.__setattr__(self, "stored_as", ())
+
+    def stored_name(self, name: str) -> str:
+        """The field the blocks hold ``name`` under (itself unless it is an alias)."""
+        return self.stored_as[self.fields.index(name)] if self.stored_as else name
+
+    def stored_names(self, names: Iterable[str]) -> list[str]:
+        """The distinct stored fields a fetch of ``names`` (fields of this part) asks the blocks for."""
+        return list(dict.fromkeys(self.stored_name(n) for n in names))
 
     def take(self, positions: np.ndarray) -> RefPart:
-        return RefPart(self.fields, self.blocks, self.block_of_row[positions], self.row_in_block[positions])
+        rows = self.block_of_row[positions], self.row_in_block[positions]
+        return RefPart(self.fields, self.blocks, *rows, self.stored_as)
 
     def narrow(self, fields: Iterable[str]) -> RefPart:
         keep = set(fields)
+        kept = [(f, self.stored_name(f)) for f in self.fields if f in keep]
         return RefPart(
-            tuple(f for f in self.fields if f in keep), self.blocks, self.block_of_row, self.row_in_block
-        )
+            tuple(f for f, _ in kept), self.blocks, self.block_of_row, self.row_in_block,
+            tuple(s for _, s in kept),
+        )  # fmt: skip
+
+    def aliased(self, names: dict[str, str]) -> RefPart:
+        """This part with its fields ``names.values()`` also exposed as ``names.keys()``."""
+        new = tuple(n for n, source in names.items() if source in self.fields)
+        stored = tuple(self.stored_name(names[n]) for n in new)
+        return RefPart(
+            (*self.fields, *new), self.blocks, self.block_of_row, self.row_in_block,
+            (*(self.stored_name(f) for f in self.fields), *stored),
+        )  # fmt: skip
+
+    @property
+    def layout(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """What two parts must share to be joined row-wise: their fields and stored names."""
+        return self.fields, self.stored_as
 
 
 def _positions(size: int, index: Any) -> np.ndarray:
@@ -203,6 +241,19 @@ class BatchRef(RowPieces):
             schema[name] = schema[name].cropped(axis, start, stop)
         return BatchRef(self.scalars, self.parts, schema)
 
+    def alias(self, names: dict[str, str]) -> BatchRef:
+        """Stored fields exposed under second names too, ``{new name: stored field}`` (the rename of
+        ``Batch.assign(tensors={new: batch[field]})``), by metadata only: a fetch of either name
+        asks the blocks for the field once and returns it under each name asked, with its crop.
+        The blocks are the same ones, so :meth:`blocks` (and a release) counts each once."""
+        for name, source in names.items():
+            if name in self:
+                raise ValueError(f"alias: {name!r} is already a field of this batch ({self.keys()})")
+            if source not in self.schema:
+                raise KeyError(f"alias: {source!r} is not a stored field; stored: {self.stored_fields()}")
+        schema = {**self.schema, **{name: self.schema[source] for name, source in names.items()}}
+        return BatchRef(self.scalars, [p.aliased(names) for p in self.parts], schema)
+
     def reorder(self, index: torch.Tensor | Sequence[int]) -> BatchRef:
         return self[index]
 
@@ -234,15 +285,15 @@ class BatchRef(RowPieces):
         if not refs:
             raise ValueError("concat needs at least one batch")
         first = refs[0]
-        layout = [p.fields for p in first.parts]
+        layout = [p.layout for p in first.parts]
         for i, ref in enumerate(refs[1:], start=1):
-            if [p.fields for p in ref.parts] != layout or ref.schema != first.schema:
+            if [p.layout for p in ref.parts] != layout or ref.schema != first.schema:
                 raise ValueError(
-                    f"concat: batch {i} stores {[p.fields for p in ref.parts]}, batch 0 {layout} "
-                    "(or their dtypes/shapes differ)"
+                    f"concat: batch {i} stores {[p.layout for p in ref.parts]}, batch 0 {layout} "
+                    "(fields, and the stored names of aliases; or their dtypes/shapes differ)"
                 )
         parts = []
-        for k, fields in enumerate(layout):
+        for k, (fields, stored_as) in enumerate(layout):
             blocks: list[Block] = []
             block_of_row, row_in_block = [], []
             for ref in refs:
@@ -256,6 +307,7 @@ class BatchRef(RowPieces):
                     tuple(blocks),
                     np.concatenate(block_of_row).astype(np.int32),
                     np.concatenate(row_in_block),
+                    stored_as,
                 )
             )
         return BatchRef(Batch.concat([r.scalars for r in refs]), parts, first.schema)
@@ -281,7 +333,8 @@ class BatchRef(RowPieces):
         for b in np.unique(part.block_of_row):
             at = np.flatnonzero(part.block_of_row == b)
             rows, inverse = np.unique(part.row_in_block[at], return_inverse=True)
-            fetched = {n: self.schema[n].apply(t) for n, t in get(part.blocks[b], names, rows).items()}
+            stored = get(part.blocks[b], part.stored_names(names), rows)
+            fetched = {n: self.schema[n].apply(stored[part.stored_name(n)]) for n in names}
             whole = len(at) == self.batch_size and np.array_equal(inverse, np.arange(len(at)))
             for name in names:
                 if whole:

@@ -3,7 +3,8 @@ its M-RoPE positions, laid out like the padded or packed tokens.
 
 A batch row's images (the ``images`` field: one :class:`~tandem.protocol.images.ImageInputs`
 per row, ``None`` for a text-only row) belong to the ``<|image_pad|>`` tokens of that row's
-prompt. The engine keeps its 1-D positions for everything that is not the decoder's rotary
+prompt (a stored draw's rank gets the field rebuilt from the block's tensor columns, laid out by
+:func:`stored_image_layout`: :mod:`tandem.dataplane.images`). The engine keeps its 1-D positions for everything that is not the decoder's rotary
 embedding (which token predicts which, packing, shared prompts) and hands the model a
 :class:`VisionInputs` beside them: every image whose placeholders the forward's tokens hold,
 in the order those placeholders appear, and the ``[3, B, S]`` M-RoPE positions
@@ -23,10 +24,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from transformers import AutoConfig
 
+from tandem.dataplane.images import ImageLayout
 from tandem.device import to_device
 from tandem.engine.packing import PackedSequences
 from tandem.models.vision import (
@@ -34,13 +38,12 @@ from tandem.models.vision import (
     image_features,
     image_token_id,
     image_token_mask,
+    is_vision_language,
     merge_size,
     mrope_positions,
     vision_language_model,
 )
-from tandem.protocol.images import ImageInputs
-
-IMAGES_FIELD = "images"  # a batch's per-row ImageInputs (None: a text-only row)
+from tandem.protocol.images import IMAGES_FIELD, ImageInputs
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,26 @@ def blank_image(model: nn.Module) -> ImageInputs:
     merge = int(vision.spatial_merge_size)
     width = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
     return ImageInputs(torch.zeros(merge * merge, width), torch.tensor([[1, merge, merge]]))
+
+
+def stored_image_layout(model: nn.Module | Any, prompt_width: int) -> ImageLayout:
+    """The widths a stored draw's image columns take for ``model`` (a vision-language model or its
+    HF config) and prompts ``prompt_width`` tokens wide (:mod:`tandem.dataplane.images`): every
+    image takes at least one of the prompt's tokens and each token ``merge**2`` patches, so a row
+    holds at most ``prompt_width`` images of ``prompt_width * merge**2`` patches together. Bounds
+    from the prompt width alone, so that every rank's and replica's block (and every draw) has one
+    schema; the controller crops them to the draw's own."""
+    vision = getattr(model, "config", model).vision_config
+    width = int(vision.in_channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+    merge = int(vision.spatial_merge_size)
+    return ImageLayout(prompt_width, prompt_width * merge * merge, width)
+
+
+def model_image_layout(model_path: str, prompt_width: int) -> ImageLayout | None:
+    """:func:`stored_image_layout` of the model in ``model_path`` (its config read from disk: a
+    rollout replica holds no trainer module); ``None`` for a text model."""
+    config = AutoConfig.from_pretrained(model_path)
+    return stored_image_layout(config, prompt_width) if is_vision_language(config) else None
 
 
 def decoder_inputs(

@@ -20,6 +20,7 @@ from tandem.pipeline.sample_store import read_fields, release
 from tandem.pipeline.stored_rollout import trim_stored
 from tandem.protocol import Batch
 from tandem.protocol.generation import Completion
+from tandem.protocol.images import IMAGES_FIELD
 from tandem.protocol.sequences import sequence_tensors, trim_padding
 
 
@@ -80,7 +81,8 @@ def assemble_stored(groups: list[GroupMeta], prompt_rows: PromptRows, n: int) ->
     an agent group's episodes add their conversations' columns inline (:func:`episode_columns`).
     No block is read. The blocks are released by whoever ends the step."""
     prompts = prompt_rows.collate([g.index for g in groups]).repeat(n, interleave=True)
-    columns = prompts.select([k for k in prompts.keys() if k != "prompt_ids"]).assign(
+    left_out = {"prompt_ids", IMAGES_FIELD}  # the blocks hold the rows' images (tandem.dataplane.images)
+    columns = prompts.select([k for k in prompts.keys() if k not in left_out]).assign(
         non_tensors={
             "uid": [g.uid for g in groups for _ in range(n)],
             "finish_reason": [reason for g in groups for reason in g.finish_reasons],

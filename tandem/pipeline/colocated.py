@@ -7,7 +7,13 @@ with the weights the last update left there.
 With ``keep_in_store`` (the RL trainer's ``dataplane.enabled``, where its step supports it) a draw
 stays in the data plane: each worker puts its rows' per-token fields into its own store and only
 a :class:`~tandem.dataplane.BatchRef` comes back, with the per-row scalars and response texts
-(:mod:`tandem.pipeline.stored_rollout`); the padding is trimmed by rewriting the reference.
+(:mod:`tandem.pipeline.stored_rollout`); the padding is trimmed by rewriting the reference. Its
+requests name the prompts' rows (``PromptRows.requests``): the workers read their token ids.
+
+With ``fixed_prompt_width`` (an agent program's run) every draw's rows are laid out at
+``prompt_width`` prompt columns before they are trimmed, stored or not: an episode's prompt may be
+wider than the dataset's (a system prompt the program adds), and a stored draw's width must be
+known before the draw. Both paths then hold the same rows, as the asynchronous replicas' do.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ class ColocatedRollout:
     ``dataset`` holds the training prompts (:class:`~tandem.pipeline.requests.PromptRows`),
     ``sampler`` their order, ``shape`` what one draw holds; ``keep_in_store``: draws come back as
     ``BatchRef`` s, their prompts ``prompt_width`` (the training set's widest) tokens wide (see the
-    module docstring; :meth:`generate`, for validation and baselines, still returns a ``Batch``)."""
+    module docstring; :meth:`generate`, for validation and baselines, still returns a ``Batch``);
+    ``fixed_prompt_width``: draws off the store are laid out at ``prompt_width`` too."""
 
     def __init__(
         self,
@@ -41,8 +48,9 @@ class ColocatedRollout:
         shape: StepShape,
         keep_in_store: bool = False,
         prompt_width: int = 0,
+        fixed_prompt_width: bool = False,
     ) -> None:
-        assert not keep_in_store or prompt_width > 0, "stored draws need the widest prompt's width"
+        assert not (keep_in_store or fixed_prompt_width) or prompt_width > 0, "draws need a prompt width"
         self.workers = workers
         self.pad_id = pad_id
         self.dataset = dataset
@@ -50,6 +58,7 @@ class ColocatedRollout:
         self.shape = shape
         self.keep_in_store = keep_in_store
         self.prompt_width = prompt_width
+        self.fixed_prompt_width = fixed_prompt_width
 
     def start(self, trainer_version: int) -> None:
         """Nothing to start: each worker loaded (or resumed) its rollout engine with the actor."""
@@ -59,13 +68,15 @@ class ColocatedRollout:
         group ``i`` of the draw is ``uid`` ``<step>-<draw>-<i>``, response ``j`` of the draw seeded
         from ``(seed, step, draw, j)``."""
         shape = self.shape
-        prompts = self.dataset.collate(self.sampler.take(shape.groups))
+        indices = self.sampler.take(shape.groups)  # stored draws: the workers read the prompts' ids
+        prompts = self.dataset.requests(indices) if self.keep_in_store else self.dataset.collate(indices)
         prompts = prompts.assign(non_tensors={"uid": [f"{step}-{draw}-{i}" for i in range(len(prompts))]})
         samples = prompts.repeat(shape.responses, interleave=True)
         seeds = [derive_seed(shape.seed, step, draw, i) for i in range(len(samples))]
         if self.keep_in_store:
             return self.generate_to_store(samples, seeds, shape.sampling), {}
-        return self.generate(samples, seeds, shape.sampling, None), {}
+        width = self.prompt_width if self.fixed_prompt_width else None
+        return self.generate(samples, seeds, shape.sampling, None, width), {}
 
     def generate_to_store(self, prompts: Batch, seeds: list[int], sampling: SamplingParams) -> BatchRef:
         """As :meth:`generate`, the outputs kept on the workers: a trimmed ``BatchRef`` (for draws,
@@ -80,14 +91,20 @@ class ColocatedRollout:
         return trim_stored(ref)
 
     def generate(
-        self, prompts: Batch, seeds: list[int], sampling: SamplingParams, version: int | None
+        self,
+        prompts: Batch,
+        seeds: list[int],
+        sampling: SamplingParams,
+        version: int | None,
+        prompt_width: int | None = None,
     ) -> Batch:
-        """Responses of each row of ``prompts`` (one request per row, its own seed), trimmed to the
+        """Responses of each row of ``prompts`` (one request per row, its own seed), laid out at
+        ``prompt_width`` prompt columns (default: the widest of ``prompts``), then trimmed to the
         longest; the engines always hold the trainer's latest weights, whatever ``version`` asks."""
         out = self.workers.generate_sequences(
             prompts.assign(non_tensors={"seed": seeds}),
             sampling=sampling,
-            prompt_width=max(len(p) for p in prompts["prompt_ids"]),
+            prompt_width=prompt_width or max(len(p) for p in prompts["prompt_ids"]),
         )
         return trim_padding(Batch(dict(out.tensors.items()), out.non_tensors), self.pad_id)
 

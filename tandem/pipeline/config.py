@@ -49,7 +49,12 @@ class PipelineConfig:
             controller, which maps the files), ``inline`` (the tensors travel with the metadata,
             through the process pipe or Ray's object store: for replicas on other hosts) or
             ``auto`` (shared memory for the replicas that see the controller's ``/dev/shm``,
-            inline for the others).
+            inline for the others). With ``dataplane.enabled=true``, where the draws stay in the
+            replicas' data-plane blocks (:func:`tandem.rl.step_data.rollout_stays_in_store`), the
+            blocks replace the sample store whatever this says: with ``dataplane.engine=ray`` they
+            reach the trainer from any host, with ``shm`` a replica on another host is an error
+            naming ``dataplane.engine``. Where the draws are not stored (a plan stage that does not
+            take stored draws) this says how the samples travel, as with the data plane off.
         max_inflight_bytes: the most bytes of finished prompt groups that may wait in the sample
             store for the trainer (queued, not yet taken by a step), split evenly over the
             replicas. A replica whose share is full stores nothing more and starts no new group:
@@ -70,7 +75,9 @@ class PipelineConfig:
             proximal policy; ``algorithm.rollout_correction.*`` weighs the samples against the
             rollout's log-probs) or ``rollout`` (the log-probs the rollout sampled with: the
             behaviour policy itself, one trainer forward fewer per step; needs rollout.top_p=1
-            and rollout.top_k=0, since truncated sampling changes them).
+            and rollout.top_k=0, since truncated sampling changes them). With
+            ``dataplane.enabled=true`` the draws stay in the replicas' blocks either way: the
+            stored ``rollout_log_probs`` are read as ``old_log_probs`` (``BatchRef.alias``).
         record_schedule: ``one_step_off`` / ``fully_async``: a JSONL file (made absolute where the
             run starts) to which every draw appends, before its step trains, which prompt groups it
             holds and where each came from: replica and restart generation, seeds, request ids,
@@ -83,6 +90,16 @@ class PipelineConfig:
             no replica runs and no weights are synced. The run's ``pipeline.mode`` and the settings
             the record holds (batch shape, seed, algorithm, model) must be the recorded run's.
             Empty (default): generate.
+        stream_forward: ``one_step_off`` / ``fully_async`` with ``dataplane.enabled``: the step's
+            forward-only passes (old and reference log-probs, the critic's values) run on the
+            draw's prompt groups in chunks as they arrive, while the rest are still generating,
+            instead of on the whole draw once it is complete (docs/data-plane.md); refused for a
+            step that reorders or filters the draw's rows first (``trainer.balance_batch`` with
+            more than one actor rank, ``algorithm.filter_groups.enable``). Off (default): the passes
+            wait for the whole draw.
+        stream_forward_groups: prompt groups per chunk with ``stream_forward``; 0 (default): enough
+            for one micro-batch per actor rank (``actor.engine.micro_batch_size`` rows, or with
+            packing ``max_tokens_per_micro_batch`` over the longest sequence, per rank).
     """
 
     mode: str = "sync"
@@ -101,6 +118,8 @@ class PipelineConfig:
     old_log_probs: str = "recompute"
     record_schedule: str = path_field(OUTPUT_PATH)
     replay: str = path_field(INPUT_PATH)
+    stream_forward: bool = False
+    stream_forward_groups: int = 0
 
     def __post_init__(self) -> None:
         check_choice("pipeline", "mode", self.mode, MODES)
@@ -128,6 +147,13 @@ class PipelineConfig:
             )
         if self.replay:
             self._check_replay()
+        check_range("pipeline", "stream_forward_groups", self.stream_forward_groups, low=0)
+        if self.stream_forward and (self.mode == "sync" or self.replay):
+            raise ValueError(
+                f"pipeline.stream_forward streams the rollout replicas' groups to the trainer as they "
+                f"finish; pipeline.mode={self.mode}{' with pipeline.replay' if self.replay else ''} has "
+                "none (set pipeline.mode=one_step_off or fully_async, without pipeline.replay)"
+            )
         if self.mode != "sync" and self.checkpoint_engine.backend == "naive":
             raise ValueError(
                 f"pipeline.mode={self.mode} puts the rollout in other processes; pipeline.checkpoint_engine.backend "

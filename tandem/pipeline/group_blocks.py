@@ -22,6 +22,11 @@ is scored on its messages). The rows' prompt width is then at least ``data.max_p
 where a draw mixes split and unsplit episodes, the controller zeroes every row's positions on the
 padding, the block only a split episode's (no padding column is attended).
 
+A vision-language model's group (the writer's ``images`` layout) stores the request's images in
+each of its rows as tensor columns (:mod:`tandem.dataplane.images`; the tracker packs them beside
+the prompt), text-only groups empty ones, so every block keeps one schema; the controller's rows
+then hold no image object (``assemble_stored`` leaves the collated ``images`` out).
+
 The queue's byte bound counts a block's file (:meth:`GroupBlockWriter.size_of` is exact: it
 encodes the rows as the store will).
 """
@@ -35,10 +40,12 @@ import torch
 from tandem.agents.segments import segment_starts, with_segment_positions
 from tandem.dataplane import BatchRef, DataPlaneConfig, store_for
 from tandem.dataplane.columns import encode
+from tandem.dataplane.images import IMAGE_GRIDS, IMAGE_PIXELS, ImageLayout, image_columns
 from tandem.dataplane.shm import PAGE, ShmStore
 from tandem.pipeline.stored_rollout import NEWEST_VERSION, OLDEST_VERSION, store_rollout, version_span
 from tandem.protocol import Batch
 from tandem.protocol.generation import Completion
+from tandem.protocol.images import IMAGES_FIELD, ImageInputs
 from tandem.protocol.sequences import resize_columns, sequence_tensors
 
 PROMPT_FIELD = "prompt_ids"  # the group's prompt [P] int64, packed with its responses for this writer
@@ -58,9 +65,16 @@ class GroupBlockWriter:
     needs_prompt = True  # the tracker packs the group's prompt ids too
 
     def __init__(
-        self, config: DataPlaneConfig, prompt_width: int, response_width: int, pad_id: int, tokenizer: Any
+        self,
+        config: DataPlaneConfig,
+        prompt_width: int,
+        response_width: int,
+        pad_id: int,
+        tokenizer: Any,
+        images: ImageLayout | None = None,
     ) -> None:
         self.store = store_for(config)
+        self.images = images  # a vision-language model's: every block stores image columns of this layout
         self.hands_over = config.engine == "ray"  # the references own a Ray block, not the store
         self.prompt_width = prompt_width
         self.response_width = response_width
@@ -109,7 +123,11 @@ class GroupBlockWriter:
         )
         fields = with_segment_positions(fields, starts) if any(starts) else with_plain_positions(fields)
         oldest, newest = version_span(fields["weight_version"], fields["response_mask"])
-        return Batch(fields).assign(tensors={OLDEST_VERSION: oldest, NEWEST_VERSION: newest})
+        rows = Batch(fields).assign(tensors={OLDEST_VERSION: oldest, NEWEST_VERSION: newest})
+        if self.images is None:
+            return rows
+        image = ImageInputs(tensors[IMAGE_PIXELS], tensors[IMAGE_GRIDS]) if IMAGE_PIXELS in tensors else None
+        return rows.assign(non_tensors={IMAGES_FIELD: [image] * len(bounds)})  # the group's, each row
 
     def write(self, key: str, tensors: dict[str, torch.Tensor]) -> BatchRef:
         """Put the group's rows as one block; returns its reference (``key`` names nothing here)."""
@@ -121,7 +139,7 @@ class GroupBlockWriter:
         the writer's widths; ``decode``: with their ``response_text``) as one block: a group's, or
         ReMax's greedy responses
         (:meth:`tandem.pipeline.replica_worker.RolloutReplicaWorker.generate_to_store`)."""
-        ref = store_rollout(rows, self.store, self.tokenizer, decode)
+        ref = store_rollout(rows, self.store, self.tokenizer, decode, self.images)
         if self.hands_over:
             ref.release(self.store.release)
         return ref
@@ -130,7 +148,10 @@ class GroupBlockWriter:
         """The bytes of the block :meth:`write` would put (the shm engine's file: each encoded
         array on whole pages)."""
         rows = self.rows(tensors)
-        _, arrays = encode({k: t for k, t in rows.tensors.items() if t.ndim >= 2})
+        stored = {k: t for k, t in rows.tensors.items() if t.ndim >= 2}
+        if self.images is not None:
+            stored.update(image_columns(rows[IMAGES_FIELD], self.images)[0])
+        _, arrays = encode(stored)
         return sum(-(-a.numel() * a.element_size() // PAGE) * PAGE for a in arrays.values())
 
     def discard_all(self) -> None:

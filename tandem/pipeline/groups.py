@@ -37,6 +37,7 @@ import torch
 from tandem.agents.loops import AgentSample
 from tandem.agents.segments import SEGMENT_START_FIELD, segment_start_flags
 from tandem.agents.trajectory import Trajectory
+from tandem.dataplane.images import IMAGE_GRIDS, IMAGE_PIXELS
 from tandem.pipeline.group_blocks import EPISODE_PROMPT_LENGTHS, PROMPT_FIELD, GroupBlockWriter
 from tandem.pipeline.provenance import request_id
 from tandem.pipeline.sample_log import SampleLog
@@ -246,6 +247,9 @@ class GroupTracker:
             tensors["routed_lengths"] = torch.tensor([len(r) for r in routed], dtype=torch.int64)
         if pending.request.episode is None and self.writer.needs_prompt:  # rows are built on the replica
             tensors[PROMPT_FIELD] = torch.tensor(pending.request.prompt_ids, dtype=torch.int64)
+        images = pending.request.images
+        if self.writer.needs_prompt and images is not None and images.num_images:  # stored with its rows
+            tensors[IMAGE_PIXELS], tensors[IMAGE_GRIDS] = images.pixel_values, images.image_grid_thw
         if pending.request.episode is not None:  # trajectories
             tensors["token_mask"] = torch.tensor(
                 [m for t in responses for m in t.loss_mask], dtype=torch.int64

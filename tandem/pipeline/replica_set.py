@@ -292,8 +292,13 @@ class ReplicaSet:
             self.group.log_samples(ranks, self.log_directory)
 
     def _replicas_sending_inline(self) -> list[int]:
-        """The replicas whose samples travel with their metadata (``pipeline.sample_store``)."""
+        """The replicas whose samples travel with their metadata (``pipeline.sample_store``): none
+        when they keep training rows in the data plane (``keep_in_store``), whose blocks replace the
+        sample store whatever ``pipeline.sample_store`` says (:meth:`_check_blocks_reach_trainer`)."""
         everyone = list(range(self.size))
+        if self.keep_in_store is not None:
+            self._check_blocks_reach_trainer(everyone)
+            return []
         if self.pipeline.sample_store == "inline":
             return everyone
         seen = self.group.ranks_seeing(self.sample_dir)
@@ -303,13 +308,22 @@ class ReplicaSet:
                 f"pipeline.sample_store=shared_memory, but rollout replica {blind[0]} cannot read files this "
                 f"process writes in {self.sample_dir} (another host or container); use auto or inline"
             )
-        if blind and self.keep_in_store is not None and self.keep_in_store.engine != "ray":  # ray: any node
+        return blind
+
+    def _check_blocks_reach_trainer(self, ranks: list[int]) -> None:
+        """The replicas ``ranks`` can hand their blocks to the trainer: with ``dataplane.engine=ray``
+        from any node; with ``shm`` (files) only from this host."""
+        assert self.keep_in_store is not None
+        if self.keep_in_store.engine == "ray":
+            return
+        seen = self.group.ranks_seeing(self.keep_in_store.directory)
+        blind = [rank for rank in ranks if rank not in seen]
+        if blind:
             raise ValueError(
                 f"dataplane.enabled=true keeps the samples in the replicas' {self.keep_in_store.directory}, "
                 f"but rollout replica {blind[0]} cannot share files with this process (another host or "
                 "container); set dataplane.engine=ray (Ray's object store, any node), or dataplane.enabled=false"
             )
-        return blind
 
 
 def _local_pids(group: Any) -> list[int]:

@@ -8,8 +8,8 @@ thread while its calls return at once; finished groups go into the shared-memory
 and only their metadata travels back (``start_groups`` / ``collect``); a replica that cannot
 share files with the controller (another host) sends the tensors with it
 (``write_samples_inline``). With ``dataplane.enabled`` the groups go into the replica's
-data-plane store as training rows instead (``keep_samples_in_store``) and a ``BatchRef`` travels
-back.
+data-plane store as training rows instead (``keep_samples_in_store``, which wins over
+``write_samples_inline`` in either order) and a ``BatchRef`` travels back.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from tandem.controller import Worker, register
 from tandem.controller.profiling import ProfilesCalls
 from tandem.dataplane import BatchRef, DataPlaneConfig
 from tandem.device import bind_device
+from tandem.engine.vision_inputs import model_image_layout
 from tandem.models.loading import load_tokenizer
 from tandem.models.vision import ImagePrompter
 from tandem.pipeline.group_blocks import GroupBlockWriter
@@ -107,8 +108,10 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
     @register(dispatch="ONE_TO_ALL")
     def write_samples_inline(self, ranks: list[int]) -> None:
         """The replicas ``ranks`` (those the controller cannot share files with) send finished
-        groups' tensors with their metadata instead of storing them in shared memory."""
-        if self.rank in ranks:
+        groups' tensors with their metadata instead of storing them in shared memory. A replica
+        that keeps its groups in the data plane (:meth:`keep_samples_in_store`) goes on keeping
+        them there: its blocks replace the sample store, whichever call came first."""
+        if self.rank in ranks and not isinstance(self.groups.writer, GroupBlockWriter):
             self.groups.writer.discard_all()
             self.groups.writer = InlineWriter()
 
@@ -122,7 +125,9 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
         if self.rank in ranks:
             self.groups.writer.discard_all()
             tokenizer = load_tokenizer(self.model_path)
-            self.groups.writer = GroupBlockWriter(config, prompt_width, response_width, pad_id, tokenizer)
+            images = model_image_layout(self.model_path, prompt_width)  # a VLM's rows store their images
+            widths = (prompt_width, response_width)
+            self.groups.writer = GroupBlockWriter(config, *widths, pad_id, tokenizer, images)
 
     @register(dispatch="ONE_TO_ALL")
     def log_samples(self, ranks: list[int], directory: str) -> None:

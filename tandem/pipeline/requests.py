@@ -35,6 +35,12 @@ class PromptRows(Protocol):
         holds images. Other columns (the reward's ``ground_truth``...) pass through to training."""
         ...
 
+    def requests(self, indices: list[int]) -> Batch:
+        """The rows ``indices`` as a generation request for workers that read the prompts
+        themselves: :meth:`collate`'s rows, or rows naming their place in the data instead of
+        holding ``prompt_ids`` (the RL dataset's text prompts: :meth:`tandem.rl.data.RLDataset.requests`)."""
+        ...
+
 
 def rollout_requests(
     prompts: Batch, seeds: Sequence[int], sampling: SamplingParams, name: str

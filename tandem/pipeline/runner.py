@@ -24,7 +24,9 @@ number. The controller only sees metadata: the tensors stay in the replicas' sha
 until :func:`~tandem.pipeline.assemble.assemble_batch` pulls them; with ``keep_in_store``
 (``dataplane.enabled``) they stay in the replicas' data-plane blocks and never reach the
 controller (:func:`~tandem.pipeline.assemble.assemble_stored` returns a ``BatchRef``; the step's
-ranks fetch the rows).
+ranks fetch the rows). With ``pipeline.stream_forward`` the trainer's forward-only passes run on
+the groups that have finished while the wait goes on (:meth:`AsyncRollout.stream_chunks`,
+:mod:`tandem.pipeline.draw_chunks`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 from tandem.dataplane import BatchRef, DataPlaneConfig
 from tandem.pipeline.assemble import assemble_batch, assemble_stored
 from tandem.pipeline.async_policy import Action, async_policy
+from tandem.pipeline.draw_chunks import ChunkConsumer, DrawChunks
 from tandem.pipeline.replica_plan import ReplicaPlan, replica_first_gpu
 from tandem.pipeline.replica_set import ReplicaSet
 from tandem.pipeline.replica_worker import RolloutReplicaWorker
@@ -107,6 +110,7 @@ class AsyncRollout:
         self._last_waited = 0.0
         self._last_dropped = 0
         self._last_restarts = 0
+        self._stream: tuple[ChunkConsumer, int] | None = None  # (consumer, groups per chunk)
 
     @property
     def replicas(self) -> Any:
@@ -147,6 +151,17 @@ class AsyncRollout:
         """Stop the replicas' recording; returns the trace paths."""
         return self.replica_set.stop_profile()
 
+    def stream_chunks(self, groups: int, consumer: ChunkConsumer) -> None:
+        """From now on, hand ``consumer`` each draw's rows ``groups`` prompt groups at a time, as
+        they finish (``pipeline.stream_forward``; :mod:`tandem.pipeline.draw_chunks`): those that
+        finish while :meth:`next_batch` waits at once, the rest before it returns."""
+        if self.keep_in_store is None:
+            raise ValueError(
+                "pipeline.stream_forward hands the trainer references to the replicas' blocks: it needs "
+                "the draws kept there (dataplane.enabled=true, and every stage of the step plan taking stored draws)"
+            )
+        self._stream = (consumer, groups)
+
     def next_batch(self, step: int, draw: int) -> tuple[Batch | BatchRef, dict[str, float]]:
         """The prompt groups of step ``step``'s ``draw``-th draw (generation fields, as the sync
         pipeline makes them, plus ``weight_version``), and the draw's ``pipeline/*`` metrics; a
@@ -154,12 +169,23 @@ class AsyncRollout:
         assert self.replica_set.fleet is not None, "start() first"
         trainer_version = self.replica_set.trainer_version = step - 1
         self._act(self.policy.drawing(draw), trainer_version)
+        chunks = (
+            None
+            if self._stream is None
+            else DrawChunks(*self._stream, self.prompts, self.plan.shape.responses)
+        )
         started = time.monotonic()
-        groups = self.queue.take(self.groups_per_step, trainer_version, self.replica_set.check)
+        groups = self.queue.take(
+            self.groups_per_step, trainer_version, self.replica_set.check,
+            **(chunks.take_args() if chunks is not None else {}),
+        )  # fmt: skip
         waited = time.monotonic() - started
         if self.schedule is not None:
             self.schedule.write(step, draw, trainer_version, groups)
         metrics = {"pipeline/trainer_idle_s": waited, "pipeline/queue_depth": float(len(self.queue))}
+        if chunks is not None:
+            chunks.finish(groups)
+            metrics.update(chunks.metrics(waited))
         metrics.update(self._act(self.policy.taken(self.rollout_version, trainer_version), trainer_version))
         n = self.plan.shape.responses
         if self.keep_in_store is not None:

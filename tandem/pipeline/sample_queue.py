@@ -149,13 +149,20 @@ class SampleQueue:
         trainer_version: int,
         check: Callable[[], None] = lambda: None,
         poll_s: float = 0.05,
+        chunk: int = 0,
+        on_chunk: Callable[[list[GroupMeta]], None] | None = None,
     ) -> list[GroupMeta]:
         """The first ``count`` groups fresh enough for ``trainer_version``, waiting as long as it takes.
 
         Stale groups met on the way are dropped (their files released) and counted. ``check``
-        runs every ``poll_s`` while waiting; it raises to stop the wait (a dead replica).
+        runs every ``poll_s`` while waiting; it raises to stop the wait (a dead replica). With
+        ``on_chunk``, every ``chunk`` groups taken while the wait goes on are handed to it at once,
+        in order, outside the queue's lock (the trainer's forward passes on them:
+        ``pipeline.stream_forward``); the groups of the last, unfinished chunk are not (the caller
+        has all ``count`` when this returns).
         """
         taken: list[GroupMeta] = []
+        handed = 0
         while True:
             with self._ready:
                 while self._groups and len(taken) < count:
@@ -167,7 +174,11 @@ class SampleQueue:
                         taken.append(group)
                 if len(taken) == count:
                     return taken
-                self._ready.wait(timeout=poll_s)
+                if on_chunk is None or len(taken) - handed < chunk:
+                    self._ready.wait(timeout=poll_s)
+            while on_chunk is not None and len(taken) - handed >= chunk > 0:
+                on_chunk(taken[handed : handed + chunk])
+                handed += chunk
             check()
 
     def _too_stale(self, group: GroupMeta, trainer_version: int) -> bool:

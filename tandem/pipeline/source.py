@@ -9,6 +9,11 @@ baselines through :meth:`BatchSource.generate`), trains, and hands back each new
   the draw when it is asked for.
 * ``one_step_off`` / ``fully_async`` — :class:`tandem.pipeline.runner.AsyncRollout`: rollout
   replicas generate ahead of the trainer, within the staleness bound.
+
+A source whose draws' groups finish one by one may also stream them: ``stream_chunks(groups,
+consumer)`` (only :class:`~tandem.pipeline.runner.AsyncRollout` has it, for
+``pipeline.stream_forward``) hands ``consumer`` each draw's rows in chunks of ``groups`` prompt
+groups, in the draw's order, as they finish (:mod:`tandem.pipeline.draw_chunks`).
 """
 
 from __future__ import annotations
@@ -84,6 +89,8 @@ SUMMED_DRAW_METRICS = (
     "pipeline/dropped_stale",
     "pipeline/partial_samples",
     "pipeline/rollout_wait_s",
+    "pipeline/streamed_rows",
+    "pipeline/stream_forward_s",
 )
 MAXIMUM_DRAW_METRICS = ("pipeline/staleness/max", "pipeline/inflight_bytes_max")
 

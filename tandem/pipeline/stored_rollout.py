@@ -8,7 +8,9 @@ responses right-padded to ``sampling.max_tokens``) into
 
 * one block in the rank's store with every ``[B, ...]`` tensor: ``prompts``, ``responses``,
   ``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask``, ``rollout_log_probs``,
-  ``weight_version`` (and ``routed_experts``), in the jagged narrow wire form;
+  ``weight_version`` (and ``routed_experts``; a vision-language run's images as ``image_pixels``
+  and ``image_grid_thw``, with their ``[B]`` widths inline: :mod:`tandem.dataplane.images`), in the
+  jagged narrow wire form;
 * inline, per row: the request's columns (``uid``, ``index``, ``data_source``, ``ground_truth``,
   ``extra_info``, ``seed``, ...) but not its ``prompt_ids``, and ``finish_reason``,
   ``prompt_length [B]``, ``response_length [B]``, ``last_sampled [B]`` (the column of the last
@@ -18,6 +20,7 @@ responses right-padded to ``sampling.max_tokens``) into
 On the controller, :func:`trim_stored` cuts every stored field to the longest prompt and response
 of all ranks' rows, as :func:`tandem.protocol.sequences.trim_padding` cuts a ``Batch``, by cropping
 the reference (no payload is read). Draws stored at one width (the training set's longest prompt,
+or an agent program's wider one: :func:`tandem.rl.batch_source.stored_prompt_width`;
 ``sampling.max_tokens``) join with :func:`concat_stored` (DAPO's draws), and :func:`rows_outside`
 names the rows whose blocks a selection no longer needs (to release them).
 """
@@ -30,7 +33,9 @@ import numpy as np
 import torch
 
 from tandem.dataplane import BatchRef, FieldSchema, Store
+from tandem.dataplane.images import IMAGE_WIDTHS, ImageLayout, image_columns, image_window
 from tandem.protocol import Batch
+from tandem.protocol.images import IMAGES_FIELD
 from tandem.protocol.sequences import (
     PROMPT_LENGTH,
     RESPONSE_LENGTH,
@@ -57,10 +62,13 @@ def version_span(versions: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tens
     return oldest, newest
 
 
-def store_rollout(batch: Batch, store: Store, tokenizer: Any, decode: bool = True) -> BatchRef:
+def store_rollout(
+    batch: Batch, store: Store, tokenizer: Any, decode: bool = True, images: ImageLayout | None = None
+) -> BatchRef:
     """``batch`` (one rank's generated rows) with its per-token fields put into ``store`` and the
     per-row scalars above inline (see the module docstring); ``decode=False``: no ``response_text``
-    (a replica's agent episodes, whose conversations the controller holds)."""
+    (a replica's agent episodes, whose conversations the controller holds). ``images``: the
+    rows' ``images`` field is stored as tensor columns of that layout (:mod:`tandem.dataplane.images`)."""
     lengths = response_lengths(batch)
     scalars: dict[str, Any] = {
         PROMPT_LENGTH: prompt_lengths(batch),
@@ -70,7 +78,11 @@ def store_rollout(batch: Batch, store: Store, tokenizer: Any, decode: bool = Tru
     texts = {}
     if decode and "agent_messages" not in batch:
         texts[RESPONSE_TEXT] = decode_responses(tokenizer, batch["responses"], lengths)
-    rows = batch.select([k for k in batch.keys() if k != "prompt_ids"])
+    if images is not None and IMAGES_FIELD in batch:
+        stored, widths = image_columns(batch[IMAGES_FIELD], images)
+        scalars.update({**stored, **widths})
+    dropped = {"prompt_ids", IMAGES_FIELD} if images is not None else {"prompt_ids"}  # (images: stored)
+    rows = batch.select([k for k in batch.keys() if k not in dropped])
     return BatchRef.put(rows.assign(tensors=scalars, non_tensors=texts), store)
 
 
@@ -90,6 +102,8 @@ def trim_stored(ref: BatchRef) -> BatchRef:
             windows[name] = (len(schema.shape) - 1, left, prompt_width + keep_response)
         elif name in ROUTING_FIELDS:  # [B, P+R, L, k]
             windows[name] = (0, left, prompt_width + keep_response)
+        elif name in IMAGE_WIDTHS:  # [B, P, D] / [B, I, 3]: the rows' most patches / images
+            windows[name] = image_window(name, ref)
         elif len(schema.shape) == 1 and schema.shape[0] == response_width:  # [B, R] response fields
             windows[name] = (0, 0, keep_response)
     return ref.crop(windows)

@@ -12,6 +12,8 @@ import torch
 
 from tandem.device import to_device
 
+IMAGES_FIELD = "images"  # a batch's per-row ImageInputs (None: a text-only row)
+
 
 @dataclass(frozen=True)
 class ImageInputs:

@@ -61,7 +61,9 @@ def rl_batch_source(
             replica_plan(config), workers, train_data, sampler, pad_id, kept if in_store else None, width
         )
     shape = step_shape(config)
-    source = ColocatedRollout(workers, pad_id, train_data, sampler, shape, in_store, width)
+    source = ColocatedRollout(
+        workers, pad_id, train_data, sampler, shape, in_store, width, config.agent.uses_program
+    )
     inputs = SourceInputs(workers, train_data, sampler, tokenizer, shape, in_store, width)
     return plan.batch_source(config, source, inputs)
 
@@ -69,11 +71,12 @@ def rl_batch_source(
 def stored_prompt_width(config: TrainConfig, train_data: RLDataset) -> int:
     """The prompt columns of a stored draw's rows: the training set's widest prompt; for agent
     episodes on rollout replicas at least ``data.max_prompt_length``, as their prompts are rendered
-    with the tools' schemas, and for an agent program's ``rollout.max_response_length`` more (its
-    system prompt counts against that budget: :mod:`tandem.agents.program.recorder`). Padding
-    costs no stored byte; the draw is cropped to its longest prompt."""
+    with the tools' schemas, and for an agent program's, in every mode, ``rollout.max_response_length``
+    more (its system prompt counts against that budget: :mod:`tandem.agents.program.recorder`; in
+    ``sync`` its draws are laid out at this width stored or not). Padding costs no stored byte; the
+    draw is cropped to its longest prompt."""
     width = max(len(sample.prompt_ids) for sample in train_data.samples)
-    if not (config.agent.enabled and config.pipeline.disaggregated):
+    if not (config.agent.enabled and (config.pipeline.disaggregated or config.agent.uses_program)):
         return width
     width = max(width, config.data.max_prompt_length)
     return width + (config.rollout.max_response_length if config.agent.uses_program else 0)

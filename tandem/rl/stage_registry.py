@@ -47,6 +47,10 @@ What the rest of the run asks a plan, its stages declare (never an algorithm's f
 stage does (its ``batch`` may be a ``BatchRef``; a pass reaches the data through ``data.stage``)
 and a stage of another slot does not (it may read the draw's tensors).
 
+``streams`` says whether a ``pass`` stage may run on a draw's chunks as they arrive
+(``pipeline.stream_forward``: :mod:`tandem.rl.stream_forward`): a forward-only pass whose outputs
+for a row depend on that row alone, reached through ``data.stage`` without ``joined``.
+
 The stages themselves are registered by the modules of :mod:`tandem.rl.stages`, imported by
 :mod:`tandem.rl.step_plan` (which re-exports :class:`StepPlan` and :func:`build_step_plan`). This
 module holds the registry and the plan built from it, and imports no stage, so that the config's
@@ -60,6 +64,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.registry import Registry
+from tandem.rl.stream_plan import check_stream_forward
 
 SINGLE_SLOTS = ("collect", "update")  # exactly one stage each
 MANY_SLOTS = ("draw", "prepare", "pass", "view")  # any number each, in order
@@ -90,6 +95,7 @@ class StepStage:
         critic: an update's ``config -> bool``: whether a critic trains beside it.
         replay: ``config -> str``: why ``pipeline.replay`` cannot run the stage (``None``: it can).
         batch_source: ``(config, source, inputs) -> BatchSource``: the run's source, wrapped.
+        streams: a pass that may run on a draw's chunks as they arrive (``pipeline.stream_forward``).
     """
 
     name: str
@@ -107,6 +113,7 @@ class StepStage:
     critic: Callable[[Any], bool] | None = None
     replay: Callable[[Any], str] | None = None
     batch_source: Callable[[Any, Any, Any], Any] | None = None
+    streams: bool = False
 
     def __post_init__(self) -> None:
         if self.slot not in SLOTS:
@@ -122,6 +129,8 @@ class StepStage:
             raise ValueError(
                 f"step stage {self.name!r}: {'=, '.join(declared)}= are an update's declarations"
             )
+        if self.streams and self.slot != "pass":
+            raise ValueError(f"step stage {self.name!r}: streams=True is for the pass slot")
         if self.stored is None:
             object.__setattr__(self, "stored", self.slot in STORED_BY_DEFAULT)
         object.__setattr__(self, "__module__", self.run.__module__)  # where it came from (tandem algos)
@@ -144,6 +153,7 @@ def register_step_stage(
     runs: tuple[str, ...] = (),
     stored: bool | None = None,
     rule: Callable[[Any, Any], None] | None = None,
+    streams: bool = False,
     **declarations: Callable[..., Any],
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: register the function as step stage ``name`` in ``slot`` (see the module
@@ -152,7 +162,10 @@ def register_step_stage(
     raises."""
 
     def decorator(run: Callable[..., Any]) -> Callable[..., Any]:
-        stage = StepStage(name, slot, applies, run, order, default, check, runs, stored, rule, **declarations)
+        stage = StepStage(
+            name, slot, applies, run, order, default, check, runs, stored, rule, streams=streams,
+            **declarations,
+        )  # fmt: skip
         STEP_STAGES.register(name)(stage)
         return run
 
@@ -234,6 +247,11 @@ class StepPlan:
         declares it does (``StepStage.stored``); otherwise the draw is built on the controller."""
         return all(stage.stored for stage in self.stages())
 
+    @property
+    def streamed_passes(self) -> tuple[StepStage, ...]:
+        """The passes that may run on a draw's chunks as they arrive (``StepStage.streams``)."""
+        return tuple(stage for stage in self.passes if stage.streams)
+
     def replay_refusals(self, config: Any) -> list[str]:
         """Why a replay (``pipeline.replay``) cannot run this plan: each stage's ``replay`` reason."""
         return [stage.replay(config) for stage in self.stages() if stage.replay is not None]
@@ -251,6 +269,8 @@ class StepPlan:
         for stage in self.stages():
             if stage.rule is not None:
                 stage.rule(config, self)
+        if config.pipeline.stream_forward:
+            check_stream_forward(config, self)
 
     def names(self) -> dict[str, tuple[str, ...]]:
         """Each slot's stage names."""

@@ -67,14 +67,21 @@ def _worker_group(group: Group | None) -> WorkerGroup | None:
 
 
 def step_data(
-    batch: Batch | BatchRef, config: DataPlaneConfig, enabled: bool, producer: Group | None = None
+    batch: Batch | BatchRef,
+    config: DataPlaneConfig,
+    enabled: bool,
+    producer: Group | None = None,
+    streamed: dict[str, tuple[Group, BatchRef]] | None = None,
 ) -> BatchStep | RefStep:
     """The holder of the step's data: the store's when ``enabled`` or when ``batch`` is already a
-    ``BatchRef`` (put by ``producer``'s ranks, who release it), else the ``Batch`` itself."""
+    ``BatchRef`` (put by ``producer``'s ranks, who release it), else the ``Batch`` itself.
+    ``streamed``: passes' outputs for the stored draw's rows made before the step, by method name
+    (``pipeline.stream_forward``: :mod:`tandem.rl.stream_forward`), which the step keeps instead of
+    running those methods."""
     if isinstance(batch, BatchRef):
         if producer is None:
             raise ValueError("a stored draw needs the group that put it (producer), to release it")
-        return RefStep(batch, config, producer)
+        return RefStep(batch, config, producer, streamed)
     return RefStep(batch, config) if enabled else BatchStep(batch)
 
 
@@ -86,21 +93,15 @@ def rollout_stays_in_store(config: Any, has_images: bool, plan: Any) -> bool:
 
     Not for a plan with a stage that still rebuilds or extends the draw's padded batch on the
     controller (``StepPlan.takes_stored_draws``: each stage declares it; a plugin's ``view``
-    stage, ``pipeline.old_log_probs=rollout``, which renames a stored field) and images; nor for
-    an agent program in ``sync`` (its rows' prompt columns are the batch's widest prompt there, a
-    longer prompt's tokens moved into the response: ``fit_prompt_columns``); agent episodes
-    otherwise stay stored (the asynchronous replicas': :meth:`tandem.pipeline.group_blocks.GroupBlockWriter.rows`);
-    nor, in the asynchronous modes, for ``pipeline.sample_store=inline`` (which sends the samples to
-    the controller; ``dataplane.engine=ray`` keeps replicas on other hosts' groups in Ray's object
-    store instead). Those runs put the controller's batch once."""
-    asynchronous = config.pipeline.disaggregated
-    return (
-        config.dataplane.enabled
-        and plan.takes_stored_draws
-        and not (asynchronous and config.pipeline.sample_store == "inline")
-        and not (config.agent.uses_program and not asynchronous)
-        and not has_images
-    )
+    stage). Image prompts stay stored (``has_images``: their images are tensor columns of the
+    workers' and the replicas' blocks, :mod:`tandem.dataplane.images`); agent
+    episodes stay stored (the asynchronous replicas': :meth:`tandem.pipeline.group_blocks.GroupBlockWriter.rows`;
+    an agent program's in ``sync`` at a prompt width fixed before the draw:
+    :func:`tandem.rl.batch_source.stored_prompt_width`). Those runs put the controller's batch
+    once. ``pipeline.old_log_probs=rollout`` gives the stored log-probs a second name
+    (``BatchRef.alias``), and ``pipeline.sample_store`` says how the samples travel only where the
+    draws are not stored (the replicas' blocks replace the sample store: :mod:`tandem.pipeline.replica_set`)."""
+    return config.dataplane.enabled and plan.takes_stored_draws
 
 
 class BatchStep:
@@ -128,11 +129,18 @@ class RefStep:
     module docstring)."""
 
     def __init__(
-        self, batch: Batch | BatchRef, config: DataPlaneConfig, producer: Group | None = None
+        self,
+        batch: Batch | BatchRef,
+        config: DataPlaneConfig,
+        producer: Group | None = None,
+        streamed: dict[str, tuple[Group, BatchRef]] | None = None,
     ) -> None:
         self.store = store_for(config)
         self.kept: list[BatchRef] = []  # the stages' outputs, kept on their ranks, in stage order
         self._releases: list[Callable[[], None]] = []
+        self.streamed = {name: output for name, (_, output) in (streamed or {}).items()}
+        for group, output in (streamed or {}).values():  # the step's, whether a stage takes it or not
+            self._releases.append(lambda group=group, output=output: _worker_group(group).release_refs(output))
         self.fetched: dict[str, Any] = {}  # the first block's fields the controller read (view)
         if isinstance(batch, BatchRef):  # the draw, kept by the ranks that generated it
             self.batch = batch.scalars
@@ -149,7 +157,11 @@ class RefStep:
 
     def stage(self, group: Group, method: Stage, joined: bool = False) -> None:
         """``method`` over the step's first block (its draw), or with ``joined`` over it and the
-        outputs kept so far (a stage that reads an earlier stage's: GKD's dataset steps)."""
+        outputs kept so far (a stage that reads an earlier stage's: GKD's dataset steps). A method
+        whose output was streamed is not run again: that output joins the step."""
+        if method.__name__ in self.streamed:
+            self.kept.append(self.streamed.pop(method.__name__))
+            return
         output = method(self.joined() if joined else self.first)
         self.kept.append(output)
         self._releases.append(lambda: _worker_group(group).release_refs(output))
@@ -159,8 +171,10 @@ class RefStep:
         a stored draw, also the rollout fields the advantages read and the per-token scores."""
         tensors: dict[str, Any] = {}
         stored = SEQUENCE_SCORE in self.batch
-        from_rollout = rollout_reads({f for output in self.kept for f in output.schema}) if stored else ()
-        from_first = [f for f in from_rollout if f in self.first.schema]
+        made = {f for output in [self.first, *self.kept] for f in output.schema}  # the first's alias too
+        from_rollout = rollout_reads(made) if stored else ()
+        in_first = [f for f in dict.fromkeys([*from_rollout, *reads]) if f in self.first.schema]
+        from_first = in_first if stored else []  # (old_log_probs=rollout: an alias in the draw)
         for output in self.kept:  # (a stage made a dataset step's rollout log-probs: GKD)
             wanted = [f for f in {*reads, *from_rollout} - set(from_first) if f in output.schema]
             if wanted:

@@ -59,6 +59,7 @@ from tandem.rl.scoring import score_responses
 from tandem.rl.step_data import step_data
 from tandem.rl.step_metrics import reduced_worker_metrics, step_end_metrics
 from tandem.rl.step_plan import build_step_plan
+from tandem.rl.stream_forward import ForwardStream, stream_forward
 from tandem.rl.validation import validation_metrics, validation_prompts, validation_samples
 from tandem.rl.worker_groups import start_worker_groups
 from tandem.rollout.factory import check_engine_installed
@@ -146,6 +147,7 @@ class RLTrainer:
             if stage.check is not None:
                 stage.check(self)  # a stage's own settings, before any model loads
         self.rollout: BatchSource | None = None  # built with the workers
+        self.stream: ForwardStream | None = None  # the passes on draws' chunks (pipeline.stream_forward)
         self.critics = None  # the critic's worker group, when the estimator reads values
         self.teachers = None  # the teacher's ranks, when the run distils
 
@@ -183,6 +185,7 @@ class RLTrainer:
                         self.config, self.workers, self.train_data, self.sampler, self.tokenizer
                     )
                     self.rollout.start(self.step)
+                    self.stream = stream_forward(self)
                     self._record_processes()
                     run_steps(self, self._schedule(), self.record, self._profiled)
                 failed = False
@@ -272,7 +275,8 @@ class RLTrainer:
         config, plan = self.config, self.plan
         for stage in plan.prepares:
             batch = stage(self, batch)
-        data = step_data(batch, config.dataplane, config.dataplane.enabled, self.workers)
+        streamed = self.stream.outputs_for(batch, timings) if self.stream is not None else None
+        data = step_data(batch, config.dataplane, config.dataplane.enabled, self.workers, streamed)
         try:
             for stage in plan.passes:
                 stage(self, data, timings)

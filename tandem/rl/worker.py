@@ -34,6 +34,7 @@ from tandem.engine.divergence import ModelHealth, SkippedUpdates
 from tandem.engine.forward_fields import FORWARD_FIELDS
 from tandem.engine.offload import Residency
 from tandem.engine.on_rank import bind_rank, frozen_copy, parameter_count, parked, start_engine
+from tandem.engine.vision_inputs import stored_image_layout
 from tandem.models.loading import check_vocab_compatible, load_tokenizer
 from tandem.models.vision import ImagePrompter
 from tandem.pipeline.requests import rollout_requests, with_completions
@@ -43,6 +44,7 @@ from tandem.protocol.generation import raise_failed_requests
 from tandem.protocol.sequences import response_part
 from tandem.rl.actor_loss import make_actor_loss
 from tandem.rl.config import TrainConfig
+from tandem.rl.data.prompt_rows import RankPrompts
 from tandem.rl.dataset_step_worker import DatasetStepRanks
 from tandem.rl.derived import actor_engine_config, rollout_engine_config
 from tandem.rl.metric_shares import MEAN_PREFIXES, reduce_metric
@@ -95,6 +97,7 @@ class ActorRolloutRefWorker(DatasetStepRanks, SendsWeights, ProfilesCalls, Worke
             torch.set_num_threads(config.pipeline.trainer_threads)
         self._peaks: dict[str, float] = {}
         self.tokenizer = load_tokenizer(config.model_path)
+        self.prompt_rows = RankPrompts.of_config(config.data, self.tokenizer)  # requests by place
         self.engine = start_engine(
             self,
             actor_engine_config(config, str(self.device), config.actor.engine.strategy, schedule_steps),
@@ -180,9 +183,14 @@ class ActorRolloutRefWorker(DatasetStepRanks, SendsWeights, ProfilesCalls, Worke
     def generate_to_store(self, prompts: Batch, *, sampling: SamplingParams, prompt_width: int) -> BatchRef:
         """:meth:`generate_sequences` with its outputs kept in this rank's store: the per-token fields
         as one block, and back only a ``BatchRef`` with the rows' scalars and decoded response texts
-        (:func:`tandem.pipeline.stored_rollout.store_rollout`)."""
+        (:func:`tandem.pipeline.stored_rollout.store_rollout`). Rows naming their place in the data
+        (``RLDataset.requests``) get their ``prompt_ids`` and ``raw_prompt`` read here first
+        (:class:`~tandem.rl.data.prompt_rows.RankPrompts`)."""
+        prompts = self.prompt_rows.built(prompts)
         out = self.generate_sequences(prompts, sampling=sampling, prompt_width=prompt_width)
-        return store_rollout(out, self._tandem_data_store(), self.tokenizer)
+        engine = self.engine
+        images = stored_image_layout(engine.causal_lm, prompt_width) if engine.vision_language else None
+        return store_rollout(out, self._tandem_data_store(), self.tokenizer, images=images)
 
     def _single_turn(self, prompts: Batch, sampling: SamplingParams, prompt_width: int) -> Batch:
         completions = self.rollout.generate_batch(

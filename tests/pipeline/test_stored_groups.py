@@ -149,13 +149,13 @@ def test_a_tracker_with_the_block_writer_stores_rows_within_its_room(rl_files, p
         (("pipeline.mode=one_step_off",), True),
         (("pipeline.mode=fully_async",), True),
         (("pipeline.mode=fully_async", "dataplane.enabled=false"), False),
-        (("pipeline.mode=fully_async", "pipeline.old_log_probs=rollout"), False),  # renames a stored field
-        (("pipeline.mode=one_step_off", "pipeline.sample_store=inline"), False),  # replicas elsewhere
+        (("pipeline.mode=fully_async", "pipeline.old_log_probs=rollout"), True),  # an alias: BatchRef.alias
+        (("pipeline.mode=one_step_off", "pipeline.sample_store=inline"), True),  # blocks replace the samples
         (("pipeline.mode=one_step_off", "trainer.backend=ray", "dataplane.engine=ray"), True),  # any node
         (("pipeline.mode=one_step_off", "agent.name=tool_agent", "agent.tools=[calculator]"), True),
         (("pipeline.mode=fully_async", "agent.name=program", "agent.program={program}"), True),
         (("pipeline.mode=sync", "agent.name=tool_agent", "agent.tools=[calculator]"), True),
-        (("pipeline.mode=sync", "agent.name=program", "agent.program={program}"), False),  # batch's width
+        (("pipeline.mode=sync", "agent.name=program", "agent.program={program}"), True),  # a fixed width
     ],
 )
 def test_which_asynchronous_runs_keep_their_draws_in_the_replicas_blocks(

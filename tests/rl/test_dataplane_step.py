@@ -154,7 +154,7 @@ def reads_on_wire(ref: BatchRef, reads: tuple[str, ...], probed: Counter) -> Cou
     before = traffic()
     expected, seen = Counter(), set()
     for part in ref.parts:
-        names = [f for f in reads if f in part.fields]
+        names = part.stored_names(f for f in reads if f in part.fields)  # an alias: its stored field
         assert not seen & set(names), f"fields {seen & set(names)} stored twice"  # one fetch a field
         seen.update(names)
         for b in np.unique(part.block_of_row) if names else ():

@@ -85,9 +85,7 @@ def test_each_config_selects_its_algorithms_stages(overrides):
     assert plan.takes_stored_draws == (not stages & BUILT_ON_THE_CONTROLLER)
 
 
-BUILT_ON_THE_CONTROLLER = {  # the stages whose draws are still built on the controller (StepStage.stored)
-    "rollout_old_log_probs",
-}  # fmt: skip
+BUILT_ON_THE_CONTROLLER: set[str] = set()  # built-in stages whose draws are built on the controller (StepStage.stored)
 
 
 class Prompts(list):

@@ -224,7 +224,10 @@ class EpisodeRecord:
 def fit_prompt_columns(trajectory: Trajectory, prompt_width: int) -> Trajectory:
     """``trajectory`` laid out for ``prompt_width`` prompt columns: a longer prompt's tokens past
     them move to the front of the response, ``loss_mask`` 0 (the sequence itself is unchanged,
-    so the trainer's log-probs of the sampled tokens are too)."""
+    so the trainer's log-probs of the sampled tokens are too). A training draw's rows have room
+    for the whole prompt (``rollout.max_response_length`` more columns than the dataset's prompts:
+    :func:`tandem.rl.batch_source.stored_prompt_width`); validation's and greedy baselines' are
+    laid out at the batch's widest prompt, where this moves tokens."""
     extra = len(trajectory.prompt_ids) - prompt_width
     if extra <= 0:
         return trajectory

@@ -10,8 +10,10 @@ model a row may also hold images (verl's ``images`` column and ``<image>`` place
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,12 @@ class PromptSample:
     raw_prompt: list
     agent_name: str = ""  # the row's agent loop (empty: agent.name)
     images: PromptImages | None = None
+
+
+PROMPT_PLACE = "prompt_place"  # per request row: (file, row), its file's number in PromptSource.files
+# and its row's in that file, as read (filtered rows counted)
+PROMPT_SOURCE = "prompt_source"  # meta: the PromptSource.key those places refer to
+REBUILT = ("prompt_ids", "raw_prompt")  # what a request by place leaves to the worker to build
 
 
 REQUIRED = {  # what each required field must hold, for the messages
@@ -112,7 +120,32 @@ def as_files(paths: DataFiles) -> tuple[Path, ...]:
     return tuple(Path(path) for path in files)
 
 
-def _sample(
+@dataclass(frozen=True)
+class PromptSource:
+    """How :meth:`RLDataset.load` read and tokenised its prompts: the files in order and the settings
+    it was given; a worker rebuilding a row from its place uses the same
+    (:mod:`tandem.rl.data.prompt_rows`)."""
+
+    files: tuple[str, ...]
+    max_prompt_length: int
+    overlong: str
+    special_tokens_in_text: str
+
+    @staticmethod
+    def of(
+        paths: DataFiles, max_prompt_length: int, overlong: str, special_tokens_in_text: str
+    ) -> PromptSource:
+        """The source of ``paths`` (:func:`as_files`) read with these settings."""
+        files = tuple(str(path) for path in as_files(paths))
+        return PromptSource(files, max_prompt_length, overlong, special_tokens_in_text)
+
+    @property
+    def key(self) -> str:
+        """A short name of this source (a hash of its fields): what a request's meta carries."""
+        return hashlib.sha256(repr(dataclasses.astuple(self)).encode()).hexdigest()[:16]
+
+
+def prompt_sample(
     row: Any,
     where: str,
     tokenizer: Any,
@@ -122,7 +155,8 @@ def _sample(
     folder: Path,
     special_tokens_in_text: str = "text",
 ) -> PromptSample | None:
-    """One validated, tokenised row; ``None`` when ``overlong=filter`` drops it."""
+    """One validated, tokenised row; ``None`` when ``overlong=filter`` drops it (what :meth:`RLDataset.load`
+    makes of each row, and a rank of a request's rows: :mod:`tandem.rl.data.prompt_rows`)."""
     validate_row(row, where)
     images = row_images(row, where, folder, reader)
     messages = row["prompt"] if images is None else with_image_parts(row["prompt"])[0]
@@ -164,11 +198,15 @@ def _sample(
 @dataclass
 class RLDataset:
     """Tokenised prompts; ``filtered`` counts the prompts dropped as longer than ``max_prompt_length``;
-    ``reader`` processes the prompts' images when a batch is built."""
+    ``reader`` processes the prompts' images when a batch is built; ``positions`` holds each sample's
+    ``(file, row)``: the file's number in ``source.files`` and the row's in that file (set by
+    :meth:`load`, with ``source``)."""
 
     samples: list[PromptSample]
     filtered: int = 0
     reader: ImageReader | None = None
+    positions: list[tuple[int, int]] = field(default_factory=list)
+    source: PromptSource | None = None
 
     @staticmethod
     def load(
@@ -188,14 +226,14 @@ class RLDataset:
         ``special_tokens_in_text`` is ``data.special_tokens_in_text`` (:func:`~tandem.models.chat.template_ids`)."""
         reader = images or ImageReader(model_path="")
         files = as_files(paths)
-        samples, filtered = [], 0
-        for path in files:
+        samples, filtered, positions = [], 0, []
+        for number, path in enumerate(files):
             rows = read_rows(path)
             if not rows:
                 raise ValueError(f"data file {path} has no rows")
             for index, row in enumerate(rows):
                 where = f"{path}: row {index}"
-                sample = _sample(
+                sample = prompt_sample(
                     row,
                     where,
                     tokenizer,
@@ -209,12 +247,14 @@ class RLDataset:
                     filtered += 1
                 else:
                     samples.append(sample)
+                    positions.append((number, index))
         if not samples:
             names = ", ".join(str(path) for path in files)
             raise ValueError(
                 f"{names}: no usable prompts ({filtered} longer than {max_prompt_length} tokens)"
             )
-        return RLDataset(samples, filtered, reader)
+        source = PromptSource.of(files, max_prompt_length, overlong, special_tokens_in_text)
+        return RLDataset(samples, filtered, reader, positions, source)
 
     def check_fills_batch(self, batch_size: int, field: str) -> None:
         """Raise ``ValueError`` with the numbers when there are fewer prompts than one batch:
@@ -261,3 +301,17 @@ class RLDataset:
                 **images,
             }
         )
+
+    def requests(self, indices: list[int]) -> Batch:
+        """The rows at ``indices`` as a generation request naming each row's place, not its tokens:
+        :meth:`collate`'s columns but ``prompt_ids`` and ``raw_prompt``, with ``prompt_place``
+        (:data:`PROMPT_PLACE`: ``(file, row)`` a row) and ``source.key`` in the meta
+        (:data:`PROMPT_SOURCE`); the worker reads and tokenises those rows as :meth:`load` did
+        (:class:`tandem.rl.data.prompt_rows.RankPrompts`). A dataset with images, or not built by
+        :meth:`load`, gives :meth:`collate`'s request (its rows hold their prompt ids and images)."""
+        rows = self.collate(indices)
+        if self.has_images or self.source is None:
+            return rows
+        kept = rows.select([k for k in rows.keys() if k not in REBUILT])
+        places = [self.positions[i] for i in indices]
+        return kept.assign(non_tensors={PROMPT_PLACE: places}, meta={PROMPT_SOURCE: self.source.key})

@@ -10,7 +10,7 @@ from tandem.rl.stage_registry import uses_critic
 from tandem.rl.stages.base import register_step_stage
 
 
-@register_step_stage("critic", "pass", applies=uses_critic, order=40)
+@register_step_stage("critic", "pass", applies=uses_critic, order=40, streams=True)
 def critic(trainer: Any, data: Any, timings: dict[str, float]) -> None:
     """``values``: the critic's value of each response token (its update runs with the actor's)."""
     with timed(timings, "values"):

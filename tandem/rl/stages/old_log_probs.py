@@ -1,7 +1,8 @@
 """PPO's old log-probs, from where the step's update declares (``StepStage.old_log_probs``, read by
 :func:`tandem.rl.stage_registry.old_log_probs_source`, the one place that asks): the rollout's own
-(``rollout``: renamed before the step's data is put), a pass of the actor before the advantages
-(``pass``), or the update's forward (``update``: the worker's loss detaches it, no stage runs).
+(``rollout``: renamed before the step's data is put, or given a second name where the draw is
+stored), a pass of the actor before the advantages (``pass``), or the update's forward (``update``:
+the worker's loss detaches it, no stage runs).
 The policy-gradient update's choice is :func:`policy_gradient_old_log_probs`; online DPO has none
 (``none``)."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem.dataplane import BatchRef
 from tandem.protocol import Batch
 from tandem.rl.metrics import timed
 from tandem.rl.stage_registry import old_log_probs_source
@@ -47,15 +49,23 @@ def policy_gradient_old_log_probs(config: Any) -> str:
     "prepare",
     applies=lambda config: old_log_probs_source(config) == "rollout",
     order=20,
-    stored=False,  # it renames a field the rollout stored
+    stored=True,  # a stored draw's field gets a second name: no payload moves
 )
-def rollout_old_log_probs(trainer: Any, batch: Batch) -> Batch:
-    """``old_log_probs``: the rollout's log-probs of the sampled tokens (the behaviour policy's)."""
+def rollout_old_log_probs(trainer: Any, batch: Batch | BatchRef) -> Batch | BatchRef:
+    """``old_log_probs``: the rollout's log-probs of the sampled tokens (the behaviour policy's);
+    of a stored draw, the stored ``rollout_log_probs`` under a second name (``BatchRef.alias``:
+    the ranks fetch it once, under both names)."""
+    if isinstance(batch, BatchRef):
+        return batch.alias({"old_log_probs": "rollout_log_probs"})
     return batch.assign(tensors={"old_log_probs": batch["rollout_log_probs"]})
 
 
 @register_step_stage(
-    "old_log_probs", "pass", applies=lambda config: old_log_probs_source(config) == "pass", order=10
+    "old_log_probs",
+    "pass",
+    applies=lambda config: old_log_probs_source(config) == "pass",
+    order=10,
+    streams=True,  # each row's log-probs read that row alone: it may run on a draw's chunks
 )
 def old_log_probs(trainer: Any, data: Any, timings: dict[str, float]) -> None:
     """``old_log_probs``: the actor's log-probs of the step's tokens, before any update."""

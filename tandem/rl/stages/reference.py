@@ -11,7 +11,7 @@ from tandem.rl.stage_registry import needs_reference
 from tandem.rl.stages.base import register_step_stage
 
 
-@register_step_stage("reference", "pass", applies=needs_reference, order=20)
+@register_step_stage("reference", "pass", applies=needs_reference, order=20, streams=True)
 def reference(trainer: Any, data: Any, timings: dict[str, float]) -> None:
     """``ref_log_probs``: the frozen reference's log-probs of the step's tokens (or pairs)."""
     with timed(timings, "ref"):
