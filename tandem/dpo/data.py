@@ -262,7 +262,12 @@ class PreferenceDataset:
         layout (:func:`pair_layout`): ``prompts [2P, Lp]``, ``input_ids`` / ``attention_mask`` /
         ``loss_mask`` ``[2P, Lp + Lr]``, ``pair [2P]`` (the pair's dataset index), ``chosen [2P]``
         (1 for chosen), and ``micro_batch_unit [2P]`` (the pair's two rows never go to different
-        micro-batches)."""
+        micro-batches). A set loaded with ``keep_tokens=False`` has no tokens to collate."""
+        if len(self.pairs) < len(self.rows):
+            raise ValueError(
+                "this preference set was loaded without its tokens (dataplane.enabled: the ranks "
+                "collate their own rows); load it with keep_tokens=True to collate on the controller"
+            )
         pairs = [self.pairs[i] for i in indices]
         prompts = [pair.prompt for pair in pairs for _ in range(2)]
         responses = [response for pair in pairs for response in (pair.chosen, pair.rejected)]

@@ -251,11 +251,11 @@ def placement(ctx: Context) -> tuple[int, bool]:
 
 def data_plane(ctx: Context) -> None:
     """verl's transfer queue -> tandem's data plane (docs/data-plane.md): with
-    ``transfer_queue.enable`` per-token data stays where it was made (``dataplane.enabled``), in
-    shared-memory files on one node and in Ray's object store across several (``trainer.nnodes >
-    1``, which runs on ``trainer.backend=ray``: :func:`placement`)."""
-    if not ctx.get("transfer_queue.enable"):
-        return
-    ctx.out["dataplane.enabled"] = True
+    ``transfer_queue.enable`` per-token data stays where it was made (``dataplane.enabled``, also
+    tandem's default), in shared-memory files on one node and in Ray's object store across several
+    (``trainer.nnodes > 1``, which runs on ``trainer.backend=ray``: :func:`placement`; with or
+    without the transfer queue, since the default data plane's shared memory is one host's)."""
+    if ctx.get("transfer_queue.enable"):
+        ctx.out["dataplane.enabled"] = True
     if int(ctx.get("trainer.nnodes")) > 1:
         ctx.out["dataplane.engine"] = "ray"

@@ -178,7 +178,7 @@ RUN_RULES: tuple[Rule, ...] = (
     noted(
         "transfer_queue.storage_backend",
         "tandem's store is shared memory on one node and Ray's object store across nodes "
-        "(dataplane.engine, chosen by transfer_queue.enable from trainer.nnodes)",
+        "(dataplane.engine: ray with trainer.nnodes > 1)",
         example="AsyncSimpleStorageManager",
     ),
     noted(

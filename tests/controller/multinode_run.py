@@ -79,6 +79,7 @@ def main(files: dict, output_dir: str) -> None:
             output_dir,
             "trainer.backend=ray",
             "trainer.nnodes=2",
+            "dataplane.engine=ray",  # ranks on two nodes: the shm engine is one host's (refused)
             "trainer.n_workers=1",
             "trainer.total_steps=1",
             "data.val_path=",

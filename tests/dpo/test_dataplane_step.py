@@ -62,7 +62,7 @@ def test_in_process_dpo_on_references_matches_the_batch_path_and_releases_its_bl
     files, tmp_path, overrides
 ):
     """The fast sibling: one in-process worker (the controller's process), 2 steps and a validation."""
-    today = run(files, tmp_path / "off", *overrides)
+    today = run(files, tmp_path / "off", "dataplane.enabled=false", *overrides)
     refs = run(files, tmp_path / "on", "dataplane.enabled=true", *overrides)
     assert measured(refs.record.history) == measured(today.record.history)
     assert "eval_loss" in refs.record.history[-1]
@@ -75,7 +75,7 @@ def test_in_process_dpo_on_references_matches_the_batch_path_and_releases_its_bl
 
 @pytest.mark.slow  # two 2-step runs over 2 spawned workers
 def test_dpo_on_references_over_two_ranks_moves_no_payload_through_the_controller(files, tmp_path):
-    today = run(files, tmp_path / "off", "reference=model", "trainer.n_workers=2")
+    today = run(files, tmp_path / "off", "dataplane.enabled=false", "reference=model", "trainer.n_workers=2")
     refs = run(files, tmp_path / "on", "reference=model", "trainer.n_workers=2", "dataplane.enabled=true")
     assert measured(refs.record.history) == measured(today.record.history)
     print(f"controller batch bytes per step: today {today.step_bytes}, refs {refs.step_bytes}")

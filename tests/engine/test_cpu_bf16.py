@@ -23,13 +23,11 @@ from tandem.engine import EngineConfig, TorchTrainEngine, token_model
 from tandem.models import TinyModelConfig, build_tiny_model
 from tandem.protocol import Batch
 from tandem.report.machine import cpu_model_and_flags
+from tests.engine.bf16_cpu import needs_bf16_cpu
 
 BF16_EPS = 2.0**-7  # bf16's machine epsilon
 LR = 1e-3
 PROMPTS, RESPONSES, PROMPT_TOKENS, RESPONSE_TOKENS = 4, 4, 16, 12
-needs_bf16_cpu = pytest.mark.skipif(
-    cpu_bf16_instructions() is None, reason="this CPU has no bf16 matrix instructions (avx512_bf16, amx_bf16)"
-)
 
 
 @pytest.fixture(scope="module")

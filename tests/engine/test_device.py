@@ -26,6 +26,7 @@ from tandem.kernels.cpu import enable_cpu_kernels
 from tandem.kernels.cpu.linear import CPULinear
 from tandem.models import TinyModelConfig, build_tiny_model
 from tandem.sft.loss import sft_loss
+from tests.engine.bf16_cpu import needs_bf16_cpu
 from tests.engine.conftest import random_batch
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine's answers")
@@ -140,6 +141,7 @@ def _one_step(model_dir: str, **overrides) -> tuple[float, float, dict[str, torc
     return result.loss, grad_norm, {name: tensor.clone() for name, tensor in engine.iter_parameters()}
 
 
+@needs_bf16_cpu
 def test_bf16_mixed_precision_step_agrees_with_fp32_and_keeps_fp32_master_weights(tiny_model_dir):
     loss_fp32, norm_fp32, params_fp32 = _one_step(tiny_model_dir, use_packing=False)
     loss_bf16, norm_bf16, params_bf16 = _one_step(tiny_model_dir, use_packing=False, mixed_precision="bf16")

@@ -15,6 +15,7 @@ from tandem.engine import LoraConfig
 from tandem.engine.expert_parallel import check_experts_fit
 from tandem.models import TinyModelConfig, build_tiny_model, save_tiny_model
 from tandem.protocol import Batch
+from tests.engine.bf16_cpu import needs_bf16_cpu
 from tests.engine.conftest import random_batch
 from tests.engine.expert_parallel_workers import ExpertParallelWorker
 from tests.engine.mesh_comparisons import (
@@ -327,6 +328,7 @@ def test_expert_and_tensor_parallel_step_equals_one_process(model_dirs, one_proc
     assert_same_step(split, whole, dp_size=2)
 
 
+@needs_bf16_cpu
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_bf16_expert_parallel_ranks_agree_with_replicated_experts(model_dirs, two_ranks, strategy):
     """``mixed_precision=bf16`` (DDP: autocast; FSDP2: its policy, which skips the ignored expert

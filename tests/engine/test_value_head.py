@@ -11,6 +11,7 @@ from tandem.algos import LossNormalizer, compute_value_loss
 from tandem.engine import EngineConfig, TorchTrainEngine
 from tandem.models import save_tiny_model
 from tandem.models.loading import load_value_model
+from tests.engine.bf16_cpu import needs_bf16_cpu
 from tests.engine.conftest import random_batch
 
 
@@ -80,6 +81,7 @@ def test_a_value_head_has_no_token_distribution(model_dir):
         engine.forward_backward(random_batch(0, vocab=50), None, forward_only=True, with_sum_pi_squared=True)
 
 
+@needs_bf16_cpu
 def test_the_value_head_stays_fp32_under_bf16_autocast(model_dir):
     """With ``mixed_precision=bf16`` outside FSDP2 the decoder runs under autocast, but the
     head computes in fp32 (as the policy's does): the values equal the head applied in fp32 to

@@ -86,7 +86,7 @@ def test_async_agent_episodes_stay_in_the_replicas_blocks_and_train_like_todays_
     (tmp_path / "interaction.py").write_text(INTERACTION)
     interaction = tmp_path / "interaction.py"
     modes = {**MODES, "sync": ("pipeline.mode=sync", "trainer.seed=5")}  # a seed with a two-turn episode
-    off, today = _run(rl_files, tmp_path / "off", interaction, *modes[mode])
+    off, today = _run(rl_files, tmp_path / "off", interaction, *modes[mode], "dataplane.enabled=false")
     on, refs = _run(rl_files, tmp_path / "on", interaction, *modes[mode], "dataplane.enabled=true")
     assert_same_histories(_comparable(off), _comparable(on))
     for stored, batch in zip(refs.rows, today.rows, strict=True):  # the same rows, token for token
@@ -128,7 +128,7 @@ def test_async_split_program_episodes_stay_in_the_replicas_blocks(rl_files, tmp_
         "rollout.max_response_length=120", *MODES["fully_async"],
     )  # fmt: skip
     runs = []
-    for name, extra in (("off", ()), ("on", ("dataplane.enabled=true",))):
+    for name, extra in (("off", ("dataplane.enabled=false",)), ("on", ("dataplane.enabled=true",))):
         trainer = DrawCountingTrainer(
             small_config(rl_files, tmp_path / name, "data.val_path=", *TWO_CORES, *settings, *extra)
         )

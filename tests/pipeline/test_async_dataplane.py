@@ -62,7 +62,9 @@ def _files_of(pids: set[int]) -> list[str]:
 def test_async_draws_stay_in_the_replicas_blocks_and_train_like_todays_path(
     rl_files, tmp_path, monkeypatch, mode
 ):
-    today, before, mapped_today = _run(rl_files, tmp_path / "off", monkeypatch, *MODES[mode])
+    today, before, mapped_today = _run(
+        rl_files, tmp_path / "off", monkeypatch, *MODES[mode], "dataplane.enabled=false"
+    )
     stored, refs, mapped_refs = _run(
         rl_files, tmp_path / "on", monkeypatch, *MODES[mode], "dataplane.enabled=true"
     )

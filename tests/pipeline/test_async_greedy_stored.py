@@ -94,7 +94,7 @@ def test_one_step_off_remax_keeps_its_greedy_responses_on_the_replica(rl_files, 
     replica, so the order its groups finish in (a draw's row order, and the sums over rows with it)
     follows the engine's timing, which differs between runs (seen in CI: `critic/rewards/mean`
     0.14166668 vs 0.14166666)."""
-    off, today = _run(rl_files, tmp_path / "off", *MODES["one_step_off"])
+    off, today = _run(rl_files, tmp_path / "off", "dataplane.enabled=false", *MODES["one_step_off"])
     on, refs = _run(rl_files, tmp_path / "on", *MODES["one_step_off"], "dataplane.enabled=true")
     assert_same_histories(_comparable(off), _comparable(on))
     _assert_greedy_stays_on_the_replicas(today, refs, replicas=1)
@@ -108,7 +108,7 @@ def test_remax_keeps_its_greedy_responses_on_two_replicas(rl_files, tmp_path, mo
     bit: with two replicas a draw's groups come in the order they finished, which may differ between
     the runs, and the sums over rows with it (GRPO's too, without greedy baselines)."""
     overrides = (*MODES[mode], "pipeline.rollout_replicas=2", "trainer.total_steps=3")
-    off, today = _run(rl_files, tmp_path / "off", *overrides)
+    off, today = _run(rl_files, tmp_path / "off", "dataplane.enabled=false", *overrides)
     on, refs = _run(rl_files, tmp_path / "on", *overrides, "dataplane.enabled=true")
     assert_same_histories(_comparable(off), _comparable(on))
     _assert_greedy_stays_on_the_replicas(today, refs, replicas=2)

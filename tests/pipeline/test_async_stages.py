@@ -27,9 +27,10 @@ class CollectingTrainer(RLTrainer):
 
 def _run(rl_files, tmp_path, mode, *overrides):
     mode_overrides, bound = MODES[mode]
+    batch_path = "dataplane.enabled=false"  # the checks below read each token's weight_version here
     config = small_config(
-        rl_files, tmp_path, *mode_overrides, *TWO_CORES, f"trainer.total_steps={STEPS}", *overrides
-    )
+        rl_files, tmp_path, *mode_overrides, *TWO_CORES, f"trainer.total_steps={STEPS}", batch_path, *overrides
+    )  # fmt: skip
     trainer = CollectingTrainer(config)
     result = trainer.fit()
     steps = [h for h in result.history if h["step"] > 0]

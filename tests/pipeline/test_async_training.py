@@ -36,9 +36,15 @@ class RecordingTrainer(RLTrainer):
         return super().compute_advantages(batch)
 
 
+BATCH_PATH = "dataplane.enabled=false"  # the per-token weight versions reach the controller
+
+
 def _train(rl_files, tmp_path, *overrides):
-    """A recorded run of ``small_config`` with the overrides, each side on one thread."""
-    trainer = RecordingTrainer(small_config(rl_files, tmp_path, *overrides, *TWO_CORES))
+    """A recorded run of ``small_config`` with the overrides, each side on one thread, on the
+    ``Batch`` path: the recorder reads every token's ``weight_version`` on the controller (with
+    the data plane those stay in the replicas' blocks, and its runs' metrics, the logged
+    staleness included, equal this path's: tests/pipeline/test_async_dataplane.py)."""
+    trainer = RecordingTrainer(small_config(rl_files, tmp_path, BATCH_PATH, *overrides, *TWO_CORES))
     return trainer, trainer.fit()
 
 
@@ -273,7 +279,7 @@ def test_a_replica_lost_during_a_weight_sync_stops_the_run_naming_it(rl_files, t
 
 
 def test_an_async_run_resumes_from_its_checkpoint(rl_files, tmp_path):
-    overrides = ("pipeline.mode=fully_async", "trainer.save_every=1", "data.val_path=", *TWO_CORES)
+    overrides = ("pipeline.mode=fully_async", "trainer.save_every=1", "data.val_path=", BATCH_PATH, *TWO_CORES)  # fmt: skip
     first = RLTrainer(small_config(rl_files, tmp_path, "trainer.total_steps=2", *overrides)).fit()
     assert [h["step"] for h in first.history] == [1, 2]
     resumed = RecordingTrainer(small_config(rl_files, tmp_path, "trainer.total_steps=4", *overrides))

@@ -31,7 +31,8 @@ STEPS = 6
 def _config(rl_files, tmp_path, *overrides):
     return small_config(
         rl_files, tmp_path, f"trainer.total_steps={STEPS}", "trainer.val_before_train=false",
-        "data.val_path=", "pipeline.rollout_replicas=1", *TWO_CORES, *overrides,
+        "data.val_path=", "pipeline.rollout_replicas=1", *TWO_CORES,
+        "dataplane.enabled=false", *overrides,  # RecordingTrainer reads per-token versions; on: the slow test below
     )  # fmt: skip
 
 

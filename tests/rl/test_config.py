@@ -315,3 +315,13 @@ def test_every_reward_source_is_documented_and_listed_by_tandem_algos(capsys):
 def test_online_dpo_refuses_what_its_pairs_cannot_take(override, message):
     with pytest.raises(ValueError, match=message):
         load_train_config(["preset=online_dpo", *BASE, "rollout.n=4", override])
+
+
+def test_trainer_ranks_on_several_hosts_are_refused_the_one_host_store_by_name():
+    """The data plane is on by default with the ``shm`` engine, whose blocks are one host's files:
+    ranks on two hosts are refused at once (not at their first fetch), naming the keys to change."""
+    with pytest.raises(ValueError, match=r"trainer.nnodes=2 .* set dataplane.engine=ray .* dataplane.enabled=false"):
+        load_train_config([*BASE, "trainer.backend=ray", "trainer.nnodes=2"])
+    assert load_train_config([*BASE, "trainer.backend=ray", "trainer.nnodes=2", "dataplane.engine=ray"])
+    off = load_train_config([*BASE, "trainer.backend=ray", "trainer.nnodes=2", "dataplane.enabled=false"])
+    assert not off.dataplane.enabled

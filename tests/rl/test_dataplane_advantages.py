@@ -231,7 +231,7 @@ ALL_AT_ONCE = (
 def test_in_process_ppo_with_every_per_token_input_gives_todays_metrics(rl_files, tmp_path):
     """The fast sibling of the next test: one step of one in-process worker with every per-token
     input of the advantages at once, on and off."""
-    off = run(rl_files, tmp_path / "off", *ALL_AT_ONCE)
+    off = run(rl_files, tmp_path / "off", "dataplane.enabled=false", *ALL_AT_ONCE)
     assert_equal_but_reduced(
         off, run(rl_files, tmp_path / "on", "dataplane.enabled=true", *ALL_AT_ONCE), whitened=True
     )
@@ -251,7 +251,7 @@ def test_in_process_ppo_with_every_per_token_input_gives_todays_metrics(rl_files
     ids=["ppo-gae", "grpo-kl-in-reward", "grpo-old-log-probs-correction", "distill", "rpp-baseline-whitened"],
 )  # fmt: skip
 def test_in_process_the_advantages_on_the_ranks_give_todays_metrics(rl_files, tmp_path, overrides):
-    off = run(rl_files, tmp_path / "off", *overrides)
+    off = run(rl_files, tmp_path / "off", "dataplane.enabled=false", *overrides)
     whitened = any(o.endswith(("=gae", "=reinforce_plus_plus_baseline")) for o in overrides)
     assert_equal_but_reduced(
         off, run(rl_files, tmp_path / "on", "dataplane.enabled=true", *overrides), whitened

@@ -43,7 +43,7 @@ def test_in_process_gkd_builds_its_dataset_step_on_the_ranks_and_matches_the_bat
     """Two GKD steps, one in-process worker: metrics equal; the dataset step's draw is a
     ``BatchRef`` like a sampled one (every token column stored, none inline), with no rollout
     log-probs stored by the draw (the step's pass makes them); every block put is released."""
-    off, _ = run(rl_files, tmp_path / "off", *gkd(rl_files, answered_rows))
+    off, _ = run(rl_files, tmp_path / "off", "dataplane.enabled=false", *gkd(rl_files, answered_rows))
     counters = traffic()
     on, refs = run(rl_files, tmp_path / "on", "dataplane.enabled=true", *gkd(rl_files, answered_rows))
     used = traffic() - counters
@@ -59,7 +59,7 @@ def test_in_process_gkd_builds_its_dataset_step_on_the_ranks_and_matches_the_bat
 @pytest.mark.slow  # two 2-step runs over 2 spawned workers with a teacher: a few minutes on 2 loaded cores
 def test_gkd_on_references_matches_the_batch_path_and_moves_no_payload(rl_files, answered_rows, tmp_path):
     overrides = ("trainer.n_workers=2", *gkd(rl_files, answered_rows))
-    off, today = run(rl_files, tmp_path / "off", *overrides)
+    off, today = run(rl_files, tmp_path / "off", "dataplane.enabled=false", *overrides)
     on, refs = run(rl_files, tmp_path / "on", "dataplane.enabled=true", *overrides)
     assert_equal_but_reduced(off, on)
     assert_draws_stay_stored(refs)

@@ -145,7 +145,7 @@ def test_in_process_otb_on_references_matches_the_batch_path(rl_files, tmp_path)
         trainer = CountingTrainer(config)
         return trainer.fit().history, trainer
 
-    off, _ = run(tmp_path / "off")
+    off, _ = run(tmp_path / "off", "dataplane.enabled=false")
     on, refs = run(tmp_path / "on", "dataplane.enabled=true")
     assert_equal_but_reduced(off, on)
     assert refs.own_fetched == [0]

@@ -111,7 +111,7 @@ def test_in_process_online_dpo_on_references_matches_the_batch_path(rl_files, tm
     stored; the controller fetches no stored field outside the workers' calls; each update fetches
     exactly the wire bytes of its declared fields of the pairs' rows; every block put is released
     and no file is left."""
-    off, _ = run(rl_files, tmp_path / "off")
+    off, _ = run(rl_files, tmp_path / "off", "dataplane.enabled=false")
     counters = traffic()
     on, refs = run(rl_files, tmp_path / "on", "dataplane.enabled=true")
     used = traffic() - counters
@@ -137,7 +137,7 @@ class _Views:
 
 @pytest.mark.slow  # two 2-step runs over 2 spawned workers: about two minutes on 2 loaded cores
 def test_online_dpo_on_references_moves_no_payload_through_the_controller(rl_files, tmp_path):
-    off, today = run(rl_files, tmp_path / "off", "trainer.n_workers=2")
+    off, today = run(rl_files, tmp_path / "off", "dataplane.enabled=false", "trainer.n_workers=2")
     on, refs = run(rl_files, tmp_path / "on", "trainer.n_workers=2", "dataplane.enabled=true")
     assert not differences(off, on)
     assert refs.own_fetched == [0, 0]
@@ -152,7 +152,7 @@ def test_online_dpo_on_the_replicas_blocks_matches_the_batch_path(rl_files, tmp_
     """``one_step_off``: the pairs are references into the replica's blocks; metrics equal the
     ``Batch`` path's (but the queue's bytes: a block is not a sample file)."""
     mode = ("pipeline.mode=one_step_off", "pipeline.trainer_threads=1", "pipeline.rollout_threads=1")
-    off, _ = run(rl_files, tmp_path / "off", *mode)
+    off, _ = run(rl_files, tmp_path / "off", "dataplane.enabled=false", *mode)
     on, refs = run(rl_files, tmp_path / "on", "dataplane.enabled=true", *mode)
     kept = [{k: v for k, v in step.items() if not k.startswith("pipeline/inflight_bytes")} for step in off]
     assert not differences(

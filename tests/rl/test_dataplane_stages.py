@@ -35,7 +35,7 @@ def test_in_process_dynamic_sampling_keeps_its_draws_stored_and_matches_the_batc
     """Two DAPO steps, one in-process worker: groups are dropped and drawn again (more than one
     draw a step), the kept ones come from several draws; metrics equal, the step's draw is a
     ``BatchRef`` with no token column inline, every block put is released, no file left."""
-    off, _ = run(rl_files, tmp_path / "off", half_flat_reward, *DYNAMIC)
+    off, _ = run(rl_files, tmp_path / "off", "dataplane.enabled=false", half_flat_reward, *DYNAMIC)
     counters = traffic()
     on, refs = run(rl_files, tmp_path / "on", half_flat_reward, "dataplane.enabled=true", *DYNAMIC)
     used = traffic() - counters
@@ -52,7 +52,7 @@ def test_in_process_remax_keeps_its_draws_and_greedy_responses_stored_and_matche
 ):
     """Two ReMax steps, one in-process worker: metrics equal; the draw stays stored, and the greedy
     generation puts blocks of its own (one a step beside the draw's), released once scored."""
-    off, _ = run(rl_files, tmp_path / "off", "preset=remax")
+    off, _ = run(rl_files, tmp_path / "off", "dataplane.enabled=false", "preset=remax")
     counters = traffic()
     on, refs = run(rl_files, tmp_path / "on", "preset=remax", "dataplane.enabled=true")
     used = traffic() - counters
@@ -70,7 +70,7 @@ def test_dapo_and_remax_on_references_match_the_batch_path_and_move_no_payload(
     rl_files, tmp_path, half_flat_reward, algorithm
 ):
     overrides = DYNAMIC + (half_flat_reward,) if algorithm == "dynamic-sampling" else ("preset=remax",)
-    off, today = run(rl_files, tmp_path / "off", "trainer.n_workers=2", *overrides)
+    off, today = run(rl_files, tmp_path / "off", "dataplane.enabled=false", "trainer.n_workers=2", *overrides)
     on, refs = run(rl_files, tmp_path / "on", "trainer.n_workers=2", "dataplane.enabled=true", *overrides)
     assert_equal_but_reduced(off, on)
     assert_draws_stay_stored(refs)

@@ -228,7 +228,7 @@ def test_in_process_grpo_with_the_draw_stored_matches_the_batch_path_and_reads_n
         stage_expected.append(reads_on_wire(self.first, FORWARD_FIELDS, stage_probes[-1]))
 
     monkeypatch.setattr(RefStep, "stage", counted_stage)  # counts, then runs the real stage
-    off, _ = run(rl_files, tmp_path / "off")
+    off, _ = run(rl_files, tmp_path / "off", "dataplane.enabled=false")
     counters = traffic()
     on, refs = run(rl_files, tmp_path / "on", "dataplane.enabled=true")
     used = traffic() - counters
@@ -286,7 +286,7 @@ def test_in_process_the_step_on_references_matches_the_batch_path_and_releases_i
     (its groups are concatenated as references). The optimal token baseline reads other rows'
     tokens through sums per group and position, added on the controller (tests/rl/test_dataplane_otb.py)."""
     overrides = [o.replace("MODEL", rl_files["model"]) for o in overrides]
-    off, _ = run(rl_files, tmp_path / "off", "trainer.total_steps=1", *overrides)
+    off, _ = run(rl_files, tmp_path / "off", "dataplane.enabled=false", "trainer.total_steps=1", *overrides)
     counters = traffic()
     on, refs = run(rl_files, tmp_path / "on", "trainer.total_steps=1", "dataplane.enabled=true", *overrides)
     used = traffic() - counters
@@ -307,7 +307,7 @@ def test_in_process_the_step_on_references_matches_the_batch_path_and_releases_i
     ids=["grpo", "ppo-critic"],
 )
 def test_the_step_on_references_matches_the_batch_path_and_moves_no_payload(rl_files, tmp_path, overrides):
-    off, today = run(rl_files, tmp_path / "off", "trainer.n_workers=2", *overrides)
+    off, today = run(rl_files, tmp_path / "off", "dataplane.enabled=false", "trainer.n_workers=2", *overrides)
     on, refs = run(rl_files, tmp_path / "on", "trainer.n_workers=2", "dataplane.enabled=true", *overrides)
     assert_equal_metrics(off, on, whitened=bool(overrides))  # PPO's GAE advantages are whitened
     assert refs.left == [[], []]  # every block of each step released when the step returned

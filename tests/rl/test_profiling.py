@@ -19,7 +19,8 @@ def test_a_profiled_step_writes_a_trace_with_the_phases(rl_files, tmp_path):
     RLTrainer(config).fit()
     assert [p.name for p in (tmp_path / "profile").iterdir()] == ["step_2"]  # only the step asked for
     names = _event_names(tmp_path / "profile" / "step_2" / "rank0.json")
-    for phase in ("generate_sequences", "update_actor", "step/gen", "step/update_actor"):
+    # the draw stays on the workers (dataplane.enabled, the default): generate_to_store, not generate_sequences
+    for phase in ("generate_to_store", "update_actor", "step/gen", "step/update_actor"):
         assert phase in names, phase
     assert any(name and name.startswith("aten::") for name in names)  # the operators inside
 

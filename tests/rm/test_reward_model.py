@@ -7,6 +7,7 @@ from transformers import AutoModelForSequenceClassification
 
 from tandem.cli import main
 from tandem.config.overrides import config_from_overrides
+from tandem.dpo.data import PreferenceDataset
 from tandem.engine import EngineConfig, TorchTrainEngine
 from tandem.rm import RewardModelConfig, RewardModelTrainer
 
@@ -43,7 +44,9 @@ def test_a_reward_model_ranks_held_out_pairs_and_exports_a_sequence_classifier(r
     # trainer's validation did, and the engine's reward head reads the same numbers from it.
     model = AutoModelForSequenceClassification.from_pretrained(result.hf_model_dir).eval()
     assert model.config.num_labels == 1 and model.config.pad_token_id is not None
-    batch = trainer.val.collate(list(range(len(trainer.val))), trainer.tokenizer.pad_token_id)
+    # the trainer's controller keeps no tokens with dataplane.enabled (the default): tokenise again
+    val = PreferenceDataset.load(rm_files["val"], trainer.tokenizer, trainer.config.data)
+    batch = val.collate(list(range(len(val))), trainer.tokenizer.pad_token_id)
     with torch.no_grad():
         logits = torch.stack(
             [

@@ -10,6 +10,7 @@ import torch
 
 from tandem.controller import register
 from tandem.dpo import DPOTrainer
+from tandem.dpo.worker import PreferenceWorker
 from tandem.engine import EngineConfig
 from tandem.models.loading import load_model
 from tandem.sft import SFTTrainer
@@ -45,6 +46,12 @@ class GradientRecordingWorker(EngineWorker):
             torch.save(gradients, self.record_dir / f"step{self.engine.step_count + 1}.pt")
 
 
+class GradientRecordingPreferenceWorker(GradientRecordingWorker, PreferenceWorker):
+    """:class:`GradientRecordingWorker` with the DPO rank's declared reads (``chosen``,
+    ``response_row``, ...): with ``dataplane.enabled`` a rank fetches only the fields its methods
+    declare, and collates its pairs from them."""
+
+
 class RecordingSFTTrainer(SFTTrainer):
     """:class:`SFTTrainer` recording its steps' gradients under ``<trainer.output_dir>/gradients``."""
 
@@ -57,7 +64,7 @@ class RecordingSFTTrainer(SFTTrainer):
 class RecordingDPOTrainer(DPOTrainer):
     """:class:`DPOTrainer` recording its steps' gradients under ``<trainer.output_dir>/gradients``."""
 
-    worker_class = GradientRecordingWorker
+    worker_class = GradientRecordingPreferenceWorker
 
     def worker_args(self) -> tuple:
         return (str(self.output_dir / "gradients"), *super().worker_args())

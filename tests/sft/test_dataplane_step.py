@@ -49,7 +49,7 @@ def run(files, out, *overrides):
 
 def test_in_process_sft_on_references_matches_the_batch_path_and_releases_its_blocks(sft_files, tmp_path):
     """The fast sibling: one in-process worker (the controller's process), 3 steps and an evaluation."""
-    _, today = run(sft_files, tmp_path / "off")
+    _, today = run(sft_files, tmp_path / "off", "dataplane.enabled=false")
     _, refs = run(sft_files, tmp_path / "on", "dataplane.enabled=true")
     assert measured(refs.record.history) == measured(today.record.history)
     assert "eval_loss" in refs.record.history[-1]
@@ -61,7 +61,7 @@ def test_in_process_sft_on_references_matches_the_batch_path_and_releases_its_bl
 
 @pytest.mark.slow  # two 3-step runs over 2 spawned workers
 def test_sft_on_references_over_two_ranks_moves_no_payload_through_the_controller(sft_files, tmp_path):
-    _, today = run(sft_files, tmp_path / "off", "trainer.n_workers=2")
+    _, today = run(sft_files, tmp_path / "off", "dataplane.enabled=false", "trainer.n_workers=2")
     _, refs = run(sft_files, tmp_path / "on", "trainer.n_workers=2", "dataplane.enabled=true")
     assert measured(refs.record.history) == measured(today.record.history)
     print(f"controller batch bytes per step: today {today.step_bytes}, refs {refs.step_bytes}")

@@ -29,11 +29,13 @@ def test_across_nodes_the_data_plane_lives_in_rays_object_store():
     assert config.dataplane.enabled and config.dataplane.engine == "ray" and config.trainer.backend == "ray"
 
 
-def test_without_the_transfer_queue_the_data_plane_stays_off_and_its_storage_keys_are_noted():
+def test_without_the_transfer_queue_the_data_plane_keeps_its_default_and_its_storage_keys_are_noted():
     settings, notes, config = _settings(
         ["trainer.nnodes=2", "transfer_queue.storage_backend=AsyncSimpleStorageManager",
          "transfer_queue.num_data_storage_units=8", "transfer_queue.num_global_batch=1"]
     )  # fmt: skip
-    assert not any(key.startswith("dataplane.") for key in settings) and not config.dataplane.enabled
+    # tandem's data plane is on by default; across nodes its blocks go to Ray's object store
+    assert {k: v for k, v in settings.items() if k.startswith("dataplane.")} == {"dataplane.engine": "ray"}
+    assert config.dataplane.enabled and config.dataplane.engine == "ray"
     for key in ("storage_backend", "num_data_storage_units", "num_global_batch"):
         assert any(note.startswith(f"transfer_queue.{key}:") for note in notes), key

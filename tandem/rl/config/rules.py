@@ -41,7 +41,7 @@ def check_train_config(config: TrainConfig) -> None:
     check_router_replay(config)
     check_critic(config)
     check_teacher(config)
-    check_dataplane(config.dataplane, config.trainer.backend)
+    check_dataplane(config.dataplane, config.trainer.backend, config.trainer.nnodes)
     check_derived_fields(config)
 
 
