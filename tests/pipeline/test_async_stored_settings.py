@@ -89,7 +89,7 @@ def test_rollout_old_log_probs_stay_stored_under_a_second_name(rl_files, tmp_pat
     off against on: step 1's ``actor/ppo_kl`` 0.0 vs -1.04e-08, then -1.04e-08 vs 0.0; step 3's
     ``actor/pg_loss`` -9.74286e-4 vs -9.74308e-4)."""
     setting = (*MODES["one_step_off"], "pipeline.old_log_probs=rollout")
-    off = _run(rl_files, tmp_path / "off", monkeypatch, *setting)
+    off = _run(rl_files, tmp_path / "off", monkeypatch, *setting, "dataplane.enabled=false")
     on = _run(rl_files, tmp_path / "on", monkeypatch, *setting, "dataplane.enabled=true")
     today, refs = off[1], on[1]
     _assert_stored_like_off(off, on, refs, absolute=1e-6)
@@ -112,7 +112,7 @@ def test_inline_samples_stay_in_the_replicas_blocks_with_the_data_plane(rl_files
     blocks (told to write inline, then to keep them in the store); the metrics equal the off run's,
     whose samples travel with their metadata."""
     setting = (*MODES["one_step_off"], "pipeline.sample_store=inline")
-    off = _run(rl_files, tmp_path / "off", monkeypatch, *setting)
+    off = _run(rl_files, tmp_path / "off", monkeypatch, *setting, "dataplane.enabled=false")
     on = _run(rl_files, tmp_path / "on", monkeypatch, *setting, "dataplane.enabled=true")
     _assert_stored_like_off(off, on, on[1])
     assert off[2] > 0 and all(isinstance(d, Batch) for d in off[1].draws)  # inline samples, read

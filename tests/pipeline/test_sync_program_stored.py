@@ -59,7 +59,7 @@ def _assert_trained_like_todays_path(rl_files, tmp_path, *overrides):
     """Two runs, off and on, of GRPO over the program's episodes: the checks of the module docstring;
     returns the two trainers (today's, the references')."""
     (tmp_path / "agent.py").write_text(PROGRAM)
-    off, today = _run(rl_files, tmp_path / "off", tmp_path / "agent.py", *overrides)
+    off, today = _run(rl_files, tmp_path / "off", tmp_path / "agent.py", "dataplane.enabled=false", *overrides)
     on, refs = _run(rl_files, tmp_path / "on", tmp_path / "agent.py", "dataplane.enabled=true", *overrides)
     assert_same_histories(_comparable(off), _comparable(on))
     assert all(h["agent/program/splits"] > 0 and h["agent/program/errors"] == 0 for h in on)

@@ -32,7 +32,7 @@ def test_in_process_vlm_grpo_with_the_draw_stored_matches_the_batch_path(vlm_fil
 
     monkeypatch.setattr(RefStep, "stage", counted_stage)
     overrides = ("data.val_path=", "data.train_batch_size=2")
-    off = CountingTrainer(vlm_config(vlm_files, tmp_path / "off", *overrides))
+    off = CountingTrainer(vlm_config(vlm_files, tmp_path / "off", *overrides, "dataplane.enabled=false"))
     off_history = off.fit().history
     counters = traffic()
     on = CountingTrainer(vlm_config(vlm_files, tmp_path / "on", *overrides, "dataplane.enabled=true"))
@@ -64,7 +64,7 @@ def test_one_step_off_vlm_grpo_keeps_the_images_in_the_replicas_blocks(vlm_files
     request's images, :mod:`tandem.pipeline.group_blocks`); the trainer's ranks read them there.
     Metrics equal today's path (sample files the controller maps, images inline) step for step."""
     overrides = ("data.val_path=", "data.train_batch_size=2", "pipeline.mode=one_step_off", *TWO_CORES)
-    today = ReplicaRecordingTrainer(vlm_config(vlm_files, tmp_path / "off", *overrides))
+    today = ReplicaRecordingTrainer(vlm_config(vlm_files, tmp_path / "off", *overrides, "dataplane.enabled=false"))
     today_history = today.fit().history
     refs = ReplicaRecordingTrainer(
         vlm_config(vlm_files, tmp_path / "on", *overrides, "dataplane.enabled=true")

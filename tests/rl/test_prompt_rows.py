@@ -147,7 +147,7 @@ def test_over_two_workers_requests_by_place_match_and_cut_the_generations_traffi
     with monkeypatch.context() as patch:
         _with_ids(patch)
         with_ids, ids = run(rl_files, tmp_path / "ids", *on)
-    off, today = run(rl_files, tmp_path / "off", "trainer.n_workers=2")
+    off, today = run(rl_files, tmp_path / "off", "trainer.n_workers=2", "dataplane.enabled=false")
     assert_equal_metrics(with_ids, by_place)
     assert_equal_metrics(off, by_place)
     print(

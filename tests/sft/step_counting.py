@@ -20,6 +20,8 @@ class CountingSteps:
         self.step_bytes: list[int] = []  # controller batch bytes per step
         self.step_traffic: list = []  # this process's data-plane counters per step
         self.left: list[list[str]] = []  # block files of the run's processes after each step
+        # (an in-process worker is this process, whose earlier tests' files are not this run's)
+        self._before = {p.name for p in Path("/dev/shm").glob(f"{PREFIX}-*")}
 
     def train_step(self):
         before, counters = batch_traffic(), traffic()
@@ -27,7 +29,7 @@ class CountingSteps:
         self.step_bytes.append((batch_traffic() - before).total)
         self.step_traffic.append(traffic() - counters)
         pids = {os.getpid(), *getattr(self.group.backend, "host_pids", [])}
-        files = [p.name for p in Path("/dev/shm").glob(f"{PREFIX}-*")]
+        files = [p.name for p in Path("/dev/shm").glob(f"{PREFIX}-*") if p.name not in self._before]
         self.left.append(sorted(f for f in files for pid in pids if f.startswith(f"{PREFIX}-{pid}-")))
         return metrics
 
