@@ -58,11 +58,12 @@ Stage = Callable[[Any], Any]  # a group's bound method: a Batch or BatchRef in, 
 def use_data_stores(groups: list[Group | None], config: DataPlaneConfig) -> None:
     """Every rank of ``groups`` (worker groups or colocated role views) keeps its outputs in
     ``config``'s store."""
-    for group in {id(g): g for g in map(_worker_group, groups) if g is not None}.values():
+    for group in {id(g): g for g in map(worker_group, groups) if g is not None}.values():
         group.use_data_store(config)
 
 
-def _worker_group(group: Group | None) -> WorkerGroup | None:
+def worker_group(group: Group | None) -> WorkerGroup | None:
+    """The worker group behind ``group`` (a colocated role view's group, or the group itself)."""
     return group.group if isinstance(group, RoleView) else group
 
 
@@ -140,12 +141,12 @@ class RefStep:
         self._releases: list[Callable[[], None]] = []
         self.streamed = {name: output for name, (_, output) in (streamed or {}).items()}
         for group, output in (streamed or {}).values():  # the step's, whether a stage takes it or not
-            self._releases.append(lambda group=group, output=output: _worker_group(group).release_refs(output))
+            self._releases.append(lambda group=group, output=output: worker_group(group).release_refs(output))
         self.fetched: dict[str, Any] = {}  # the first block's fields the controller read (view)
         if isinstance(batch, BatchRef):  # the draw, kept by the ranks that generated it
             self.batch = batch.scalars
             self.first = batch
-            self._releases.append(lambda: _worker_group(producer).release_refs(batch))
+            self._releases.append(lambda: worker_group(producer).release_refs(batch))
         else:
             self.batch = batch
             self.first = self._put(batch)
@@ -164,7 +165,7 @@ class RefStep:
             return
         output = method(self.joined() if joined else self.first)
         self.kept.append(output)
-        self._releases.append(lambda: _worker_group(group).release_refs(output))
+        self._releases.append(lambda: worker_group(group).release_refs(output))
 
     def view(self, reads: tuple[str, ...]) -> Batch:
         """The step's batch with ``reads`` of the kept outputs that hold them (padded tensors); for
@@ -216,7 +217,7 @@ class RefStep:
 
     def keep(self, group: Group, output: BatchRef) -> BatchRef:
         """``output`` (kept on ``group``'s ranks) is the step's: released with it."""
-        self._releases.append(lambda: _worker_group(group).release_refs(output))
+        self._releases.append(lambda: worker_group(group).release_refs(output))
         return output
 
     def for_updates_with(self, outputs: list[BatchRef]) -> BatchRef:

@@ -22,10 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.controller import RoleView
 from tandem.dataplane import BatchRef
 from tandem.pipeline.provenance import REQUEST_ID
-from tandem.rl.step_data import Group, Stage
+from tandem.rl.step_data import Group, Stage, worker_group
 from tandem.rl.stream_plan import chunk_groups
 
 RESPONSES = "responses"  # the stored draw's [B, R] response tokens: its response width
@@ -81,7 +80,7 @@ class ForwardStream:
             _check_same_rows(batch, chunks)
         except RuntimeError:
             for group, output in joined.values():
-                (group.group if isinstance(group, RoleView) else group).release_refs(output)
+                worker_group(group).release_refs(output)
             raise
         width = batch.schema[RESPONSES].shape[0]
         stored = chunks[0].first.schema[RESPONSES].shape[0]

@@ -35,8 +35,10 @@ class ReplicaRecordingTrainer(CountingTrainer):
         return super().train_step()
 
 
-def _run(rl_files, out, monkeypatch, *overrides):
-    """A 3-step run, and the sample-file bytes the controller mapped (``read_fields``) in it."""
+def _run(rl_files, out, monkeypatch, *overrides, trainer_class=None):
+    """A 3-step run of ``trainer_class`` (default :class:`ReplicaRecordingTrainer`): its history, the
+    trainer and the sample bytes the controller read (``read_fields``: a sample file mapped, or an
+    inline sample's tensors) in it."""
     mapped = []
     read_fields = assemble.read_fields
 
@@ -46,7 +48,7 @@ def _run(rl_files, out, monkeypatch, *overrides):
         return fields
 
     monkeypatch.setattr(assemble, "read_fields", counted)
-    trainer = ReplicaRecordingTrainer(
+    trainer = (trainer_class or ReplicaRecordingTrainer)(
         small_config(rl_files, out, "data.val_path=", "trainer.total_steps=3", *TWO_CORES, *overrides)
     )
     return trainer.fit().history, trainer, sum(mapped)

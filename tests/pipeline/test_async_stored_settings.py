@@ -12,14 +12,14 @@ from types import SimpleNamespace
 import pytest
 
 from tandem.dataplane import BatchRef, DataPlaneConfig, traffic
-from tandem.pipeline import assemble
 from tandem.pipeline.group_blocks import GroupBlockWriter
 from tandem.pipeline.replica_set import ReplicaSet
 from tandem.pipeline.replica_worker import RolloutReplicaWorker
 from tandem.pipeline.sample_store import InlineWriter, SampleWriter
 from tandem.protocol import Batch
-from tests.pipeline.test_async_dataplane import MODES, TWO_CORES, ReplicaRecordingTrainer, _files_of
-from tests.rl.conftest import assert_same_histories, small_config
+from tests.pipeline.test_async_dataplane import MODES, ReplicaRecordingTrainer, _files_of
+from tests.pipeline.test_async_dataplane import _run as run_counting_reads
+from tests.rl.conftest import assert_same_histories
 from tests.rl.test_dataplane_step import assert_draws_stay_stored
 
 
@@ -44,21 +44,9 @@ class DrawRecordingTrainer(ReplicaRecordingTrainer):
 
 
 def _run(rl_files, out, monkeypatch, *overrides):
-    """A 3-step run: its history, its trainer and the sample bytes the controller read
-    (``read_fields``: a sample file mapped, or an inline sample's tensors)."""
-    read = []
-    read_fields = assemble.read_fields
-
-    def counted(ref, names=None):
-        fields = read_fields(ref, names)
-        read.append(sum(t.nbytes for t in fields.values()))
-        return fields
-
-    monkeypatch.setattr(assemble, "read_fields", counted)
-    trainer = DrawRecordingTrainer(
-        small_config(rl_files, out, "data.val_path=", "trainer.total_steps=3", *TWO_CORES, *overrides)
-    )
-    return trainer.fit().history, trainer, sum(read)
+    """A 3-step run recording its draws and updates: its history, its trainer and the sample bytes
+    the controller read."""
+    return run_counting_reads(rl_files, out, monkeypatch, *overrides, trainer_class=DrawRecordingTrainer)
 
 
 def _comparable(history):  # a block's bytes are not a sample file's: the byte metrics differ
