@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tandem.data import write_parquet
+from tandem.dataplane.shm import PREFIX as BLOCK_PREFIX
 from tandem.models import save_tiny_model
 from tandem.rl.data import ArithmeticTaskConfig, arithmetic_rows
 
@@ -35,6 +36,19 @@ def ray_cluster():
     )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _no_block_files_left_in_this_process():
+    """A test leaves no data-plane block file of this process in /dev/shm (in-process workers' blocks
+    are this process's: no worker shutdown deletes them, so a step that fails must release its own)."""
+    pattern = f"{BLOCK_PREFIX}-{os.getpid()}-*"
+    before = {path.name for path in Path("/dev/shm").glob(pattern)}
+    yield
+    left = sorted(path.name for path in Path("/dev/shm").glob(pattern) if path.name not in before)
+    for name in left:  # the next test starts clean
+        (Path("/dev/shm") / name).unlink(missing_ok=True)
+    assert not left, f"the test left {len(left)} data-plane block file(s) in /dev/shm: {left[:3]}"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -63,7 +63,9 @@ class EpisodePrompt:
 @dataclass(frozen=True)
 class GroupRequest:
     """One prompt to answer ``len(seeds)`` times (one response, or agent episode, per seed), with a
-    vision-language prompt's ``images``."""
+    vision-language prompt's ``images``. With the data plane a text prompt travels as its ``place``
+    in the training data (its source's key, file and row) and no ``prompt_ids``: the replica reads
+    and tokenises the row itself (:func:`tandem.pipeline.requests.read_prompts`)."""
 
     uid: str
     index: int
@@ -72,6 +74,7 @@ class GroupRequest:
     params: SamplingParams
     episode: EpisodePrompt | None = None
     images: ImageInputs | None = None
+    place: tuple[str, int, int] | None = None
 
 
 @dataclass

@@ -34,6 +34,7 @@ from tandem.dataplane.shm import discard_blocks_of
 from tandem.errors import RolloutReplicaError
 from tandem.pipeline.fleet import RolloutFleet
 from tandem.pipeline.replica_plan import ReplicaPlan
+from tandem.pipeline.requests import PromptPlaces
 from tandem.pipeline.sample_queue import SampleQueue
 from tandem.pipeline.sample_store import discard_files_of
 from tandem.protocol import Batch
@@ -60,7 +61,8 @@ class ReplicaSet:
     ``replica_class`` the worker each replica runs. With ``keep_in_store`` the replicas keep
     training rows (prompts ``prompt_width`` tokens wide, padded with ``pad_id``) in the data
     plane; ``restart_pause`` is what running requests do at a restart's sync; with
-    ``log_directory`` (``pipeline.record_schedule``) each replica logs the groups it reports."""
+    ``log_directory`` (``pipeline.record_schedule``) each replica logs the groups it reports; with
+    ``places`` each reads the prompts of the groups sent to it by place."""
 
     def __init__(
         self,
@@ -72,8 +74,10 @@ class ReplicaSet:
         pad_id: int,
         restart_pause: str,
         log_directory: str | None,
+        places: PromptPlaces | None = None,
     ) -> None:
         self.plan, self.pipeline, self.trainer = plan, plan.pipeline, trainer
+        self.places = places
         self.replica_class = replica_class
         self.keep_in_store, self.prompt_width, self.pad_id = keep_in_store, prompt_width, pad_id
         self.restart_pause, self.log_directory = restart_pause, log_directory
@@ -290,6 +294,8 @@ class ReplicaSet:
             )
         if self.log_directory is not None:  # the replicas keep what they report, for a replay
             self.group.log_samples(ranks, self.log_directory)
+        if self.places is not None:  # prompt groups arrive by place
+            self.group.read_prompts_by_place(ranks, self.places)
 
     def _replicas_sending_inline(self) -> list[int]:
         """The replicas whose samples travel with their metadata (``pipeline.sample_store``): none

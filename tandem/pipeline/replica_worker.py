@@ -29,7 +29,13 @@ from tandem.models.loading import load_tokenizer
 from tandem.models.vision import ImagePrompter
 from tandem.pipeline.group_blocks import GroupBlockWriter
 from tandem.pipeline.groups import GroupRequest, GroupTracker
-from tandem.pipeline.requests import rollout_requests, with_completions
+from tandem.pipeline.requests import (
+    PlaceReader,
+    PromptPlaces,
+    read_prompts,
+    rollout_requests,
+    with_completions,
+)
 from tandem.pipeline.sample_log import SampleLog
 from tandem.pipeline.sample_queue import GroupMeta
 from tandem.pipeline.sample_store import InlineWriter, SampleWriter
@@ -76,6 +82,7 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
             else None
         )
         self.groups = GroupTracker(self.rank, SampleWriter(sample_dir), self.agents)
+        self.prompt_reader: PlaceReader | None = None  # prompt groups sent by place (read_prompts_by_place)
 
     @register(dispatch="ONE_TO_ALL", blocking=False)
     def connect_weights(self, config: CheckpointEngineConfig, address: SenderAddress) -> None:
@@ -130,6 +137,13 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
             self.groups.writer = GroupBlockWriter(config, *widths, pad_id, tokenizer, images)
 
     @register(dispatch="ONE_TO_ALL")
+    def read_prompts_by_place(self, ranks: list[int], places: PromptPlaces) -> None:
+        """The replicas ``ranks`` read the prompt groups they are sent by place from ``places``'
+        sources, tokenising with their own tokenizer (the controller then sends no prompt's ids)."""
+        if self.rank in ranks:
+            self.prompt_reader = places.reader(load_tokenizer(self.model_path))
+
+    @register(dispatch="ONE_TO_ALL")
     def log_samples(self, ranks: list[int], directory: str) -> None:
         """The replicas ``ranks`` append every group they report to their sample log in
         ``directory`` (``pipeline.record_schedule``; :mod:`tandem.pipeline.sample_log`)."""
@@ -138,8 +152,9 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
 
     @register(dispatch="ONE_TO_ALL")
     def start_groups(self, groups: list[GroupRequest]) -> int:
-        """Start generating ``groups`` on the engine's thread; returns the groups now in flight."""
-        self.groups.start(self.engine, groups)
+        """Start generating ``groups`` on the engine's thread (a group sent by place: its prompt read
+        here first); returns the groups now in flight."""
+        self.groups.start(self.engine, read_prompts(groups, self.prompt_reader, self.rank))
         return self.groups.in_flight
 
     @register(dispatch="ONE_TO_ALL")

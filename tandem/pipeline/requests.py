@@ -5,18 +5,21 @@ RL dataset is one; the pipeline reads nothing else of it). From a batch of promp
 :func:`rollout_requests` makes one :class:`~tandem.rollout.RolloutRequest` per row (the sync
 pipeline's workers and the asynchronous pipelines' validation both build theirs here),
 :func:`with_completions` puts the engines' completions back beside their prompts as generation
-fields, and :func:`group_requests` makes the asynchronous pipelines' prompt groups.
+fields, and :func:`group_requests` makes the asynchronous pipelines' prompt groups: from
+:meth:`PromptRows.requests`' rows they name each prompt's place instead of carrying its ids, and
+the replica reads them (:func:`read_prompts`, with the :class:`PromptPlaces` the run gave it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from tandem.pipeline.groups import EpisodePrompt, GroupRequest
 from tandem.pipeline.source import StepShape
 from tandem.protocol import Batch
+from tandem.protocol.fields import PROMPT_PLACE, PROMPT_SOURCE
 from tandem.protocol.generation import Completion
 from tandem.protocol.sequences import resize_columns, sequence_tensors
 from tandem.rollout import RolloutRequest, SamplingParams
@@ -39,6 +42,23 @@ class PromptRows(Protocol):
         """The rows ``indices`` as a generation request for workers that read the prompts
         themselves: :meth:`collate`'s rows, or rows naming their place in the data instead of
         holding ``prompt_ids`` (the RL dataset's text prompts: :meth:`tandem.rl.data.RLDataset.requests`)."""
+        ...
+
+
+class PlaceReader(Protocol):
+    """A process's reader of training prompts by place (:class:`tandem.rl.data.prompt_rows.RankPrompts`)."""
+
+    def prompt_ids(self, key: str, places: list[tuple[int, int]]) -> list[tuple[int, ...]]:
+        """The token ids of the rows at ``places`` (``(file, row)`` each) of the source ``key`` names."""
+        ...
+
+
+class PromptPlaces(Protocol):
+    """What a rollout replica builds its :class:`PlaceReader` from: the prompts' sources, no rows
+    (picklable; :class:`tandem.rl.data.prompt_rows.PromptPlaces`)."""
+
+    def reader(self, tokenizer: Any) -> PlaceReader:
+        """A reader tokenising with ``tokenizer`` (the replica's own, of the run's model)."""
         ...
 
 
@@ -71,11 +91,13 @@ def with_completions(
 
 
 def group_requests(rows: Batch, first_serial: int, shape: StepShape, episodes: bool) -> list[GroupRequest]:
-    """One prompt group per row of ``rows`` (:meth:`PromptRows.collate`), the ``k``-th numbered
-    ``first_serial + k`` (its uid ``g<serial>``; its responses' seeds derive from ``shape.seed``,
+    """One prompt group per row of ``rows`` (:meth:`PromptRows.collate`, or :meth:`PromptRows.requests`
+    naming each row's place: then a group carries its ``place`` and no ``prompt_ids``), the ``k``-th
+    numbered ``first_serial + k`` (its uid ``g<serial>``; its responses' seeds derive from ``shape.seed``,
     :data:`GROUP_SEED_TAG` and the serial). ``episodes``: each response is an agent episode
-    starting from the row's messages."""
+    starting from the row's messages (collated rows)."""
     images = rows["images"] if "images" in rows else [None] * len(rows)
+    places = rows.get(PROMPT_PLACE)
     requests = []
     for k, index in enumerate(rows["index"]):
         serial = first_serial + k
@@ -87,9 +109,32 @@ def group_requests(rows: Batch, first_serial: int, shape: StepShape, episodes: b
             if episodes
             else None
         )
+        ids = tuple(rows["prompt_ids"][k]) if places is None else ()
+        place = None if places is None else (rows.meta[PROMPT_SOURCE], int(places[k][0]), int(places[k][1]))
         requests.append(
-            GroupRequest(
-                f"g{serial}", index, tuple(rows["prompt_ids"][k]), seeds, shape.sampling, episode, images[k]
-            )
+            GroupRequest(f"g{serial}", index, ids, seeds, shape.sampling, episode, images[k], place)
         )
     return requests
+
+
+def read_prompts(groups: list[GroupRequest], reader: PlaceReader | None, replica: int) -> list[GroupRequest]:
+    """``groups`` with every group sent by ``place`` given its ``prompt_ids``, read by ``reader``
+    (one call per source); the others as they are. ``replica``: who reads (for the error when it was
+    sent places without a reader)."""
+    by_source: dict[str, list[tuple[str, tuple[int, int]]]] = {}  # key -> (uid, (file, row)) each
+    for group in groups:
+        if group.place is not None:
+            key, file, row = group.place
+            by_source.setdefault(key, []).append((group.uid, (file, row)))
+    if not by_source:
+        return groups
+    if reader is None:
+        raise RuntimeError(
+            f"rollout replica {replica} was sent prompt group {next(iter(by_source.values()))[0][0]!r} by "
+            "its place in the training data, but no prompt sources to read it from (read_prompts_by_place)"
+        )
+    ids: dict[str, tuple[int, ...]] = {}
+    for key, placed in by_source.items():
+        read = reader.prompt_ids(key, [place for _, place in placed])
+        ids.update((uid, prompt) for (uid, _), prompt in zip(placed, read, strict=True))
+    return [dataclasses.replace(g, prompt_ids=ids[g.uid]) if g.uid in ids else g for g in groups]

@@ -46,6 +46,7 @@ from tandem.pipeline.replica_set import ReplicaSet
 from tandem.pipeline.replica_worker import RolloutReplicaWorker
 from tandem.pipeline.requests import (
     GROUP_SEED_TAG,
+    PromptPlaces,
     PromptRows,
     group_requests,
     rollout_requests,
@@ -74,7 +75,9 @@ LOG = logging.getLogger(__name__)
 class AsyncRollout:
     """See the module docstring. ``trainer`` is the trainer worker group (it sends the weights);
     ``prompts`` the training prompts, ``sampler`` their order; ``prompt_width`` the widest
-    prompt's tokens (the width of the rows the replicas store with ``keep_in_store``)."""
+    prompt's tokens (the width of the rows the replicas store with ``keep_in_store``); with
+    ``places`` (the prompts' sources) the prompt groups name their rows' places
+    (:meth:`PromptRows.requests`) and the replicas read the token ids themselves."""
 
     replica_class: type = RolloutReplicaWorker  # the worker each replica runs (tests substitute their own)
 
@@ -87,6 +90,7 @@ class AsyncRollout:
         pad_id: int,
         keep_in_store: DataPlaneConfig | None = None,
         prompt_width: int = 0,
+        places: PromptPlaces | None = None,
     ) -> None:
         assert keep_in_store is None or prompt_width > 0, "stored rows need the widest prompt's width"
         self.plan = plan
@@ -104,6 +108,7 @@ class AsyncRollout:
         self.replica_set = ReplicaSet(
             plan, trainer, self.replica_class, keep_in_store, prompt_width, pad_id,
             self.policy.restart_pause, self.schedule.log_directory if self.schedule is not None else None,
+            places,
         )  # fmt: skip
         self._serial = 0  # prompt groups handed out since start
         self._last_idle = 0.0
@@ -255,7 +260,9 @@ class AsyncRollout:
         if count <= 0:
             return
         assert self.replica_set.fleet is not None
-        rows = self.prompts.collate(self.sampler.take(count))
+        indices = self.sampler.take(count)
+        by_place = self.replica_set.places is not None
+        rows = self.prompts.requests(indices) if by_place else self.prompts.collate(indices)
         requests = group_requests(rows, self._serial, self.plan.shape, self.plan.agent is not None)
         self._serial += len(requests)
         self.replica_set.fleet.submit(requests)

@@ -147,6 +147,13 @@ STANDARD_NON_TENSOR_FIELDS: dict[str, str] = {
     "images": "a vision-language prompt's images (tandem.protocol.images.ImageInputs; None: text only)",
 }
 
+# A generation request that names its prompts' places instead of carrying their tokens (the data
+# plane's requests: tandem.rl.data.RLDataset.requests; the rank or replica reads the rows itself).
+PROMPT_PLACE = (
+    "prompt_place"  # per request row: (file, row), the file's number in its source and the row's in it
+)
+PROMPT_SOURCE = "prompt_source"  # the request's meta: the key of the prompt source those places refer to
+
 
 def check_standard_field(name: str, tensor: torch.Tensor) -> None:
     """Check ``tensor`` against the declared spec of ``name``; fields not declared pass unchecked."""

@@ -18,6 +18,7 @@ from tandem.pipeline.schedule_record import ScheduleRecord
 from tandem.pipeline.source import BatchSource, StepShape
 from tandem.rl.config import TrainConfig
 from tandem.rl.data import RLDataset
+from tandem.rl.data.prompt_rows import PromptPlaces
 from tandem.rl.derived import replica_plan, step_shape
 from tandem.rl.step_data import rollout_stays_in_store
 from tandem.rl.step_plan import build_step_plan
@@ -58,14 +59,24 @@ def rl_batch_source(
     if config.pipeline.disaggregated:
         kept = DataPlaneConfig(config.dataplane.engine, config.dataplane.directory)
         return AsyncRollout(
-            replica_plan(config), workers, train_data, sampler, pad_id, kept if in_store else None, width
-        )
+            replica_plan(config), workers, train_data, sampler, pad_id, kept if in_store else None, width,
+            prompt_places(config, train_data) if in_store else None,
+        )  # fmt: skip
     shape = step_shape(config)
     source = ColocatedRollout(
         workers, pad_id, train_data, sampler, shape, in_store, width, config.agent.uses_program
     )
     inputs = SourceInputs(workers, train_data, sampler, tokenizer, shape, in_store, width)
     return plan.batch_source(config, source, inputs)
+
+
+def prompt_places(config: TrainConfig, train_data: RLDataset) -> PromptPlaces | None:
+    """The training prompts' sources, for rollout replicas that read the rows of the prompt groups
+    they are sent by place: text prompts of a dataset :meth:`RLDataset.load` read, not agent
+    episodes (their groups carry the rows' messages); ``None`` where the groups carry the ids."""
+    if config.agent.enabled or train_data.source is None or train_data.has_images:
+        return None
+    return PromptPlaces((train_data.source,))
 
 
 def stored_prompt_width(config: TrainConfig, train_data: RLDataset) -> int:

@@ -87,6 +87,14 @@ class ForwardStream:
         return {name: (group, _cropped(output, stored, width)) for name, (group, output) in joined.items()}
 
 
+    def discard(self) -> None:
+        """Release the outputs of the chunks no step took (the step failed before its passes)."""
+        chunks, self.chunks, self.timings = self.chunks, [], {}
+        for chunk in chunks:
+            for group, output in chunk.outputs.values():
+                worker_group(group).release_refs(output)
+
+
 def stream_forward(trainer: Any) -> ForwardStream | None:
     """With ``pipeline.stream_forward``, a :class:`ForwardStream` of ``trainer``'s plan's streaming
     passes, handed to its batch source (``stream_chunks``); else None."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from rich.markup import escape
 from tandem.algos import build_kl_controller
 from tandem.config.paths import with_absolute_paths
 from tandem.controller import check_placement
+from tandem.dataplane import BatchRef
 from tandem.engine.divergence import check_health, check_skipped_in_a_row
 from tandem.models.gguf import with_gguf_resolved
 from tandem.models.loading import load_tokenizer
@@ -81,6 +83,8 @@ class RLResult:
     hf_model_dir: Path | None
     report: Path | None
 
+
+LOG = logging.getLogger(__name__)
 
 PLACEMENT_KEYS = (  # what shapes the pools of config.resource_pools(), named when they cannot be placed
     "trainer.nnodes, trainer.n_gpus_per_node (or trainer.n_workers), critic.placement, reward.model.n_workers "
@@ -148,6 +152,7 @@ class RLTrainer:
                 stage.check(self)  # a stage's own settings, before any model loads
         self.rollout: BatchSource | None = None  # built with the workers
         self.stream: ForwardStream | None = None  # the passes on draws' chunks (pipeline.stream_forward)
+        self._step_draws: list[BatchRef] = []  # the step's stored draws, released should it fail
         self.critics = None  # the critic's worker group, when the estimator reads values
         self.teachers = None  # the teacher's ranks, when the run distils
 
@@ -251,9 +256,14 @@ class RLTrainer:
         """One RL step, the plan's stages; returns its metrics."""
         self.step += 1
         timings: dict[str, float] = {}
+        self._step_draws = []
         with timed(timings, "step"):
-            batch, metrics = self.collect_batch(timings)
-            batch, update_metrics = self.plan.update(self, batch, timings)
+            try:
+                batch, metrics = self.collect_batch(timings)
+                batch, update_metrics = self.plan.update(self, batch, timings)
+            except BaseException:
+                self._release_failed_step()
+                raise
             metrics.update(update_metrics)
             metrics["actor/max_abs_weight"] = self.check_divergence(metrics)
             with timed(timings, "update_weights"):
@@ -265,6 +275,18 @@ class RLTrainer:
             )
         )  # fmt: skip
         return metrics
+
+    def _release_failed_step(self) -> None:
+        """A step failed: release the blocks of its draws and streamed outputs (with in-process
+        workers nothing else would: they are the controller's own files). A release that fails
+        too is logged, never raised over the step's error."""
+        try:
+            for draw in self._step_draws:
+                self.workers.release_refs(draw)
+            if self.stream is not None:
+                self.stream.discard()
+        except Exception:  # noqa: BLE001 (the step's own error is the one to raise)
+            LOG.warning("could not release the failed step's stored draws", exc_info=True)
 
     def _policy_gradient_update(
         self, batch: Batch, timings: dict[str, float]
@@ -331,6 +353,8 @@ class RLTrainer:
         time is the generation (sync) or the wait for finished groups (asynchronous modes)."""
         with timed(timings, "gen"):
             generated, draw_metrics = self.rollout.next_batch(self.step, draw)
+        if isinstance(generated, BatchRef):
+            self._step_draws.append(generated)
         with timed(timings, "reward"):
             scored, reward_metrics = self.score(generated)
         for stage in self.plan.draws:

@@ -22,6 +22,7 @@ from tandem.data.file_lists import file_list
 from tandem.data.rows import read_rows
 from tandem.models.chat import check_message, template_ids, with_image_parts
 from tandem.protocol import Batch
+from tandem.protocol.fields import PROMPT_PLACE, PROMPT_SOURCE
 from tandem.protocol.images import ImageInputs
 from tandem.rl.data.images import ImageReader, PromptImages, expand_prompt, row_images
 
@@ -44,9 +45,8 @@ class PromptSample:
     images: PromptImages | None = None
 
 
-PROMPT_PLACE = "prompt_place"  # per request row: (file, row), its file's number in PromptSource.files
-# and its row's in that file, as read (filtered rows counted)
-PROMPT_SOURCE = "prompt_source"  # meta: the PromptSource.key those places refer to
+# PROMPT_PLACE's (file, row): the file's number in PromptSource.files and the row's in that file, as
+# read (filtered rows counted); PROMPT_SOURCE: the PromptSource.key those places refer to
 REBUILT = ("prompt_ids", "raw_prompt")  # what a request by place leaves to the worker to build
 
 

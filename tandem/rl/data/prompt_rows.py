@@ -8,6 +8,10 @@ reads and tokenises those rows here with the function the controller's load used
 (``prompt_sample``: the same tokenizer, chat template, ``data.special_tokens_in_text`` and
 ``data.overlong_prompts`` rule), so its ids are the controller's, bit for bit.
 
+The asynchronous pipelines' rollout replicas do the same for their prompt groups (``GroupRequest.place``):
+the dataset gives the replicas a :class:`PromptPlaces` (the sources, no tokens) and each replica
+reads the ids of the groups it is sent with its own tokenizer of the same model.
+
 A rank reads each file once and keeps the rows it tokenised in a bounded cache
 (:class:`~tandem.sft.dataset_rows.TokenCache`, as SFT's and DPO's ranks do). Text prompts only: a
 dataset with images sends :meth:`RLDataset.collate`'s rows, which :meth:`RankPrompts.built` passes
@@ -16,6 +20,7 @@ through unchanged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +103,10 @@ class RankPrompts:
         rows = self.sources[key]
         return [rows[place] for place in places]
 
+    def prompt_ids(self, key: str, places: list[tuple[int, int]]) -> list[tuple[int, ...]]:
+        """The token ids of the rows at ``places`` of the source ``key`` names."""
+        return [tuple(sample.prompt_ids) for sample in self.samples(key, places)]
+
     def built(self, requests: Batch) -> Batch:
         """``requests`` itself, or, when its rows name their places (``prompt_place``), those rows
         with ``prompt_ids`` (a tuple of ids a row) and ``raw_prompt`` (the row's messages) read
@@ -114,3 +123,16 @@ class RankPrompts:
         }
         meta = {k: v for k, v in requests.meta.items() if k != PROMPT_SOURCE}
         return Batch(dict(requests.tensors.items()), non_tensors=columns, meta=meta, batch_size=len(requests))
+
+
+@dataclass(frozen=True)
+class PromptPlaces:
+    """What another process needs to read prompt rows by place (the sources, not their rows; a
+    :class:`~tandem.pipeline.requests.PromptPlaces`): pickled to a rollout replica, which builds its
+    reader with its own tokenizer of the same model."""
+
+    sources: tuple[PromptSource, ...]
+
+    def reader(self, tokenizer: Any) -> RankPrompts:
+        """A reader of these sources' rows, tokenising with ``tokenizer``."""
+        return RankPrompts(tokenizer, list(self.sources))

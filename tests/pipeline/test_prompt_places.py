@@ -1,0 +1,85 @@
+"""The asynchronous pipelines' prompt groups by place: with the data plane on, the controller sends
+each group's place in the training data and no token ids, and the replica reads and tokenises the
+row itself. Reference: the groups made from collated rows (the ids the controller used to send)."""
+
+import dataclasses
+import pickle
+
+import pytest
+
+from tandem.models.loading import load_tokenizer
+from tandem.pipeline import fleet
+from tandem.pipeline.requests import group_requests, read_prompts
+from tandem.pipeline.source import StepShape
+from tandem.rl import batch_source
+from tandem.rl.data import RLDataset
+from tandem.rl.data.prompt_rows import PromptPlaces
+from tandem.rl.trainer import RLTrainer
+from tandem.rollout import SamplingParams
+from tests.rl.conftest import assert_same_histories, small_config
+
+SHAPE = StepShape(groups=3, responses=2, sampling=SamplingParams(temperature=1.0, max_tokens=5), seed=11)
+
+
+@pytest.fixture(scope="module")
+def dataset(rl_files):
+    return RLDataset.load(rl_files["train"], load_tokenizer(rl_files["model"]), 64)
+
+
+def test_groups_by_place_read_on_the_replica_equal_the_groups_carrying_ids(dataset, rl_files):
+    indices = list(range(len(dataset)))[::-1]  # every row, out of order
+    by_ids = group_requests(dataset.collate(indices), 5, SHAPE, episodes=False)
+    by_place = group_requests(dataset.requests(indices), 5, SHAPE, episodes=False)
+    assert all(g.prompt_ids == () and g.place is not None for g in by_place)
+    assert {g.place[0] for g in by_place} == {dataset.source.key}
+
+    places = pickle.loads(pickle.dumps(PromptPlaces((dataset.source,))))  # as a replica gets it
+    reader = places.reader(load_tokenizer(rl_files["model"]))  # the replica's own tokenizer
+    read = read_prompts(by_place, reader, replica=0)
+    assert [dataclasses.replace(g, place=None) for g in read] == by_ids
+    assert len(pickle.dumps(by_place)) < len(pickle.dumps(by_ids))
+
+
+def test_groups_carrying_ids_pass_through_and_places_without_a_reader_are_refused(dataset):
+    by_ids = group_requests(dataset.collate([0, 1]), 0, SHAPE, episodes=False)
+    assert read_prompts(by_ids, None, replica=3) is by_ids
+    by_place = group_requests(dataset.requests([0, 1]), 0, SHAPE, episodes=False)
+    with pytest.raises(RuntimeError, match=r"rollout replica 3 was sent prompt group 'g0' by its place"):
+        read_prompts(by_place, None, replica=3)
+
+
+def test_a_dataset_the_replicas_cannot_read_by_place_keeps_sending_ids(rl_files, tmp_path):
+    config = small_config(rl_files, tmp_path, "pipeline.mode=fully_async")
+    data = RLDataset.load(rl_files["train"], load_tokenizer(rl_files["model"]), 64)
+    assert batch_source.prompt_places(config, data) == PromptPlaces((data.source,))
+    agents = small_config(rl_files, tmp_path, "pipeline.mode=fully_async", "agent.name=tool_agent", "agent.tools=[calculator]")
+    assert batch_source.prompt_places(agents, data) is None  # episodes carry their rows' messages
+    unread = RLDataset(data.samples)  # not built by RLDataset.load: no source to read from
+    assert batch_source.prompt_places(config, unread) is None
+
+
+@pytest.mark.slow  # two 2-step fully-async runs with a replica process each
+def test_fully_async_by_place_trains_like_the_groups_carrying_ids(rl_files, tmp_path, monkeypatch):
+    sent = []
+    submit = fleet.RolloutFleet.submit
+
+    def counted(self, requests):
+        sent.append(len(pickle.dumps(requests)))
+        return submit(self, requests)
+
+    monkeypatch.setattr(fleet.RolloutFleet, "submit", counted)
+
+    def run(out):
+        config = small_config(
+            rl_files, out, "data.val_path=", "pipeline.mode=fully_async", "pipeline.staleness_threshold=0",
+            "pipeline.partial_rollout=false", "pipeline.trainer_threads=1", "pipeline.rollout_threads=1",
+        )  # fmt: skip
+        sent.clear()
+        return RLTrainer(config).fit().history, sum(sent)
+
+    by_place, place_bytes = run(tmp_path / "places")
+    monkeypatch.setattr(batch_source, "prompt_places", lambda config, data: None)
+    by_ids, ids_bytes = run(tmp_path / "ids")
+    assert_same_histories(by_ids, by_place, relative=0.0)
+    assert place_bytes < ids_bytes
+    print(f"prompt group bytes sent to the replicas: by place {place_bytes}, with ids {ids_bytes}")
