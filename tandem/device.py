@@ -22,6 +22,9 @@ Everything else asks this module instead of probing ``torch.cuda`` itself:
 * :func:`available_memory_bytes` is the memory a new allocation on a device may take: the
   GPU's free memory, or on the CPU the kernel's ``MemAvailable`` capped by the cgroup's room
   (the native engine sizes its KV cache from it).
+* :func:`worker_start_method` is how worker processes start: forked from a preloaded fork
+  server on a host without CUDA, spawned afresh where CUDA is (the server's imports could
+  initialise the CUDA driver, which a process forked after that cannot use).
 * :func:`cpu_bf16_instructions` names the CPU's bf16 matrix instructions (AMX or AVX-512
   BF16), and :func:`check_bf16_compute` refuses bf16 compute on a CPU that has neither:
   there oneDNN emulates bf16 products with fp32 ones plus conversions, slower than plain fp32
@@ -55,6 +58,12 @@ def check_device_setting(owner: str, field: str, value: str) -> None:
 def cuda_device_count() -> int:
     """GPUs this process can see (0 without CUDA)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def worker_start_method() -> str:
+    """``forkserver`` on a host without CUDA (a worker forks from a server that imported the
+    heavy libraries once: :mod:`tandem.controller.local`), ``spawn`` where CUDA is available."""
+    return "spawn" if torch.cuda.is_available() else "forkserver"
 
 
 def resolve_device(setting: str = "auto", local_rank: int = 0) -> torch.device:

@@ -1,10 +1,11 @@
 """Local backends: one worker in the controller's process, or one spawned process per rank.
 
-Worker processes start from a fork server (:func:`worker_context`): a process that imported the
-heavy libraries once (torch, tensordict, transformers) and forks each worker from that state, so
-a worker starts in a fraction of a second instead of re-importing them (5–7 s each on a 2-core
-host). The server imports no tandem module and touches no device, which keeps a fork from it as
-safe as a spawn (CUDA is initialised only in the worker). What a spawned child would have taken
+On a host without CUDA, worker processes start from a fork server (:func:`worker_context`): a
+process that imported the heavy libraries once (torch, tensordict, transformers) and forks each
+worker from that state, so a worker starts in about a second instead of re-importing them (5–7 s
+each on a 2-core host). The server imports no tandem module. Where CUDA is available workers are
+spawned afresh, as the server's imports could initialise the CUDA driver, which a forked process
+cannot use (:func:`tandem.device.worker_start_method`). What a spawned child would have taken
 from the controller at its start is handed to each worker explicitly instead: the environment,
 ``sys.path`` and the working directory as they are when the group starts (the server's are from
 when it started), and the worker's class and arguments are unpickled only after those are set.
@@ -35,6 +36,7 @@ from typing import Any
 from tandem.config.plugins import plugins_env
 from tandem.controller.errors import WorkerDiedError, WorkerError
 from tandem.controller.worker import DistInfo, construct_worker, host_rendezvous_store
+from tandem.device import worker_start_method
 
 POLL_S = 0.05  # how often a waiting mailbox checks that its worker process is alive
 # what the fork server imports once, before forking workers: third-party libraries only (see the
@@ -44,9 +46,12 @@ FORK_SERVER_PRELOAD = ("torch", "tensordict", "transformers", "transformers.mode
 
 def worker_context() -> Any:
     """The multiprocessing context worker processes start from: the fork server, preloaded with
-    :data:`FORK_SERVER_PRELOAD` (the one place this is decided)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(FORK_SERVER_PRELOAD))  # read when the server first starts
+    :data:`FORK_SERVER_PRELOAD`, or, on a host with CUDA, ``spawn``
+    (:func:`tandem.device.worker_start_method` decides)."""
+    method = worker_start_method()
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(list(FORK_SERVER_PRELOAD))  # read when the server first starts
     return context
 
 

@@ -139,9 +139,10 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
     @register(dispatch="ONE_TO_ALL")
     def read_prompts_by_place(self, ranks: list[int], places: PromptPlaces) -> None:
         """The replicas ``ranks`` read the prompt groups they are sent by place from ``places``'
-        sources, tokenising with their own tokenizer (the controller then sends no prompt's ids)."""
+        sources, tokenising and processing images with their own tokenizer and processor (the
+        controller then sends no prompt's ids or images)."""
         if self.rank in ranks:
-            self.prompt_reader = places.reader(load_tokenizer(self.model_path))
+            self.prompt_reader = places.reader(load_tokenizer(self.model_path), self.model_path)
 
     @register(dispatch="ONE_TO_ALL")
     def log_samples(self, ranks: list[int], directory: str) -> None:

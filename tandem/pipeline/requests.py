@@ -21,6 +21,7 @@ from tandem.pipeline.source import StepShape
 from tandem.protocol import Batch
 from tandem.protocol.fields import PROMPT_PLACE, PROMPT_SOURCE
 from tandem.protocol.generation import Completion
+from tandem.protocol.images import ImageInputs
 from tandem.protocol.sequences import resize_columns, sequence_tensors
 from tandem.rollout import RolloutRequest, SamplingParams
 from tandem.seeds import derive_seed
@@ -48,8 +49,11 @@ class PromptRows(Protocol):
 class PlaceReader(Protocol):
     """A process's reader of training prompts by place (:class:`tandem.rl.data.prompt_rows.RankPrompts`)."""
 
-    def prompt_ids(self, key: str, places: list[tuple[int, int]]) -> list[tuple[int, ...]]:
-        """The token ids of the rows at ``places`` (``(file, row)`` each) of the source ``key`` names."""
+    def prompts(
+        self, key: str, places: list[tuple[int, int]]
+    ) -> list[tuple[tuple[int, ...], ImageInputs | None]]:
+        """The token ids and processed images (None: text only) of the rows at ``places``
+        (``(file, row)`` each) of the source ``key`` names."""
         ...
 
 
@@ -57,8 +61,9 @@ class PromptPlaces(Protocol):
     """What a rollout replica builds its :class:`PlaceReader` from: the prompts' sources, no rows
     (picklable; :class:`tandem.rl.data.prompt_rows.PromptPlaces`)."""
 
-    def reader(self, tokenizer: Any) -> PlaceReader:
-        """A reader tokenising with ``tokenizer`` (the replica's own, of the run's model)."""
+    def reader(self, tokenizer: Any, model_path: str) -> PlaceReader:
+        """A reader tokenising with ``tokenizer`` and processing images with ``model_path``'s
+        processor (the replica's own, of the run's model)."""
         ...
 
 
@@ -118,8 +123,8 @@ def group_requests(rows: Batch, first_serial: int, shape: StepShape, episodes: b
 
 
 def read_prompts(groups: list[GroupRequest], reader: PlaceReader | None, replica: int) -> list[GroupRequest]:
-    """``groups`` with every group sent by ``place`` given its ``prompt_ids``, read by ``reader``
-    (one call per source); the others as they are. ``replica``: who reads (for the error when it was
+    """``groups`` with every group sent by ``place`` given its ``prompt_ids`` and ``images``, read by
+    ``reader`` (one call per source); the others as they are. ``replica``: who reads (for the error when it was
     sent places without a reader)."""
     by_source: dict[str, list[tuple[str, tuple[int, int]]]] = {}  # key -> (uid, (file, row)) each
     for group in groups:
@@ -133,8 +138,11 @@ def read_prompts(groups: list[GroupRequest], reader: PlaceReader | None, replica
             f"rollout replica {replica} was sent prompt group {next(iter(by_source.values()))[0][0]!r} by "
             "its place in the training data, but no prompt sources to read it from (read_prompts_by_place)"
         )
-    ids: dict[str, tuple[int, ...]] = {}
+    read: dict[str, tuple[tuple[int, ...], ImageInputs | None]] = {}
     for key, placed in by_source.items():
-        read = reader.prompt_ids(key, [place for _, place in placed])
-        ids.update((uid, prompt) for (uid, _), prompt in zip(placed, read, strict=True))
-    return [dataclasses.replace(g, prompt_ids=ids[g.uid]) if g.uid in ids else g for g in groups]
+        prompts = reader.prompts(key, [place for _, place in placed])
+        read.update((uid, prompt) for (uid, _), prompt in zip(placed, prompts, strict=True))
+    return [
+        dataclasses.replace(g, prompt_ids=read[g.uid][0], images=read[g.uid][1]) if g.uid in read else g
+        for g in groups
+    ]

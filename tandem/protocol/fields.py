@@ -153,6 +153,7 @@ PROMPT_PLACE = (
     "prompt_place"  # per request row: (file, row), the file's number in its source and the row's in it
 )
 PROMPT_SOURCE = "prompt_source"  # the request's meta: the key of the prompt source those places refer to
+PROMPT_IMAGES = "prompt_images"  # the request's meta: whether its source holds images (rows get an images column)
 
 
 def check_standard_field(name: str, tensor: torch.Tensor) -> None:

@@ -72,9 +72,9 @@ def rl_batch_source(
 
 def prompt_places(config: TrainConfig, train_data: RLDataset) -> PromptPlaces | None:
     """The training prompts' sources, for rollout replicas that read the rows of the prompt groups
-    they are sent by place: text prompts of a dataset :meth:`RLDataset.load` read, not agent
+    they are sent by place (ids and images): a dataset :meth:`RLDataset.load` read, not agent
     episodes (their groups carry the rows' messages); ``None`` where the groups carry the ids."""
-    if config.agent.enabled or train_data.source is None or train_data.has_images:
+    if config.agent.enabled or train_data.source is None:
         return None
     return PromptPlaces((train_data.source,))
 

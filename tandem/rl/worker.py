@@ -97,7 +97,7 @@ class ActorRolloutRefWorker(DatasetStepRanks, SendsWeights, ProfilesCalls, Worke
             torch.set_num_threads(config.pipeline.trainer_threads)
         self._peaks: dict[str, float] = {}
         self.tokenizer = load_tokenizer(config.model_path)
-        self.prompt_rows = RankPrompts.of_config(config.data, self.tokenizer)  # requests by place
+        self.prompt_rows = RankPrompts.of_config(config.data, self.tokenizer, config.model_path)  # by place
         self.engine = start_engine(
             self,
             actor_engine_config(config, str(self.device), config.actor.engine.strategy, schedule_steps),

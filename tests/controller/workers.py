@@ -166,3 +166,17 @@ class RolloutRole(Worker):
 class BrokenWorker(Worker):
     def __init__(self) -> None:
         raise RuntimeError("cannot build this worker")
+
+
+class ParentStateWorker(Worker):
+    """Reports what it took from the controller at its start: an environment variable, the working
+    directory, and whether a module on the controller's ``sys.path`` imports."""
+
+    def __init__(self, variable: str, module: str) -> None:
+        self.variable, self.module = variable, module
+
+    @register(dispatch="ONE_TO_ALL")
+    def state(self) -> tuple[str | None, str, bool]:
+        import importlib.util
+
+        return os.environ.get(self.variable), os.getcwd(), importlib.util.find_spec(self.module) is not None

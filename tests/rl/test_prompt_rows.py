@@ -12,10 +12,11 @@ from tandem.data import write_parquet
 from tandem.models.loading import load_tokenizer
 from tandem.protocol.serialize import from_bytes, to_bytes
 from tandem.protocol.traffic import batch_traffic
-from tandem.rl.data import ArithmeticTaskConfig, RLDataset, arithmetic_rows
+from tandem.rl.data import ArithmeticTaskConfig, RLDataset, arithmetic_rows, image_reader
 from tandem.rl.data.dataset import PROMPT_PLACE, PROMPT_SOURCE
 from tandem.rl.data.prompt_rows import RankPrompts
 from tests.rl.conftest import small_config
+from tests.rl.test_vlm_grpo import vlm_config, vlm_files  # noqa: F401 (the tiny VLM and its shapes data)
 
 LIMIT = 40  # data.max_prompt_length of the tests: the long rows below are cut or dropped
 
@@ -69,6 +70,31 @@ def test_every_row_built_on_the_rank_equals_the_controllers(rl_files, tmp_path, 
     places = set(request[PROMPT_PLACE])
     assert (overlong != "filter") == ((0, 2) in places) == ((1, 0) in places)
     assert {f for f, _ in places} == {0, 1}
+
+
+def test_image_rows_built_on_the_rank_equal_the_controllers(vlm_files):  # noqa: F811
+    """The tiny VLM's shapes rows: the rank reads each row's images from the file and processes
+    them with its own processor of the model, to the controller's ``ImageInputs``, bit for bit."""
+    data_config = vlm_config(vlm_files, "unused").data
+    model = vlm_files["model"]
+    data = RLDataset.load(
+        data_config.train_path, load_tokenizer(model), 128, images=image_reader(model, data_config)
+    )
+    indices = list(range(len(data)))[::-1]
+    expected = data.collate(indices)
+    request = data.requests(indices)
+    assert "images" not in request and _payload(request) * 100 < _payload(expected)
+    rank = RankPrompts.of_config(data_config, load_tokenizer(model), model)  # as the worker builds it
+    on_rank = rank.built(from_bytes(to_bytes(request)))
+    assert set(on_rank.keys()) == set(expected.keys()) and on_rank.meta == expected.meta
+    for got, want in zip(on_rank["images"], expected["images"], strict=True):
+        assert torch.equal(got.pixel_values, want.pixel_values)
+        assert torch.equal(got.image_grid_thw, want.image_grid_thw)
+    assert _columns(on_rank.select([k for k in on_rank.keys() if k != "images"])) == _columns(
+        expected.select([k for k in expected.keys() if k != "images"])
+    )
+    group = rank.built(request.repeat(3, interleave=True))  # a group's rows, as a draw sends them
+    assert group["images"][0] is group["images"][1] is group["images"][2]  # stored once, as collate's
 
 
 def test_requests_without_places_pass_through_and_a_dropped_row_is_an_error(rl_files, tmp_path):

@@ -21,9 +21,11 @@ from typing import Any
 from tandem.data.file_lists import file_list
 from tandem.data.rows import read_rows
 from tandem.models.chat import check_message, template_ids, with_image_parts
+from tandem.models.vision import ImagePrompter
 from tandem.protocol import Batch
-from tandem.protocol.fields import PROMPT_PLACE, PROMPT_SOURCE
+from tandem.protocol.fields import PROMPT_IMAGES, PROMPT_PLACE, PROMPT_SOURCE
 from tandem.protocol.images import ImageInputs
+from tandem.rl.config.data import RLImageConfig
 from tandem.rl.data.images import ImageReader, PromptImages, expand_prompt, row_images
 
 
@@ -47,7 +49,7 @@ class PromptSample:
 
 # PROMPT_PLACE's (file, row): the file's number in PromptSource.files and the row's in that file, as
 # read (filtered rows counted); PROMPT_SOURCE: the PromptSource.key those places refer to
-REBUILT = ("prompt_ids", "raw_prompt")  # what a request by place leaves to the worker to build
+REBUILT = ("prompt_ids", "raw_prompt", "images")  # what a request by place leaves to the worker to build
 
 
 REQUIRED = {  # what each required field must hold, for the messages
@@ -130,14 +132,33 @@ class PromptSource:
     max_prompt_length: int
     overlong: str
     special_tokens_in_text: str
+    image: RLImageConfig = field(default_factory=RLImageConfig)  # data.image.*: how images are read
+    image_key: str = "images"  # data.image_key
+    video_key: str = "videos"  # data.video_key
 
     @staticmethod
     def of(
-        paths: DataFiles, max_prompt_length: int, overlong: str, special_tokens_in_text: str
+        paths: DataFiles,
+        max_prompt_length: int,
+        overlong: str,
+        special_tokens_in_text: str,
+        image: RLImageConfig | None = None,
+        image_key: str = "images",
+        video_key: str = "videos",
     ) -> PromptSource:
-        """The source of ``paths`` (:func:`as_files`) read with these settings."""
+        """The source of ``paths`` (:func:`as_files`) read with these settings (``image``: the
+        defaults when None)."""
         files = tuple(str(path) for path in as_files(paths))
-        return PromptSource(files, max_prompt_length, overlong, special_tokens_in_text)
+        return PromptSource(
+            files, max_prompt_length, overlong, special_tokens_in_text, image or RLImageConfig(),
+            image_key, video_key,
+        )  # fmt: skip
+
+    def image_reader(self, prompter: ImagePrompter | None) -> ImageReader:
+        """The reader of this source's rows' images, processing them with ``prompter`` (the run's
+        model's; None for a model without a vision tower)."""
+        model_path = prompter.model_path if prompter is not None else ""
+        return ImageReader(model_path, self.image, self.image_key, self.video_key, prompter)
 
     @property
     def key(self) -> str:
@@ -253,7 +274,10 @@ class RLDataset:
             raise ValueError(
                 f"{names}: no usable prompts ({filtered} longer than {max_prompt_length} tokens)"
             )
-        source = PromptSource.of(files, max_prompt_length, overlong, special_tokens_in_text)
+        source = PromptSource.of(
+            files, max_prompt_length, overlong, special_tokens_in_text, reader.settings,
+            reader.image_key, reader.video_key,
+        )  # fmt: skip
         return RLDataset(samples, filtered, reader, positions, source)
 
     def check_fills_batch(self, batch_size: int, field: str) -> None:
@@ -287,31 +311,36 @@ class RLDataset:
     def collate(self, indices: list[int]) -> Batch:
         """The prompts at ``indices`` as a batch of per-sample columns (token ids stay lists until
         generation); a dataset with images adds ``images``, one :class:`ImageInputs` or None a row."""
+        return Batch(non_tensors=self._columns(indices, rebuilt=True))
+
+    def _columns(self, indices: list[int], rebuilt: bool) -> dict[str, list]:
+        """:meth:`collate`'s columns of the rows at ``indices``, in its order; without ``rebuilt``
+        not the ones a request by place leaves to the worker (:data:`REBUILT`, never computed)."""
         rows = [self.samples[i] for i in indices]
-        images = {"images": [self.image_inputs(r) for r in rows]} if self.has_images else {}
-        return Batch(
-            non_tensors={
-                "prompt_ids": [r.prompt_ids for r in rows],
-                "data_source": [r.data_source for r in rows],
-                "ground_truth": [r.ground_truth for r in rows],
-                "extra_info": [r.extra_info for r in rows],
-                "raw_prompt": [r.raw_prompt for r in rows],
-                "agent_name": [r.agent_name for r in rows],
-                "index": list(indices),
-                **images,
-            }
-        )
+        columns: dict[str, Any] = {
+            "prompt_ids": lambda: [r.prompt_ids for r in rows],
+            "data_source": lambda: [r.data_source for r in rows],
+            "ground_truth": lambda: [r.ground_truth for r in rows],
+            "extra_info": lambda: [r.extra_info for r in rows],
+            "raw_prompt": lambda: [r.raw_prompt for r in rows],
+            "agent_name": lambda: [r.agent_name for r in rows],
+            "index": lambda: list(indices),
+        }
+        if self.has_images:
+            columns["images"] = lambda: [self.image_inputs(r) for r in rows]
+        return {name: make() for name, make in columns.items() if rebuilt or name not in REBUILT}
 
     def requests(self, indices: list[int]) -> Batch:
         """The rows at ``indices`` as a generation request naming each row's place, not its tokens:
-        :meth:`collate`'s columns but ``prompt_ids`` and ``raw_prompt``, with ``prompt_place``
-        (:data:`PROMPT_PLACE`: ``(file, row)`` a row) and ``source.key`` in the meta
-        (:data:`PROMPT_SOURCE`); the worker reads and tokenises those rows as :meth:`load` did
-        (:class:`tandem.rl.data.prompt_rows.RankPrompts`). A dataset with images, or not built by
-        :meth:`load`, gives :meth:`collate`'s request (its rows hold their prompt ids and images)."""
-        rows = self.collate(indices)
-        if self.has_images or self.source is None:
-            return rows
-        kept = rows.select([k for k in rows.keys() if k not in REBUILT])
-        places = [self.positions[i] for i in indices]
-        return kept.assign(non_tensors={PROMPT_PLACE: places}, meta={PROMPT_SOURCE: self.source.key})
+        :meth:`collate`'s columns but ``prompt_ids``, ``raw_prompt`` and ``images``
+        (:data:`REBUILT`), with ``prompt_place`` (:data:`PROMPT_PLACE`: ``(file, row)`` a row) and
+        ``source.key`` in the meta (:data:`PROMPT_SOURCE`); the worker reads and tokenises those rows
+        as :meth:`load` did (:class:`tandem.rl.data.prompt_rows.RankPrompts`), a dataset with images
+        processing the rows' images there too (the meta's :data:`PROMPT_IMAGES` says so: ``images``
+        is then a column of every request, as in :meth:`collate`). A dataset not built by
+        :meth:`load` gives :meth:`collate`'s request (its rows hold their prompt ids and images)."""
+        if self.source is None:
+            return self.collate(indices)
+        columns = {**self._columns(indices, rebuilt=False), PROMPT_PLACE: [self.positions[i] for i in indices]}
+        meta = {PROMPT_SOURCE: self.source.key, PROMPT_IMAGES: self.has_images}
+        return Batch(non_tensors=columns, meta=meta)
