@@ -56,6 +56,11 @@ class PlaceReader(Protocol):
         (``(file, row)`` each) of the source ``key`` names."""
         ...
 
+    def built(self, requests: Batch) -> Batch:
+        """``requests`` whose rows name their places (:meth:`PromptRows.requests`) as the rows
+        :meth:`PromptRows.collate` gives; other requests as they are."""
+        ...
+
 
 class PromptPlaces(Protocol):
     """What a rollout replica builds its :class:`PlaceReader` from: the prompts' sources, no rows
@@ -146,3 +151,16 @@ def read_prompts(groups: list[GroupRequest], reader: PlaceReader | None, replica
         dataclasses.replace(g, prompt_ids=read[g.uid][0], images=read[g.uid][1]) if g.uid in read else g
         for g in groups
     ]
+
+
+def read_rows(rows: Batch, reader: PlaceReader | None, replica: int) -> Batch:
+    """``rows`` (a request batch) with rows naming their places read by ``reader`` into
+    :meth:`PromptRows.collate`'s rows; others as they are. ``replica``: who reads (for the error)."""
+    if PROMPT_PLACE not in rows:
+        return rows
+    if reader is None:
+        raise RuntimeError(
+            f"rollout replica {replica} was sent prompt rows by their place in the training data, but "
+            "no prompt sources to read them from (read_prompts_by_place)"
+        )
+    return reader.built(rows)

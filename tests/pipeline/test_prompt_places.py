@@ -11,7 +11,7 @@ import torch
 
 from tandem.models.loading import load_tokenizer
 from tandem.pipeline import fleet
-from tandem.pipeline.requests import group_requests, read_prompts
+from tandem.pipeline.requests import group_requests, read_prompts, read_rows
 from tandem.pipeline.source import StepShape
 from tandem.rl import batch_source
 from tandem.rl.data import RLDataset, image_reader
@@ -49,6 +49,20 @@ def test_groups_carrying_ids_pass_through_and_places_without_a_reader_are_refuse
     by_place = group_requests(dataset.requests([0, 1]), 0, SHAPE, episodes=False)
     with pytest.raises(RuntimeError, match=r"rollout replica 3 was sent prompt group 'g0' by its place"):
         read_prompts(by_place, None, replica=3)
+
+
+def test_request_rows_by_place_read_on_the_replica_equal_the_collated_rows(dataset, rl_files):
+    """ReMax's greedy requests to the replicas (``generate_to_store``): rows named by place, read
+    there (``read_rows``), are the rows ``collate`` gives the controller."""
+    indices = [5, 1, 1, 3]
+    collated = dataset.collate(indices)
+    assert read_rows(collated, None, replica=0) is collated  # rows with ids pass through
+    request = dataset.requests(indices)
+    with pytest.raises(RuntimeError, match="rollout replica 1 was sent prompt rows by their place"):
+        read_rows(request, None, replica=1)
+    reader = PromptPlaces((dataset.source,)).reader(load_tokenizer(rl_files["model"]), rl_files["model"])
+    read = read_rows(pickle.loads(pickle.dumps(request)), reader, replica=0)
+    assert {k: list(read[k]) for k in read.keys()} == {k: list(collated[k]) for k in collated.keys()}
 
 
 def test_a_dataset_the_replicas_cannot_read_by_place_keeps_sending_ids(rl_files, tmp_path):

@@ -28,7 +28,13 @@ def single_worker_run(rl_files, tmp_path_factory):
 
 @pytest.mark.parametrize(
     "backend,strategy,sp_size",
-    [("local", "single", 1), ("ray", "single", 1), ("local", "fsdp2", 1), ("local", "single", 2)],
+    [
+        ("local", "single", 1),
+        # the same run on Ray actors: a second test of the same thing in other processes (slow tier)
+        pytest.param("ray", "single", 1, marks=pytest.mark.slow),
+        ("local", "fsdp2", 1),
+        ("local", "single", 2),
+    ],
     ids=["local-ddp", "ray-ddp", "local-fsdp2", "local-sequence-parallel"],
 )
 def test_two_workers_match_one(rl_files, tmp_path, single_worker_run, backend, strategy, sp_size, request):

@@ -41,8 +41,8 @@ def greedy_baseline(trainer: Any, scored: Batch | BatchRef, timings: dict[str, f
     subtracted from, which both are."""
     n = trainer.config.rollout.n
     with timed(timings, "gen_greedy"):
-        prompts = trainer.train_data.collate([int(i) for i in scored["index"][::n]])
-        baselines = greedy_scores(trainer, prompts, stored=isinstance(scored, BatchRef)).repeat_interleave(n)
+        indices = [int(i) for i in scored["index"][::n]]
+        baselines = greedy_scores(trainer, indices, stored=isinstance(scored, BatchRef)).repeat_interleave(n)
     if isinstance(scored, BatchRef):
         return BatchRef(
             scored.scalars.assign(tensors={"reward_baselines": baselines}), scored.parts, scored.schema
@@ -50,16 +50,18 @@ def greedy_baseline(trainer: Any, scored: Batch | BatchRef, timings: dict[str, f
     return scored.assign(tensors={"reward_baselines": baselines})
 
 
-def greedy_scores(trainer: Any, prompts: Batch, stored: bool) -> torch.Tensor:
-    """``[G]`` float32: the score of the greedy response to each of ``prompts``; with ``stored``
-    (and a source that keeps generations) the responses stay on the ranks and are released once
-    scored; agent episodes' greedy episodes come back as a ``Batch``, as validation's do."""
-    source, seeds, sampling = trainer.rollout, [0] * len(prompts), trainer.config.rollout.sampling(0.0)
+def greedy_scores(trainer: Any, indices: list[int], stored: bool) -> torch.Tensor:
+    """``[G]`` float32: the score of the greedy response to each training prompt of ``indices``;
+    with ``stored`` (and a source that keeps generations) the request names the prompts' places
+    (the ranks or replicas read them: :meth:`RLDataset.requests`), the responses stay where they
+    were generated and are released once scored; agent episodes' greedy episodes come back as a
+    ``Batch``, as validation's do."""
+    source, seeds, sampling = trainer.rollout, [0] * len(indices), trainer.config.rollout.sampling(0.0)
     keeps = getattr(source, "generate_to_store", None)
     if not stored or keeps is None or trainer.config.agent.enabled:  # greedy episodes: a Batch
-        greedy = source.generate(prompts, seeds, sampling, None)
+        greedy = source.generate(trainer.train_data.collate(indices), seeds, sampling, None)
         return trainer.score(greedy, training=False)[0]["token_level_scores"].sum(-1)
-    greedy = keeps(prompts, seeds, sampling)
+    greedy = keeps(trainer.train_data.requests(indices), seeds, sampling)
     try:
         return trainer.score(greedy, training=False)[0][SEQUENCE_SCORE]
     finally:
