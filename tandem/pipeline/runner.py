@@ -77,7 +77,7 @@ class AsyncRollout:
     ``prompts`` the training prompts, ``sampler`` their order; ``prompt_width`` the widest
     prompt's tokens (the width of the rows the replicas store with ``keep_in_store``); with
     ``places`` (the prompts' sources) the prompt groups name their rows' places
-    (:meth:`PromptRows.requests`) and the replicas read the token ids themselves."""
+    (:meth:`PromptRows.requests`) and the replicas read the token ids and images themselves."""
 
     replica_class: type = RolloutReplicaWorker  # the worker each replica runs (tests substitute their own)
 
