@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from tandem.pipeline.groups import EpisodePrompt, GroupRequest
 from tandem.pipeline.source import StepShape
 from tandem.protocol import Batch
-from tandem.protocol.fields import PROMPT_PLACE, PROMPT_SOURCE
+from tandem.protocol.fields import PROMPT_IMAGES, PROMPT_PLACE, PROMPT_SOURCE
 from tandem.protocol.generation import Completion
 from tandem.protocol.images import ImageInputs
 from tandem.protocol.sequences import resize_columns, sequence_tensors
@@ -49,16 +49,10 @@ class PromptRows(Protocol):
 class PlaceReader(Protocol):
     """A process's reader of training prompts by place (:class:`tandem.rl.data.prompt_rows.RankPrompts`)."""
 
-    def prompts(
-        self, key: str, places: list[tuple[int, int]]
-    ) -> list[tuple[tuple[int, ...], ImageInputs | None]]:
-        """The token ids and processed images (None: text only) of the rows at ``places``
-        (``(file, row)`` each) of the source ``key`` names."""
-        ...
-
     def built(self, requests: Batch) -> Batch:
         """``requests`` whose rows name their places (:meth:`PromptRows.requests`) as the rows
-        :meth:`PromptRows.collate` gives; other requests as they are."""
+        :meth:`PromptRows.collate` gives (``prompt_ids``; ``images`` when the meta's
+        ``prompt_images`` asks); other requests as they are."""
         ...
 
 
@@ -129,8 +123,8 @@ def group_requests(rows: Batch, first_serial: int, shape: StepShape, episodes: b
 
 def read_prompts(groups: list[GroupRequest], reader: PlaceReader | None, replica: int) -> list[GroupRequest]:
     """``groups`` with every group sent by ``place`` given its ``prompt_ids`` and ``images``, read by
-    ``reader`` (one call per source); the others as they are. ``replica``: who reads (for the error when it was
-    sent places without a reader)."""
+    ``reader`` (one request per source: :meth:`PlaceReader.built`); the others as they are.
+    ``replica``: who reads (for the error when it was sent places without a reader)."""
     by_source: dict[str, list[tuple[str, tuple[int, int]]]] = {}  # key -> (uid, (file, row)) each
     for group in groups:
         if group.place is not None:
@@ -145,8 +139,13 @@ def read_prompts(groups: list[GroupRequest], reader: PlaceReader | None, replica
         )
     read: dict[str, tuple[tuple[int, ...], ImageInputs | None]] = {}
     for key, placed in by_source.items():
-        prompts = reader.prompts(key, [place for _, place in placed])
-        read.update((uid, prompt) for (uid, _), prompt in zip(placed, prompts, strict=True))
+        request = Batch(
+            non_tensors={PROMPT_PLACE: [place for _, place in placed]},
+            meta={PROMPT_SOURCE: key, PROMPT_IMAGES: True},  # a text row's images: None
+        )
+        rows = reader.built(request)
+        for (uid, _), ids, images in zip(placed, rows["prompt_ids"], rows["images"], strict=True):
+            read[uid] = (tuple(ids), images)
     return [
         dataclasses.replace(g, prompt_ids=read[g.uid][0], images=read[g.uid][1]) if g.uid in read else g
         for g in groups

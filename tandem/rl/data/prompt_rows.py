@@ -132,14 +132,6 @@ class RankPrompts:
         rows = self.source(key)
         return [rows[place] for place in places]
 
-    def prompts(
-        self, key: str, places: list[tuple[int, int]]
-    ) -> list[tuple[tuple[int, ...], ImageInputs | None]]:
-        """The token ids and processed images (None: text only) of the rows at ``places`` of the
-        source ``key`` names."""
-        rows = self.source(key)
-        return [(tuple(sample.prompt_ids), rows.images(sample)) for sample in self.samples(key, places)]
-
     def built(self, requests: Batch) -> Batch:
         """``requests`` itself, or, when its rows name their places (``prompt_place``), those rows
         with ``prompt_ids`` (a tuple of ids a row), ``raw_prompt`` (the row's messages) and, for a
@@ -157,7 +149,9 @@ class RankPrompts:
         }
         if requests.meta.get(PROMPT_IMAGES):  # a group's rows share their prompt's one ImageInputs
             rows = self.source(key)
-            processed = {place: rows.images(s) for place, s in dict(zip(places, samples, strict=True)).items()}
+            processed = {
+                place: rows.images(s) for place, s in dict(zip(places, samples, strict=True)).items()
+            }
             columns["images"] = [processed[place] for place in places]
         meta = {k: v for k, v in requests.meta.items() if k not in (PROMPT_SOURCE, PROMPT_IMAGES)}
         return Batch(dict(requests.tensors.items()), non_tensors=columns, meta=meta, batch_size=len(requests))
