@@ -144,6 +144,10 @@ class RoleView:
         """See :meth:`WorkerGroup.ranks_reading`."""
         return self.group.ranks_reading(path, token)
 
+    def release_refs(self, ref: BatchRef) -> None:
+        """See :meth:`WorkerGroup.release_refs` (a role's blocks are its group's processes')."""
+        self.group.release_refs(ref)
+
 
 class WorkerGroup:
     """A set of workers of one class (or one process per rank holding several colocated roles).

@@ -78,11 +78,15 @@ class ColocatedRollout:
         width = self.prompt_width if self.fixed_prompt_width else None
         return self.generate(samples, seeds, shape.sampling, None, width), {}
 
-    def generate_to_store(self, prompts: Batch, seeds: list[int], sampling: SamplingParams) -> BatchRef:
+    def generate_to_store(
+        self, prompts: Batch, seeds: list[int], sampling: SamplingParams, version: int | None = None
+    ) -> BatchRef:
         """As :meth:`generate`, the outputs kept on the workers: a trimmed ``BatchRef`` (for draws,
-        and ReMax's greedy baselines of stored draws, whose caller releases it). Every draw
-        is stored at the training set's longest prompt (padding costs no stored byte), so that
-        draws join (:func:`tandem.pipeline.stored_rollout.concat_stored`: DAPO's)."""
+        and ReMax's greedy baselines of stored draws and validation, whose caller releases it).
+        Every draw is stored at ``prompt_width`` (the longest training or validation prompt:
+        padding costs no stored byte), so that draws join
+        (:func:`tandem.pipeline.stored_rollout.concat_stored`: DAPO's); ``version`` as in
+        :meth:`generate` (the engines hold the trainer's latest weights)."""
         ref = self.workers.generate_to_store(
             prompts.assign(non_tensors={"seed": seeds}),
             sampling=sampling,

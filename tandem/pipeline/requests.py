@@ -21,7 +21,6 @@ from tandem.pipeline.source import StepShape
 from tandem.protocol import Batch
 from tandem.protocol.fields import PROMPT_IMAGES, PROMPT_PLACE, PROMPT_SOURCE
 from tandem.protocol.generation import Completion
-from tandem.protocol.images import ImageInputs
 from tandem.protocol.sequences import resize_columns, sequence_tensors
 from tandem.rollout import RolloutRequest, SamplingParams
 from tandem.seeds import derive_seed
@@ -99,17 +98,16 @@ def group_requests(rows: Batch, first_serial: int, shape: StepShape, episodes: b
     naming each row's place: then a group carries its ``place`` and no ``prompt_ids``), the ``k``-th
     numbered ``first_serial + k`` (its uid ``g<serial>``; its responses' seeds derive from ``shape.seed``,
     :data:`GROUP_SEED_TAG` and the serial). ``episodes``: each response is an agent episode
-    starting from the row's messages (collated rows)."""
+    starting from the row's messages (by place: no messages, the replica reads them too)."""
     images = rows["images"] if "images" in rows else [None] * len(rows)
     places = rows.get(PROMPT_PLACE)
     requests = []
     for k, index in enumerate(rows["index"]):
         serial = first_serial + k
         seeds = tuple(derive_seed(shape.seed, GROUP_SEED_TAG, serial, i) for i in range(shape.responses))
+        messages = tuple(rows["raw_prompt"][k]) if places is None else ()
         episode = (
-            EpisodePrompt(
-                tuple(rows["raw_prompt"][k]), dict(rows["extra_info"][k] or {}), rows["agent_name"][k]
-            )
+            EpisodePrompt(messages, dict(rows["extra_info"][k] or {}), rows["agent_name"][k])
             if episodes
             else None
         )
@@ -122,9 +120,10 @@ def group_requests(rows: Batch, first_serial: int, shape: StepShape, episodes: b
 
 
 def read_prompts(groups: list[GroupRequest], reader: PlaceReader | None, replica: int) -> list[GroupRequest]:
-    """``groups`` with every group sent by ``place`` given its ``prompt_ids`` and ``images``, read by
-    ``reader`` (one request per source: :meth:`PlaceReader.built`); the others as they are.
-    ``replica``: who reads (for the error when it was sent places without a reader)."""
+    """``groups`` with every group sent by ``place`` given its ``prompt_ids`` and ``images`` (an agent
+    episode's group its messages too), read by ``reader`` (one request per source:
+    :meth:`PlaceReader.built`); the others as they are. ``replica``: who reads (for the error when
+    it was sent places without a reader)."""
     by_source: dict[str, list[tuple[str, tuple[int, int]]]] = {}  # key -> (uid, (file, row)) each
     for group in groups:
         if group.place is not None:
@@ -137,19 +136,25 @@ def read_prompts(groups: list[GroupRequest], reader: PlaceReader | None, replica
             f"rollout replica {replica} was sent prompt group {next(iter(by_source.values()))[0][0]!r} by "
             "its place in the training data, but no prompt sources to read it from (read_prompts_by_place)"
         )
-    read: dict[str, tuple[tuple[int, ...], ImageInputs | None]] = {}
+    read: dict[str, dict[str, Any]] = {}  # uid -> the group's fields read
     for key, placed in by_source.items():
         request = Batch(
             non_tensors={PROMPT_PLACE: [place for _, place in placed]},
             meta={PROMPT_SOURCE: key, PROMPT_IMAGES: True},  # a text row's images: None
         )
         rows = reader.built(request)
-        for (uid, _), ids, images in zip(placed, rows["prompt_ids"], rows["images"], strict=True):
-            read[uid] = (tuple(ids), images)
-    return [
-        dataclasses.replace(g, prompt_ids=read[g.uid][0], images=read[g.uid][1]) if g.uid in read else g
-        for g in groups
-    ]
+        columns = zip(placed, rows["prompt_ids"], rows["images"], rows["raw_prompt"], strict=True)
+        for (uid, _), ids, images, messages in columns:
+            read[uid] = {"prompt_ids": tuple(ids), "images": images, "messages": tuple(messages)}
+    return [_with_read(group, read[group.uid]) if group.uid in read else group for group in groups]
+
+
+def _with_read(group: GroupRequest, read: dict[str, Any]) -> GroupRequest:
+    """``group`` given the ids, images (and, an agent episode's, messages) its place holds."""
+    episode = group.episode
+    if episode is not None:
+        episode = dataclasses.replace(episode, messages=read["messages"])
+    return dataclasses.replace(group, prompt_ids=read["prompt_ids"], images=read["images"], episode=episode)
 
 
 def read_rows(rows: Batch, reader: PlaceReader | None, replica: int) -> Batch:

@@ -217,19 +217,20 @@ class AsyncRollout:
         """Responses of each row of ``prompts`` under weights ``version`` (validation): the replicas
         are brought up to ``version`` first, letting their running requests finish on the old ones;
         ``None`` takes the weights they hold. With agent loops each row is an episode."""
-        assert self.replica_set.fleet is not None, "start() first"
-        if version is not None and self.rollout_version < version:
-            self.replica_set.sync(version, "wait")
+        self._bring_up_to(version)
         if self.plan.agent is not None:
             return trim_padding(self.replica_set.generate_episodes(prompts, seeds, sampling), self.pad_id)
         completions = self.replica_set.generate(rollout_requests(prompts, seeds, sampling, f"val-{version}"))
         return trim_padding(with_completions(prompts, completions, self.pad_id), self.pad_id)
 
-    def generate_to_store(self, prompts: Batch, seeds: list[int], sampling: SamplingParams) -> BatchRef:
-        """As :meth:`generate` under the weights the replicas hold, the outputs kept in the replicas'
-        blocks (``keep_in_store``): a trimmed ``BatchRef`` of the rows' scalars and texts (ReMax's
-        greedy baselines of stored draws, whose caller releases it)."""
+    def generate_to_store(
+        self, prompts: Batch, seeds: list[int], sampling: SamplingParams, version: int | None = None
+    ) -> BatchRef:
+        """As :meth:`generate` (under weights ``version``, or those the replicas hold), the outputs
+        kept in the replicas' blocks (``keep_in_store``): a trimmed ``BatchRef`` of the rows' scalars
+        and texts (ReMax's greedy baselines of stored draws, and validation; the caller releases it)."""
         assert self.keep_in_store is not None and self.plan.agent is None, "rows kept in the replicas' blocks"
+        self._bring_up_to(version)
         return trim_stored(self.replica_set.generate_to_store(prompts, seeds, sampling))
 
     def host_pids(self) -> list[int]:
@@ -241,6 +242,13 @@ class AsyncRollout:
         return self.replica_set.agent_tool_totals()
 
     # ------------------------------------------------------------------ internals
+    def _bring_up_to(self, version: int | None) -> None:
+        """Sync the replicas to weights ``version`` when they are behind it, letting their running
+        requests finish on the old ones (``None``: keep the weights they hold)."""
+        assert self.replica_set.fleet is not None, "start() first"
+        if version is not None and self.rollout_version < version:
+            self.replica_set.sync(version, "wait")
+
     def _act(self, action: Action, version: int) -> dict[str, float]:
         """Do what the policy said: sync weights ``version`` (once every group handed out is back,
         with ``drain``), then hand out prompt groups up to the allowance. Returns the sync's metrics."""

@@ -41,13 +41,19 @@ class SourceInputs:
 
 
 def rl_batch_source(
-    config: TrainConfig, workers: Any, train_data: RLDataset, sampler: EpochSampler, tokenizer: Any
+    config: TrainConfig,
+    workers: Any,
+    train_data: RLDataset,
+    sampler: EpochSampler,
+    tokenizer: Any,
+    val_data: RLDataset | None = None,
 ) -> BatchSource:
     """The run's :class:`BatchSource` over the actor's ``workers``, drawing ``train_data``'s prompts
     in ``sampler``'s order; a draw stays in the data plane's store when
-    :func:`tandem.rl.step_data.rollout_stays_in_store` says so."""
+    :func:`tandem.rl.step_data.rollout_stays_in_store` says so, and so do the responses to
+    ``val_data``'s prompts (:func:`tandem.rl.validation.scored_validation`)."""
     pad_id, plan = tokenizer.pad_token_id, build_step_plan(config)
-    width = stored_prompt_width(config, train_data)
+    width = stored_prompt_width(config, train_data, val_data)
     in_store = rollout_stays_in_store(config, any(s.images for s in train_data.samples), plan)
     if config.pipeline.replay:
         check_replayable(config)
@@ -60,7 +66,7 @@ def rl_batch_source(
         kept = DataPlaneConfig(config.dataplane.engine, config.dataplane.directory)
         return AsyncRollout(
             replica_plan(config), workers, train_data, sampler, pad_id, kept if in_store else None, width,
-            prompt_places(config, train_data) if in_store else None,
+            prompt_places(config, train_data, val_data) if in_store else None,
         )  # fmt: skip
     shape = step_shape(config)
     source = ColocatedRollout(
@@ -70,23 +76,29 @@ def rl_batch_source(
     return plan.batch_source(config, source, inputs)
 
 
-def prompt_places(config: TrainConfig, train_data: RLDataset) -> PromptPlaces | None:
-    """The training prompts' sources, for rollout replicas that read the rows of the prompt groups
-    they are sent by place (ids and images): a dataset :meth:`RLDataset.load` read, not agent
-    episodes (their groups carry the rows' messages); ``None`` where the groups carry the ids."""
-    if config.agent.enabled or train_data.source is None:
+def prompt_places(
+    config: TrainConfig, train_data: RLDataset, val_data: RLDataset | None = None
+) -> PromptPlaces | None:
+    """The training (and validation) prompts' sources, for rollout replicas that read the rows of
+    the prompt groups they are sent by place (ids, images, an agent episode's messages): a dataset
+    :meth:`RLDataset.load` read; ``None`` where the groups carry them. A validation set not read by
+    :meth:`RLDataset.load` sends its rows' ids."""
+    if train_data.source is None:
         return None
-    return PromptPlaces((train_data.source,))
+    read = [data.source for data in (train_data, val_data) if data is not None and data.source is not None]
+    return PromptPlaces(tuple({source.key: source for source in read}.values()))
 
 
-def stored_prompt_width(config: TrainConfig, train_data: RLDataset) -> int:
-    """The prompt columns of a stored draw's rows: the training set's widest prompt; for agent
-    episodes on rollout replicas at least ``data.max_prompt_length``, as their prompts are rendered
-    with the tools' schemas, and for an agent program's, in every mode, ``rollout.max_response_length``
-    more (its system prompt counts against that budget: :mod:`tandem.agents.program.recorder`; in
-    ``sync`` its draws are laid out at this width stored or not). Padding costs no stored byte; the
-    draw is cropped to its longest prompt."""
-    width = max(len(sample.prompt_ids) for sample in train_data.samples)
+def stored_prompt_width(config: TrainConfig, train_data: RLDataset, val_data: RLDataset | None = None) -> int:
+    """The prompt columns of a stored draw's rows: the widest training or validation prompt (the
+    validation responses are stored at the draws' widths); for agent episodes on rollout replicas
+    at least ``data.max_prompt_length``, as their prompts are rendered with the tools' schemas, and
+    for an agent program's, in every mode, ``rollout.max_response_length`` more (its system prompt
+    counts against that budget: :mod:`tandem.agents.program.recorder`; in ``sync`` its draws are
+    laid out at this width stored or not). Padding costs no stored byte; the draw is cropped to its
+    longest prompt."""
+    samples = [*train_data.samples, *(val_data.samples if val_data is not None else [])]
+    width = max(len(sample.prompt_ids) for sample in samples)
     if not (config.agent.enabled and (config.pipeline.disaggregated or config.agent.uses_program)):
         return width
     width = max(width, config.data.max_prompt_length)

@@ -164,6 +164,9 @@ class DatasetResponseMix:
     def generate(self, prompts, seeds, sampling, version):
         return self.inner.generate(prompts, seeds, sampling, version)
 
+    def generate_to_store(self, prompts, seeds, sampling, version=None):
+        return self.inner.generate_to_store(prompts, seeds, sampling, version)
+
     def after_update(self, version: int) -> dict[str, float]:
         self.version = version
         return self.inner.after_update(version)

@@ -62,7 +62,7 @@ from tandem.rl.step_data import step_data
 from tandem.rl.step_metrics import reduced_worker_metrics, step_end_metrics
 from tandem.rl.step_plan import build_step_plan
 from tandem.rl.stream_forward import ForwardStream, stream_forward
-from tandem.rl.validation import validation_metrics, validation_prompts, validation_samples
+from tandem.rl.validation import scored_validation, validation_metrics, validation_samples
 from tandem.rl.worker_groups import start_worker_groups
 from tandem.rollout.factory import check_engine_installed
 from tandem.run.checkpoints import CheckpointManager
@@ -187,7 +187,12 @@ class RLTrainer:
             try:
                 with recording(self.run_info, trackers, self.step, self.console) as self.record:
                     self.rollout = rl_batch_source(
-                        self.config, self.workers, self.train_data, self.sampler, self.tokenizer
+                        self.config,
+                        self.workers,
+                        self.train_data,
+                        self.sampler,
+                        self.tokenizer,
+                        self.val_data,
                     )
                     self.rollout.start(self.step)
                     self.stream = stream_forward(self)
@@ -400,12 +405,7 @@ class RLTrainer:
         (:mod:`tandem.rl.validation`); the first prompts' responses go to ``val_samples.jsonl``."""
         assert self.val_data is not None
         rollout = self.config.rollout
-        prompts, seeds = validation_prompts(
-            self.val_data, self.config.data.val_max_samples, rollout.val_n, self.config.trainer.seed
-        )
-        scored, _ = self.score(
-            self.generate(prompts, seeds, rollout.val_temperature, validation=True), training=False
-        )
+        scored = scored_validation(self)  # stored on the ranks or replicas with the data plane
         if self.config.agent.enabled:  # the validation episodes' tool calls are not the next step's
             self.rollout.agent_tool_totals()
         metrics = validation_metrics(scored, rollout.val_n)

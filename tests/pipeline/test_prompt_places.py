@@ -43,6 +43,19 @@ def test_groups_by_place_read_on_the_replica_equal_the_groups_carrying_ids(datas
     assert len(pickle.dumps(by_place)) < len(pickle.dumps(by_ids))
 
 
+def test_agent_groups_by_place_read_their_messages_on_the_replica(dataset, rl_files):
+    """An agent episode's group by place carries its row's ``extra_info`` and loop name, not its
+    messages: the replica reads those with the ids, and the groups equal the ones carrying the rows."""
+    indices = [3, 0, 7]
+    by_rows = group_requests(dataset.collate(indices), 2, SHAPE, episodes=True)
+    by_place = group_requests(dataset.requests(indices), 2, SHAPE, episodes=True)
+    assert all(g.episode.messages == () and g.prompt_ids == () for g in by_place)
+    assert all(g.episode.messages for g in by_rows)
+    reader = PromptPlaces((dataset.source,)).reader(load_tokenizer(rl_files["model"]), rl_files["model"])
+    read = read_prompts(pickle.loads(pickle.dumps(by_place)), reader, replica=0)
+    assert [dataclasses.replace(g, place=None) for g in read] == by_rows
+
+
 def test_groups_carrying_ids_pass_through_and_places_without_a_reader_are_refused(dataset):
     by_ids = group_requests(dataset.collate([0, 1]), 0, SHAPE, episodes=False)
     assert read_prompts(by_ids, None, replica=3) is by_ids
@@ -67,14 +80,19 @@ def test_request_rows_by_place_read_on_the_replica_equal_the_collated_rows(datas
 
 def test_a_dataset_the_replicas_cannot_read_by_place_keeps_sending_ids(rl_files, tmp_path):
     config = small_config(rl_files, tmp_path, "pipeline.mode=fully_async")
-    data = RLDataset.load(rl_files["train"], load_tokenizer(rl_files["model"]), 64)
+    tokenizer = load_tokenizer(rl_files["model"])
+    data = RLDataset.load(rl_files["train"], tokenizer, 64)
     assert batch_source.prompt_places(config, data) == PromptPlaces((data.source,))
     agents = small_config(
         rl_files, tmp_path, "pipeline.mode=fully_async", "agent.name=tool_agent", "agent.tools=[calculator]"
     )
-    assert batch_source.prompt_places(agents, data) is None  # episodes carry their rows' messages
+    assert batch_source.prompt_places(agents, data) == PromptPlaces((data.source,))  # messages read there
+    val = RLDataset.load(rl_files["val"], tokenizer, 64)  # validation read by place too, once a source
+    assert batch_source.prompt_places(config, data, val) == PromptPlaces((data.source, val.source))
+    assert batch_source.prompt_places(config, data, data) == PromptPlaces((data.source,))
     unread = RLDataset(data.samples)  # not built by RLDataset.load: no source to read from
     assert batch_source.prompt_places(config, unread) is None
+    assert batch_source.prompt_places(config, data, RLDataset(val.samples)) == PromptPlaces((data.source,))
 
 
 def test_image_prompts_by_place_read_their_images_on_the_replica(vlm_files):  # noqa: F811
@@ -120,6 +138,7 @@ def test_fully_async_by_place_trains_like_the_groups_carrying_ids(rl_files, tmp_
     by_place, place_bytes = run(tmp_path / "places")
     monkeypatch.setattr(batch_source, "prompt_places", lambda config, data: None)
     by_ids, ids_bytes = run(tmp_path / "ids")
+
     def comparable(history):  # the peak bytes waiting follow the replica's timing
         return [{k: v for k, v in h.items() if not k.startswith("pipeline/inflight")} for h in history]
 
