@@ -19,7 +19,7 @@ and builds the padded ``Batch`` the same operation on the materialised batch wou
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,20 +141,34 @@ class BatchRef(RowPieces):
 
     # ------------------------------------------------------------------ building
     @staticmethod
-    def put(batch: Batch, store: Store, fields: Iterable[str] | None = None) -> BatchRef:
-        """Store ``fields`` of ``batch`` (default: every tensor field of rank >= 2) as one block in
-        ``store``; the other fields and the meta stay inline."""
+    def put(
+        batch: Batch,
+        store: Store,
+        fields: Iterable[str] | None = None,
+        also: Mapping[str, Any] | None = None,
+    ) -> BatchRef:
+        """Store ``fields`` of ``batch`` (default: every tensor field of rank >= 2), and the fields
+        ``also`` gives beside the batch (``[N, ...]`` each, e.g. :class:`~tandem.dataplane.columns.UnpaddedField`
+        never built padded), as one block in ``store``; the other fields and the meta stay inline."""
         if fields is None:
             fields = [name for name, t in batch.tensors.items() if t.ndim >= 2]
         fields = list(fields)
         for name in fields:
             if name not in batch.tensors.keys():
                 raise KeyError(f"BatchRef.put: {name!r} is not a tensor field of the batch ({batch.keys()})")
+        also = dict(also or {})
+        for name, given in also.items():
+            if name in batch.keys() or given.shape[0] != len(batch):
+                raise ValueError(
+                    f"BatchRef.put: the field {name!r} given beside the batch is {tuple(given.shape)} "
+                    f"for a batch of {len(batch)} rows{' that holds it too' if name in batch.keys() else ''}"
+                )
         inline = [k for k in batch.keys() if k not in set(fields)]
         scalars = batch.select(inline)
-        if not fields:
+        if not fields and not also:
             return BatchRef(scalars, (), {})
-        block = store.put({name: batch.tensors[name] for name in fields})
+        block = store.put({**{name: batch.tensors[name] for name in fields}, **also})
+        fields += list(also)
         rows = len(batch)
         part = RefPart(tuple(fields), (block,), np.zeros(rows, np.int32), np.arange(rows, dtype=np.int64))
         schema = {c.name: FieldSchema(c.dtype, c.shape) for c in block.columns}

@@ -145,19 +145,105 @@ def encode_field(name: str, tensor: torch.Tensor) -> tuple[WireColumn, dict[str,
         gathered_zero = windows_of_padded(_as_source(tensor), first_zero, offsets_zero)
         if _one_value(gathered_zero):
             fill, first, offsets, gathered = 0, first_zero, offsets_zero, gathered_zero
+    return _jagged(name, tensor.dtype, tuple(tensor.shape[1:]), fill, first, offsets, gathered)
+
+
+def _jagged(
+    name: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    fill: int,
+    first: np.ndarray,
+    offsets: np.ndarray,
+    gathered: np.ndarray,
+) -> tuple[WireColumn, dict[str, torch.Tensor]]:
+    """The jagged wire column of a field of ``dtype`` and row ``shape`` whose rows' windows begin at
+    ``first [N]``, lie at ``offsets [N + 1]`` of ``gathered [T, *trailing]`` (:func:`_as_source`'s
+    values) and are padded with ``fill``'s bits; and its arrays."""
     arrays = {
         f"{name}.offsets": torch.from_numpy(offsets),
         f"{name}.starts": torch.from_numpy(first.astype(np.int32)),
     }
+    name_of = str(dtype).removeprefix("torch.")
     if _one_value(gathered):  # windows of one value (a mask of ones): no values stored
-        constant = int(gathered.reshape(-1)[:1].view(bits.dtype)[0])
-        column = WireColumn(name, dtype, tuple(tensor.shape[1:]), dtype, True, fill, constant)
-        return column, arrays
-    values = _wire_values(gathered, tensor.dtype)
-    column = WireColumn(
-        name, dtype, tuple(tensor.shape[1:]), str(values.dtype).removeprefix("torch."), True, fill
-    )
+        bits_dtype = as_bits(torch.empty(0, dtype=dtype)).dtype  # the element's width, as an integer
+        constant = int(gathered.reshape(-1)[:1].view(bits_dtype)[0])
+        return WireColumn(name, name_of, shape, name_of, True, fill, constant), arrays
+    values = _wire_values(gathered, dtype)
+    column = WireColumn(name, name_of, shape, str(values.dtype).removeprefix("torch."), True, fill)
     return column, {f"{name}.values": values, **arrays}
+
+
+@dataclass(frozen=True)
+class UnpaddedField:
+    """A field ``[N, width, *trailing]`` given as each row's values and where they sit, never built
+    padded: row ``i`` holds ``pieces[i] [L_i, *trailing]`` (``None``: nothing) from column
+    ``at[i]`` on, zeros everywhere else. Every piece lies within columns ``1 .. width - 2``, so the
+    padded field's edges are zeros and its fill is zero; :func:`encode` then stores it exactly as it
+    would store :meth:`padded` (``tests/dataplane/test_unpadded_field.py``) while holding only the
+    pieces. A vision-language draw's pixels are one (:func:`tandem.dataplane.images.image_columns`):
+    padded to the prompt width's bound they would take ``rows x bound x patch`` floats to build."""
+
+    pieces: tuple[torch.Tensor | None, ...]
+    at: tuple[int, ...]
+    width: int
+    trailing: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if len(self.pieces) != len(self.at):
+            raise ValueError(f"UnpaddedField: {len(self.pieces)} pieces but {len(self.at)} places")
+        for row, (piece, at) in enumerate(zip(self.pieces, self.at, strict=True)):
+            if piece is None:
+                continue
+            if piece.dtype != self.dtype or tuple(piece.shape[1:]) != self.trailing:
+                raise ValueError(
+                    f"UnpaddedField: row {row}'s piece is {piece.dtype} {tuple(piece.shape)}, not "
+                    f"{self.dtype} [L, {', '.join(map(str, self.trailing))}]"
+                )
+            if at < 1 or at + len(piece) > self.width - 1:
+                raise ValueError(
+                    f"UnpaddedField: row {row}'s {len(piece)} values at column {at} leave the columns "
+                    f"1..{self.width - 2} of its {self.width}"
+                )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The padded field's shape, ``(N, width, *trailing)``."""
+        return (len(self.pieces), self.width, *self.trailing)
+
+    def padded(self) -> torch.Tensor:
+        """The field as a padded tensor (what the pieces stand for; a reference, for tests)."""
+        out = torch.zeros(self.shape, dtype=self.dtype)
+        for row, (piece, at) in enumerate(zip(self.pieces, self.at, strict=True)):
+            if piece is not None:
+                out[row, at : at + len(piece)] = piece
+        return out
+
+
+def encode_unpadded(name: str, field: UnpaddedField) -> tuple[WireColumn, dict[str, torch.Tensor]]:
+    """:func:`encode_field` of ``field.padded()``, bit for bit, from the pieces alone: each row's
+    window (its first to last value unlike zero) found in its own piece, the windows gathered."""
+    if not field.pieces or 0 in field.trailing:
+        return encode_field(name, field.padded())
+    first = np.zeros(len(field.pieces), dtype=np.int64)
+    lengths = np.zeros(len(field.pieces), dtype=np.int64)
+    chunks = []
+    for row, (piece, at) in enumerate(zip(field.pieces, field.at, strict=True)):
+        if piece is None or len(piece) == 0:
+            continue
+        piece = piece.detach().cpu().contiguous()
+        differs = (as_bits(piece).reshape(len(piece), -1) != 0).any(axis=1)
+        if not differs.any():
+            continue
+        low, high = int(differs.argmax()), len(piece) - int(differs[::-1].argmax())
+        first[row], lengths[row] = at + low, high - low
+        chunks.append(_as_source(piece)[low:high])
+    offsets = np.zeros(len(field.pieces) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    source = _as_source(torch.empty((0, *field.trailing), dtype=field.dtype))
+    gathered = np.concatenate(chunks) if chunks else source
+    return _jagged(name, field.dtype, (field.width, *field.trailing), 0, first, offsets, gathered)
 
 
 def _windows(bits: np.ndarray, fill: int) -> tuple[np.ndarray, np.ndarray]:
@@ -177,13 +263,24 @@ def _one_value(gathered: np.ndarray) -> bool:
     return bool(gathered.size) and bool((gathered == gathered.flat[0]).all())
 
 
-def encode(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[WireColumn, ...], dict[str, torch.Tensor]]:
-    """The wire columns and arrays of several fields of one batch (all ``[N, ...]``); a field equal
-    to its derivation from the others is a column of ``sources`` and no array."""
-    tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+def encode(
+    fields: Mapping[str, torch.Tensor | UnpaddedField],
+) -> tuple[tuple[WireColumn, ...], dict[str, torch.Tensor]]:
+    """The wire columns and arrays of several fields of one batch (all ``[N, ...]``; a field given
+    as :class:`UnpaddedField` is encoded from its pieces); a field equal to its derivation from the
+    others is a column of ``sources`` and no array."""
+    tensors = {
+        name: t.detach().cpu().contiguous() for name, t in fields.items() if isinstance(t, torch.Tensor)
+    }
     derived = derivable(tensors)
     columns, arrays = [], {}
-    for name, tensor in tensors.items():
+    for name in fields:
+        if name not in tensors:
+            column, field_arrays = encode_unpadded(name, fields[name])  # type: ignore[arg-type]
+            columns.append(column)
+            arrays.update(field_arrays)
+            continue
+        tensor = tensors[name]
         if name in derived:
             dtype = str(tensor.dtype).removeprefix("torch.")
             shape = tuple(tensor.shape[1:])

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from tandem.dataplane.batch_ref import BatchRef, Getter, RefPart
+from tandem.dataplane.columns import UnpaddedField
 from tandem.protocol import Batch
 from tandem.protocol.images import IMAGES_FIELD, ImageInputs
 
@@ -68,14 +69,16 @@ class ImageLayout:
 
 def image_columns(
     images: Sequence[ImageInputs | None], layout: ImageLayout
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+) -> tuple[dict[str, torch.Tensor | UnpaddedField], dict[str, torch.Tensor]]:
     """The stored ``{image_pixels [B, 1 + P + 1, D], image_grid_thw [B, I, 3]}`` and inline
     ``{image_patches [B], image_count [B], image_row [B]}`` of the rows' ``images`` (see the module
     docstring): a row holding the same ``ImageInputs`` object as an earlier one stores nothing and
-    names that row. ``ValueError`` naming the row whose images do not fit ``layout`` or are not
+    names that row. The pixels are :class:`~tandem.dataplane.columns.UnpaddedField` (each holding
+    row's patches at position 1: the store encodes them as it would the padded tensor, which is
+    never built). ``ValueError`` naming the row whose images do not fit ``layout`` or are not
     float32 ``[P_i, D]`` patches."""
     rows = len(images)
-    pixels = torch.zeros(rows, 1 + layout.max_patches + 1, layout.patch_dim, dtype=PIXEL_DTYPE)
+    pieces: list[torch.Tensor | None] = [None] * rows
     grids = torch.zeros(rows, layout.max_images, 3, dtype=torch.int64)
     patches = torch.zeros(rows, dtype=torch.int64)
     count = torch.zeros(rows, dtype=torch.int64)
@@ -91,8 +94,10 @@ def image_columns(
             continue
         _check_fits(row, image, layout)
         holder[id(image)] = row
-        pixels[row, 1 : 1 + size] = image.pixel_values
+        pieces[row] = image.pixel_values
         grids[row, :number] = image.image_grid_thw
+    width = 1 + layout.max_patches + 1
+    pixels = UnpaddedField(tuple(pieces), (1,) * rows, width, (layout.patch_dim,), PIXEL_DTYPE)
     stored = {IMAGE_PIXELS: pixels, IMAGE_GRIDS: grids}
     return stored, {IMAGE_PATCHES: patches, IMAGE_COUNT: count, IMAGE_SOURCE: source}
 

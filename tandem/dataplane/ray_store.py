@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.dataplane.columns import StoredArrays, WireColumn, encode, read_columns, runs
+from tandem.dataplane.columns import StoredArrays, UnpaddedField, WireColumn, encode, read_columns, runs
 from tandem.dataplane.store import check_fields, check_rows, count, decode_rows
 from tandem.dataplane.windows import numpy_dtype
 
@@ -134,7 +134,7 @@ class RayStore:
         self._held: dict[tuple, tuple[Any, ...]] = {}
         self._gather = ray.remote(num_cpus=0)(gather_rows)
 
-    def put(self, tensors: Mapping[str, torch.Tensor]) -> RayBlock:
+    def put(self, tensors: Mapping[str, torch.Tensor | UnpaddedField]) -> RayBlock:
         """Encode ``tensors`` (each ``[N, ...]``) and ``ray.put`` one object per field."""
         ray = _ray()
         sizes = {t.shape[0] for t in tensors.values()}

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandem.dataplane.columns import StoredArrays, WireColumn, encode
+from tandem.dataplane.columns import StoredArrays, UnpaddedField, WireColumn, encode
 from tandem.dataplane.store import check_fields, check_rows, count, decode_rows
 from tandem.dataplane.windows import numpy_dtype
 
@@ -70,7 +70,7 @@ class ShmStore:
         self.prefix = f"{PREFIX}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._serial = itertools.count()
 
-    def put(self, tensors: Mapping[str, torch.Tensor]) -> ShmBlock:
+    def put(self, tensors: Mapping[str, torch.Tensor | UnpaddedField]) -> ShmBlock:
         """Encode ``tensors`` (each ``[N, ...]``, one ``N``) and write them to a new file."""
         rows = _rows_of(tensors)
         columns, arrays = encode(tensors)
@@ -133,7 +133,7 @@ def discard_blocks_of(pid: int, directory: str = "/dev/shm") -> int:
     return len(paths)
 
 
-def _rows_of(tensors: Mapping[str, torch.Tensor]) -> int:
+def _rows_of(tensors: Mapping[str, torch.Tensor | UnpaddedField]) -> int:
     sizes = {name: t.shape[0] for name, t in tensors.items()}
     if not sizes or len(set(sizes.values())) != 1:
         raise ValueError(f"a block's fields need one row count, got {sizes}")

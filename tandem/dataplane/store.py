@@ -3,7 +3,8 @@
 A *block* is the per-token fields of some rows, put by the process that produced them into
 a store on its own node. Three calls:
 
-* ``put(tensors) -> Block``: encode the fields (:mod:`tandem.dataplane.columns`) and store them;
+* ``put(tensors) -> Block``: encode the fields (:mod:`tandem.dataplane.columns`; tensors, or
+  ``UnpaddedField`` s never built padded) and store them;
 * ``get(block, fields, rows) -> {field: tensor}``: the padded ``[len(rows), ...]`` tensors of
   ``fields`` of ``rows``, fetching only those fields' bytes of those rows;
 * ``release(block)``: free the block (idempotent).
@@ -22,7 +23,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from tandem.dataplane.columns import StoredArrays, WireColumn, decode_columns, read_columns
+from tandem.dataplane.columns import StoredArrays, UnpaddedField, WireColumn, decode_columns, read_columns
 
 
 class Block(Protocol):
@@ -36,7 +37,7 @@ class Block(Protocol):
 class Store(Protocol):
     """What every engine provides (see the module docstring)."""
 
-    def put(self, tensors: Mapping[str, torch.Tensor]) -> Block: ...
+    def put(self, tensors: Mapping[str, torch.Tensor | UnpaddedField]) -> Block: ...
 
     def get(self, block: Block, fields: Sequence[str], rows: Sequence[int]) -> dict[str, torch.Tensor]: ...
 

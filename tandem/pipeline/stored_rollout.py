@@ -78,12 +78,13 @@ def store_rollout(
     texts = {}
     if decode and "agent_messages" not in batch:
         texts[RESPONSE_TEXT] = decode_responses(tokenizer, batch["responses"], lengths)
+    stored_images: dict[str, Any] = {}
     if images is not None and IMAGES_FIELD in batch:
-        stored, widths = image_columns(batch[IMAGES_FIELD], images)
-        scalars.update({**stored, **widths})
+        stored_images, widths = image_columns(batch[IMAGES_FIELD], images)
+        scalars.update(widths)
     dropped = {"prompt_ids", IMAGES_FIELD} if images is not None else {"prompt_ids"}  # (images: stored)
     rows = batch.select([k for k in batch.keys() if k not in dropped])
-    return BatchRef.put(rows.assign(tensors=scalars, non_tensors=texts), store)
+    return BatchRef.put(rows.assign(tensors=scalars, non_tensors=texts), store, also=stored_images)
 
 
 def trim_stored(ref: BatchRef) -> BatchRef:
