@@ -136,7 +136,7 @@ def test_fully_async_by_place_trains_like_the_groups_carrying_ids(rl_files, tmp_
         return RLTrainer(config).fit().history, sum(sent)
 
     by_place, place_bytes = run(tmp_path / "places")
-    monkeypatch.setattr(batch_source, "prompt_places", lambda config, data: None)
+    monkeypatch.setattr(batch_source, "prompt_places", lambda *_: None)
     by_ids, ids_bytes = run(tmp_path / "ids")
 
     def comparable(history):  # the peak bytes waiting follow the replica's timing
