@@ -45,8 +45,9 @@ def validation_seeds(count: int, val_n: int, run_seed: int) -> list[int]:
 
 def stores_validation(trainer: Any) -> bool:
     """Whether ``trainer``'s validation responses stay in the data plane: its draws do, its batch
-    source keeps generations (``generate_to_store``) and the rows are not agent episodes (their
-    conversations come back as a ``Batch``, as their greedy baselines do)."""
+    source keeps generations (``generate_to_store``) and the rows are not agent episodes (they come
+    back as a ``Batch``, as their greedy baselines do: a logged sample decodes an episode's model
+    tokens, which the stored scalars do not carry)."""
     config = trainer.config
     keeps = getattr(trainer.rollout, "generate_to_store", None) is not None
     has_images = any(sample.images for sample in trainer.train_data.samples)
