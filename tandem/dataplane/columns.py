@@ -313,21 +313,36 @@ def decode_columns(
     """The padded ``[len(rows), ...]`` tensors of ``fields`` of a block of ``columns`` (``rows``
     sorted, unique), decoded straight from its ``arrays``, one pass per stored field read
     (:func:`read_columns`) into outputs carved from one buffer, then the derived fields built from
-    them (from a mask's windows alone where that mask is ones in windows and the derivation can:
-    the mask is then not decoded unless asked); and the payload bytes read, by the stored field
-    they were read from."""
+    them; and the payload bytes read, by the stored field they were read from.
+
+    Two derivations skip a pass: a field that is its sources side by side (``input_ids``) gets
+    them decoded straight into its columns (a source also asked is copied out of them), and one
+    built from a mask that is ones in windows (``position_ids``) is written from those windows
+    alone (the mask is then not decoded unless asked)."""
     by_name = {c.name: c for c in columns}
     derived = [by_name[f] for f in fields if by_name[f].sources]
     of_windows = {
         c.name for c in derived if len(c.sources) == 1 and DERIVATIONS[c.name].of_windows is not None
         and _ones_windows(by_name[c.sources[0]])
     }  # fmt: skip
-    needed = set(fields) | {s for c in derived if c.name not in of_windows for s in c.sources}
+    into = _decoded_into(derived, by_name, of_windows)
+    built = [c for c in derived if c.name not in of_windows and c.name not in into]
+    own = set(fields) | {s for c in built for s in c.sources}  # the fields with an output of their own
+    needed = own | {s for c in derived if c.name in into for s in c.sources}
     decoded = [c for c in read_columns(columns, fields) if c.name in needed]
-    wanted = list(dict.fromkeys([*fields, *(c.name for c in decoded)]))  # asked first, then sources only read
+    wanted = list(dict.fromkeys([*fields, *(c.name for c in decoded if c.name in own)]))  # asked first
     specs = [((len(rows), *by_name[f].shape), by_name[f].torch_dtype) for f in wanted]
     outs = dict(zip(wanted, empty_tensors(specs), strict=True))
-    by_field = {c.name: decode_field(c, arrays, rows, outs[c.name]) for c in decoded}
+    parts = {}
+    for column in derived:
+        if column.name in into:
+            shapes = [by_name[s].shape for s in column.sources]
+            parts.update(zip(column.sources, DERIVATIONS[column.name].parts(outs[column.name], shapes), strict=True))
+    by_field = {}
+    for column in decoded:
+        by_field[column.name] = decode_field(column, arrays, rows, parts.get(column.name, outs.get(column.name)))
+        if column.name in parts and column.name in own:
+            as_bits(outs[column.name])[...] = as_bits(parts[column.name])
     for column in derived:
         if column.name in of_windows:
             (source,) = column.sources
@@ -335,9 +350,25 @@ def decode_columns(
             lengths = offsets[rows + 1] - offsets[rows]
             build_of_windows(column.name, arrays[f"{source}.starts"][rows], lengths, outs[column.name])
             by_field.setdefault(source, 0)
-        else:
+        elif column.name not in into:
             build(column.name, [outs[s] for s in column.sources], outs[column.name])
     return {name: outs[name] for name in fields}, by_field
+
+
+def _decoded_into(
+    derived: Sequence[WireColumn], by_name: Mapping[str, WireColumn], skip: set[str]
+) -> set[str]:
+    """The ``derived`` fields (not in ``skip``) whose sources a fetch decodes into their columns:
+    those of a derivation with ``parts`` whose sources have its dtype (so each source's bits are
+    its own) and feed no other such field."""
+    into, taken = set(), set()
+    for column in derived:
+        sources = set(column.sources)
+        same_dtype = all(by_name[s].torch_dtype == column.torch_dtype for s in sources)
+        if column.name not in skip and DERIVATIONS[column.name].parts and same_dtype and not sources & taken:
+            into.add(column.name)
+            taken |= sources
+    return into
 
 
 def runs(rows: np.ndarray) -> list[tuple[int, int]]:

@@ -40,6 +40,12 @@ def _concat(sources: Sequence[np.ndarray], out: np.ndarray) -> None:
     out[:, width:] = responses
 
 
+def _concat_parts(out: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """``out [B, P+R]``'s ``[B, P]`` and ``[B, R]`` column views, where prompts and responses go."""
+    width = shapes[0][0]
+    return [out[:, :width], out[:, width:]]
+
+
 def _positions_shape(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...] | None:
     (mask,) = shapes
     return mask if len(mask) == 2 else None
@@ -68,18 +74,22 @@ def _positions_of_windows(starts: np.ndarray, lengths: np.ndarray, out: np.ndarr
 @dataclass(frozen=True)
 class Derivation:
     """A field built from ``sources``: ``shape`` of the sources' shapes (``None``: they do not
-    fit), ``write(sources, out)`` fills ``out`` (numpy integers, the field's dtype); and, for a
-    field of one source that is ones in one window a row and 0 elsewhere (a mask stored as its
-    windows alone), ``of_windows(starts, lengths, out)`` writes the same from those windows."""
+    fit), ``write(sources, out)`` fills ``out`` (numpy integers, the field's dtype); for a field
+    of one source that is ones in one window a row and 0 elsewhere (a mask stored as its windows
+    alone), ``of_windows(starts, lengths, out)`` writes the same from those windows; and for a
+    field that is its sources side by side, ``parts(out, source_shapes)`` gives the views of
+    ``out`` its sources are, so that a fetch decodes them straight into ``out`` (one pass fewer
+    than decoding them apart and writing ``out`` from them: :func:`tandem.dataplane.columns.decode_columns`)."""
 
     sources: tuple[str, ...]
     shape: Callable[[Sequence[tuple[int, ...]]], tuple[int, ...] | None]
     write: Callable[[Sequence[np.ndarray], np.ndarray], None]
     of_windows: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None
+    parts: Callable[[torch.Tensor, Sequence[tuple[int, ...]]], list[torch.Tensor]] | None = None
 
 
 DERIVATIONS: dict[str, Derivation] = {
-    "input_ids": Derivation(("prompts", "responses"), _concat_shape, _concat),
+    "input_ids": Derivation(("prompts", "responses"), _concat_shape, _concat, parts=_concat_parts),
     "position_ids": Derivation(("attention_mask",), _positions_shape, _positions, _positions_of_windows),
 }
 

@@ -91,7 +91,9 @@ def padded_from_windows(
     constant_bits: int | None = None,
 ) -> torch.Tensor:
     """Write ``n`` windows into ``out [n, width, *trailing]`` (allocated, not initialised) and
-    return it.
+    return it. ``out`` is contiguous, or ``[n, width]`` columns of wider contiguous rows (a
+    derived field's part: :func:`tandem.dataplane.derived.Derivation`), whose other columns are
+    left as they are.
 
     Args:
         values: ``[T, *trailing]`` the stored values (wire integers, or a float's bits); unread
@@ -111,9 +113,16 @@ def padded_from_windows(
     lengths = ends - begins
     if lengths.min() < 0 or starts.min() < 0 or (starts + lengths).max() > width:
         raise ValueError(f"windows outside rows of width {width}: the block is corrupt")
-    flat = as_bits(out).reshape(rows * width, *out.shape[2:])
-    flat.fill(fill_bits)
-    for lo, hi, begin in _runs(starts, lengths, begins, width):
+    bits = as_bits(out)
+    bits.fill(fill_bits)
+    if out.is_contiguous():
+        flat, row_step = bits.reshape(rows * width, *out.shape[2:]), width
+    elif out.dim() == 2 and out.stride(1) == 1:  # the rows' elements as one run of the wider rows
+        row_step = out.stride(0)
+        flat = np.lib.stride_tricks.as_strided(bits, ((rows - 1) * row_step + width,), (bits.itemsize,))
+    else:
+        raise ValueError(f"windows go into contiguous rows, got strides {out.stride()} for {tuple(out.shape)}")
+    for lo, hi, begin in _runs(starts, lengths, begins, row_step):
         if hi > lo:
             flat[lo:hi] = values[begin : begin + hi - lo] if constant_bits is None else constant_bits
     return out
@@ -137,8 +146,9 @@ def windows_of_padded(padded: np.ndarray, starts: np.ndarray, offsets: np.ndarra
 
 def _runs(starts: np.ndarray, lengths: np.ndarray, begins: np.ndarray, width: int) -> zip:
     """``(low, high, begin)`` of each run of windows, as Python ints: the windows of ``[n]`` rows
-    (``lengths`` elements from ``begins`` in the values, at ``starts`` in rows of ``width``) span
-    ``[low, high)`` of the flattened rows; a run joins the windows that touch in both."""
+    (``lengths`` elements from ``begins`` in the values, at ``starts`` in rows that begin every
+    ``width`` elements) span ``[low, high)`` of the flattened rows; a run joins the windows that
+    touch in both."""
     rows = len(starts)
     if rows == 0:
         return zip((), (), (), strict=True)

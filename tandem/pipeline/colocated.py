@@ -10,8 +10,9 @@ a :class:`~tandem.dataplane.BatchRef` comes back, with the per-row scalars and r
 (:mod:`tandem.pipeline.stored_rollout`); the padding is trimmed by rewriting the reference. Its
 requests name the prompts' rows (``PromptRows.requests``): the workers read their token ids.
 
-With ``fixed_prompt_width`` (an agent program's run) every draw's rows are laid out at
-``prompt_width`` prompt columns before they are trimmed, stored or not: an episode's prompt may be
+With ``fixed_prompt_width`` (an agent program's run) every draw's rows, and validation's and
+ReMax's greedy episodes, are laid out at ``prompt_width`` prompt columns before they are trimmed,
+stored or not: an episode's prompt may be
 wider than the dataset's (a system prompt the program adds), and a stored draw's width must be
 known before the draw. Both paths then hold the same rows, as the asynchronous replicas' do.
 """
@@ -75,8 +76,7 @@ class ColocatedRollout:
         seeds = [derive_seed(shape.seed, step, draw, i) for i in range(len(samples))]
         if self.keep_in_store:
             return self.generate_to_store(samples, seeds, shape.sampling), {}
-        width = self.prompt_width if self.fixed_prompt_width else None
-        return self.generate(samples, seeds, shape.sampling, None, width), {}
+        return self.generate(samples, seeds, shape.sampling, None), {}
 
     def generate_to_store(
         self, prompts: Batch, seeds: list[int], sampling: SamplingParams, version: int | None = None
@@ -95,20 +95,15 @@ class ColocatedRollout:
         return trim_stored(ref)
 
     def generate(
-        self,
-        prompts: Batch,
-        seeds: list[int],
-        sampling: SamplingParams,
-        version: int | None,
-        prompt_width: int | None = None,
+        self, prompts: Batch, seeds: list[int], sampling: SamplingParams, version: int | None
     ) -> Batch:
         """Responses of each row of ``prompts`` (one request per row, its own seed), laid out at
-        ``prompt_width`` prompt columns (default: the widest of ``prompts``), then trimmed to the
-        longest; the engines always hold the trainer's latest weights, whatever ``version`` asks."""
+        ``prompt_width`` prompt columns with ``fixed_prompt_width`` (else at the widest of
+        ``prompts``), then trimmed to the longest; the engines always hold the trainer's latest
+        weights, whatever ``version`` asks."""
+        width = self.prompt_width if self.fixed_prompt_width else max(len(p) for p in prompts["prompt_ids"])
         out = self.workers.generate_sequences(
-            prompts.assign(non_tensors={"seed": seeds}),
-            sampling=sampling,
-            prompt_width=prompt_width or max(len(p) for p in prompts["prompt_ids"]),
+            prompts.assign(non_tensors={"seed": seeds}), sampling=sampling, prompt_width=width
         )
         return trim_padding(Batch(dict(out.tensors.items()), out.non_tensors), self.pad_id)
 

@@ -185,12 +185,15 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
         """Each row's completion (its ``prompt_ids``, or those of the row its place names, under its
         own ``seed``), alongside any groups in flight, kept in this replica's data-plane store as
         training rows at the run's widths: back only a ``BatchRef`` with the rows' scalars and
-        decoded texts (ReMax's greedy baselines with ``dataplane.enabled``;
-        :meth:`keep_samples_in_store` first)."""
+        decoded texts (ReMax's greedy baselines and validation with ``dataplane.enabled``;
+        :meth:`keep_samples_in_store` first). With agent loops each row is an episode, scored on
+        its conversation (no decoded text)."""
         writer = self.groups.writer
         if not isinstance(writer, GroupBlockWriter):
             raise RuntimeError("keep_samples_in_store() first: this replica keeps no rows in the data plane")
         prompts = read_rows(prompts, self.prompt_reader, self.rank)  # rows named by place: read here
+        if self.agents is not None:
+            return writer.put_rows(self.agents.generate(prompts, sampling, writer.prompt_width, self.rank), False)
         requests = rollout_requests(prompts, prompts["seed"], sampling, f"stored-{self.rank}")
         completions = [f.result() for f in [self.engine.submit(r) for r in requests]]
         raise_failed_requests(completions, f"generation on rollout replica {self.rank}")

@@ -228,8 +228,9 @@ class AsyncRollout:
     ) -> BatchRef:
         """As :meth:`generate` (under weights ``version``, or those the replicas hold), the outputs
         kept in the replicas' blocks (``keep_in_store``): a trimmed ``BatchRef`` of the rows' scalars
-        and texts (ReMax's greedy baselines of stored draws, and validation; the caller releases it)."""
-        assert self.keep_in_store is not None and self.plan.agent is None, "rows kept in the replicas' blocks"
+        and texts (ReMax's greedy baselines of stored draws, and validation; the caller releases it).
+        With agent loops each row is an episode, its conversation among the scalars."""
+        assert self.keep_in_store is not None, "rows kept in the replicas' blocks"
         self._bring_up_to(version)
         return trim_stored(self.replica_set.generate_to_store(prompts, seeds, sampling))
 

@@ -139,6 +139,15 @@ def decode_responses(tokenizer, responses: torch.Tensor, lengths: torch.Tensor) 
     ]
 
 
+def decode_sampled(tokenizer, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    """The text of each row's sampled tokens: ``responses [B, R]`` where ``response_mask [B, R]`` is
+    set (an agent episode's tool and user turns left out), special tokens dropped."""
+    return [
+        tokenizer.decode(row[mask.bool()].tolist(), skip_special_tokens=True)
+        for row, mask in zip(responses, response_mask, strict=True)
+    ]
+
+
 SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids")
 ROUTING_FIELDS = ("routed_experts",)  # [B, S, L, k]: padded along dim 1 like input_ids, with -1
 PER_SEQUENCE_2D_FIELDS = ("reward_components",)  # [B, K]: never resized, whatever K is

@@ -405,11 +405,11 @@ class RLTrainer:
         (:mod:`tandem.rl.validation`); the first prompts' responses go to ``val_samples.jsonl``."""
         assert self.val_data is not None
         rollout = self.config.rollout
-        scored = scored_validation(self)  # stored on the ranks or replicas with the data plane
+        scored, texts = scored_validation(self)  # stored on the ranks or replicas with the data plane
         if self.config.agent.enabled:  # the validation episodes' tool calls are not the next step's
             self.rollout.agent_tool_totals()
         metrics = validation_metrics(scored, rollout.val_n)
-        samples = validation_samples(scored, self.val_data, self.tokenizer, rollout.val_n)
+        samples = validation_samples(scored, texts, self.val_data, self.tokenizer, rollout.val_n)
         append_val_samples(self.output_dir, self.step, samples)
         return metrics
 

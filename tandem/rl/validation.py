@@ -6,9 +6,12 @@ so do the validation responses (:func:`scored_validation`): the request names ea
 in the validation file (the ranks or replicas read its ids and images), the responses are put into
 the generating ranks' or replicas' blocks, scored on the texts decoded there, and only the per-row
 scalars (source, score, accuracy, length, text) reach the controller, which then releases the
-blocks. Agent episodes, a source without ``generate_to_store`` and the off path go the ``Batch`` way:
-the prompts collated here, the generated sequences returned here and scored. Both give the same
-metrics and samples (``tests/rl/test_dataplane_validation.py``).
+blocks. Agent episodes are scored on their conversations, which come back with the scalars as in
+training; the few responses ``val_samples.jsonl`` logs are decoded by a trainer rank that reads
+their tokens (``response_texts``). A source without ``generate_to_store`` and the off path go the
+``Batch`` way: the prompts collated here, the generated sequences returned here and scored. Both
+give the same metrics and samples (``tests/rl/test_dataplane_validation.py``; agent episodes:
+``tests/pipeline/test_agent_validation_stored.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from tandem.data.images import decode_image
 from tandem.dataplane import BatchRef
 from tandem.pipeline.stored_rollout import RESPONSE_TEXT
 from tandem.protocol import Batch
-from tandem.protocol.sequences import response_lengths
+from tandem.protocol.sequences import decode_sampled, response_lengths
 from tandem.report.samples import thumbnail_url
 from tandem.rl.data import RLDataset
 from tandem.rl.row_fields import SEQUENCE_SCORE
@@ -44,36 +47,47 @@ def validation_seeds(count: int, val_n: int, run_seed: int) -> list[int]:
 
 
 def stores_validation(trainer: Any) -> bool:
-    """Whether ``trainer``'s validation responses stay in the data plane: its draws do, its batch
-    source keeps generations (``generate_to_store``) and the rows are not agent episodes (they come
-    back as a ``Batch``, as their greedy baselines do: a logged sample decodes an episode's model
-    tokens, which the stored scalars do not carry)."""
-    config = trainer.config
+    """Whether ``trainer``'s validation responses stay in the data plane: its draws do and its
+    batch source keeps generations (``generate_to_store``: agent episodes too)."""
     keeps = getattr(trainer.rollout, "generate_to_store", None) is not None
     has_images = any(sample.images for sample in trainer.train_data.samples)
-    return keeps and not config.agent.enabled and rollout_stays_in_store(config, has_images, trainer.plan)
+    return keeps and rollout_stays_in_store(trainer.config, has_images, trainer.plan)
 
 
-def scored_validation(trainer: Any) -> Batch:
+def logged_rows(rows: int, val_n: int) -> list[int]:
+    """The rows whose responses ``val_samples.jsonl`` keeps: the first response of each of the first
+    :data:`VAL_SAMPLES_LOGGED` prompts of ``rows`` validation rows (``val_n`` a prompt)."""
+    return [prompt * val_n for prompt in range(min(VAL_SAMPLES_LOGGED, rows // val_n))]
+
+
+def scored_validation(trainer: Any) -> tuple[Batch, list[str]]:
     """``trainer``'s validation rows scored (:meth:`RLTrainer.score`): a ``Batch`` with every
     generated field, or, where :func:`stores_validation`, the stored responses' per-row scalars
-    (the blocks released once scored; see the module docstring)."""
+    (the blocks released once scored; see the module docstring); and the texts of the
+    :func:`logged_rows`' responses."""
     config, rollout = trainer.config, trainer.config.rollout
     count = validation_count(trainer.val_data, config.data.val_max_samples)
     seeds = validation_seeds(count, rollout.val_n, config.trainer.seed)
     if not stores_validation(trainer):
         prompts = trainer.val_data.collate(list(range(count))).repeat(rollout.val_n, interleave=True)
         generated = trainer.generate(prompts, seeds, rollout.val_temperature, validation=True)
-        return trainer.score(generated, training=False)[0]
+        scored = trainer.score(generated, training=False)[0]
+        texts = [response_text(scored, row, trainer.tokenizer) for row in logged_rows(len(scored), rollout.val_n)]
+        return scored, texts
     requests = trainer.val_data.requests(list(range(count))).repeat(rollout.val_n, interleave=True)
     sampling = rollout.sampling(rollout.val_temperature, validation=True)
     stored = trainer.rollout.generate_to_store(requests, seeds, sampling, version=trainer.step)
     try:
         scored, _ = trainer.score(stored, training=False)
+        assert isinstance(scored, BatchRef)
+        rows = logged_rows(len(scored), rollout.val_n)
+        if RESPONSE_TEXT in scored:  # decoded where generated
+            texts = [scored[RESPONSE_TEXT][row] for row in rows]
+        else:  # agent episodes (scored on their conversations): their sampled tokens decoded by a rank
+            texts = list(trainer.workers.response_texts(scored[rows])[RESPONSE_TEXT]) if rows else []
     finally:
         trainer.workers.release_refs(stored)
-    assert isinstance(scored, BatchRef)
-    return scored.scalars
+    return scored.scalars, texts
 
 
 def row_scores(scored: Batch) -> torch.Tensor:
@@ -99,19 +113,19 @@ def validation_metrics(scored: Batch, val_n: int) -> dict[str, float]:
 
 
 def validation_samples(
-    scored: Batch, val_data: RLDataset, tokenizer: Any, val_n: int
+    scored: Batch, texts: list[str], val_data: RLDataset, tokenizer: Any, val_n: int
 ) -> list[dict[str, Any]]:
-    """The first :data:`VAL_SAMPLES_LOGGED` validation prompts' first responses, with their
-    pictures as thumbnails and an agent program's log (``agent_program_log``: its fault, a
+    """The :func:`logged_rows` of the scored validation rows, their responses' ``texts`` beside, with
+    their pictures as thumbnails and an agent program's log (``agent_program_log``: its fault, a
     command's output): the rows of the run's ``val_samples.jsonl`` (the report shows them)."""
     samples, scores = [], row_scores(scored)
-    for prompt in range(min(VAL_SAMPLES_LOGGED, len(scored) // val_n)):
-        row = prompt * val_n
+    for row, text in zip(logged_rows(len(scored), val_n), texts, strict=True):
+        prompt = row // val_n
         pictures = val_data.samples[prompt].images
         samples.append(
             {
                 "prompt": tokenizer.decode(val_data.samples[prompt].prompt_ids, skip_special_tokens=True),
-                "response": response_text(scored, row, tokenizer),
+                "response": text,
                 "score": float(scores[row]),
                 "ground_truth": str(scored["ground_truth"][row]),
                 "images": [thumbnail_url(decode_image(raw)) for raw in pictures.encoded] if pictures else [],
@@ -128,5 +142,4 @@ def response_text(scored: Batch, row: int, tokenizer: Any) -> str:
     sampled tokens (``response_mask``) decoded here, special tokens dropped either way."""
     if RESPONSE_TEXT in scored:
         return scored[RESPONSE_TEXT][row]
-    mask = scored["response_mask"][row].bool()
-    return tokenizer.decode(scored["responses"][row][mask], skip_special_tokens=True)
+    return decode_sampled(tokenizer, scored["responses"][row : row + 1], scored["response_mask"][row : row + 1])[0]

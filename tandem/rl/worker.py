@@ -38,10 +38,10 @@ from tandem.engine.vision_inputs import stored_image_layout
 from tandem.models.loading import check_vocab_compatible, load_tokenizer
 from tandem.models.vision import ImagePrompter
 from tandem.pipeline.requests import rollout_requests, with_completions
-from tandem.pipeline.stored_rollout import store_rollout
+from tandem.pipeline.stored_rollout import RESPONSE_TEXT, store_rollout
 from tandem.protocol import Batch
 from tandem.protocol.generation import raise_failed_requests
-from tandem.protocol.sequences import response_part
+from tandem.protocol.sequences import decode_sampled, response_part
 from tandem.rl.actor_loss import make_actor_loss
 from tandem.rl.config import TrainConfig
 from tandem.rl.data.prompt_rows import RankPrompts
@@ -191,6 +191,12 @@ class ActorRolloutRefWorker(DatasetStepRanks, SendsWeights, ProfilesCalls, Worke
         engine = self.engine
         images = stored_image_layout(engine.causal_lm, prompt_width) if engine.vision_language else None
         return store_rollout(out, self._tandem_data_store(), self.tokenizer, images=images)
+
+    @register(dispatch="DP_COMPUTE", reads=("responses", "response_mask"))
+    def response_texts(self, batch: Batch) -> Batch:
+        """``response_text``: each row's sampled tokens decoded here, where its tokens are read (the
+        validation samples of stored agent episodes, whose scalars carry no text)."""
+        return Batch({}, {RESPONSE_TEXT: decode_sampled(self.tokenizer, batch["responses"], batch["response_mask"])})
 
     def _single_turn(self, prompts: Batch, sampling: SamplingParams, prompt_width: int) -> Batch:
         completions = self.rollout.generate_batch(

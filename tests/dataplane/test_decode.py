@@ -104,6 +104,22 @@ def test_decode_equals_the_per_row_reference_for_every_dtype(dtype, trailing, tm
     store.release(block)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.float32, torch.bfloat16], ids=str)
+def test_decode_into_columns_of_wider_rows_leaves_the_other_columns(dtype):
+    """A derived field's part (``input_ids``' prompt or response columns): the view decoded into
+    equals the reference, and the columns either side of it keep what they held."""
+    tensor = random_jagged(dtype)
+    column, arrays = encode_field("field", tensor)
+    for rows in ROW_SETS:
+        expected = reference_decode(column, arrays, rows)
+        wider = random_values(dtype, (len(rows), 5 + tensor.shape[1] + 2), torch.Generator().manual_seed(1))
+        before = wider.clone()
+        view = wider[:, 5 : 5 + tensor.shape[1]]
+        decode_field(column, {k: as_bits(v) for k, v in arrays.items()}, np.array(rows, dtype=np.int64), view)
+        assert torch.equal(bits(wider[:, 5:-2]), bits(expected)), rows
+        assert torch.equal(bits(wider[:, :5]), bits(before[:, :5])) and torch.equal(bits(wider[:, -2:]), bits(before[:, -2:]))
+
+
 def test_the_ray_engine_decodes_like_the_reference(ray_cluster):
     """Through a real Ray store: the same-node read (views of the object store) and, run as a
     Ray task as another node's reader would, the gather; 2-D, trailing and dense fields at once."""

@@ -86,6 +86,15 @@ def test_a_field_unlike_its_derivation_is_stored_and_round_trips(tmp_path, chang
     round_trips(ShmStore(str(tmp_path)), {k: fields[k] for k in (*BENCH_READS, "prompts")})
 
 
+def test_ids_of_narrower_sources_are_derived_and_built_apart(tmp_path):
+    """Prompts and responses of int32 under int64 ids: ``input_ids`` still derives from them, and a
+    fetch builds it from their own outputs (their bits are not the ids' columns)."""
+    fields = dict(protocol_rows(rows=7, prompt=10, response=14))
+    fields["prompts"], fields["responses"] = fields["prompts"].int(), fields["responses"].int()
+    assert {c.name: c for c in encode(fields)[0]}["input_ids"].sources == ("prompts", "responses")
+    round_trips(ShmStore(str(tmp_path)), {k: fields[k] for k in ("input_ids", "prompts", "responses")})
+
+
 def test_a_mask_whose_edges_are_mostly_ones_is_stored_as_its_windows_of_ones(tmp_path):
     """Full rows make 1 the edges' most common value (the fill the windows are cut by); a row
     padded on both sides then breaks windows of zeros, so the mask is cut by 0 instead."""

@@ -91,9 +91,12 @@ def _val_samples(result) -> list[dict]:
     return [json.loads(line) for line in (result.output_dir / "val_samples.jsonl").read_text().splitlines()]
 
 
-def _assert_validation_stays_stored(today: ValidationRecorder, refs: ValidationRecorder, blocks: int) -> None:
+def _assert_validation_stays_stored(
+    today: ValidationRecorder, refs: ValidationRecorder, blocks: int, rank_here_reads: tuple[str, ...] = ()
+) -> None:
     """Today's validations returned every generated sequence; the data plane's returned references
-    to ``blocks`` blocks (one a rank or replica), asked for by place, and moved no stored byte."""
+    to ``blocks`` blocks (one a rank or replica), asked for by place, and moved no stored byte
+    (``rank_here_reads``: but for these fields, which a trainer rank in this process reads)."""
     assert len(today.scored) == len(refs.scored) == 2  # before the first step and after the last
     assert all(isinstance(s, Batch) and "responses" in s for s in today.scored)
     for scored, batch, requests in zip(refs.scored, today.scored, refs.requests, strict=True):
@@ -103,7 +106,8 @@ def _assert_validation_stays_stored(today: ValidationRecorder, refs: ValidationR
         assert PROMPT_PLACE in requests.keys() and "prompt_ids" not in requests.keys()
         assert list(scored["index"]) == list(batch["index"])
     for used in refs.used:  # nothing put or fetched here
-        assert used.put_bytes == used.fetched_bytes == 0
+        assert used.put_bytes == 0 and set(used.fetched_by_field) <= set(rank_here_reads)
+        assert used.fetched_bytes == 0 or rank_here_reads
     assert refs.left == [[], []]  # every block released once scored
     assert not _files_of(refs.pids)
 

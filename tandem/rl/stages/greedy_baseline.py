@@ -54,11 +54,11 @@ def greedy_scores(trainer: Any, indices: list[int], stored: bool) -> torch.Tenso
     """``[G]`` float32: the score of the greedy response to each training prompt of ``indices``;
     with ``stored`` (and a source that keeps generations) the request names the prompts' places
     (the ranks or replicas read them: :meth:`RLDataset.requests`), the responses stay where they
-    were generated and are released once scored; agent episodes' greedy episodes come back as a
-    ``Batch``, as validation's do."""
+    were generated and are released once scored (agent episodes too, scored on their
+    conversations)."""
     source, seeds, sampling = trainer.rollout, [0] * len(indices), trainer.config.rollout.sampling(0.0)
     keeps = getattr(source, "generate_to_store", None)
-    if not stored or keeps is None or trainer.config.agent.enabled:  # greedy episodes: a Batch
+    if not stored or keeps is None:
         greedy = source.generate(trainer.train_data.collate(indices), seeds, sampling, None)
         return trainer.score(greedy, training=False)[0]["token_level_scores"].sum(-1)
     greedy = keeps(trainer.train_data.requests(indices), seeds, sampling)
