@@ -32,11 +32,15 @@ def _agent_run(files, out, tmp_path, *overrides):
 
 @pytest.mark.parametrize(
     ("mode", "overrides"),
-    [("sync", ("pipeline.mode=sync", "trainer.n_workers=2", "trainer.seed=5")), ("one_step_off", (*TWO_CORES, *MODES["one_step_off"]))],
+    [
+        ("sync", ("pipeline.mode=sync", "trainer.n_workers=2", "trainer.seed=5")),
+        ("one_step_off", (*TWO_CORES, *MODES["one_step_off"])),
+        pytest.param("fully_async", (*TWO_CORES, *MODES["fully_async"]), marks=pytest.mark.slow),  # the same replica path
+    ],
 )
 def test_agent_validation_episodes_stay_stored_and_score_like_todays_path(val_files, tmp_path, mode, overrides):
-    """``sync`` over two worker processes (metrics bit for bit), ``one_step_off`` with one replica
-    (to float32 rounding: its episodes run side by side)."""
+    """``sync`` over two worker processes (metrics bit for bit), ``one_step_off`` (slow:
+    ``fully_async``) with one replica (to float32 rounding: its episodes run side by side)."""
     off, today = _agent_run(val_files, tmp_path / "off", tmp_path, "dataplane.enabled=false", *overrides)
     on, refs = _agent_run(val_files, tmp_path / "on", tmp_path, *overrides)
     if mode == "sync":
