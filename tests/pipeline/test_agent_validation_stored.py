@@ -1,16 +1,18 @@
-"""Agent runs' validation and ReMax's greedy episodes with ``dataplane.enabled``: each validation episode's rows stay where the
-episode ran (a ``sync`` rank, an asynchronous replica), as the training episodes' do; the
-controller gets the scalars and the conversations, scores the episodes on them, and has the few
-logged responses decoded by a trainer rank that reads their tokens (``response_texts``). Against the
-``Batch`` path (every episode's sequences returned to the controller): the same validation metrics
-and the same ``val_samples.jsonl`` (a logged response is its model turns' tokens, the interaction's
-turns left out), nothing put or fetched by the controller, every block released.
+"""Agent runs' validation and ReMax's greedy episodes with ``dataplane.enabled``: each episode's
+rows stay where it ran (a ``sync`` rank, an asynchronous replica), as the training episodes' do;
+the controller gets the scalars and the conversations, scores the episodes on them, and has the
+few logged validation responses decoded by a trainer rank that reads their tokens
+(``response_texts``). Against the ``Batch`` path (every episode's sequences returned to the
+controller): the same metrics and the same ``val_samples.jsonl`` (a logged response is its model
+turns' tokens, the interaction's turns left out), nothing put or fetched by the controller, every
+block released.
 """
 
 import pytest
 
 from tandem.dataplane import BatchRef
 from tandem.protocol import Batch
+from tandem.rl.validation import logged_rows
 from tests.pipeline.test_async_agents_stored import INTERACTION
 from tests.pipeline.test_async_dataplane import MODES, TWO_CORES
 from tests.pipeline.test_async_greedy_stored import _comparable
@@ -60,9 +62,8 @@ def test_agent_validation_episodes_stay_stored_and_score_like_todays_path(val_fi
         _assert_validation_stays_stored(today, refs, blocks=2)
     else:  # the trainer's rank is this process: it reads the logged rows' responses, those alone
         _assert_validation_stays_stored(today, refs, blocks=1, rank_here_reads=("responses", "response_mask"))
-        logged = sum(int(s.scalars["response_length"][[0, 2, 4, 6]].sum()) for s in refs.scored)
+        logged = sum(int(s.scalars["response_length"][logged_rows(len(s), 2)].sum()) for s in refs.scored)
         assert sum(used.fetched_bytes for used in refs.used) <= 4 * logged  # int32 ids at most
-
 
 
 def test_an_agent_programs_validation_is_laid_out_as_its_draws(val_files, tmp_path):
