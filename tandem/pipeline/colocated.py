@@ -12,9 +12,8 @@ requests name the prompts' rows (``PromptRows.requests``): the workers read thei
 
 With ``fixed_prompt_width`` (an agent program's run) every draw's rows, and validation's and
 ReMax's greedy episodes, are laid out at ``prompt_width`` prompt columns before they are trimmed,
-stored or not: an episode's prompt may be
-wider than the dataset's (a system prompt the program adds), and a stored draw's width must be
-known before the draw. Both paths then hold the same rows, as the asynchronous replicas' do.
+stored or not: an episode's prompt may be wider than the dataset's (a system prompt the program
+adds), and a stored draw's width must be known before the draw. Both paths then hold the same rows, as the asynchronous replicas' do.
 """
 
 from __future__ import annotations

@@ -193,7 +193,8 @@ class RolloutReplicaWorker(ProfilesCalls, Worker):
             raise RuntimeError("keep_samples_in_store() first: this replica keeps no rows in the data plane")
         prompts = read_rows(prompts, self.prompt_reader, self.rank)  # rows named by place: read here
         if self.agents is not None:
-            return writer.put_rows(self.agents.generate(prompts, sampling, writer.prompt_width, self.rank), False)
+            episodes = self.agents.generate(prompts, sampling, writer.prompt_width, self.rank)
+            return writer.put_rows(episodes, decode=False)
         requests = rollout_requests(prompts, prompts["seed"], sampling, f"stored-{self.rank}")
         completions = [f.result() for f in [self.engine.submit(r) for r in requests]]
         raise_failed_requests(completions, f"generation on rollout replica {self.rank}")

@@ -16,6 +16,7 @@ give the same metrics and samples (``tests/rl/test_dataplane_validation.py``; ag
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,22 +73,29 @@ def scored_validation(trainer: Any) -> tuple[Batch, list[str]]:
         prompts = trainer.val_data.collate(list(range(count))).repeat(rollout.val_n, interleave=True)
         generated = trainer.generate(prompts, seeds, rollout.val_temperature, validation=True)
         scored = trainer.score(generated, training=False)[0]
-        texts = [response_text(scored, row, trainer.tokenizer) for row in logged_rows(len(scored), rollout.val_n)]
-        return scored, texts
+        rows = logged_rows(len(scored), rollout.val_n)
+        return scored, logged_texts(
+            scored, rows, lambda: decode_sampled(trainer.tokenizer, scored["responses"][rows], scored["response_mask"][rows])
+        )
     requests = trainer.val_data.requests(list(range(count))).repeat(rollout.val_n, interleave=True)
     sampling = rollout.sampling(rollout.val_temperature, validation=True)
     stored = trainer.rollout.generate_to_store(requests, seeds, sampling, version=trainer.step)
     try:
         scored, _ = trainer.score(stored, training=False)
         assert isinstance(scored, BatchRef)
-        rows = logged_rows(len(scored), rollout.val_n)
-        if RESPONSE_TEXT in scored:  # decoded where generated
-            texts = [scored[RESPONSE_TEXT][row] for row in rows]
-        else:  # agent episodes (scored on their conversations): their sampled tokens decoded by a rank
-            texts = list(trainer.workers.response_texts(scored[rows])[RESPONSE_TEXT]) if rows else []
+        rows = logged_rows(len(scored), rollout.val_n)  # agent episodes' decoded by a rank that reads them
+        texts = logged_texts(scored, rows, lambda: list(trainer.workers.response_texts(scored[rows])[RESPONSE_TEXT]))
     finally:
         trainer.workers.release_refs(stored)
     return scored.scalars, texts
+
+
+def logged_texts(scored: Batch | BatchRef, rows: list[int], decode: Callable[[], list[str]]) -> list[str]:
+    """The texts of ``rows``' responses: decoded where they were generated (``response_text``),
+    else ``decode()`` (their sampled tokens, special tokens dropped: an agent episode's model turns)."""
+    if not rows:
+        return []
+    return [scored[RESPONSE_TEXT][row] for row in rows] if RESPONSE_TEXT in scored else decode()
 
 
 def row_scores(scored: Batch) -> torch.Tensor:
@@ -136,10 +144,3 @@ def validation_samples(
         )
     return samples
 
-
-def response_text(scored: Batch, row: int, tokenizer: Any) -> str:
-    """Row ``row``'s response as text: decoded where it was generated (stored rows), else its
-    sampled tokens (``response_mask``) decoded here, special tokens dropped either way."""
-    if RESPONSE_TEXT in scored:
-        return scored[RESPONSE_TEXT][row]
-    return decode_sampled(tokenizer, scored["responses"][row : row + 1], scored["response_mask"][row : row + 1])[0]
