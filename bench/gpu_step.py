@@ -46,6 +46,7 @@ import torch
 from phase_profile import profile_phase
 
 from tandem.algos import LossNormalizer, PolicyLossConfig
+from tandem.device import bind_device
 from tandem.engine import EngineConfig, TorchTrainEngine
 from tandem.engine.varlen_attention import ROUTES
 from tandem.kernels.cuda.varlen import installed_varlen_kernel
@@ -311,9 +312,7 @@ def measure_offload(engine: TorchTrainEngine, device: torch.device) -> dict:
 
 def main() -> None:
     args = parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = bind_device(args.device)  # "cuda" resolves to an indexed device, made current
     print(
         f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, device {device}"
     )
@@ -339,15 +338,22 @@ def main() -> None:
         "decode_batch": len(prompts),
         "varlen_kernel_installed": kernel.provider if kernel else "none",
     }
+    report(results, results, args.json)
     generation, completions = measure_generation(args, model, tokenizer, device, prompts)
-    results.update(generation)
+    report(generation, results, args.json)
     del model  # the rollout's bf16 copy; the trainer loads its own fp32 master weights
     trainer_model = build_model(args, tokenizer)
-    results.update(measure_update(args, trainer_model, device, prompts, completions, tokenizer.pad_token_id))
-    for name, value in results.items():
-        print(f"{name}: {value:.4g}" if isinstance(value, float) else f"{name}: {value}")
-    if args.json:
-        with open(args.json, "w") as file:
+    report(measure_update(args, trainer_model, device, prompts, completions, tokenizer.pad_token_id), results, args.json)
+
+
+def report(new: dict, results: dict, json_path: str | None) -> None:
+    """Print ``new`` figures and rewrite the JSON with everything so far, phase by phase: a run
+    stopped by its time limit (a device call's) keeps the phases it measured."""
+    results.update(new)
+    for name, value in new.items():
+        print(f"{name}: {value:.4g}" if isinstance(value, float) else f"{name}: {value}", flush=True)
+    if json_path:
+        with open(json_path, "w") as file:
             json.dump(results, file, indent=2)
 
 

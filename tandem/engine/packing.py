@@ -176,11 +176,14 @@ def pack_sequences(
 
 
 def unpack(values: torch.Tensor, packed: PackedSequences, fill: float = 0.0) -> torch.Tensor:
-    """Scatter per-token ``values [T]`` (or ``[1, T, ...]``) back to the padded ``[B, S, ...]`` layout."""
+    """Scatter per-token ``values [T]`` (or ``[1, T, ...]``) back to the padded ``[B, S, ...]`` layout.
+
+    ``packed`` may stay on the CPU (where it was built) while ``values`` are on the model's
+    device: its indices follow the values."""
     trailing = values.shape[2:] if values.dim() > 1 else ()
     values = values.reshape(-1, *trailing)
     if packed.token_index is not None:
-        values = values.index_select(0, packed.token_index)
+        values = values.index_select(0, packed.token_index.to(values.device))
     batch, length = packed.padded_shape
     out = values.new_full((batch * length, *trailing), fill)
     return out.index_put((packed.flat_index,), values).reshape(batch, length, *trailing)

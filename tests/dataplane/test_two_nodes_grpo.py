@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+pytest.importorskip("ray")  # the run scripts import it at module level
+
 from tests.conftest import ROOT
 from tests.dataplane import two_nodes_cluster
 from tests.dataplane.two_nodes_grpo_run import FULLY_ASYNC, STEPS

@@ -171,7 +171,11 @@ def test_offloading_in_the_colocated_loop_on_cuda_saves_generation_memory_and_ch
     parameters = sum(p.numel() for p in load_model(rl_files["model"]).parameters())
     saved_gb = plain[1]["perf/max_memory_allocated_gb/gen"] - offloaded[1]["perf/max_memory_allocated_gb/gen"]
     shards = gpus if strategy == "fsdp2" else 1  # FSDP2 shards the actor and the reference
-    assert saved_gb >= 0.9 * (12 * parameters + 4 * parameters) / shards / 1e9
+    peaks = {  # in the message: on an H200 the offloaded run's peak was 89 MB above the plain one's
+        run: {k: v for k, v in history[1].items() if k.startswith("perf/max_memory_allocated_gb/")}
+        for run, history in (("plain", plain), ("offloaded", offloaded))
+    }
+    assert saved_gb >= 0.9 * (12 * parameters + 4 * parameters) / shards / 1e9, (parameters, peaks)
     for a, b in zip(plain, offloaded, strict=True):
         for name in (
             "critic/score/mean",

@@ -20,8 +20,17 @@ from tests.engine.test_shared_prompts import PROMPT_WIDTH, grouped_batch, output
 pytestmark = pytest.mark.gpu
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
 @pytest.mark.parametrize("share", [False, True])
 def test_the_varlen_kernel_equals_bucketed_sdpa_on_cuda(share):
+    """Both bf16 routes against bucketed SDPA on the same inputs in fp32: the kernel's error
+    (output and each gradient, as a norm relative to the reference's) is at most twice the
+    bf16 SDPA route's, with a floor of bf16's rounding. Elementwise bf16 tolerances fail on a
+    few gradient entries where the two backward passes sum in different orders (seen on an
+    H200: 10 of 49,152 entries off by up to 0.375, each within a few bf16 steps)."""
     kernel = installed_varlen_kernel()
     if kernel is None:
         pytest.skip("neither flash-attn nor torch.nn.attention.varlen is installed")
@@ -38,18 +47,19 @@ def test_the_varlen_kernel_equals_bucketed_sdpa_on_cuda(share):
     assert varlen_kernel_for(inputs[0], 0.0, 0.125) is kernel
     weights = torch.randn(1, tokens, 8, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
     results = []
-    for run in (
-        lambda q, k, v: varlen_kernel_attention(kernel, q, k, v, plan.varlen, 0.125, 0.0),
-        lambda q, k, v: bucketed_attention(q, k, v, plan, 0.125, 0.0),
+    for run, dtype in (
+        (lambda q, k, v: varlen_kernel_attention(kernel, q, k, v, plan.varlen, 0.125, 0.0), torch.bfloat16),
+        (lambda q, k, v: bucketed_attention(q, k, v, plan, 0.125, 0.0), torch.bfloat16),
+        (lambda q, k, v: bucketed_attention(q, k, v, plan, 0.125, 0.0), torch.float32),
     ):
-        leaves = [t.clone().requires_grad_() for t in inputs]
+        leaves = [t.to(dtype, copy=True).requires_grad_() for t in inputs]
         out = run(*leaves)
         (out.float() * weights.float()).sum().backward()
-        results.append((out.float(), [t.grad.float() for t in leaves]))
-    (flash_out, flash_grads), (sdpa_out, sdpa_grads) = results
-    torch.testing.assert_close(flash_out, sdpa_out, atol=2e-2, rtol=2e-2)
-    for got, want in zip(flash_grads, sdpa_grads, strict=True):
-        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+        results.append([out.float(), *(t.grad.float() for t in leaves)])
+    flash, sdpa, reference = results
+    for name, got, bf16_sdpa, want in zip(("out", "dq", "dk", "dv"), flash, sdpa, reference, strict=True):
+        bound = max(2 * relative_error(bf16_sdpa, want), 2.0**-8)
+        assert relative_error(got, want) <= bound, (name, relative_error(got, want), bound)
 
 
 def test_half_head_logits_equal_the_upcast_fp32_head():
@@ -72,7 +82,7 @@ def test_the_bf16_log_prob_head_on_cuda_equals_the_cpu_computation():
     upstream = torch.randn(300, generator=gen)
     results = []
     for device in ("cpu", "cuda"):
-        leaves = [t.to(device).requires_grad_() for t in (hidden, weight)]
+        leaves = [t.to(device, copy=True).requires_grad_() for t in (hidden, weight)]  # fresh leaves
         out = log_probs_from_hidden(*leaves, labels.to(device), 1.0, 64, head_dtype="bfloat16")
         (out.log_probs * upstream.to(device) + 0.1 * out.entropy).sum().backward()
         results.append([t.detach().cpu() for t in (out.log_probs, out.entropy, *(leaf.grad for leaf in leaves))])
