@@ -23,6 +23,11 @@ CPU time too (on a shared machine the clock also counts the time other jobs held
     python bench/data_plane.py [--rows 32] [--width 512] [--workers 2] [--repeats 21]
                                [--fetch-rows 256] [--fetch-width 4096] [--no-ray-fetch] [--two-nodes]
     python bench/data_plane.py --big-step [--step-rows 22000] [--step-width 4096] [--today-scale 8]
+    python bench/data_plane.py --routing 48,8 [--rows 8 --width 128]
+
+``--routing LAYERS,TOPK`` adds an MoE rollout's recorded experts to the step (``routed_experts
+[B, S, LAYERS, TOPK]`` int16, -1 on padding, as routing replay's forward reads them) and prints the
+step table only.
 
 ``--big-step`` runs only a real SFT step whose batch is >= 2 GB on today's path, with the data
 plane on, and prints the controller's peak RSS beside today's (:mod:`data_plane_big_step`).
@@ -58,11 +63,18 @@ from tandem.protocol import Batch  # noqa: E402
 from tandem.protocol.traffic import batch_traffic  # noqa: E402
 
 READS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+ROUTED_READS = (*READS, "routed_experts")  # --routing: an MoE rollout's recorded experts too
 PAD = 0
+EXPERTS = 128  # Qwen3-30B-A3B's routed experts per layer
 
 
-def rollout_rows(seeds: list[int], prompt_width: int, response_width: int) -> Batch:
-    """Left-padded prompts and right-padded responses of random lengths, in today's int64 layout."""
+def rollout_rows(
+    seeds: list[int], prompt_width: int, response_width: int, routing: tuple[int, int] | None = None
+) -> Batch:
+    """Left-padded prompts and right-padded responses of random lengths, in today's int64 layout;
+    with ``routing = (layers, top_k)`` also ``routed_experts [B, S, layers, top_k]`` int16 (the
+    rollout's layout, tandem.protocol.sequences): an expert id per token, layer and choice, -1 on
+    padding."""
     rows = len(seeds)
     prompts = torch.full((rows, prompt_width), PAD, dtype=torch.int64)
     responses = torch.full((rows, response_width), PAD, dtype=torch.int64)
@@ -75,21 +87,26 @@ def rollout_rows(seeds: list[int], prompt_width: int, response_width: int) -> Ba
     input_ids = torch.cat([prompts, responses], dim=1)
     attention_mask = (input_ids != PAD).long()
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    return Batch(
-        {
-            "prompts": prompts,
-            "responses": responses,
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-            "response_mask": attention_mask[:, prompt_width:].clone(),
-        }
-    )
+    fields = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "response_mask": attention_mask[:, prompt_width:].clone(),
+    }
+    if routing is not None:
+        gen = torch.Generator().manual_seed(seeds[0] if seeds else 0)
+        experts = torch.randint(0, EXPERTS, (rows, input_ids.shape[1], *routing), generator=gen, dtype=torch.int16)
+        fields["routed_experts"] = experts.masked_fill(~attention_mask.bool()[:, :, None, None], -1)
+    return Batch(fields)
 
 
 class BenchWorker(Worker):
-    def _generate(self, prompts: Batch, prompt_width: int, response_width: int) -> Batch:
-        return rollout_rows([int(s) for s in prompts["seed"]], prompt_width, response_width)
+    def _generate(
+        self, prompts: Batch, prompt_width: int, response_width: int, routing: tuple[int, int] | None = None
+    ) -> Batch:
+        return rollout_rows([int(s) for s in prompts["seed"]], prompt_width, response_width, routing)
 
     def _forward(self, batch: Batch) -> Batch:
         width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
@@ -97,12 +114,12 @@ class BenchWorker(Worker):
         return Batch({"old_log_probs": -(ids % 97).float() / 97 * batch["response_mask"]})
 
     @register(dispatch="DP_COMPUTE")
-    def generate(self, prompts: Batch, *, prompt_width: int, response_width: int) -> Batch:
-        return self._generate(prompts, prompt_width, response_width)
+    def generate(self, prompts: Batch, *, prompt_width: int, response_width: int, routing=None) -> Batch:
+        return self._generate(prompts, prompt_width, response_width, routing)
 
     @register(dispatch="DP_COMPUTE", reads=("seed",), outputs="ref")
-    def generate_kept(self, prompts: Batch, *, prompt_width: int, response_width: int) -> Batch:
-        return self._generate(prompts, prompt_width, response_width)
+    def generate_kept(self, prompts: Batch, *, prompt_width: int, response_width: int, routing=None) -> Batch:
+        return self._generate(prompts, prompt_width, response_width, routing)
 
     @register(dispatch="DP_COMPUTE")
     def forward(self, batch: Batch) -> Batch:
@@ -110,6 +127,11 @@ class BenchWorker(Worker):
 
     @register(dispatch="DP_COMPUTE", reads=READS, outputs="ref")
     def forward_kept(self, batch: Batch) -> Batch:
+        return self._forward(batch)
+
+    @register(dispatch="DP_COMPUTE", reads=ROUTED_READS, outputs="ref")
+    def forward_kept_routed(self, batch: Batch) -> Batch:
+        """:meth:`forward_kept` reading the recorded experts too (routing replay's forward)."""
         return self._forward(batch)
 
     @register(dispatch="ONE_TO_ALL")
@@ -190,7 +212,8 @@ def step(group, prompts, widths: dict, use_refs: bool) -> tuple[float, int, floa
         before_ranks = group.data_traffic()
         start = time.perf_counter()
         generated = group.generate_kept(BatchRef(prompts, (), {}), **widths)
-        outputs = group.forward_kept(generated)
+        forward = group.forward_kept_routed if widths.get("routing") else group.forward_kept
+        outputs = forward(generated)
         seconds = time.perf_counter() - start
         after_ranks = group.data_traffic()
         wire = sum(
@@ -203,7 +226,8 @@ def step(group, prompts, widths: dict, use_refs: bool) -> tuple[float, int, floa
         generated = group.generate(prompts, **widths)
         outputs = group.forward(generated)
         seconds = time.perf_counter() - start
-        wire = sum(t.numel() * t.element_size() for t in generated.select(list(READS)).tensors.values())
+        reads = ROUTED_READS if widths.get("routing") else READS
+        wire = sum(t.numel() * t.element_size() for t in generated.select(list(reads)).tensors.values())
         del generated, outputs
     return seconds, (batch_traffic() - before).total, peak_rss_mb(), wire
 
@@ -218,6 +242,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=21, help="fetches (and copies) timed per rank")
     parser.add_argument("--fetch-rows", type=int, default=256, help="rows of the fetch-throughput batch")
     parser.add_argument("--fetch-width", type=int, default=4096, help="its prompt + response width")
+    parser.add_argument("--routing", type=lambda text: tuple(int(v) for v in text.split(",")), default=None,
+                        metavar="LAYERS,TOPK", help="the stages also write and read an MoE rollout's recorded experts "
+                        "(routed_experts [B, S, LAYERS, TOPK] int16; Qwen3-30B-A3B: 48,8); the step table only")  # fmt: skip
     parser.add_argument("--no-ray-fetch", dest="ray_fetch", action="store_false",
                         help="skip the Ray engine's fetch measure (it starts a local Ray cluster)")  # fmt: skip
     parser.add_argument("--two-nodes", action="store_true",
@@ -256,7 +283,7 @@ def main() -> None:
         results = {}
         for use_refs in (True, False):  # references first: today's freed batches would raise the RSS floor
             for rows, width in sizes:
-                widths = {"prompt_width": width // 4, "response_width": width - width // 4}
+                widths = {"prompt_width": width // 4, "response_width": width - width // 4, "routing": args.routing}
                 prompts = Batch(non_tensors={"seed": list(range(rows))})
                 step(group, prompts, widths, use_refs)  # warm-up (probes, first files)
                 results[use_refs, rows] = step(group, prompts, widths, use_refs)
@@ -268,10 +295,11 @@ def main() -> None:
                 f"{f'{rows} x {width}':>14} | {today[1]:>13,} {refs[1]:>13,} | {today[2]:>11.0f} {refs[2]:>12.0f} "
                 f"| {today[3] / real:>12.1f} {refs[3] / real:>13.1f} | {today[0]:>6.2f} {refs[0]:>6.2f}"
             )
-        fetch_throughput(group, args, "shm")
+        if args.routing is None:
+            fetch_throughput(group, args, "shm")
     finally:
         group.shutdown()
-    if args.ray_fetch:
+    if args.ray_fetch and args.routing is None:
         fetch_on_ray(args)
 
 
