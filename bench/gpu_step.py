@@ -343,7 +343,8 @@ def main() -> None:
     report(generation, results, args.json)
     del model  # the rollout's bf16 copy; the trainer loads its own fp32 master weights
     trainer_model = build_model(args, tokenizer)
-    report(measure_update(args, trainer_model, device, prompts, completions, tokenizer.pad_token_id), results, args.json)
+    update = measure_update(args, trainer_model, device, prompts, completions, tokenizer.pad_token_id)
+    report(update, results, args.json)
 
 
 def report(new: dict, results: dict, json_path: str | None) -> None:
