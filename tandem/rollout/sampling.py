@@ -26,19 +26,21 @@ NEG_INF = float("-inf")
 
 def processed_logits(
     logits: torch.Tensor,
-    temperature: torch.Tensor,
+    temperature: torch.Tensor | None,
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
 ) -> torch.Tensor:
     """Apply temperature, then top-k, then top-p; removed tokens get ``-inf``.
 
-    Shapes: ``logits [B, V]`` fp32, ``temperature [B]`` (0 means greedy: treated as 1 here),
-    ``top_k [B]`` (0: off for that row; ``None``: off for all), ``top_p [B]`` (1: off for that
-    row; ``None``: off for all) -> ``[B, V]``. A row's result never depends on the other rows'
-    settings, and nothing is read back from the device.
+    Shapes: ``logits [B, V]`` fp32, ``temperature [B]`` (0 means greedy: treated as 1 here;
+    ``None``: 1 for all, and ``logits`` are not divided: ``x / 1`` is ``x``), ``top_k [B]`` (0:
+    off for that row; ``None``: off for all), ``top_p [B]`` (1: off for that row; ``None``: off
+    for all) -> ``[B, V]``. A row's result never depends on the other rows' settings, and
+    nothing is read back from the device.
     """
-    scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    logits = logits / scale.unsqueeze(-1)
+    if temperature is not None:
+        scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+        logits = logits / scale.unsqueeze(-1)
     if top_k is None and top_p is None:
         return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
@@ -114,7 +116,7 @@ def counter_uniforms(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 
 
 def draw_tokens(
-    processed: torch.Tensor, greedy: torch.Tensor, uniforms: torch.Tensor
+    processed: torch.Tensor, greedy: torch.Tensor | None, uniforms: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from ``softmax(processed)`` by inverting its CDF at ``uniforms``, or argmax.
 
@@ -124,16 +126,19 @@ def draw_tokens(
     so the last kept token is the furthest it can reach. One uniform per row, so the cost is
     a softmax, a cumulative sum and a search over the vocabulary (Gumbel-max would need a
     random number per vocabulary entry: ~8x slower at a 150k vocabulary on CPU).
-    Shapes: ``processed [B, V]``, ``greedy [B]`` bool, ``uniforms [B]`` float64 in (0, 1) ->
-    tokens ``[B]`` int64 and ``[B]`` bool: the sampled rows whose probabilities are not finite
-    (their token is meaningless; :func:`check_finite` names them).
+    Shapes: ``processed [B, V]``, ``greedy [B]`` bool (``None``: no row is greedy, and no
+    argmax is taken), ``uniforms [B]`` float64 in (0, 1) -> tokens ``[B]`` int64 and ``[B]``
+    bool: the sampled rows whose probabilities are not finite (their token is meaningless;
+    :func:`check_finite` names them).
     """
-    cdf = torch.softmax(processed, dim=-1).double().cumsum(dim=-1)  # [B, V]
+    cdf = torch.softmax(processed, dim=-1).double().cumsum_(dim=-1)  # [B, V]; one fp64 buffer, not two
     total = cdf[:, -1:]
-    broken = ~torch.isfinite(total.squeeze(-1)) & ~greedy
+    broken = ~torch.isfinite(total.squeeze(-1))
     target = torch.minimum(uniforms.unsqueeze(-1) * total, torch.nextafter(total, torch.zeros_like(total)))
     sampled = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=processed.shape[-1] - 1)
-    return torch.where(greedy, torch.argmax(processed, dim=-1), sampled), broken
+    if greedy is None:
+        return sampled, broken
+    return torch.where(greedy, torch.argmax(processed, dim=-1), sampled), broken & ~greedy
 
 
 def check_finite(broken_rows: Sequence[int]) -> None:
@@ -169,12 +174,16 @@ def draw_step(
     """Process, sample and score one step: row ``i`` under ``params[i]`` with the counter
     stream ``(seeds[i], steps[i])``. ``logits [B, V]`` fp32 on any device.
 
-    Truncation is skipped entirely when no row asks for it (known from ``params``), and the
-    tokens, their log-probs and the finiteness check come back in one transfer. Raises
-    ``ValueError`` naming the rows whose probabilities are not finite.
+    What no row asks for is skipped (known from ``params``): the division by temperatures that
+    are all 1 (or 0: greedy), truncation, the argmax of greedy rows. The tokens, their log-probs
+    and the finiteness check come back in one transfer. Raises ``ValueError`` naming the rows
+    whose probabilities are not finite.
     """
     device = logits.device
-    temperature = host_tensor([p.temperature for p in params], torch.float32, device)
+    temperatures = [p.temperature for p in params]
+    scaled = any(t not in (0.0, 1.0) for t in temperatures)
+    temperature = host_tensor(temperatures, torch.float32, device) if scaled else None
+    greedy = host_tensor([t == 0 for t in temperatures], torch.bool, device) if 0.0 in temperatures else None
     top_k = top_p = None
     if any(p.top_k > 0 for p in params):
         top_k = host_tensor([p.top_k for p in params], torch.long, device)
@@ -185,7 +194,7 @@ def draw_step(
         host_tensor(seeds, torch.int64, device),
         host_tensor(steps, torch.int64, device),
     )
-    tokens, broken = draw_tokens(processed, temperature == 0, uniforms)
+    tokens, broken = draw_tokens(processed, greedy, uniforms)
     picked = tokens.unsqueeze(-1)
     log_probs = torch.log_softmax(processed, -1).gather(-1, picked).squeeze(-1)
     raw_rows = [p.logprobs_mode == "raw" for p in params]

@@ -45,6 +45,25 @@ def test_draw_step_equals_each_row_drawn_alone(rows):
         assert draws.log_probs[i] == pytest.approx(log_prob, abs=1e-6), i
 
 
+@pytest.mark.parametrize(
+    "temperatures",
+    [(1.0, 1.0, 1.0, 1.0), (0.0, 1.0, 0.0, 1.0), (0.0, 0.0, 0.0, 0.0)],
+    ids=["all-one", "ones-and-greedy", "all-greedy"],
+)
+def test_a_step_that_skips_the_division_and_the_argmax_draws_as_each_row_alone(temperatures):
+    """Temperatures of 1 and 0 only: the step divides nothing and, without greedy rows, takes
+    no argmax; the rows alone (divided by their temperature, argmax taken) draw the same."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(len(temperatures), 1031, generator=gen) * 4
+    params = [SamplingParams(temperature=t, top_p=0.95 if i == 1 else 1.0) for i, t in enumerate(temperatures)]
+    seeds, steps = [11, 12, 13, 14], [0, 1, 2, 3]
+    draws = draw_step(logits, params, seeds, steps)
+    for i in range(len(params)):
+        token, log_prob = one_row(logits[i : i + 1], params[i], seeds[i], steps[i])
+        assert draws.tokens[i] == token, i
+        assert draws.log_probs[i] == pytest.approx(log_prob, abs=1e-6), i
+
+
 def test_a_row_without_top_p_keeps_its_whole_tail_beside_rows_that_truncate():
     """Rows at top_p=1 keep every token even when another row truncates (rounding of the
     cumulative mass near 1 removes nothing)."""
