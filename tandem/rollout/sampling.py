@@ -174,8 +174,9 @@ def draw_step(
     """Process, sample and score one step: row ``i`` under ``params[i]`` with the counter
     stream ``(seeds[i], steps[i])``. ``logits [B, V]`` fp32 on any device.
 
-    What no row asks for is skipped (known from ``params``): the division by temperatures that
-    are all 1 (or 0: greedy), truncation, the argmax of greedy rows. The tokens, their log-probs
+    What no row asks for is skipped (known from ``params``): the division when every
+    temperature is 1 (or 0: greedy), the sort when no row truncates, the argmax when no row is
+    greedy. The tokens, their log-probs
     and the finiteness check come back in one transfer. Raises ``ValueError`` naming the rows
     whose probabilities are not finite.
     """
