@@ -36,11 +36,11 @@ def check_step(engine: TorchTrainEngine, batch: Batch, loss_fn: LossFn | None, f
         raise ValueError(f"input_ids hold token id {largest}, but the model's vocabulary has {vocab} entries")
     mesh = engine.mesh
     if engine.sequence_parallel is not None:
-        engine.sequence_parallel.check_same_rows(batch["input_ids"])
+        engine.sequence_parallel.check_same_rows(batch["input_ids"], engine.device)
     if mesh.tp_size > 1:  # a rank handed other rows would mix them into its peers' sums
         check_same_rows(
             batch["input_ids"], mesh.tp_group, mesh.tp_size, "tensor-parallel",
-            "compute each layer of the rows they share together",
+            "compute each layer of the rows they share together", engine.device,
         )  # fmt: skip
 
 

@@ -123,11 +123,11 @@ class SequenceParallel:
         start, end = self.bounds(tensor.shape[dim])
         return tensor.narrow(dim, start, end - start)
 
-    def check_same_rows(self, input_ids: torch.Tensor) -> None:
+    def check_same_rows(self, input_ids: torch.Tensor, device: torch.device) -> None:
         """Raise ``ValueError`` on every rank unless every rank of the group was handed the same
         ``input_ids [B, S]``: a group splits rows that its ranks share, so they must be
-        dispatched by data-parallel rank."""
-        check_same_rows(input_ids, self.group, self.size, "sequence-parallel", "split the rows they share")
+        dispatched by data-parallel rank. ``device``: the one the group's collectives run on."""
+        check_same_rows(input_ids, self.group, self.size, "sequence-parallel", "split the rows they share", device)
 
     def split_predictions(self, predictions: Predictions, total: int) -> tuple[Predictions, torch.Tensor]:
         """The predictions whose source hidden state this rank holds, sources counted from its
@@ -148,13 +148,18 @@ class SequenceParallel:
         return gather_sequence(tensor, self.group, dim=1)
 
 
-def check_same_rows(input_ids: torch.Tensor, group: ProcessGroup, size: int, kind: str, why: str) -> None:
+def check_same_rows(
+    input_ids: torch.Tensor, group: ProcessGroup, size: int, kind: str, why: str, device: torch.device
+) -> None:
     """Raise ``ValueError`` on every rank unless every one of the ``size`` ranks of ``group`` (a
     ``kind`` group, whose ranks ``why``) was handed the same ``input_ids [B, S]``, compared by
-    shape and two checksums (one small all-gather)."""
+    shape and two checksums (one small all-gather). The checksums are taken where ``input_ids``
+    are (the CPU, before the engine moves the batch) and gathered on ``device``, the group's
+    (NCCL's groups take no CPU tensors)."""
     ids = input_ids.to(torch.int64).flatten()
     weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64, device=ids.device) % 65521
-    mine = torch.stack([*torch.tensor(input_ids.shape).to(ids.device), ids.sum(), (ids * weights).sum()])
+    shape = torch.tensor(input_ids.shape, device=ids.device)
+    mine = torch.stack([*shape, ids.sum(), (ids * weights).sum()]).to(device)
     seen = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(seen, mine, group=group)
     if any(not torch.equal(other, seen[0]) for other in seen[1:]):
