@@ -4,7 +4,8 @@ the work it skips forced back in, side by side in one run.
 ``draw_step`` knows each row's settings on the host. When every temperature is 1 or 0 it divides
 nothing (``x / 1`` is ``x``); without greedy rows it takes no argmax; without top-k/top-p it sorts
 nothing. The baseline draws the same rows through the sampler's pieces with a temperature tensor
-of ones and a greedy mask of zeros, so it divides and takes the argmax, as every step did before.
+of ones and a greedy mask of zeros, so it divides and takes the argmax, as every step did before
+(both build the CDF in place, which the previous code did not: docs/benchmarks.md has that A/B too).
 Both give the same tokens and log-probs (checked here). The step table prints the milliseconds
 per step (medians, the two alternating) and their ratio, for shapes of SmolLM2 (vocabulary
 49,152) and Qwen2.5 (151,936), on one thread with the tuned allocator, as the native engine runs.

@@ -176,9 +176,8 @@ def draw_step(
 
     What no row asks for is skipped (known from ``params``): the division when every
     temperature is 1 (or 0: greedy), the sort when no row truncates, the argmax when no row is
-    greedy. The tokens, their log-probs
-    and the finiteness check come back in one transfer. Raises ``ValueError`` naming the rows
-    whose probabilities are not finite.
+    greedy. The tokens, their log-probs and the finiteness check come back in one transfer.
+    Raises ``ValueError`` naming the rows whose probabilities are not finite.
     """
     device = logits.device
     temperatures = [p.temperature for p in params]
